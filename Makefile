@@ -1,0 +1,40 @@
+# Set-up and checks. `make demo` and `make test` work on a fresh machine: they create .venv,
+# install the pinned dependencies, build the extension, then run.
+SHELL := /bin/bash
+PYTHON_BOOT ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-stamp
+BUILD_STAMP := $(VENV)/.editable-stamp
+PYTEST_ARGS ?=
+
+.PHONY: build demo test bench cuda-check deepspeed clean
+
+$(DEPS_STAMP): constraints.txt
+	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt \
+	    torch==2.13.0 triton numpy ninja pytest pytest-timeout hypothesis tqdm matplotlib \
+	    safetensors setuptools wheel
+	@touch $@
+
+# The editable install is made once (and again when the build description changes); after that
+# `build_ext --inplace` rebuilds incrementally with ninja, compiling only changed sources.
+$(BUILD_STAMP): $(DEPS_STAMP) setup.py pyproject.toml
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	@touch $@
+
+build: $(BUILD_STAMP)
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m pystronghold info
+
+demo: build
+	$(PY) bench/adam.py --quick
+
+test: build
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: build
+	$(PY) bench/adam.py --json bench/results/adam.json
+
+clean:
+	rm -rf build pystronghold/_C*.so *.egg-info

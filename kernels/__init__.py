@@ -1,0 +1,1 @@
+"""Triton kernels of pystronghold, installed as `pystronghold.kernels`."""

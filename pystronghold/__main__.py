@@ -1,0 +1,3 @@
+from pystronghold.cli import main
+
+raise SystemExit(main())
