@@ -42,7 +42,7 @@ def native() -> ModuleType:
     try:
         _C = importlib.import_module("pystronghold._C")
     except ImportError as exc:
-        missing = "No module named" in str(exc)
+        missing = isinstance(exc, ModuleNotFoundError)
         what = "is not built" if missing else f"failed to load ({exc})"
         raise ExtensionError(f"pystronghold's native extension pystronghold._C {what}; {REBUILD_HINT}.") from exc
     built = _C.build_info()["source_hash"]
