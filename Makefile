@@ -17,10 +17,11 @@ $(DEPS_STAMP): constraints.txt
 	    safetensors setuptools wheel
 	@touch $@
 
-# The editable install is made once (and again when the build description changes); after that
-# `build_ext --inplace` rebuilds incrementally with ninja, compiling only changed sources.
+# The editable install (Python packages only) is made once, and again when the build description
+# changes; `build_ext --inplace` then builds _C incrementally with ninja (only changed sources).
 $(BUILD_STAMP): $(DEPS_STAMP) setup.py pyproject.toml
-	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	PYSTRONGHOLD_NO_EXTENSION=1 $(PY) -m pip install -q --disable-pip-version-check \
+	    --no-build-isolation --no-deps -e .
 	@touch $@
 
 build: $(BUILD_STAMP)

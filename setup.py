@@ -6,6 +6,8 @@ Environment variables (all optional):
   PYSTRONGHOLD_CUDA   auto (default: build CUDA sources only when a CUDA toolkit AND a CUDA build of
                       torch are both present), 1 (force: fail if impossible), 0 (never).
   DEBUG=1             -O0 -g instead of -O3.
+  PYSTRONGHOLD_NO_EXTENSION=1   install the Python packages only (the Makefile makes the editable
+                      install this way, then builds _C in place with ninja so rebuilds are incremental).
 """
 
 import hashlib
@@ -188,7 +190,7 @@ def main():
            if p.is_dir() and (p / "__init__.py").exists()],
         # kernels/ lives at the top of the repository but installs as pystronghold.kernels
         package_dir={"pystronghold.kernels": "kernels"},
-        ext_modules=extensions(),
+        ext_modules=[] if os.environ.get("PYSTRONGHOLD_NO_EXTENSION") == "1" else extensions(),
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
         install_requires=["torch", "numpy", "tqdm"],
         extras_require={"kernels": ["triton"], "plots": ["matplotlib"], "export": ["safetensors"]},
