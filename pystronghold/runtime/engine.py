@@ -302,17 +302,19 @@ class Engine:
             scale = self._unscale()
             coef = 1.0
             if self.config.needs_global_grad:
-                sq = self.updates.norm_total() + self.device_optimizer.sq_norm(scale)
+                total = self._global_grad_norm(scale)
                 if self.scaler is not None:
-                    self.scaler.update(not math.isfinite(sq))
-                    if not math.isfinite(sq):
+                    self.scaler.update(not math.isfinite(total))
+                    if not math.isfinite(total):
                         log.info("fp16 overflow: step skipped for every block; loss scale now %g",
                                  self.scaler.scale)
                         self.skipped_steps += 1
                         self._end_step()
                         return
                 if self.config.clip_grad_norm is not None:
-                    coef = min(1.0, self.config.clip_grad_norm / (math.sqrt(sq) + 1e-6))
+                    # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
+                    coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
+                                             max=1.0))
             for block in range(self.n_blocks):  # 0, 1, 2, ...: the order the next forward loads them
                 self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
             self.device_optimizer.step(hyper, scale * coef)
@@ -320,6 +322,16 @@ class Engine:
                 self.updates.drain()
         self.steps = step
         self._end_step()
+
+    def _global_grad_norm(self, grad_scale: float) -> float:
+        """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order."""
+        norms = self.device_optimizer.grad_norms(grad_scale)
+        for block, per_param in self.updates.block_norms().items():
+            for p, n in zip(self.window.params[block], per_param):
+                norms[id(p)] = n
+        ordered = [norms[id(p)].to(self.device) for p in self.optimizer.param_groups[0]["params"]
+                   if id(p) in norms]
+        return float(torch.linalg.vector_norm(torch.stack(ordered)))
 
     def _end_step(self) -> None:
         self.micro_batches = 0

@@ -83,13 +83,11 @@ class DeviceAdamW:
         self._opt = torch.optim.AdamW(self.masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                       weight_decay=spec.weight_decay, foreach=False) if params else None
 
-    def sq_norm(self, grad_scale: float) -> float:
-        """Sum of squares of the (unscaled) gradients, float64; inf/nan if any is non-finite."""
-        total = 0.0
-        for p in self.params:
-            if p.grad is not None:
-                total += float(p.grad.double().mul(grad_scale).square().sum())
-        return total
+    def grad_norms(self, grad_scale: float) -> dict[int, torch.Tensor]:
+        """fp32 L2 norm of each parameter's gradient x ``grad_scale``, keyed by id(parameter)."""
+        return {id(p): torch.linalg.vector_norm(p.grad.float() * grad_scale if grad_scale != 1.0
+                                                else p.grad.float())
+                for p in self.params if p.grad is not None}
 
     @torch.no_grad()
     def step(self, hyper: dict, grad_scale: float) -> None:

@@ -1,14 +1,21 @@
 """The host side of the optimizer: per-block gradient norms and fused Adam updates on a worker thread.
 
 Every job first waits for the block's gradient copy-out, then works on the host store only, so it
-overlaps the device's compute of other blocks. ``adam_step_`` and ``grad_sq_norm`` release the GIL.
+overlaps the device's compute of other blocks. ``adam_step_`` and torch's reductions release the GIL.
+
+NOTE: gradient norms are per parameter, fp32, ``torch.linalg.vector_norm`` over each parameter's
+view of the flat buffer, then combined exactly as ``torch.nn.utils.clip_grad_norm_`` does; so
+clipping is bit-for-bit the PyTorch one (a float64 flat norm would differ in the last bits, and
+Adam turns last-bit differences of near-zero gradients into visible ones through eps).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pystronghold.optim.functional import adam_step_, grad_sq_norm
+import torch
+
+from pystronghold.optim.functional import adam_step_
 
 __all__ = ["HostUpdates"]
 
@@ -21,15 +28,17 @@ class HostUpdates:
         self.tracer = tracer
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pystronghold-adam")
         self.updates: dict[int, Future] = {}  # block -> its latest update job
-        self.norms: dict[int, Future] = {}  # block -> sum of squares of its gradient
+        self.norms: dict[int, Future] = {}  # block -> per-parameter gradient norms
 
     def submit_norm(self, block: int, grad_handle, grad_scale: float) -> None:
-        """Compute the block's gradient sum of squares (x grad_scale**2) once its copy-out is done."""
-        grad = self.store.tiers["grad"][block]
+        """Per-parameter L2 norms (fp32) of the block's gradient x ``grad_scale``, after its copy-out."""
+        views = self.store.layouts[block].views(self.store.tiers["grad"][block])
 
-        def job() -> float:
+        def job() -> torch.Tensor:
             grad_handle.wait()
-            return grad_sq_norm(grad, grad_scale)
+            with self.tracer.span("norm", block):
+                return torch.stack([torch.linalg.vector_norm(v.float() * grad_scale if grad_scale != 1.0
+                                                             else v.float()) for v in views])
 
         self.norms[block] = self._pool.submit(job)
 
@@ -65,11 +74,11 @@ class HostUpdates:
             return None
         return fut
 
-    def norm_total(self) -> float:
-        """Sum of all blocks' gradient sums of squares (waits for the jobs)."""
-        total = sum(f.result() for f in self.norms.values())
+    def block_norms(self) -> dict[int, torch.Tensor]:
+        """Each block's per-parameter gradient norms (waits for the jobs)."""
+        out = {block: f.result() for block, f in self.norms.items()}
         self.norms.clear()
-        return total
+        return out
 
     def in_flight(self) -> int:
         """Jobs not finished yet."""
