@@ -63,6 +63,8 @@ class Engine:
         self.store = HostStore(layouts, self.dtype, self.backend.host_arena)
         for b, params in enumerate(block_params):
             self.store.fill_from(b, params)
+        # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
+        head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
         move_to_device(model, blocks, self.device, self.dtype)
         self.window = Window(self.backend, layouts, block_params, window, self.dtype)
         self.plans = {train: build_plan(n, window, train) for train in (True, False)}
@@ -70,7 +72,7 @@ class Engine:
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.trace = Tracer(enabled=config.trace)
         self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer)
-        self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer)
+        self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters)
         self.updates = HostUpdates(self.store, self.trace)
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)

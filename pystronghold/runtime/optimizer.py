@@ -76,10 +76,11 @@ class DeviceAdamW:
     parameters are rewritten in compute precision after each update.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], spec: AdamW) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], spec: AdamW, masters: list[torch.Tensor]) -> None:
+        """``masters``: fp32 values of ``params`` taken before they were cast to compute precision."""
         self.params = params
         half = any(p.dtype != torch.float32 for p in params)
-        self.masters = [p.detach().float().clone().requires_grad_(True) for p in params] if half else params
+        self.masters = [m.detach().clone().requires_grad_(True) for m in masters] if half else params
         self._opt = torch.optim.AdamW(self.masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                       weight_decay=spec.weight_decay, foreach=False) if params else None
 
