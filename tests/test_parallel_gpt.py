@@ -84,5 +84,32 @@ def _equal_to_single_process(rank: int, world: int) -> None:
             torch.testing.assert_close(full, ref_params[pname], **TOL, msg=f"{name} trained {pname}")
 
 
-def test_tp2_gpt_equals_single_process():
-    run_ranks(_equal_to_single_process, 2)
+def _replicas_stay_identical_with_dropout(rank: int, world: int) -> None:
+    """With dropout, TP and single process draw different masks, but the TP ranks must stay in step:
+    replicated tensors (norms, row-parallel biases, position embedding) identical on every rank."""
+    g = init_parallel(tp_size=2).tp_group
+    cfg = dataclasses.replace(CONFIGS["untied"], dropout=0.2)
+    torch.manual_seed(3)  # the same seed on every TP rank (the caller's duty)
+    model = GPT(cfg, seed=7, tp_group=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    for _ in range(3):
+        opt.zero_grad()
+        model(idx, torch.roll(idx, -1, dims=1)).backward()
+        opt.step()
+    replicated = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "tp_split")
+                  or p.tp_split[2] == 1]
+    assert any(n == "blocks.0.attn.proj.bias" for n, _ in replicated)
+    for pname, p in replicated:
+        copies = [torch.empty_like(p) for _ in range(2)]
+        torch.distributed.all_gather(copies, p.detach(), group=g)
+        torch.testing.assert_close(copies[0], copies[1], rtol=0, atol=0, msg=pname)
+
+
+def _tp2_checks(rank: int, world: int) -> None:
+    _equal_to_single_process(rank, world)
+    _replicas_stay_identical_with_dropout(rank, world)
+
+
+def test_tp2_gpt_equals_single_process_and_replicas_stay_in_step():
+    run_ranks(_tp2_checks, 2)
