@@ -28,7 +28,7 @@ class CPUBackend:
 
     def __init__(self, arena_bytes: int, *, copy_threads: int = 2, chunk_bytes: int = 8 << 20) -> None:
         self.device = torch.device("cpu")
-        self.arena = HostArena(int(arena_bytes), alignment=4096, pin=False)
+        self.arena = HostArena(int(arena_bytes), alignment=4096, pin="none")
         self.copies = CopyEngine(threads=copy_threads, queues=2, chunk_bytes=chunk_bytes)
 
     # ---- memory
@@ -39,7 +39,7 @@ class CPUBackend:
 
     def host_arena(self, capacity_bytes: int) -> HostArena:
         """A host arena for one store tier."""
-        return HostArena(int(capacity_bytes), alignment=4096, pin=False)
+        return HostArena(int(capacity_bytes), alignment=4096, pin="none")
 
     @property
     def arena_capacity_bytes(self) -> int:
