@@ -183,7 +183,9 @@ class Engine:
             # accumulation: the earlier micro-batches' sum comes back so this one adds to it
             slot = self.window.resident[block]
             n = self.store.layouts[block].numel
-            h = self.backend.h2d(slot.grads[:n], self.store.tiers["grad"][block])
+            # NOTE: after the previous micro-batch's copy-out of this block (another queue/stream)
+            h = self.backend.h2d(slot.grads[:n], self.store.tiers["grad"][block],
+                                 after=[self._grad_out.get(block)])
             self._copies.append(("h2d", block, h))
             with self.span("wait", block):
                 self.backend.compute_wait(h)
