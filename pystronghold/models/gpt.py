@@ -25,7 +25,8 @@ from torch import nn
 from pystronghold.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    gather_from_tp_region, group_size, init_normal_)
 
-__all__ = ["GPTConfig", "GPT", "Head", "Block", "Tail", "CausalSelfAttention", "MLP"]
+__all__ = ["GPTConfig", "GPT", "Head", "Block", "Tail", "CausalSelfAttention", "MLP", "attention",
+           "layer_norm", "lm_loss", "gather_logits"]
 
 
 # ---- config
@@ -103,7 +104,7 @@ class GPTConfig:
         return (self.vocab_size + m - 1) // m * m
 
 
-# ---- the two calls that other backends replace
+# ---- the calls other backends replace (attention, norm, loss)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """Causal scaled-dot-product attention, (B, nh, T, hs) x3 -> (B, nh, T, hs).
