@@ -1,0 +1,295 @@
+"""A GPT (pre-LN decoder-only transformer), laid out for the layer-window runtime.
+
+The model is three parts, which the runtime relies on:
+
+- ``model.head``: token embedding + learned position embedding + dropout. ``idx (B, T) -> x (B, T, C)``
+- ``model.blocks``: an ``nn.ModuleList`` of ``Block``; each maps ``x (B, T, C) -> x (B, T, C)``.
+- ``model.tail``: final LayerNorm + LM head + loss. ``x -> logits (B, T, V)``, or the mean loss
+  when targets are given.
+
+Names used in shape comments: B batch, T sequence, C hidden, nh heads, hs head size (C // nh),
+F MLP width (mlp_ratio * C), V (padded) vocabulary. With tensor parallelism each rank holds
+nh / tp heads and F / tp MLP columns; the shapes below are those of one rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pystronghold.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                   gather_from_tp_region, group_size, init_normal_)
+
+__all__ = ["GPTConfig", "GPT", "Head", "Block", "Tail", "CausalSelfAttention", "MLP", "attention",
+           "layer_norm", "lm_loss", "gather_logits"]
+
+
+# ---- config
+
+@dataclass(kw_only=True, slots=True)
+class GPTConfig:
+    """Shape and regularisation of a GPT. Validated on construction (``ValueError`` naming the field)."""
+
+    vocab_size: int
+    """Number of token ids the model accepts (0 .. vocab_size - 1)."""
+    seq_len: int
+    """Longest sequence (context length) in tokens; size of the position embedding."""
+    layers: int
+    """Number of transformer blocks."""
+    hidden: int
+    """Model width C (embedding and residual stream size)."""
+    heads: int
+    """Attention heads; must divide ``hidden``."""
+    mlp_ratio: int = 4
+    """MLP width as a multiple of ``hidden`` (F = mlp_ratio * hidden)."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention weights and residual branches, in [0, 1)."""
+    bias: bool = True
+    """Whether linear layers and LayerNorms have biases (GPT-2/GPT-3 do)."""
+    tie_embeddings: bool = False
+    """Share the LM head weight with the token embedding (GPT-2 does). The shared weight lives in
+    ``head`` and ``tail``, never in a block."""
+    vocab_pad_multiple: int = 1
+    """Round the embedding/LM-head rows up to a multiple of this (e.g. 128, as Megatron does) so the
+    vocabulary splits evenly across tensor-parallel ranks. Padded logits are dropped before the loss."""
+    norm_eps: float = 1e-5
+    """LayerNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init of weights; residual output projections use
+    init_std / sqrt(2 * layers) (GPT-2)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks the heads, MLP columns and vocabulary are split across."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "layers", "hidden", "heads", "mlp_ratio",
+                     "vocab_pad_multiple", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"GPTConfig.heads={self.heads} must divide hidden={self.hidden}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"GPTConfig.norm_eps must be > 0, got {self.norm_eps!r}")
+        if not self.init_std > 0:
+            raise ValueError(f"GPTConfig.init_std must be > 0, got {self.init_std!r}")
+        if self.heads % self.tp_size:
+            raise ValueError(f"GPTConfig.tp_size={self.tp_size} must divide heads={self.heads}")
+        if self.padded_vocab_size % self.tp_size:
+            raise ValueError(
+                f"GPTConfig.tp_size={self.tp_size} must divide the padded vocabulary "
+                f"{self.padded_vocab_size} (vocab_size={self.vocab_size}, "
+                f"vocab_pad_multiple={self.vocab_pad_multiple}); raise vocab_pad_multiple")
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head, hidden // heads."""
+        return self.hidden // self.heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        """MLP width F = mlp_ratio * hidden."""
+        return self.mlp_ratio * self.hidden
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and LM head: vocab_size rounded up to vocab_pad_multiple."""
+        m = self.vocab_pad_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+
+# ---- the calls other backends replace (attention, norm, loss)
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal scaled-dot-product attention, (B, nh, T, hs) x3 -> (B, nh, T, hs).
+
+    NOTE: the one place attention is computed; pystronghold.nn.functional.attention takes over here.
+    """
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+def layer_norm(hidden: int, eps: float, bias: bool) -> nn.Module:
+    """The LayerNorm module every norm of the model is built with (one place to swap it)."""
+    return nn.LayerNorm(hidden, eps=eps, bias=bias)
+
+
+def gather_logits(logits_shard: torch.Tensor, vocab_size: int,
+                  group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Full logits from this rank's vocabulary shard: (B, T, V_padded / tp) -> (B, T, V)."""
+    logits = gather_from_tp_region(logits_shard, group)  # (B, T, V_padded)
+    return logits[..., :vocab_size]  # (B, T, V): padding rows are never predicted
+
+
+def lm_loss(logits_shard: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+            group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Mean cross-entropy of vocabulary-sharded logits (B, T, V_padded / tp) against targets (B, T);
+    targets of -100 are ignored.
+
+    NOTE: the one place the loss is computed. For now the logits are gathered; the vocab-parallel
+    cross-entropy (pystronghold.nn.functional.vocab_parallel_cross_entropy), which never builds
+    the full (B, T, V) tensor, takes over here (padded columns must then be masked to -inf).
+    """
+    logits = gather_logits(logits_shard, vocab_size, group)  # (B, T, V)
+    return F.cross_entropy(logits.reshape(-1, vocab_size).float(), targets.reshape(-1),
+                           ignore_index=-100)
+
+
+# ---- modules
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused QKV projection.
+
+    NOTE: the QKV weight rows are ordered head-major, (nh, 3, hs), not (3, nh, hs) as in nanoGPT,
+    so that a contiguous slice of rows holds whole heads: tensor parallelism can then split the
+    fused projection by rows and each rank gets its heads' q, k and v.
+    """
+
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.n_head = config.heads // config.tp_size  # heads on this rank
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        C = config.hidden
+        self.qkv = ColumnParallelLinear(C, 3 * C, bias=config.bias, group=tp_group)
+        self.proj = RowParallelLinear(C, C, bias=config.bias, group=tp_group)
+        self.proj.residual_out = True  # scaled init (GPT-2)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, nh * 3 * hs)
+        qkv = qkv.view(B, T, self.n_head, 3, self.head_dim).permute(3, 0, 2, 1, 4)  # (3, B, nh, T, hs)
+        q, k, v = qkv.unbind(0)  # each (B, nh, T, hs)
+        y = attention(q, k, v, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh * hs)
+        return self.resid_drop(self.proj(y))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """Two-layer GeLU MLP, C -> F -> C (fc1 split by columns, fc2 by rows under TP)."""
+
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        C, Fw = config.hidden, config.ffn_hidden
+        self.fc1 = ColumnParallelLinear(C, Fw, bias=config.bias, group=tp_group)
+        self.fc2 = RowParallelLinear(Fw, C, bias=config.bias, group=tp_group)
+        self.fc2.residual_out = True  # scaled init (GPT-2)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))  # (B, T, F)
+        return self.drop(self.fc2(h))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). One tensor in, one out."""
+
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.ln1 = layer_norm(config.hidden, config.norm_eps, config.bias)
+        self.attn = CausalSelfAttention(config, tp_group)
+        self.ln2 = layer_norm(config.hidden, config.norm_eps, config.bias)
+        self.mlp = MLP(config, tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln2(x))  # (B, T, C)
+        return x
+
+
+class Head(nn.Module):
+    """Token + learned position embedding, then dropout: idx (B, T) -> x (B, T, C)."""
+
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.seq_len = config.seq_len
+        self.tok = VocabParallelEmbedding(config.padded_vocab_size, config.hidden, group=tp_group)
+        self.pos = nn.Embedding(config.seq_len, config.hidden)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        if T > self.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than GPTConfig.seq_len={self.seq_len}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        return self.drop(self.tok(idx) + self.pos(pos))  # (B, T, C)
+
+
+class Tail(nn.Module):
+    """Final LayerNorm, LM head and loss: x (B, T, C) -> logits (B, T, V), or the loss with targets."""
+
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.tp_group = tp_group
+        self.ln_f = layer_norm(config.hidden, config.norm_eps, config.bias)
+        # vocabulary-parallel LM head: each rank computes the logits of its vocabulary shard
+        self.lm_head = ColumnParallelLinear(config.hidden, config.padded_vocab_size, bias=False,
+                                            group=tp_group)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits_shard = self.lm_head(self.ln_f(x))  # (B, T, V_padded / tp)
+        if targets is None:
+            return gather_logits(logits_shard, self.vocab_size, self.tp_group)  # (B, T, V)
+        return lm_loss(logits_shard, targets, self.vocab_size, self.tp_group)
+
+
+class GPT(nn.Module):
+    """GPT = head -> blocks -> tail. Weights are a deterministic function of ``seed``.
+
+    Every parameter is drawn from its own generator, seeded from ``seed`` and the parameter's
+    name, so a block's initial weights do not depend on construction order or on which other
+    blocks exist, and a tensor-parallel rank draws the full tensor and keeps its slice: a TP run
+    starts from exactly the single-process weights.
+
+    With ``config.tp_size > 1``, ``tp_group`` (a process group of that many ranks, see
+    ``pystronghold.parallel.init_parallel``) splits heads, MLP columns and the vocabulary.
+    """
+
+    def __init__(self, config: GPTConfig, *, seed: int = 0,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if group_size(tp_group) != config.tp_size:
+            raise ValueError(f"GPTConfig.tp_size={config.tp_size} but the tensor-parallel group "
+                             f"has {group_size(tp_group)} ranks (tp_group={tp_group})")
+        self.config = config
+        self.head = Head(config, tp_group)
+        self.blocks = nn.ModuleList(Block(config, tp_group) for _ in range(config.layers))
+        self.tail = Tail(config, tp_group)
+        if config.tie_embeddings:
+            self.tail.lm_head.weight = self.head.tok.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """(Re)initialise every parameter from ``seed`` (GPT-2 scheme, see GPTConfig.init_std)."""
+        cfg = self.config
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        seen: set[int] = set()  # a tied weight is drawn once, under its first name (the embedding's)
+        for module_name, module in self.named_modules():
+            for name, param in module.named_parameters(prefix=module_name, recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if isinstance(module, nn.LayerNorm):
+                    param.fill_(1.0 if name.endswith("weight") else 0.0)
+                    continue
+                if name.endswith("bias"):
+                    param.zero_()
+                    continue
+                std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
+                init_normal_(param, std, seed, name)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) int64 -> logits (B, T, V), or the mean cross-entropy loss given targets (B, T)."""
+        x = self.head(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        return self.tail(x, targets)
+

@@ -1,0 +1,127 @@
+"""Tensor-parallel (TP) and data-parallel (DP) process groups over the torch.distributed world.
+
+Layout (as Megatron-LM): the TP ranks of one model replica are adjacent, so TP traffic stays
+inside a node. With world = tp * dp, global rank r is TP rank ``r % tp`` of replica ``r // tp``:
+
+    tp groups: [0, 1, .., tp-1], [tp, .., 2tp-1], ...        (one per replica)
+    dp groups: [0, tp, 2tp, ..], [1, tp+1, ..], ...          (one per TP rank)
+
+Sizes are checked on every rank before any group is made, with the same deterministic test, so a
+bad configuration raises the same ValueError everywhere (logged as an error on rank 0) and no rank
+is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelGroups", "init_parallel", "validate_parallel_sizes", "group_size", "group_rank"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelGroups:
+    """This rank's place in the TP x DP grid. Groups are None in a single-process run."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes (tp_size * dp_size)."""
+    tp_size: int
+    """Ranks that split one model replica (heads, MLP columns, vocabulary)."""
+    dp_size: int
+    """Model replicas, each fed a different slice of the batch."""
+    tp_rank: int
+    """This rank's index in its TP group."""
+    dp_rank: int
+    """This rank's index in its DP group (which replica it is)."""
+    tp_group: dist.ProcessGroup | None
+    """The TP group of this rank (None when tp_size == 1 and the world has one process)."""
+    dp_group: dist.ProcessGroup | None
+    """The DP group of this rank (None when the world has one process)."""
+
+
+def validate_parallel_sizes(world_size: int, tp_size: int, dp_size: int | None = None,
+                            heads: int | None = None) -> int:
+    """Check a TP x DP layout and return the DP size (world_size // tp_size when dp_size is None).
+
+    Raises ValueError naming the size that does not fit: tp_size or dp_size below 1, a world
+    size not divisible by tp_size, tp_size * dp_size != world_size, heads not divisible by tp_size.
+    """
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    if world_size % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide the world size {world_size}")
+    if dp_size is None:
+        dp_size = world_size // tp_size
+    if not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+    if tp_size * dp_size != world_size:
+        raise ValueError(f"tp_size={tp_size} x dp_size={dp_size} = {tp_size * dp_size} processes, "
+                         f"but the world size is {world_size}")
+    if heads is not None and heads % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide the number of attention heads {heads}")
+    return dp_size
+
+
+def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, heads: int | None = None,
+                  backend: str | None = None, timeout_s: float = 600.0) -> ParallelGroups:
+    """Make the TP and DP groups, initialising torch.distributed first when needed.
+
+    When the default process group does not exist yet and the environment names a world
+    (``WORLD_SIZE``, as torchrun sets), it is created with ``backend`` (default: nccl when CUDA is
+    available, else gloo) and ``timeout_s`` seconds as the collective timeout, so a rank whose
+    peers died raises instead of waiting forever. Without either, the run is one process.
+    The TP and DP groups get the same ``timeout_s`` whoever created the default group.
+    ``heads`` (optional) is checked for divisibility by ``tp_size`` before any group is made.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=timeout)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    try:
+        dp_size = validate_parallel_sizes(world, tp_size, dp_size, heads)
+    except ValueError as err:
+        if rank == 0:
+            log.error("bad parallel configuration: %s", err)
+        raise
+    if world == 1:
+        return ParallelGroups(rank=0, world_size=1, tp_size=1, dp_size=1, tp_rank=0, dp_rank=0,
+                              tp_group=None, dp_group=None)
+    # NOTE: every rank must create every group, in the same order (torch.distributed.new_group).
+    # A new group does not inherit the default group's timeout (it gets torch's 30 min): pass it.
+    tp_group = dp_group = None
+    for replica in range(dp_size):
+        ranks = list(range(replica * tp_size, (replica + 1) * tp_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            tp_group = group
+    for tp_index in range(tp_size):
+        ranks = list(range(tp_index, world, tp_size))
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            dp_group = group
+    groups = ParallelGroups(rank=rank, world_size=world, tp_size=tp_size, dp_size=dp_size,
+                            tp_rank=rank % tp_size, dp_rank=rank // tp_size,
+                            tp_group=tp_group, dp_group=dp_group)
+    if rank == 0:
+        log.info("parallel layout: world %d = tp %d x dp %d", world, tp_size, dp_size)
+    return groups
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group``; 1 for None (no parallelism)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)

@@ -1,0 +1,170 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocabulary-parallel embedding.
+
+Each layer holds this rank's slice of the full weight, with the same parameter names as the plain
+torch layer (``weight`` (out, in), ``bias``). A split parameter carries ``tp_split = (dim, rank,
+size)``: ``init_normal_`` draws the *full* tensor from a seed and keeps the slice, so a run with any
+TP size starts from exactly the single-process weights, and ``gather_tp_param`` rebuilds the full
+tensor. With ``group=None`` (or a one-rank group) every layer is its plain torch counterpart.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pystronghold.parallel.groups import group_rank, group_size
+from pystronghold.parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
+                                            reduce_from_tp_region, scatter_to_tp_region)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "init_normal_", "gather_tp_param", "mark_tp_split"]
+
+
+# ---- split parameters: init and gather
+
+def mark_tp_split(param: nn.Parameter, dim: int, group: dist.ProcessGroup | None) -> nn.Parameter:
+    """Tag ``param`` as this rank's slice along ``dim`` of a tensor split across ``group``."""
+    param.tp_split = (dim, group_rank(group), group_size(group))
+    return param
+
+
+@torch.no_grad()
+def init_normal_(param: torch.Tensor, std: float, seed: int, name: str) -> torch.Tensor:
+    """Fill ``param`` with N(0, std) from a CPU generator seeded by (``seed``, ``name``).
+
+    For a split parameter (``tp_split``) the full tensor is drawn and this rank's slice kept: the
+    values do not depend on the TP size. Returns ``param``.
+    """
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    shape = list(param.shape)
+    dim, rank, size = getattr(param, "tp_split", (0, 0, 1))
+    shape[dim] *= size
+    full = torch.randn(shape, generator=gen, dtype=torch.float32) * std  # (full shape)
+    param.copy_(full.narrow(dim, rank * param.shape[dim], param.shape[dim]))
+    return param
+
+
+@torch.no_grad()
+def gather_tp_param(param: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full tensor of a split parameter, gathered from every rank of ``group`` (a collective:
+    every rank must call it). Unsplit parameters are returned detached as they are."""
+    dim, _, size = getattr(param, "tp_split", (0, 0, 1))
+    if size == 1:
+        return param.detach()
+    if size != group_size(group):
+        raise ValueError(f"parameter is split {size} ways but the group has {group_size(group)} ranks")
+    local = param.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _local_size(full: int, group: dist.ProcessGroup | None, what: str) -> int:
+    size = group_size(group)
+    if full % size:
+        raise ValueError(f"{what}={full} is not divisible by the tensor-parallel size {size}")
+    return full // size
+
+
+# ---- layers
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A's rows (output features) split across ranks: (..., in) -> (..., out/tp).
+
+    ``gather_output=True`` all-gathers the output to (..., out). ``skip_bias_add=True`` returns
+    ``(y_without_bias, bias_shard)`` so the caller can fuse the bias into its own epilogue (e.g.
+    bias + GeLU); it cannot be combined with ``gather_output``. Init: N(0, init_std), bias zero.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 group: dist.ProcessGroup | None = None, gather_output: bool = False,
+                 skip_bias_add: bool = False, init_std: float = 0.02, seed: int = 0) -> None:
+        super().__init__()
+        if gather_output and skip_bias_add:
+            raise ValueError("ColumnParallelLinear: skip_bias_add returns the bias shard, so the "
+                             "output cannot also be gathered (gather_output=True)")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.gather_output, self.skip_bias_add = group, gather_output, skip_bias_add
+        local_out = _local_size(out_features, group, "out_features")
+        self.weight = mark_tp_split(nn.Parameter(torch.empty(local_out, in_features)), 0, group)
+        self.bias = mark_tp_split(nn.Parameter(torch.zeros(local_out)), 0, group) if bias else None
+        init_normal_(self.weight, init_std, seed, "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        x = copy_to_tp_region(x, self.group)  # (..., in), gradient summed over ranks
+        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)  # (..., out/tp)
+        if self.skip_bias_add:
+            return y, self.bias
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.weight.shape[0]}), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A's columns (input features) split across ranks: (..., in/tp) -> (..., out).
+
+    The input is this rank's slice (``input_is_parallel=True``, the output of a column-parallel
+    layer) or is split here. Partial products are all-reduced; the bias (replicated) is added
+    after the reduction, or returned with ``skip_bias_add=True``. Init: N(0, init_std), bias zero.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 group: dist.ProcessGroup | None = None, input_is_parallel: bool = True,
+                 skip_bias_add: bool = False, init_std: float = 0.02, seed: int = 0) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.input_is_parallel, self.skip_bias_add = group, input_is_parallel, skip_bias_add
+        local_in = _local_size(in_features, group, "in_features")
+        self.weight = mark_tp_split(nn.Parameter(torch.empty(out_features, local_in)), 1, group)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        init_normal_(self.weight, init_std, seed, "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)  # (..., in/tp)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)  # (..., out), summed
+        if self.skip_bias_add:
+            return y, self.bias
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (vocabulary entries) are split across ranks: idx (...) -> (..., dim).
+
+    Rank r holds ids [r * n/tp, (r+1) * n/tp); it looks up the ids it holds, writes zeros for the
+    others, and the all-reduce sums the one non-zero contribution per token. Init: N(0, init_std).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 group: dist.ProcessGroup | None = None, init_std: float = 0.02, seed: int = 0) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        local = _local_size(num_embeddings, group, "num_embeddings")
+        self.vocab_start = group_rank(group) * local
+        self.vocab_end = self.vocab_start + local
+        self.weight = mark_tp_split(nn.Parameter(torch.empty(local, embedding_dim)), 0, group)
+        init_normal_(self.weight, init_std, seed, "weight")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:
+            return F.embedding(idx, self.weight)
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)  # (...)
+        local_idx = (idx - self.vocab_start).masked_fill(outside, 0)  # (...)
+        out = F.embedding(local_idx, self.weight)  # (..., dim)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # ids held by other ranks
+        return reduce_from_tp_region(out, self.group)  # (..., dim)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"local rows [{self.vocab_start}, {self.vocab_end})")

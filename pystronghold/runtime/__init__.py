@@ -1,0 +1,1 @@
+"""The layer-window runtime: store, window, schedule, engine."""

@@ -1,0 +1,71 @@
+"""Find a model's stack of transformer blocks, so ``wrap(model)`` works without ``blocks=``.
+
+The stack is an ``nn.ModuleList`` whose attribute name is one of ``STACK_NAMES`` and which sits at
+the top of the model or up to two levels down, as in the layouts people have:
+
+- ``model.blocks`` (nanoGPT-style, pystronghold's GPT), ``model.layers``, ``model.h``
+- ``transformer.h`` (GPT-2), ``model.layers`` (Llama, Mistral), ``gpt_neox.layers`` (Pythia),
+  ``encoder.layer`` (BERT), ``model.decoder.layers`` (OPT), ``transformer.blocks`` (MPT)
+
+A ModuleList inside another ModuleList (sub-layers of one block) is never a candidate. Exactly one
+candidate must exist: none, or more than one (an encoder-decoder model, say), raises ValueError
+asking the caller to pass ``blocks=`` explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+__all__ = ["find_blocks", "STACK_NAMES", "MAX_DEPTH"]
+
+log = logging.getLogger(__name__)
+
+STACK_NAMES = ("blocks", "layers", "h", "layer", "block")
+"""Attribute names a block stack goes by."""
+MAX_DEPTH = 3
+"""Deepest dotted path searched: ``blocks`` is depth 1, ``model.decoder.layers`` depth 3."""
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Return ``(qualified_name, stack)`` of the one block stack in ``model``.
+
+    Raises ValueError when no non-empty candidate exists or when several do.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"find_blocks expects an nn.Module, got {type(model).__name__}")
+    candidates = _candidates(model)
+    if not candidates:
+        raise ValueError(
+            f"no block stack found in {type(model).__name__}: looked for a non-empty nn.ModuleList "
+            f"named one of {', '.join(STACK_NAMES)} within {MAX_DEPTH} levels of the model; "
+            "pass blocks=<your ModuleList> explicitly")
+    if len(candidates) > 1:
+        listed = ", ".join(f"{name} ({len(stack)} modules)" for name, stack in candidates)
+        raise ValueError(
+            f"ambiguous block stack in {type(model).__name__}: found {listed}; "
+            "pass blocks=<the ModuleList to window> explicitly")
+    name, stack = candidates[0]
+    log.info("found the block stack: %s.%s, %d x %s", type(model).__name__, name, len(stack),
+             type(stack[0]).__name__)
+    return name, stack
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    found: list[tuple[str, nn.ModuleList]] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, prefix: str, depth: int) -> None:
+        for child_name, child in module.named_children():
+            path = f"{prefix}{child_name}"
+            if isinstance(child, nn.ModuleList):
+                if child_name in STACK_NAMES and len(child) > 0 and id(child) not in seen:
+                    seen.add(id(child))
+                    found.append((path, child))
+                continue  # never look inside a ModuleList: its lists are parts of one block
+            if depth < MAX_DEPTH:
+                visit(child, path + ".", depth + 1)
+
+    visit(model, "", 1)
+    return found

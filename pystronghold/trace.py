@@ -1,0 +1,294 @@
+"""Timeline of the runtime's actions: record, export as Chrome-trace JSON, summarise.
+
+Every scheduled action (a block's compute, a copy, an optimizer update, a stall) is one event with
+a kind, the block it concerns, start and end times in seconds (``time.monotonic()``) and the bytes
+it moved. Events are grouped into *lanes* for display (one row per lane in Perfetto /
+chrome://tracing) and for busy-time accounting.
+
+Kinds the runtime uses, and their lanes:
+
+============================================  ===========
+kind                                          lane
+============================================  ===========
+compute_fwd, compute_bwd, recompute           compute
+h2d                                           h2d
+d2h                                           d2h
+optimizer, norm (host gradient-norm pass)     optimizer
+file_read, file_write                         file_io
+wait (compute waiting on a copy: a stall)     stall
+============================================  ===========
+
+Any other kind is accepted and gets a lane of its own name unless ``lane=`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["Tracer", "TraceEvent", "TraceSummary", "COMPUTE_KINDS", "BACKGROUND_KINDS",
+           "TRANSFER_KINDS", "LANE_OF_KIND"]
+
+COMPUTE_KINDS = frozenset({"compute_fwd", "compute_bwd", "recompute"})
+"""Kinds that are accelerator compute."""
+TRANSFER_KINDS = frozenset({"h2d", "d2h", "file_read", "file_write"})
+"""Kinds that move bytes; each gets a bandwidth in the summary."""
+BACKGROUND_KINDS = TRANSFER_KINDS | {"optimizer", "norm"}
+"""Kinds the runtime tries to hide behind compute (the numerator set of the overlap fraction)."""
+LANE_OF_KIND = {
+    "compute_fwd": "compute", "compute_bwd": "compute", "recompute": "compute",
+    "h2d": "h2d", "d2h": "d2h", "optimizer": "optimizer", "norm": "optimizer",
+    "file_read": "file_io", "file_write": "file_io", "wait": "stall",
+}
+"""Default lane of each known kind."""
+_LANE_ORDER = ("compute", "h2d", "d2h", "optimizer", "file_io", "stall")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEvent:
+    """One recorded action."""
+
+    kind: str
+    """What happened, e.g. "h2d" (see the module docstring)."""
+    block: int | None
+    """Index of the block it concerns; None for head/tail or whole-step actions."""
+    start_s: float
+    """Start, seconds on the ``time.monotonic()`` clock."""
+    end_s: float
+    """End, seconds on the same clock (>= start_s)."""
+    nbytes: int
+    """Bytes moved (0 for compute and waits)."""
+    lane: str
+    """Display row and busy-time group."""
+
+    @property
+    def duration_s(self) -> float:
+        """end_s - start_s, in seconds."""
+        return self.end_s - self.start_s
+
+
+@dataclass(slots=True)
+class TraceSummary:
+    """What a trace says about a run. Times in seconds, bandwidth in GB/s (1 GB = 1e9 bytes)."""
+
+    events: int
+    """Number of events summarised."""
+    wall_s: float
+    """From the earliest start to the latest end of all events."""
+    busy_s: dict[str, float] = field(default_factory=dict)
+    """Per lane: length of the union of its events' intervals (concurrent events counted once)."""
+    time_s: dict[str, float] = field(default_factory=dict)
+    """Per kind: sum of event durations (concurrent events each counted)."""
+    overlap_fraction: float | None = None
+    """Fraction of background time that ran while compute ran: with X the union of the intervals of
+    the background kinds (h2d, d2h, optimizer, norm, file_read, file_write) and K the union of the
+    compute intervals (compute_fwd, compute_bwd, recompute), overlap = |X intersect K| / |X|. 1.0 means
+    every transfer and host update was hidden behind compute. None when there is no background
+    time (nothing to hide)."""
+    stall_s: float = 0.0
+    """Sum of the durations of "wait" events: time compute sat waiting for data."""
+    bytes: dict[str, int] = field(default_factory=dict)
+    """Per transfer kind present (h2d, d2h, file_read, file_write): total bytes moved."""
+    gbps: dict[str, float] = field(default_factory=dict)
+    """Per transfer kind: bytes / (union of that kind's intervals) / 1e9, i.e. the achieved
+    bandwidth while that kind of copy was in flight (concurrent copies share the time)."""
+
+    def line(self) -> str:
+        """One-line human summary, e.g. for a training log."""
+        overlap = "-" if self.overlap_fraction is None else f"{100 * self.overlap_fraction:.1f}%"
+        rates = " ".join(f"{k}={v:.2f}GB/s" for k, v in sorted(self.gbps.items()))
+        return (f"wall={self.wall_s * 1e3:.2f}ms overlap={overlap} stall={self.stall_s * 1e3:.2f}ms "
+                f"{rates}").rstrip()
+
+
+class Tracer:
+    """Thread-safe recorder of runtime events.
+
+    ``enabled=False`` makes ``record`` and ``span`` do nothing (not even the profiler range), so
+    the runtime can leave its calls in place at no cost.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._events: list[TraceEvent] = []
+        self._lock = threading.Lock()
+
+    # ---- recording
+
+    def record(self, kind: str, block: int | None, start_s: float, end_s: float,
+               nbytes: int = 0, lane: str | None = None) -> None:
+        """Record an action that ran from ``start_s`` to ``end_s`` (seconds, ``time.monotonic()``).
+
+        ``nbytes`` is the bytes it moved; ``lane`` overrides the default lane of ``kind``.
+        Raises ValueError for an empty kind, end before start, or negative bytes.
+        """
+        if not self.enabled:
+            return
+        if not kind:
+            raise ValueError("Tracer.record: kind must be a non-empty string")
+        if end_s < start_s:
+            raise ValueError(f"Tracer.record: end_s={end_s} is before start_s={start_s} ({kind})")
+        if nbytes < 0:
+            raise ValueError(f"Tracer.record: nbytes must be >= 0, got {nbytes} ({kind})")
+        event = TraceEvent(kind, block, float(start_s), float(end_s), int(nbytes),
+                           lane or LANE_OF_KIND.get(kind, kind))
+        with self._lock:
+            self._events.append(event)
+
+    @contextlib.contextmanager
+    def span(self, kind: str, block: int | None = None, nbytes: int = 0,
+             lane: str | None = None) -> Iterator[None]:
+        """Time the ``with`` body as one event; also a ``torch.profiler.record_function`` range."""
+        if not self.enabled:
+            yield
+            return
+        label = f"pystronghold::{kind}" + ("" if block is None else f"[{block}]")
+        with torch.profiler.record_function(label):
+            start = time.monotonic()
+            try:
+                yield
+            finally:
+                self.record(kind, block, start, time.monotonic(), nbytes, lane)
+
+    def events(self) -> list[TraceEvent]:
+        """A copy of the events recorded so far, in recording order."""
+        with self._lock:
+            return list(self._events)
+
+    def clear(self) -> None:
+        """Forget all events."""
+        with self._lock:
+            self._events.clear()
+
+    # ---- export
+
+    def write_chrome_json(self, path: str | os.PathLike) -> Path:
+        """Write the events as Chrome trace-event JSON (opens in ui.perfetto.dev and chrome://tracing).
+
+        One row (tid) per lane in a fixed order (compute, h2d, d2h, optimizer, file_io, stall, then
+        any others); timestamps in microseconds from the first event. Returns the path written.
+        """
+        events = self.events()
+        t0 = min((e.start_s for e in events), default=0.0)
+        lanes = _lanes(events)
+        tid = {lane: i for i, lane in enumerate(lanes)}
+        pid = os.getpid()
+        out: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                            "args": {"name": "pystronghold"}}]
+        for lane, i in tid.items():
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": i, "args": {"name": lane}})
+            out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": i,
+                        "args": {"sort_index": i}})
+        for e in events:
+            out.append({
+                "ph": "X", "pid": pid, "tid": tid[e.lane], "cat": e.kind,
+                "name": e.kind if e.block is None else f"{e.kind} {e.block}",
+                "ts": (e.start_s - t0) * 1e6, "dur": e.duration_s * 1e6,
+                "args": {"block": e.block, "bytes": e.nbytes},
+            })
+        path = Path(path)
+        path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+        return path
+
+    def write_png(self, path: str | os.PathLike, *, title: str | None = None) -> Path:
+        """Draw the timeline (one row per lane, milliseconds from the first event) as a PNG.
+
+        Needs matplotlib (``pip install pystronghold[plots]``); raises ImportError naming it
+        otherwise. The title defaults to the summary line. Returns the path written.
+        """
+        try:
+            import matplotlib
+            matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError as err:
+            raise ImportError("Tracer.write_png needs matplotlib: pip install matplotlib") from err
+        events = self.events()
+        t0 = min((e.start_s for e in events), default=0.0)
+        lanes = _lanes(events)
+        colors = plt.get_cmap("tab10")
+        fig, ax = plt.subplots(figsize=(12, 0.6 * max(len(lanes), 1) + 1.2))
+        for row, lane in enumerate(lanes):
+            spans = [((e.start_s - t0) * 1e3, e.duration_s * 1e3) for e in events if e.lane == lane]
+            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors(row % 10), alpha=0.8)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.invert_yaxis()
+        ax.set_xlabel("time (ms)")
+        ax.set_title(title if title is not None else self.summary().line(), fontsize=9)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    # ---- summary
+
+    def summary(self) -> TraceSummary:
+        """Wall time, busy time per lane, overlap fraction, stall time and bandwidths (see TraceSummary)."""
+        events = self.events()
+        if not events:
+            return TraceSummary(events=0, wall_s=0.0)
+        wall = max(e.end_s for e in events) - min(e.start_s for e in events)
+        busy = {lane: _length(_union([e for e in events if e.lane == lane]))
+                for lane in {e.lane for e in events}}
+        time_s: dict[str, float] = {}
+        for e in events:
+            time_s[e.kind] = time_s.get(e.kind, 0.0) + e.duration_s
+        background = _union([e for e in events if e.kind in BACKGROUND_KINDS])
+        compute = _union([e for e in events if e.kind in COMPUTE_KINDS])
+        hidden = _length(background)
+        overlap = _length(_intersect(background, compute)) / hidden if hidden > 0 else None
+        nbytes: dict[str, int] = {}
+        gbps: dict[str, float] = {}
+        for kind in sorted(TRANSFER_KINDS):
+            mine = [e for e in events if e.kind == kind]
+            if not mine:
+                continue
+            nbytes[kind] = sum(e.nbytes for e in mine)
+            span = _length(_union(mine))
+            gbps[kind] = nbytes[kind] / span / 1e9 if span > 0 else 0.0
+        return TraceSummary(events=len(events), wall_s=wall, busy_s=busy, time_s=time_s,
+                            overlap_fraction=overlap, stall_s=time_s.get("wait", 0.0),
+                            bytes=nbytes, gbps=gbps)
+
+
+def _lanes(events: list[TraceEvent]) -> list[str]:
+    """Lanes present, the known ones in display order first, then the others by name."""
+    lanes = [lane for lane in _LANE_ORDER if any(e.lane == lane for e in events)]
+    return lanes + sorted({e.lane for e in events} - set(lanes))
+
+
+# ---- interval arithmetic (lists of disjoint, sorted [start, end) pairs)
+
+def _union(events: list[TraceEvent]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted((e.start_s, e.end_s) for e in events):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
