@@ -195,10 +195,10 @@ def _check(q, k, v):
     _config.check_runnable(q.device, _attn_fwd_kernel)
 
 
-def attention_fwd(q, k, v, causal: bool, sm_scale: float):
-    """Launch the forward; q, k, v contiguous (B, H, N, D). Returns (o, lse (B*H, N) fp32)."""
+def attention_fwd(q, k, v, causal: bool, sm_scale: float, o=None):
+    """Launch the forward; q, k, v (and `o` if given) contiguous (B, H, N, D). Returns (o, lse (B*H, N) fp32)."""
     batch, heads, n_ctx, head_dim = q.shape
-    o = torch.empty_like(q)
+    o = torch.empty_like(q) if o is None else o
     lse = torch.empty(batch * heads, n_ctx, dtype=torch.float32, device=q.device)
     if q.numel():
         grid = lambda meta: (triton.cdiv(n_ctx, meta["BLOCK_M"]), batch * heads)  # noqa: E731
@@ -208,12 +208,12 @@ def attention_fwd(q, k, v, causal: bool, sm_scale: float):
     return o, lse
 
 
-def attention_bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float):
-    """Launch the two backward passes; returns (dq, dk, dv) in the dtype of q."""
+def attention_bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, grads=None):
+    """Launch the two backward passes; returns (dq, dk, dv) in q's dtype (into contiguous `grads` if given)."""
     batch, heads, n_ctx, head_dim = q.shape
     do = do.contiguous()
     delta = (o.float() * do.float()).sum(-1).reshape(batch * heads, n_ctx)   # (B*H, N) fp32
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if grads is None else grads
     if q.numel():
         args = dict(CAUSAL=causal, UPCAST=_config.upcast_for_dot(q.dtype),
                     BLOCK_D=max(16, triton.next_power_of_2(head_dim)))

@@ -61,11 +61,11 @@ def _check(x, bias, residual, p):
     _config.check_runnable(x.device, _bias_dropout_add_fwd_kernel)
 
 
-def bias_dropout_add_fwd(x, bias, residual, p: float, seed: int, offset: int = 0):
-    """Launch the forward (p = 0 for evaluation); returns out in x's dtype."""
+def bias_dropout_add_fwd(x, bias, residual, p: float, seed: int, offset: int = 0, y=None):
+    """Launch the forward (p = 0 for evaluation); returns out in x's dtype (into contiguous `y` if given)."""
     _check(x, bias, residual, p)
     x, residual = x.contiguous(), residual.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if y is None else y
     n = x.numel()
     if n:
         _bias_dropout_add_fwd_kernel[(triton.cdiv(n, BLOCK),)](
@@ -74,10 +74,10 @@ def bias_dropout_add_fwd(x, bias, residual, p: float, seed: int, offset: int = 0
     return y
 
 
-def bias_dropout_add_bwd(dy, p: float, seed: int, offset: int = 0):
+def bias_dropout_add_bwd(dy, p: float, seed: int, offset: int = 0, dx=None):
     """Launch the backward: dx = dy * keep / (1 - p) with keep regenerated from (seed, offset)."""
     dy = dy.contiguous()
-    dx = torch.empty_like(dy)
+    dx = torch.empty_like(dy) if dx is None else dx
     n = dy.numel()
     if n:
         _bias_dropout_add_bwd_kernel[(triton.cdiv(n, BLOCK),)](dy, dx, n, p, seed, offset, BLOCK=BLOCK)

@@ -71,11 +71,11 @@ def _check(x, bias, approximate):
     _config.check_runnable(x.device, _bias_gelu_fwd_kernel)
 
 
-def bias_gelu_fwd(x, bias, approximate: str):
-    """Launch the forward; returns y (shape and dtype of x)."""
+def bias_gelu_fwd(x, bias, approximate: str, y=None):
+    """Launch the forward; returns y (shape and dtype of x), written into contiguous `y` when given."""
     _check(x, bias, approximate)
     x = x.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if y is None else y
     n = x.numel()
     if n:
         _bias_gelu_fwd_kernel[(triton.cdiv(n, BLOCK),)](x, bias.contiguous(), y, n, x.shape[-1],
@@ -83,11 +83,11 @@ def bias_gelu_fwd(x, bias, approximate: str):
     return y
 
 
-def bias_gelu_bwd(dy, x, bias, approximate: str):
-    """Launch the backward; returns (dx, db)."""
+def bias_gelu_bwd(dy, x, bias, approximate: str, dx=None):
+    """Launch the backward; returns (dx, db), dx written into contiguous `dx` when given."""
     x = x.contiguous()
     dy = dy.contiguous()
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x) if dx is None else dx
     n = x.numel()
     if n:
         _bias_gelu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dy, x, bias.contiguous(), dx, n, x.shape[-1],

@@ -80,8 +80,12 @@ def _block_v(n_cols: int) -> int:
     return min(4096 if not _config.INTERPRET else 1024, max(16, triton.next_power_of_2(n_cols)))
 
 
-def ce_fwd(logits, target, group, ignore_index: int, label_smoothing: float, reduction: str, write_grad: bool):
-    """Both passes and the all_reduce; returns (loss rows (T,) fp32, n_valid, gradient or None)."""
+def ce_fwd(logits, target, group, ignore_index: int, label_smoothing: float, reduction: str, write_grad: bool,
+           grad=None):
+    """Both passes and the all_reduce; returns (loss rows (T,) fp32, valid rows, gradient or None).
+
+    The gradient is written into contiguous `grad` when given.
+    """
     _config.check_dtype("logits_shard", logits)
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"expected logits_shard (T, V/tp) and target (T,); got {tuple(logits.shape)} "
@@ -106,7 +110,8 @@ def ce_fwd(logits, target, group, ignore_index: int, label_smoothing: float, red
     n_valid = valid.sum()
     scale = (1.0 / n_valid.float() if reduction == "mean" else torch.ones((), **f32)).reshape(1).to(torch.float32)
     loss = torch.empty(n_rows, **f32)
-    grad = torch.empty_like(logits) if write_grad else None
+    if write_grad and grad is None:
+        grad = torch.empty_like(logits)
     if n_rows:
         _ce_loss_grad_kernel[(n_rows,)](logits, target, lse, tgt, sum_x, scale, loss,
                                         grad if write_grad else logits, logits.stride(0),

@@ -98,12 +98,12 @@ def _check(x, weight, bias):
     _config.check_runnable(x.device, _norm_fwd_kernel)
 
 
-def norm_fwd(x, weight, bias, eps: float, is_rms: bool):
-    """Launch the forward: returns y (shape of x) and the saved (x2d, mean, rstd)."""
+def norm_fwd(x, weight, bias, eps: float, is_rms: bool, y=None):
+    """Launch the forward: returns y (shape of x; written into `y` when given) and (x2d, mean, rstd)."""
     _check(x, weight, bias)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()                    # (M, N)
     m, n = x2d.shape
-    y = torch.empty_like(x2d)
+    y = torch.empty_like(x2d) if y is None else y.view(m, n)
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     block_n = max(16, triton.next_power_of_2(n))
@@ -114,11 +114,11 @@ def norm_fwd(x, weight, bias, eps: float, is_rms: bool):
     return y.view(x.shape), (x2d, mean, rstd)
 
 
-def norm_bwd(dy, x2d, weight, mean, rstd, has_bias: bool, is_rms: bool):
-    """Launch the backward: returns (dx2d, dw, db or None)."""
+def norm_bwd(dy, x2d, weight, mean, rstd, has_bias: bool, is_rms: bool, dx=None):
+    """Launch the backward: returns (dx2d, dw, db or None); dx2d is written into `dx` when given."""
     m, n = x2d.shape
     dy2d = dy.reshape(m, n).contiguous()
-    dx = torch.empty_like(x2d)
+    dx = torch.empty_like(x2d) if dx is None else dx.view(m, n)
     programs = max(1, min(m, _config.grid_programs(x2d.device)))
     rows_per_program = triton.cdiv(m, programs) if m else 0
     dw_part = torch.zeros(programs, n, dtype=torch.float32, device=x2d.device)

@@ -1,0 +1,43 @@
+"""Drop-in `nn.Module`s over `pystronghold.nn.functional` (Triton on CUDA, torch on CPU)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import functional as PF
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim of width `dim`, like `torch.nn.LayerNorm(dim, eps, bias=bias)`."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"dim={dim} must be positive")
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
+        return PF.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim of width `dim`: x / sqrt(mean(x^2) + eps) * weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"dim={dim} must be positive")
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
+        return PF.rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
