@@ -8,10 +8,10 @@ imported works; setting it after they are imported does nothing for them). Hence
 - `PYSTRONGHOLD_TRITON_ON_CPU=1` makes `pystronghold.nn.functional` run the Triton kernels on CPU
   tensors (read at every call). If it is set and `TRITON_INTERPRET` is unset when this module is first
   imported on a machine without CUDA, `TRITON_INTERPRET=1` is set for the kernels decorated after.
-- `check_runnable(device)` raises a clear error when kernels decorated for a GPU are asked to run
+- `check_runnable(device, kernel)` raises a clear error when kernels decorated for a GPU are asked to run
   on CPU tensors (the interpreter was switched on too late).
 
-The one interpreter-only difference in the kernels is `UPCAST_BF16`: the interpreter computes bf16
+The one interpreter-only difference in the kernels is the `UPCAST` constexpr (`upcast_for_dot`): the interpreter computes bf16
 arithmetic wrongly (../shared/TRITON_CPU.md), so under it the kernels convert bf16 operands to fp32
 before `tl.dot`; on a GPU bf16 goes to the tensor cores unchanged. Every other computation already
 loads into fp32 on both paths.
@@ -31,16 +31,25 @@ if (os.environ.get(FORCE_ENV) == "1" and "TRITON_INTERPRET" not in os.environ
 
 import triton  # noqa: E402  (after the environment above)
 
-#: True when the kernel modules imported from now on are interpreted (decided at decoration time).
+#: True when this process interprets the kernel modules imported from now on (read at decoration).
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 
 #: Dtypes every kernel accepts; the math is fp32 inside.
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def upcast_for_dot(dtype: torch.dtype) -> bool:
+def interpreting(device: torch.device) -> bool:
+    """True when a kernel launched on `device` tensors runs in the interpreter.
+
+    CPU tensors can only run interpreted; CUDA tensors do when the process interprets (TRITON_INTERPRET=1).
+    Decided per launch from the tensors, so a module imported before the switch cannot get it wrong.
+    """
+    return device.type != "cuda" or INTERPRET
+
+
+def upcast_for_dot(dtype: torch.dtype, device: torch.device) -> bool:
     """True when bf16 operands must be converted to fp32 before `tl.dot` (interpreter only)."""
-    return INTERPRET and dtype == torch.bfloat16
+    return dtype == torch.bfloat16 and interpreting(device)
 
 
 def check_runnable(device: torch.device, kernel) -> None:
@@ -65,15 +74,16 @@ def check_dtype(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: dtype {t.dtype} is not supported; expected float32, float16 or bfloat16")
 
 
-def prune_to_one(pick):
+def prune_to_one(pick, tensor_arg: str):
     """`prune_configs_by` callback: on a GPU keep all configs; under the interpreter keep one.
 
-    `pick(configs, named_args)` returns the one config to keep. Autotuning benchmarks through the
-    GPU driver, which the interpreter lacks; with a single config left the autotuner does not time.
+    `pick(configs, named_args)` returns the one config to keep; the kernel argument `tensor_arg` tells
+    the device. Autotuning benchmarks through the GPU driver, which the interpreter lacks; with a
+    single config left the autotuner does not time.
     """
 
     def early_config_prune(configs, named_args, **kwargs):
-        if not INTERPRET:
+        if not interpreting(named_args[tensor_arg].device):
             return configs
         return [pick(configs, named_args)]
 

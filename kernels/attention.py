@@ -40,7 +40,7 @@ def _configs(shapes):
 _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)])
 _BWD_CONFIGS = _configs([(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (32, 32, 4, 1)])
 _AUTOTUNE = dict(key=["n_ctx", "head_dim", "CAUSAL"],
-                 prune_configs_by={"early_config_prune": _config.prune_to_one(_interpreter_blocks)})
+                 prune_configs_by={"early_config_prune": _config.prune_to_one(_interpreter_blocks, "Q")})
 
 # ---- kernels
 
@@ -203,7 +203,7 @@ def attention_fwd(q, k, v, causal: bool, sm_scale: float, o=None):
     if q.numel():
         grid = lambda meta: (triton.cdiv(n_ctx, meta["BLOCK_M"]), batch * heads)  # noqa: E731
         _attn_fwd_kernel[grid](q, k, v, o, lse, sm_scale * LOG2E, n_ctx, head_dim, CAUSAL=causal,
-                               UPCAST=_config.upcast_for_dot(q.dtype),
+                               UPCAST=_config.upcast_for_dot(q.dtype, q.device),
                                BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
     return o, lse
 
@@ -215,7 +215,7 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, grads=None
     delta = (o.float() * do.float()).sum(-1).reshape(batch * heads, n_ctx)   # (B*H, N) fp32
     dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if grads is None else grads
     if q.numel():
-        args = dict(CAUSAL=causal, UPCAST=_config.upcast_for_dot(q.dtype),
+        args = dict(CAUSAL=causal, UPCAST=_config.upcast_for_dot(q.dtype, q.device),
                     BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
         grid_n = lambda meta: (triton.cdiv(n_ctx, meta["BLOCK_N"]), batch * heads)  # noqa: E731
         _attn_bwd_dkdv_kernel[grid_n](q, k, v, do, lse, delta, dk, dv, sm_scale, sm_scale * LOG2E,
