@@ -92,3 +92,17 @@ def test_attention_bad_inputs():
         PF.attention(q, q.half(), q)
     with pytest.raises(ValueError, match="dtype"):
         PF.attention(q.double(), q.double(), q.double())
+
+
+def test_attention_takes_the_gpt_layout():
+    """q, k, v as a GPT block makes them, (B, N, H, D).transpose(1, 2): non-contiguous inputs are copied."""
+    q, k, v = (torch.randn(2, 16, 2, 16, device=DEVICE).transpose(1, 2).requires_grad_() for _ in range(3))
+    assert not q.is_contiguous()
+    o = PF.attention(q, k, v, causal=True)
+    o.sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o_ref = attn.attention_math_reference(*ref, causal=True)
+    o_ref.sum().backward()
+    torch.testing.assert_close(o, o_ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    for t, r in zip((q, k, v), ref):
+        torch.testing.assert_close(t.grad, r.grad, atol=TOL[torch.float32], rtol=TOL[torch.float32])

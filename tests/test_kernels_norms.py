@@ -114,3 +114,17 @@ def test_norm_bad_inputs():
         PF.rms_norm(torch.randn(2, 16385, device=DEVICE), torch.ones(16385, device=DEVICE))
     with pytest.raises(ValueError, match="positive"):
         RMSNorm(0)
+    with pytest.raises(ValueError, match="last dim"):
+        LayerNorm((4, 8))
+    assert LayerNorm((8,)).weight.shape == (8,)
+
+
+def test_norm_non_contiguous_input():
+    x = torch.randn(40, 24, device=DEVICE).t().requires_grad_()        # (24, 40), strides (1, 24)
+    w, b = torch.randn(40, device=DEVICE), torch.randn(40, device=DEVICE)
+    y = PF.layer_norm(x, w, b)
+    y.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    torch.nn.functional.layer_norm(xr, (40,), w, b).sum().backward()
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(xr.detach(), (40,), w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
