@@ -16,11 +16,11 @@ import triton.language as tl
 from . import _config
 from .reference import bias_dropout_add_reference  # noqa: F401  (re-exported)
 
-BLOCK = 1024
 
 # ---- kernels
 
 
+@_config.elementwise_autotune("X")
 @triton.jit
 def _bias_dropout_add_fwd_kernel(X, B, R, Y, n_elements, n_cols, p, seed, offset,
                                  HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -35,6 +35,7 @@ def _bias_dropout_add_fwd_kernel(X, B, R, Y, n_elements, n_cols, p, seed, offset
     tl.store(Y + offs, (z + r).to(Y.dtype.element_ty), mask=mask)
 
 
+@_config.elementwise_autotune("DY")
 @triton.jit
 def _bias_dropout_add_bwd_kernel(DY, DX, n_elements, p, seed, offset, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -45,6 +46,10 @@ def _bias_dropout_add_bwd_kernel(DY, DX, n_elements, p, seed, offset, BLOCK: tl.
 
 
 # ---- launchers
+
+
+def _grid(n: int):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
 
 
 def _check(x, bias, residual, p):
@@ -68,9 +73,9 @@ def bias_dropout_add_fwd(x, bias, residual, p: float, seed: int, offset: int = 0
     y = torch.empty_like(x) if y is None else y
     n = x.numel()
     if n:
-        _bias_dropout_add_fwd_kernel[(triton.cdiv(n, BLOCK),)](
+        _bias_dropout_add_fwd_kernel[_grid(n)](
             x, x if bias is None else bias.contiguous(), residual, y, n, x.shape[-1], p, seed, offset,
-            HAS_BIAS=bias is not None, BLOCK=BLOCK)
+            HAS_BIAS=bias is not None)
     return y
 
 
@@ -80,7 +85,7 @@ def bias_dropout_add_bwd(dy, p: float, seed: int, offset: int = 0, dx=None):
     dx = torch.empty_like(dy) if dx is None else dx
     n = dy.numel()
     if n:
-        _bias_dropout_add_bwd_kernel[(triton.cdiv(n, BLOCK),)](dy, dx, n, p, seed, offset, BLOCK=BLOCK)
+        _bias_dropout_add_bwd_kernel[_grid(n)](dy, dx, n, p, seed, offset)
     return dx
 
 

@@ -18,7 +18,6 @@ import triton.language as tl
 from . import _config
 from .reference import bias_gelu_reference  # noqa: F401  (re-exported)
 
-BLOCK = 1024
 APPROXIMATIONS = ("tanh", "none")
 
 # ---- kernels
@@ -29,6 +28,7 @@ def _tanh(u):
     return 2.0 * tl.sigmoid(2.0 * u) - 1.0
 
 
+@_config.elementwise_autotune("X")
 @triton.jit
 def _bias_gelu_fwd_kernel(X, B, Y, n_elements, n_cols, TANH: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -42,6 +42,7 @@ def _bias_gelu_fwd_kernel(X, B, Y, n_elements, n_cols, TANH: tl.constexpr, BLOCK
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@_config.elementwise_autotune("DY")
 @triton.jit
 def _bias_gelu_bwd_kernel(DY, X, B, DX, n_elements, n_cols, TANH: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -61,6 +62,10 @@ def _bias_gelu_bwd_kernel(DY, X, B, DX, n_elements, n_cols, TANH: tl.constexpr, 
 # ---- launchers
 
 
+def _grid(n: int):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+
+
 def _check(x, bias, approximate):
     _config.check_dtype("x", x)
     _config.check_dtype("bias", bias)
@@ -78,8 +83,8 @@ def bias_gelu_fwd(x, bias, approximate: str, y=None):
     y = torch.empty_like(x) if y is None else y
     n = x.numel()
     if n:
-        _bias_gelu_fwd_kernel[(triton.cdiv(n, BLOCK),)](x, bias.contiguous(), y, n, x.shape[-1],
-                                                        TANH=approximate == "tanh", BLOCK=BLOCK)
+        _bias_gelu_fwd_kernel[_grid(n)](x, bias.contiguous(), y, n, x.shape[-1],
+                                                        TANH=approximate == "tanh")
     return y
 
 
@@ -90,8 +95,8 @@ def bias_gelu_bwd(dy, x, bias, approximate: str, dx=None):
     dx = torch.empty_like(x) if dx is None else dx
     n = x.numel()
     if n:
-        _bias_gelu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dy, x, bias.contiguous(), dx, n, x.shape[-1],
-                                                        TANH=approximate == "tanh", BLOCK=BLOCK)
+        _bias_gelu_bwd_kernel[_grid(n)](dy, x, bias.contiguous(), dx, n, x.shape[-1],
+                                                        TANH=approximate == "tanh")
     db = dx.reshape(-1, x.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
     return dx, db
 

@@ -20,9 +20,14 @@ from .reference import layer_norm_reference, rms_norm_reference  # noqa: F401  (
 
 MAX_WIDTH = 16384
 
+# num_warps is timed on a GPU per width (the row is one block); the first is kept under the interpreter.
+_CONFIGS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
+
 # ---- kernels
 
 
+@triton.autotune(configs=_CONFIGS, key=["n_cols"],
+                 prune_configs_by={"early_config_prune": _config.prune_to_one(lambda c, _: c[0], "X")})
 @triton.jit
 def _norm_fwd_kernel(X, W, B, Y, Mean, Rstd, stride_x, stride_y, n_cols, eps,
                      IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -46,6 +51,8 @@ def _norm_fwd_kernel(X, W, B, Y, Mean, Rstd, stride_x, stride_y, n_cols, eps,
     tl.store(Rstd + row, rstd)
 
 
+@triton.autotune(configs=_CONFIGS, key=["n_cols"],
+                 prune_configs_by={"early_config_prune": _config.prune_to_one(lambda c, _: c[0], "X")})
 @triton.jit
 def _norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, DW_partial, DB_partial, stride_x, n_rows, n_cols,
                      rows_per_program, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -81,10 +88,6 @@ def _norm_bwd_kernel(DY, X, W, Mean, Rstd, DX, DW_partial, DB_partial, stride_x,
 # ---- launchers
 
 
-def _warps(block_n: int) -> int:
-    return 4 if block_n <= 2048 else (8 if block_n <= 8192 else 16)
-
-
 def _check(x, weight, bias):
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None:
@@ -110,7 +113,7 @@ def norm_fwd(x, weight, bias, eps: float, is_rms: bool, y=None):
     if m > 0:
         _norm_fwd_kernel[(m,)](x2d, weight, weight if bias is None else bias, y, mean, rstd,
                                x2d.stride(0), y.stride(0), n, eps, IS_RMS=is_rms,
-                               HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_warps(block_n))
+                               HAS_BIAS=bias is not None, BLOCK_N=block_n)
     return y.view(x.shape), (x2d, mean, rstd)
 
 
@@ -127,7 +130,7 @@ def norm_bwd(dy, x2d, weight, mean, rstd, has_bias: bool, is_rms: bool, dx=None)
     if m > 0:
         _norm_bwd_kernel[(programs,)](dy2d, x2d, weight, mean, rstd, dx, dw_part, db_part, x2d.stride(0),
                                       m, n, rows_per_program, IS_RMS=is_rms, HAS_BIAS=has_bias,
-                                      BLOCK_N=block_n, num_warps=_warps(block_n))
+                                      BLOCK_N=block_n)
     dw = dw_part.sum(0).to(weight.dtype)
     db = db_part.sum(0).to(weight.dtype) if has_bias else None
     return dx, dw, db
