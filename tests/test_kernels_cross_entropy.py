@@ -53,8 +53,12 @@ def _compare(logits_full, target, shard_range, dtype, eps, reduction, group=None
 # ---- one rank: an ordinary fused cross-entropy
 
 
-@pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("eps,reduction", [(0.0, "mean"), (0.1, "mean"), (0.0, "sum"), (0.2, "none")])
+# every reduction and smoothing in fp32; two of them in fp16 and bf16 (the dtype only changes loads/stores)
+ONE_RANK = [(torch.float32, eps, red) for eps, red in [(0.0, "mean"), (0.1, "mean"), (0.0, "sum"), (0.2, "none")]]
+ONE_RANK += [(dt, eps, red) for dt in (torch.float16, torch.bfloat16) for eps, red in [(0.1, "mean"), (0.0, "none")]]
+
+
+@pytest.mark.parametrize("dtype,eps,reduction", ONE_RANK, ids=str)
 def test_cross_entropy_one_rank(eps, reduction, dtype):
     logits = 3 * torch.randn(T, V)
     _compare(logits, _targets(V), (0, V), dtype, eps, reduction)
@@ -95,8 +99,8 @@ def _tp_worker(rank: int, world_size: int, port: int):
         target = _targets(vocab_local, gen)
         shard = (rank * vocab_local, (rank + 1) * vocab_local)
         # fp16 and the other reductions are covered on one rank; each new case here costs ~1 s
-        cases = {"1": [(torch.float32, 0.0, "mean"), (torch.float32, 0.1, "none"), (torch.bfloat16, 0.1, "sum")],
-                 "0": [(torch.float32, 0.0, "mean"), (torch.float32, 0.1, "none")]}
+        cases = {"1": [(torch.float32, 0.1, "none"), (torch.bfloat16, 0.0, "mean")],
+                 "0": [(torch.float32, 0.1, "none")]}
         for force, path_cases in cases.items():                 # the kernels, then the torch reference
             os.environ[PF.FORCE_ENV] = force
             for dtype, eps, reduction in path_cases:
