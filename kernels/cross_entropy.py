@@ -151,7 +151,7 @@ def vocab_parallel_cross_entropy(logits_shard, target, *, group=None, ignore_ind
                                  label_smoothing: float = 0.0, reduction: str = "mean"):
     """Triton cross-entropy of vocabulary-sharded logits: logits_shard (T, V/tp), target (T,) global ids.
 
-    Rank r of `group` holds vocabulary ids [r*V/tp, (r+1)*V/tp). Returns the loss (a scalar, or (T,)
+    Rank r of `group` holds vocabulary ids [r*V/tp, (r+1)*V/tp) (equal shards: V divisible by tp). Returns the loss (a scalar, or (T,)
     for reduction="none") in the logits' dtype, equal on every rank; matches `F.cross_entropy` on the
     full logits, including `ignore_index` and `label_smoothing`.
     """

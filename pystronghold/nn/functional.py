@@ -106,7 +106,8 @@ def vocab_parallel_cross_entropy(logits_shard, target, *, group=None, ignore_ind
                                  label_smoothing: float = 0.0, reduction: str = "mean"):
     """Cross-entropy of logits sharded over the vocabulary across the ranks of `group` (Megatron-LM).
 
-    logits_shard (T, V/tp): rank r holds vocabulary ids [r*V/tp, (r+1)*V/tp); target (T,) global ids.
+    logits_shard (T, V/tp): rank r holds vocabulary ids [r*V/tp, (r+1)*V/tp) (every rank the same width);
+    target (T,) global ids, identical on every rank.
     Returns what `F.cross_entropy` returns on the full (T, V) logits (mean over non-ignored rows,
     "sum" or "none"), on every rank. With no process group (or one rank) it is `F.cross_entropy`.
     """
