@@ -1,4 +1,4 @@
-"""Command line: `pystronghold info` (more subcommands join as they are built)."""
+"""Command line: `pystronghold info | plan` (more subcommands join as they are built)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pystronghold",
         description="Train models larger than accelerator memory.",
-        epilog="example: pystronghold info --json",
+        epilog="examples: pystronghold info --json; pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="version, build (compiler, SIMD), threads, CUDA and Triton status")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(run=_cmd_info)
+    from pystronghold.planner.command import add_plan_command
+
+    add_plan_command(sub)
     return parser
 
 
