@@ -6,8 +6,8 @@ import pytest
 
 from pystronghold.models import GPT, PRESETS, GPTConfig, block_param_count
 from pystronghold.planner.cost import (Workload, analytic_window, block_activation_bytes, block_costs,
-                                       block_forward_flops, block_params_per_rank,
-                                       head_tail_params_per_rank, host_bytes_per_param)
+                                       block_forward_flops, block_param_numels, block_params_per_rank,
+                                       head_tail_params_per_rank, host_bytes_per_param, slot_bytes)
 from pystronghold.planner.hardware import GPU, GPUS, GiB, Hardware, gpu_preset
 
 
@@ -23,6 +23,18 @@ def test_block_and_head_tail_params_match_a_built_model():
     assert block_params_per_rank(cfg) == sum(p.numel() for p in model.blocks[0].parameters())
     head_tail = sum(p.numel() for p in model.head.parameters()) + sum(p.numel() for p in model.tail.parameters())
     assert head_tail_params_per_rank(cfg) == head_tail
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_param_numels_follow_the_block_and_the_runtime_layout(bias):
+    cfg = GPTConfig(vocab_size=97, seq_len=16, layers=1, hidden=40, heads=4, bias=bias)
+    block = GPT(cfg).blocks[0]
+    assert block_param_numels(cfg) == [p.numel() for p in block.parameters()]
+    offset = 0  # the runtime's layout: 16-element offsets, buffers rounded to 4096 bytes
+    for p in block.parameters():
+        offset = (offset + 15) // 16 * 16 + p.numel()
+    numel = (offset + 15) // 16 * 16
+    assert slot_bytes(cfg, 2) == 2 * ((numel * 2 + 4095) // 4096 * 4096)
 
 
 def test_tensor_parallel_split_keeps_replicated_parts_whole():
@@ -67,7 +79,7 @@ def test_block_costs_bytes_and_times():
     work = Workload(batch=2, precision="bf16", compute_efficiency=0.5)
     c = block_costs(cfg, work, hw)
     p = block_param_count(cfg)
-    assert c.slot_bytes == 2 * p * 2
+    assert 0 <= c.slot_bytes - 2 * p * 2 < 2 * (4096 + 12 * 16 * 2)  # alignment padding only
     assert c.load_s == pytest.approx(p * 2 / 25e9)
     assert c.fwd_s == pytest.approx(block_forward_flops(cfg, 2, 2048) / (312e12 * 0.5))
     assert c.bwd_s == pytest.approx(3 * c.fwd_s)  # 2x backward + 1x recompute

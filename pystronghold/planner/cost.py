@@ -18,7 +18,7 @@ from pystronghold.planner.hardware import GiB, Hardware
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
            "block_forward_flops", "block_activation_bytes", "tail_activation_bytes",
            "host_bytes_per_param", "ring_allreduce_s", "block_costs", "PRECISION_BYTES",
-           "OVERLAP_MODES", "analytic_window"]
+           "OVERLAP_MODES", "analytic_window", "block_param_numels", "slot_bytes"]
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of each compute precision."""
@@ -88,11 +88,39 @@ def block_params_per_rank(config: GPTConfig) -> int:
     """Parameters of one block on one tensor-parallel rank: norms and row-parallel biases are
     replicated, the QKV/fc1 columns and proj/fc2 rows are split (equals ``block_param_count``
     at tp = 1)."""
-    C, Fw, b, t = config.hidden, config.ffn_hidden, int(config.bias), config.tp_size
-    norms = 2 * (C + b * C)
-    attn = (3 * C * C + b * 3 * C) // t + C * C // t + b * C
-    mlp = (C * Fw + b * Fw) // t + Fw * C // t + b * C
-    return norms + attn + mlp
+    return sum(block_param_numels(config))
+
+
+ALIGN_ELEMS = 16
+"""The runtime's store layout: each parameter of a block starts at a multiple of 16 elements."""
+ARENA_ALIGN = 4096
+"""The runtime's arenas round each per-block buffer up to 4096 bytes."""
+
+
+def block_param_numels(config: GPTConfig) -> list[int]:
+    """Elements of each parameter of one block on one rank, in ``Block.named_parameters()`` order
+    (ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2; weight then bias)."""
+    C, Fw, t, bias = config.hidden, config.ffn_hidden, config.tp_size, config.bias
+
+    def layer(weight: int, b: int) -> list[int]:
+        return [weight, b] if bias else [weight]
+
+    return (layer(C, C) + layer(3 * C * C // t, 3 * C // t) + layer(C * C // t, C) + layer(C, C)
+            + layer(C * Fw // t, Fw // t) + layer(Fw * C // t, C))
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def slot_bytes(config: GPTConfig, dtype_bytes: int) -> int:
+    """Device bytes of one window slot as the runtime lays it out: a parameter buffer and a
+    gradient buffer, each the block's parameters at 16-element offsets, rounded up to 4096 bytes."""
+    numel = 0
+    for n in block_param_numels(config):
+        numel = _round_up(numel, ALIGN_ELEMS) + n
+    numel = _round_up(numel, ALIGN_ELEMS)
+    return 2 * _round_up(numel * dtype_bytes, ARENA_ALIGN)
 
 
 def head_tail_params_per_rank(config: GPTConfig) -> int:
@@ -162,7 +190,8 @@ class BlockCosts:
     block_params: int
     """Parameters of one block on this rank (P_b)."""
     slot_bytes: int
-    """Device bytes of one window slot: parameters and gradients in compute precision, 2*P_b*s."""
+    """Device bytes of one window slot: parameters and gradients in compute precision, 2*P_b*s
+    (plus the runtime's alignment padding, see ``slot_bytes``)."""
     head_tail_bytes: int
     """Device bytes of head + tail: parameters, gradients, fp32 masters (bf16/fp16), Adam moments,
     and the fp32 gradient copy the device AdamW makes in bf16/fp16."""
@@ -213,7 +242,7 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
         adam = max(adam, 2 * nvme_bytes_per_param * p_b / (hw.nvme_bytes_per_s / ranks))
     return BlockCosts(
         block_params=p_b,
-        slot_bytes=2 * p_b * s,
+        slot_bytes=slot_bytes(config, s),
         head_tail_bytes=p_ht * (s + s + 8 + (4 + 4 if half else 0)),
         block_input_bytes=btc_bytes,
         block_activation_bytes=block_activation_bytes(config, work, seq),
