@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from pystronghold.planner.cost import host_bytes_per_param
 from pystronghold.planner.hardware import GiB
-from pystronghold.planner.plan import Plan
+from pystronghold.planner.plan import Plan, nvme_state_bytes_per_param
 
 __all__ = ["plan_to_dict", "format_plan", "format_table"]
 
@@ -84,11 +85,14 @@ def format_plan(plan: Plan) -> str:
            f"CPU Adam {hw.cpu_adam_params_per_s / 1e9:.2f} G params/s"
            + (f", NVMe {_gib(hw.nvme_bytes)} at {hw.nvme_bytes_per_s / 1e9:.1f} GB/s" if hw.nvme_bytes else ""),
            ""]
+    host_bpp = host_bytes_per_param(work.precision) - (
+        nvme_state_bytes_per_param(work.precision)[0] if host.tier == "nvme" else 0)
     how = "as asked" if plan.window_asked is not None else "smallest within 1% of the best step time"
     out.append(f"window W  {plan.window} ({how}; up to {plan.max_window} fit; "
                f"STRONGHOLD formula: {plan.stronghold_window})")
+    update = "host update (NVMe read + write)" if host.tier == "nvme" else "CPU Adam"
     out.append(f"per block fwd {_s(c.fwd_s)}, bwd {_s(c.bwd_s)}, load {_s(c.load_s)}, "
-               f"grad out {_s(c.grad_s)}, CPU Adam {_s(c.adam_s)}")
+               f"grad out {_s(c.grad_s)}, {update} {_s(c.adam_s)}")
     out += ["", format_table(["memory", "bytes", "of"], [
         ["device: window", _gib(dev.window_bytes), f"{plan.window} x {_gib(c.slot_bytes)}"],
         ["device: head + tail", _gib(dev.head_tail_bytes), "params, grads, AdamW"],
@@ -96,7 +100,9 @@ def format_plan(plan: Plan) -> str:
         ["device: reserve", _gib(dev.reserve_bytes), ""],
         ["device: peak", _gib(dev.peak_bytes), f"{_gib(dev.capacity_bytes)}{'' if dev.fits else '  TOO BIG'}"],
         ["host", _gib(host.host_bytes),
-         f"{_gib(host.host_capacity_bytes)}{'' if host.host_bytes <= host.host_capacity_bytes else '  TOO BIG'}"],
+         f"{host_bpp} B/param{' + staging' if host.tier == 'nvme' else ''} + "
+         f"{_gib(work.host_reserve_bytes)} reserve, of {_gib(host.host_capacity_bytes)}"
+         f"{'' if host.host_bytes <= host.host_capacity_bytes else '  TOO BIG'}"],
         ["disk (NVMe)", _gib(host.disk_bytes),
          (", ".join(host.disk_states) + f" of {_gib(host.disk_capacity_bytes)}") if host.disk_states else "-"],
     ])]
