@@ -1,4 +1,4 @@
-"""Command line: `pystronghold info | plan` (more subcommands join as they are built)."""
+"""Command line: `pystronghold info` (more subcommands join as they are built)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pystronghold",
         description="Train models larger than accelerator memory.",
-        epilog="examples: pystronghold info --json; pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b",
+        epilog="example: pystronghold info --json",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="version, build (compiler, SIMD), threads, CUDA and Triton status")

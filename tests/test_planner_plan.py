@@ -1,5 +1,6 @@
 """Plans: memory bounds are tight (the answer fits, one more does not), tiers, the CLI."""
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from pystronghold.cli import main
 from pystronghold.models import PRESETS, param_count
 from pystronghold.planner import Hardware, Workload, gpu_preset, largest_layers, largest_models, make_plan
+from pystronghold.planner.command import add_dataclass_arguments
 from pystronghold.planner.hardware import GiB
 from pystronghold.planner.report import format_plan, plan_to_dict
 
@@ -142,3 +144,16 @@ def test_help_has_examples(capsys):
         main(["plan", "--help"])
     out = capsys.readouterr().out
     assert "examples:" in out and "--gpu-memory" in out and "Device memory in GiB" in out
+
+
+def test_every_request_field_is_a_documented_option():
+    from pystronghold.planner.command import PlanRequest, field_docs
+
+    docs = field_docs(PlanRequest)
+    names = [f.name for f in dataclasses.fields(PlanRequest)]
+    assert set(docs) == set(names) and all(docs.values())
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, PlanRequest)
+    args = parser.parse_args(["--gpu-memory", "12.5", "--no-checkpointing", "--json", "--layers", "3"])
+    assert args.gpu_memory == 12.5 and args.checkpointing is False and args.json is True and args.layers == 3
+    assert parser.parse_args([]).checkpointing is True and parser.parse_args([]).json is False

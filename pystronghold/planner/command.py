@@ -33,24 +33,24 @@ exit status: 0 the model fits, 1 it does not (the report says why), 2 bad argume
 class PlanRequest:
     """What ``pystronghold plan`` is asked, in the units people use. Validated on construction."""
 
-    gpu: str | None = None
+    gpu: str | None = field(default=None, metadata={"metavar": "NAME"})
     """GPU preset: v100-16gb, v100-32gb, a100-40gb, a100-80gb, h100-80gb, rtx3090, rtx4090."""
-    gpu_memory: float | None = None
+    gpu_memory: float | None = field(default=None, metadata={"metavar": "GB"})
     """Device memory in GiB of a GPU without a preset (with --gpu-tflops), or overriding the preset's."""
     gpu_tflops: float | None = None
     """Dense TFLOP/s in the chosen precision of a GPU without a preset, or overriding the preset's."""
-    link_bandwidth: float | None = None
+    link_bandwidth: float | None = field(default=None, metadata={"metavar": "GB/S"})
     """Host<->device bandwidth per direction, GB/s (default: the preset's, else 25, PCIe gen4)."""
-    host_memory: float | None = None
+    host_memory: float | None = field(default=None, metadata={"metavar": "GB"})
     """Host memory for the store, GiB (required)."""
     cpu_adam_rate: float = 2.0
     """Fused CPU AdamW speed of the whole host, billions of parameters per second (measure yours
     with bench/adam.py)."""
-    nvme: float = 0.0
+    nvme: float = field(default=0.0, metadata={"metavar": "GB"})
     """NVMe space for optimizer states when host memory is short, GiB (0: none)."""
-    nvme_bandwidth: float = 3.0
+    nvme_bandwidth: float = field(default=3.0, metadata={"metavar": "GB/S"})
     """NVMe read/write bandwidth, GB/s."""
-    model: str | None = None
+    model: str | None = field(default=None, metadata={"metavar": "PRESET"})
     """GPT preset (tiny, mini, small, gpt2-124m, gpt3-125m ... gpt3-175b); or give --layers,
     --hidden, --heads."""
     layers: int | None = None
@@ -67,7 +67,7 @@ class PlanRequest:
     """Micro-batch per rank, samples."""
     precision: str = field(default="bf16", metadata={"choices": ("fp32", "bf16", "fp16")})
     """Compute precision."""
-    window: str = "auto"
+    window: str = field(default="auto", metadata={"metavar": "N|auto"})
     """Blocks on the device at once: a number, or auto (the smallest that hides transfers)."""
     checkpointing: bool = True
     """Recompute blocks in backward (--no-checkpointing keeps every activation)."""
@@ -79,7 +79,7 @@ class PlanRequest:
     """Data-parallel ranks (all tp * dp ranks on this one host)."""
     overlap: str = field(default="backward", metadata={"choices": ("backward", "forward")})
     """Host updates during backward, or after it (forward; what clipping and fp16 need)."""
-    widths: str | None = None
+    widths: str | None = field(default=None, metadata={"metavar": "C,C,..."})
     """Comma-separated widths of the largest-model table (default: the model's, 2048 ... 16384)."""
     json: bool = False
     """Print one JSON object (bytes, seconds) instead of tables."""
@@ -185,9 +185,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
         help_text = docs.get(f.name, "")
         default = f.default
         kind = str(f.type).replace("| None", "").strip()
-        if kind == "bool":
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_text)
+        if kind == "bool":  # --x for an off-by-default switch, --x/--no-x for an on-by-default one
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            parser.add_argument(flag, dest=f.name, action=action, default=default, help=help_text)
             continue
         if kind not in _TYPES:
             raise TypeError(f"add_dataclass_arguments: field {cls.__name__}.{f.name} has type {f.type!r}")
@@ -195,7 +195,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
             help_text += f" (default: {default})"
         parser.add_argument(flag, dest=f.name, type=_TYPES[kind], default=default,
                             choices=f.metadata.get("choices"), help=help_text,
-                            metavar=None if "choices" in f.metadata else f.name.split("_")[0].upper())
+                            metavar=f.metadata.get("metavar", None if "choices" in f.metadata
+                                                   else {"int": "N", "float": "X", "str": "TEXT"}[kind]))
 
 
 def run_plan(args: argparse.Namespace) -> int:
