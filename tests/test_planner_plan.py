@@ -157,3 +157,11 @@ def test_every_request_field_is_a_documented_option():
     args = parser.parse_args(["--gpu-memory", "12.5", "--no-checkpointing", "--json", "--layers", "3"])
     assert args.gpu_memory == 12.5 and args.checkpointing is False and args.json is True and args.layers == 3
     assert parser.parse_args([]).checkpointing is True and parser.parse_args([]).json is False
+
+
+def test_json_of_a_model_that_does_not_fit(capsys):
+    rc = main(["plan", "--gpu", "h100-80gb", "--host-memory", "64", "--model", "gpt3-175b", "--widths", "4096",
+               "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1 and not out["fits"] and out["step"] is None and out["window"]["chosen"] is None
+    assert not out["host"]["fits"] and out["largest"][0]["layers"] > 0

@@ -28,7 +28,7 @@ def plan_to_dict(plan: Plan) -> dict:
                      "host_memory_bytes": hw.host_memory_bytes,
                      "cpu_adam_params_per_s": hw.cpu_adam_params_per_s,
                      "nvme_bytes": hw.nvme_bytes, "nvme_bytes_per_s": hw.nvme_bytes_per_s},
-        "window": {"chosen": plan.window, "asked": plan.window_asked, "max_fitting": plan.max_window,
+        "window": {"chosen": plan.window if plan.fits or plan.window_asked else None, "asked": plan.window_asked, "max_fitting": plan.max_window,
                    "stronghold_formula": plan.stronghold_window},
         "per_block": {"slot_bytes": c.slot_bytes, "input_bytes": c.block_input_bytes,
                       "activation_bytes": c.block_activation_bytes, "fwd_s": c.fwd_s,
@@ -87,9 +87,15 @@ def format_plan(plan: Plan) -> str:
            ""]
     host_bpp = host_bytes_per_param(work.precision) - (
         nvme_state_bytes_per_param(work.precision)[0] if host.tier == "nvme" else 0)
-    how = "as asked" if plan.window_asked is not None else "smallest within 1% of the best step time"
-    out.append(f"window W  {plan.window} ({how}; up to {plan.max_window} fit; "
-               f"STRONGHOLD formula: {plan.stronghold_window})")
+    if plan.window_asked is not None:
+        how = "as asked" if plan.window_asked == plan.window else \
+            f"asked {plan.window_asked}, clamped to the {cfg.layers} blocks"
+    elif plan.fits:
+        how = "smallest within 1% of the best step time"
+    else:
+        how = "none chosen: the model does not fit"
+    out.append(f"window W  {plan.window if plan.fits or plan.window_asked else '-'} ({how}; "
+               f"up to {plan.max_window} fit; STRONGHOLD formula: {plan.stronghold_window})")
     update = "host update (NVMe read + write)" if host.tier == "nvme" else "CPU Adam"
     out.append(f"per block fwd {_s(c.fwd_s)}, bwd {_s(c.bwd_s)}, load {_s(c.load_s)}, "
                f"grad out {_s(c.grad_s)}, {update} {_s(c.adam_s)}")
