@@ -15,14 +15,18 @@ nh / tp heads and F / tp MLP columns; the shapes below are those of one rank.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "Head", "Block", "Tail", "CausalSelfAttention", "MLP"]
+from pystronghold.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                   gather_from_tp_region, group_size, init_normal_)
+
+__all__ = ["GPTConfig", "GPT", "Head", "Block", "Tail", "CausalSelfAttention", "MLP", "attention",
+           "layer_norm", "lm_loss", "gather_logits"]
 
 
 # ---- config
@@ -100,7 +104,7 @@ class GPTConfig:
         return (self.vocab_size + m - 1) // m * m
 
 
-# ---- the two calls that other backends replace
+# ---- the calls other backends replace (attention, norm, loss)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """Causal scaled-dot-product attention, (B, nh, T, hs) x3 -> (B, nh, T, hs).
@@ -115,12 +119,24 @@ def layer_norm(hidden: int, eps: float, bias: bool) -> nn.Module:
     return nn.LayerNorm(hidden, eps=eps, bias=bias)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of (B, T, V) logits against (B, T) targets; targets of -100 are ignored.
+def gather_logits(logits_shard: torch.Tensor, vocab_size: int,
+                  group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Full logits from this rank's vocabulary shard: (B, T, V_padded / tp) -> (B, T, V)."""
+    logits = gather_from_tp_region(logits_shard, group)  # (B, T, V_padded)
+    return logits[..., :vocab_size]  # (B, T, V): padding rows are never predicted
 
-    NOTE: the one place the loss is computed; the vocab-parallel cross-entropy takes over here.
+
+def lm_loss(logits_shard: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+            group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Mean cross-entropy of vocabulary-sharded logits (B, T, V_padded / tp) against targets (B, T);
+    targets of -100 are ignored.
+
+    NOTE: the one place the loss is computed. For now the logits are gathered; the vocab-parallel
+    cross-entropy (pystronghold.nn.functional.vocab_parallel_cross_entropy), which never builds
+    the full (B, T, V) tensor, takes over here (padded columns must then be masked to -inf).
     """
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+    logits = gather_logits(logits_shard, vocab_size, group)  # (B, T, V)
+    return F.cross_entropy(logits.reshape(-1, vocab_size).float(), targets.reshape(-1),
                            ignore_index=-100)
 
 
@@ -134,13 +150,14 @@ class CausalSelfAttention(nn.Module):
     fused projection by rows and each rank gets its heads' q, k and v.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.n_head = config.heads // config.tp_size  # heads on this rank
         self.head_dim = config.head_dim
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.hidden, 3 * config.hidden, bias=config.bias)
-        self.proj = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+        C = config.hidden
+        self.qkv = ColumnParallelLinear(C, 3 * C, bias=config.bias, group=tp_group)
+        self.proj = RowParallelLinear(C, C, bias=config.bias, group=tp_group)
         self.proj.residual_out = True  # scaled init (GPT-2)
         self.resid_drop = nn.Dropout(config.dropout)
 
@@ -155,12 +172,13 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Two-layer GeLU MLP, C -> F -> C."""
+    """Two-layer GeLU MLP, C -> F -> C (fc1 split by columns, fc2 by rows under TP)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden, config.ffn_hidden, bias=config.bias)
-        self.fc2 = nn.Linear(config.ffn_hidden, config.hidden, bias=config.bias)
+        C, Fw = config.hidden, config.ffn_hidden
+        self.fc1 = ColumnParallelLinear(C, Fw, bias=config.bias, group=tp_group)
+        self.fc2 = RowParallelLinear(Fw, C, bias=config.bias, group=tp_group)
         self.fc2.residual_out = True  # scaled init (GPT-2)
         self.drop = nn.Dropout(config.dropout)
 
@@ -172,12 +190,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). One tensor in, one out."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.ln1 = layer_norm(config.hidden, config.norm_eps, config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, tp_group)
         self.ln2 = layer_norm(config.hidden, config.norm_eps, config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))  # (B, T, C)
@@ -188,10 +206,10 @@ class Block(nn.Module):
 class Head(nn.Module):
     """Token + learned position embedding, then dropout: idx (B, T) -> x (B, T, C)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.seq_len = config.seq_len
-        self.tok = nn.Embedding(config.padded_vocab_size, config.hidden)
+        self.tok = VocabParallelEmbedding(config.padded_vocab_size, config.hidden, group=tp_group)
         self.pos = nn.Embedding(config.seq_len, config.hidden)
         self.drop = nn.Dropout(config.dropout)
 
@@ -206,18 +224,20 @@ class Head(nn.Module):
 class Tail(nn.Module):
     """Final LayerNorm, LM head and loss: x (B, T, C) -> logits (B, T, V), or the loss with targets."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.vocab_size = config.vocab_size
+        self.tp_group = tp_group
         self.ln_f = layer_norm(config.hidden, config.norm_eps, config.bias)
-        self.lm_head = nn.Linear(config.hidden, config.padded_vocab_size, bias=False)
+        # vocabulary-parallel LM head: each rank computes the logits of its vocabulary shard
+        self.lm_head = ColumnParallelLinear(config.hidden, config.padded_vocab_size, bias=False,
+                                            group=tp_group)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V_padded)
-        logits = logits[..., : self.vocab_size]  # (B, T, V): padding rows never predicted
+        logits_shard = self.lm_head(self.ln_f(x))  # (B, T, V_padded / tp)
         if targets is None:
-            return logits
-        return lm_loss(logits, targets)
+            return gather_logits(logits_shard, self.vocab_size, self.tp_group)  # (B, T, V)
+        return lm_loss(logits_shard, targets, self.vocab_size, self.tp_group)
 
 
 class GPT(nn.Module):
@@ -225,17 +245,23 @@ class GPT(nn.Module):
 
     Every parameter is drawn from its own generator, seeded from ``seed`` and the parameter's
     name, so a block's initial weights do not depend on construction order or on which other
-    blocks exist, and a tensor-parallel rank can draw the full tensor and keep its slice.
+    blocks exist, and a tensor-parallel rank draws the full tensor and keeps its slice: a TP run
+    starts from exactly the single-process weights.
+
+    With ``config.tp_size > 1``, ``tp_group`` (a process group of that many ranks, see
+    ``pystronghold.parallel.init_parallel``) splits heads, MLP columns and the vocabulary.
     """
 
-    def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
+    def __init__(self, config: GPTConfig, *, seed: int = 0,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        if config.tp_size != 1:
-            raise NotImplementedError("GPTConfig.tp_size > 1: tensor-parallel GPT is not built yet")
+        if group_size(tp_group) != config.tp_size:
+            raise ValueError(f"GPTConfig.tp_size={config.tp_size} but the tensor-parallel group "
+                             f"has {group_size(tp_group)} ranks (tp_group={tp_group})")
         self.config = config
-        self.head = Head(config)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
-        self.tail = Tail(config)
+        self.head = Head(config, tp_group)
+        self.blocks = nn.ModuleList(Block(config, tp_group) for _ in range(config.layers))
+        self.tail = Tail(config, tp_group)
         if config.tie_embeddings:
             self.tail.lm_head.weight = self.head.tok.weight
         self.reset_parameters(seed)
@@ -258,7 +284,7 @@ class GPT(nn.Module):
                     param.zero_()
                     continue
                 std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
-                _init_normal_(param, std, seed, name)
+                init_normal_(param, std, seed, name)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, V), or the mean cross-entropy loss given targets (B, T)."""
@@ -267,20 +293,3 @@ class GPT(nn.Module):
             x = block(x)  # (B, T, C)
         return self.tail(x, targets)
 
-
-def _init_normal_(param: torch.Tensor, std: float, seed: int, name: str) -> None:
-    """Fill ``param`` with N(0, std) drawn from a generator seeded by (seed, name).
-
-    A parameter split for tensor parallelism carries ``tp_split = (dim, rank, size)``: the full
-    tensor is drawn and this rank's slice kept, so every TP layout starts from the same weights.
-    """
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    split = getattr(param, "tp_split", None)
-    shape = list(param.shape)
-    if split is not None:
-        dim, rank, size = split
-        shape[dim] *= size
-    full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
-    if split is not None:
-        full = full.narrow(dim, rank * param.shape[dim], param.shape[dim])
-    param.copy_(full)
