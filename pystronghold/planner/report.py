@@ -50,12 +50,14 @@ def plan_to_dict(plan: Plan) -> dict:
     }
 
 
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """Left-aligned first column, right-aligned others, two spaces apart."""
+def format_table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    """Columns two spaces apart; ``align`` has one "l" or "r" per column (default: the first
+    left-aligned, the others right-aligned)."""
+    align = align or "l" + "r" * (len(header) - 1)
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     lines = []
     for row in [header, *rows]:
-        cells = [str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(row, widths))]
+        cells = [str(x).ljust(w) if a == "l" else str(x).rjust(w) for x, w, a in zip(row, widths, align)]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
@@ -111,14 +113,14 @@ def format_plan(plan: Plan) -> str:
          f"{'' if host.host_bytes <= host.host_capacity_bytes else '  TOO BIG'}"],
         ["disk (NVMe)", _gib(host.disk_bytes),
          (", ".join(host.disk_states) + f" of {_gib(host.disk_capacity_bytes)}") if host.disk_states else "-"],
-    ])]
+    ], align="lrl")]
     if plan.step is not None:
         st = plan.step
         rows = [["compute", _s(st.compute_s), f"{100 * st.compute_s / st.total_s:.0f}%"],
                 ["exposed transfer", _s(st.exposed_transfer_s), f"{100 * st.exposed_transfer_s / st.total_s:.0f}%"],
                 ["exposed optimizer", _s(st.exposed_optimizer_s), f"{100 * st.exposed_optimizer_s / st.total_s:.0f}%"],
                 ["step", _s(st.total_s), f"{plan.tokens_per_s:,.0f} tokens/s"]]
-        out += ["", format_table(["step time", "seconds", "share"], rows)]
+        out += ["", format_table(["step time", "seconds", "share"], rows, align="lrl")]
     else:
         out += ["", "DOES NOT FIT: " + ", ".join(
             what for what, ok in [("device memory (even W = 1)", plan.max_window >= 1 and dev.fits),
