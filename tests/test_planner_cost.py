@@ -37,13 +37,13 @@ def test_param_numels_follow_the_block_and_the_runtime_layout(bias):
     assert slot_bytes(cfg, 2) == 2 * ((numel * 2 + 4095) // 4096 * 4096)
 
 
-def test_tensor_parallel_split_keeps_replicated_parts_whole():
-    cfg = PRESETS["gpt3-1.3b"]
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tensor_parallel_split_matches_the_models_count(tp):
+    cfg = dataclasses.replace(PRESETS["gpt3-1.3b"], tp_size=tp)
+    assert block_params_per_rank(cfg) == block_param_count(cfg, per_tp_rank=True)
     C = cfg.hidden
     replicated = 2 * (2 * C) + C + C  # two LayerNorms (weight, bias) and the row-parallel biases
-    split = block_param_count(cfg) - replicated
-    tp4 = dataclasses.replace(cfg, tp_size=4)
-    assert block_params_per_rank(tp4) == replicated + split // 4
+    assert block_params_per_rank(cfg) == replicated + (block_param_count(cfg) - replicated) // tp
 
 
 def test_forward_flops_is_the_gpt_formula():
