@@ -101,3 +101,14 @@ def test_bad_sizes():
         simulate_step(costs(), 3, 0)
     with pytest.raises(ValueError, match="max_window"):
         choose_window(costs(), 3, 0)
+
+
+def test_three_steps_reach_the_steady_state():
+    from pystronghold.planner.timeline import _run
+
+    rng = random.Random(5)
+    for _ in range(60):
+        c, n = _random_costs(rng), rng.randint(1, 15)
+        w = rng.randint(1, n)
+        for overlap in ("backward", "forward"):
+            assert _run(c, n, w, overlap, 3) == pytest.approx(_run(c, n, w, overlap, 8), rel=1e-9)
