@@ -112,7 +112,7 @@ def load_corpus(config: DataConfig) -> Corpus:
     for root in roots:
         if not root.exists():
             raise FileNotFoundError(f"data path does not exist: {root}")
-    budget = {"train": config.max_bytes, "val": config.max_bytes}
+    budget = {"train": config.max_bytes, "val": 0}  # "range": one stream, cut afterwards
     if config.split == "file":
         budget["val"] = max(1, int(config.max_bytes * config.val_fraction))
         budget["train"] = config.max_bytes - budget["val"]
