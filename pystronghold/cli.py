@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="version, build (compiler, SIMD), threads, CUDA and Triton status")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(run=_cmd_info)
+    from pystronghold.planner.command import add_plan_command
+
+    add_plan_command(sub)
     return parser
 
 

@@ -13,7 +13,7 @@ kind                                          lane
 compute_fwd, compute_bwd, recompute           compute
 h2d                                           h2d
 d2h                                           d2h
-optimizer                                     optimizer
+optimizer, norm (host gradient-norm pass)     optimizer
 file_read, file_write                         file_io
 wait (compute waiting on a copy: a stall)     stall
 ============================================  ===========
@@ -41,11 +41,11 @@ COMPUTE_KINDS = frozenset({"compute_fwd", "compute_bwd", "recompute"})
 """Kinds that are accelerator compute."""
 TRANSFER_KINDS = frozenset({"h2d", "d2h", "file_read", "file_write"})
 """Kinds that move bytes; each gets a bandwidth in the summary."""
-BACKGROUND_KINDS = TRANSFER_KINDS | {"optimizer"}
+BACKGROUND_KINDS = TRANSFER_KINDS | {"optimizer", "norm"}
 """Kinds the runtime tries to hide behind compute (the numerator set of the overlap fraction)."""
 LANE_OF_KIND = {
     "compute_fwd": "compute", "compute_bwd": "compute", "recompute": "compute",
-    "h2d": "h2d", "d2h": "d2h", "optimizer": "optimizer",
+    "h2d": "h2d", "d2h": "d2h", "optimizer": "optimizer", "norm": "optimizer",
     "file_read": "file_io", "file_write": "file_io", "wait": "stall",
 }
 """Default lane of each known kind."""
@@ -89,8 +89,8 @@ class TraceSummary:
     """Per kind: sum of event durations (concurrent events each counted)."""
     overlap_fraction: float | None = None
     """Fraction of background time that ran while compute ran: with X the union of the intervals of
-    the background kinds (h2d, d2h, optimizer, file_read, file_write) and K the union of the compute
-    intervals (compute_fwd, compute_bwd, recompute), overlap = |X intersect K| / |X|. 1.0 means
+    the background kinds (h2d, d2h, optimizer, norm, file_read, file_write) and K the union of the
+    compute intervals (compute_fwd, compute_bwd, recompute), overlap = |X intersect K| / |X|. 1.0 means
     every transfer and host update was hidden behind compute. None when there is no background
     time (nothing to hide)."""
     stall_s: float = 0.0
@@ -178,8 +178,7 @@ class Tracer:
         """
         events = self.events()
         t0 = min((e.start_s for e in events), default=0.0)
-        lanes = [lane for lane in _LANE_ORDER if any(e.lane == lane for e in events)]
-        lanes += sorted({e.lane for e in events} - set(lanes))
+        lanes = _lanes(events)
         tid = {lane: i for i, lane in enumerate(lanes)}
         pid = os.getpid()
         out: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -197,6 +196,36 @@ class Tracer:
             })
         path = Path(path)
         path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+        return path
+
+    def write_png(self, path: str | os.PathLike, *, title: str | None = None) -> Path:
+        """Draw the timeline (one row per lane, milliseconds from the first event) as a PNG.
+
+        Needs matplotlib (``pip install pystronghold[plots]``); raises ImportError naming it
+        otherwise. The title defaults to the summary line. Returns the path written.
+        """
+        try:
+            import matplotlib
+            matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError as err:
+            raise ImportError("Tracer.write_png needs matplotlib: pip install matplotlib") from err
+        events = self.events()
+        t0 = min((e.start_s for e in events), default=0.0)
+        lanes = _lanes(events)
+        colors = plt.get_cmap("tab10")
+        fig, ax = plt.subplots(figsize=(12, 0.6 * max(len(lanes), 1) + 1.2))
+        for row, lane in enumerate(lanes):
+            spans = [((e.start_s - t0) * 1e3, e.duration_s * 1e3) for e in events if e.lane == lane]
+            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors(row % 10), alpha=0.8)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.invert_yaxis()
+        ax.set_xlabel("time (ms)")
+        ax.set_title(title if title is not None else self.summary().line(), fontsize=9)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
         return path
 
     # ---- summary
@@ -228,6 +257,12 @@ class Tracer:
         return TraceSummary(events=len(events), wall_s=wall, busy_s=busy, time_s=time_s,
                             overlap_fraction=overlap, stall_s=time_s.get("wait", 0.0),
                             bytes=nbytes, gbps=gbps)
+
+
+def _lanes(events: list[TraceEvent]) -> list[str]:
+    """Lanes present, the known ones in display order first, then the others by name."""
+    lanes = [lane for lane in _LANE_ORDER if any(e.lane == lane for e in events)]
+    return lanes + sorted({e.lane for e in events} - set(lanes))
 
 
 # ---- interval arithmetic (lists of disjoint, sorted [start, end) pairs)

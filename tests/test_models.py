@@ -53,6 +53,7 @@ def test_param_count_matches_module(overrides):
     model = GPT(cfg)
     assert param_count(cfg) == real_count(model)
     assert block_param_count(cfg) == real_count(model.blocks[0])
+    assert block_param_count(cfg, per_tp_rank=True) == block_param_count(cfg)  # tp_size 1
 
 
 @pytest.mark.parametrize("name", ["tiny", "mini"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from _dist import run_ranks
 
-from pystronghold.models import GPT, GPTConfig
+from pystronghold.models import GPT, GPTConfig, block_param_count
 from pystronghold.parallel import gather_tp_param, init_parallel
 
 # fp32: the TP run sums partial products in another order, so allow rounding (the 1e-5)
@@ -40,6 +40,8 @@ def _equal_to_single_process(rank: int, world: int) -> None:
         ref = GPT(dataclasses.replace(cfg, tp_size=1), seed=7)
         par = GPT(cfg, seed=7, tp_group=g)
         assert par.blocks[0].attn.n_head == cfg.heads // 2
+        local = sum(p.numel() for p in par.blocks[0].parameters())
+        assert local == block_param_count(cfg, per_tp_rank=True) < block_param_count(cfg)
         # the same initial weights, exactly
         ref_params = dict(ref.named_parameters())
         for pname, full in _gathered(par, g).items():

@@ -139,3 +139,19 @@ def test_concurrent_recording_loses_nothing():
     assert t.summary().bytes["h2d"] == 8000
     t.clear()
     assert t.events() == []
+
+
+def test_norm_pass_counts_as_host_work():
+    t = Tracer()
+    t.record("compute_bwd", 0, 0.0, 4.0)
+    t.record("norm", 1, 3.0, 5.0)  # half hidden behind compute
+    s = t.summary()
+    assert s.busy_s["optimizer"] == pytest.approx(2.0)
+    assert s.overlap_fraction == pytest.approx(0.5)
+
+
+def test_png_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = synthetic().write_png(tmp_path / "trace.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000

@@ -22,10 +22,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import pystronghold.nn.functional as PF
+from pystronghold.nn import LayerNorm as PLayerNorm
+
 from pystronghold.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    gather_from_tp_region, group_size, init_normal_)
 
-__all__ = ["GPTConfig", "GPT", "Head", "Block", "Tail", "CausalSelfAttention", "MLP"]
+__all__ = ["GPTConfig", "GPT", "Head", "Block", "Tail", "CausalSelfAttention", "MLP", "attention",
+           "layer_norm", "lm_loss", "gather_logits"]
 
 
 # ---- config
@@ -103,19 +107,23 @@ class GPTConfig:
         return (self.vocab_size + m - 1) // m * m
 
 
-# ---- the two calls that other backends replace
+# ---- the calls other backends replace (attention, norm, loss)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """Causal scaled-dot-product attention, (B, nh, T, hs) x3 -> (B, nh, T, hs).
 
-    NOTE: the one place attention is computed; pystronghold.nn.functional.attention takes over here.
+    NOTE: the one place attention is computed. Without attention dropout it is
+    pystronghold.nn.functional.attention (FlashAttention-2 in Triton on CUDA, torch on CPU); the
+    Triton kernel has no dropout, so attention dropout goes through torch's SDPA.
     """
+    if dropout_p == 0.0:
+        return PF.attention(q, k, v, causal=True)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
 def layer_norm(hidden: int, eps: float, bias: bool) -> nn.Module:
     """The LayerNorm module every norm of the model is built with (one place to swap it)."""
-    return nn.LayerNorm(hidden, eps=eps, bias=bias)
+    return PLayerNorm(hidden, eps=eps, bias=bias)
 
 
 def gather_logits(logits_shard: torch.Tensor, vocab_size: int,
@@ -276,7 +284,7 @@ class GPT(nn.Module):
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
-                if isinstance(module, nn.LayerNorm):
+                if isinstance(module, (nn.LayerNorm, PLayerNorm)):
                     param.fill_(1.0 if name.endswith("weight") else 0.0)
                     continue
                 if name.endswith("bias"):

@@ -42,13 +42,16 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def block_param_count(config: GPTConfig) -> int:
-    """Parameters of one transformer block (all tensor-parallel ranks together)."""
+def block_param_count(config: GPTConfig, *, per_tp_rank: bool = False) -> int:
+    """Parameters of one transformer block: all tensor-parallel ranks together, or with
+    ``per_tp_rank`` those one rank holds (split matrices and column biases divided by tp_size;
+    norms and row-parallel biases replicated)."""
     C, Fw, b = config.hidden, config.ffn_hidden, int(config.bias)
-    norms = 2 * (C + b * C)  # ln1, ln2
-    attn = C * 3 * C + b * 3 * C + C * C + b * C  # qkv, proj
-    mlp = C * Fw + b * Fw + Fw * C + b * C  # fc1, fc2
-    return norms + attn + mlp
+    tp = config.tp_size if per_tp_rank else 1
+    norms = 2 * (C + b * C)  # ln1, ln2 (replicated)
+    split = (C * 3 * C + b * 3 * C + C * C) + (C * Fw + b * Fw + Fw * C)  # qkv, proj W, fc1, fc2 W
+    replicated_bias = 2 * b * C  # proj and fc2 biases, added after the all-reduce
+    return norms + split // tp + replicated_bias
 
 
 def embedding_param_count(config: GPTConfig) -> int:

@@ -1,0 +1,272 @@
+// Fused CPU Adam/AdamW over flat fp32 buffers: one pass reads param, grad (fp32/bf16/fp16),
+// exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq and optionally a bf16/fp16 shadow of
+// the new param. The arithmetic follows torch.optim's single-tensor CPU path operation by
+// operation (same roundings, same fused lerp), so results agree with torch.optim.AdamW/Adam.
+//
+// Overflow skip: before anything is written, each thread scans its range of the grad (times
+// grad_scale) for inf/NaN; after a barrier, either every thread updates its range or none does.
+// The scan reads only the grad (4 or 2 bytes per element of the 28-30 the update moves); callers
+// that already know the grad is finite (e.g. from grad_sq_norm) pass check_finite=false.
+#include <atomic>
+
+#include "adam.h"
+#include "bindings.h"
+#include "simd.h"
+
+// MKL VML single-precision sqrt (LP64), exported by an MKL build of libtorch_cpu; null otherwise.
+extern "C" void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
+
+namespace pystronghold {
+namespace adam {
+namespace {
+
+namespace sv = ::pystronghold::simd;
+
+// NOTE: an empty asm with the value as in/out operand forces it to be rounded to fp32 here, so
+// the compiler cannot contract a multiply with the following add into an FMA (-ffp-contract=fast
+// is GCC's default for C++). torch's kernels round these products separately.
+template <typename T>
+inline T opaque(T x) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(x));
+#elif defined(__aarch64__)
+  asm("" : "+w"(x));
+#endif
+  return x;
+}
+
+// Per-call constants, computed in double exactly as torch computes its Python scalars, then
+// rounded to fp32 as torch's CPU kernels do with scalar arguments.
+struct Coeffs {
+  float grad_scale;  // grad multiplier (1/loss_scale * clip coefficient)
+  float decay;       // AdamW: 1 - lr*wd (param.mul_)
+  float l2;          // Adam: wd (grad.add(param, alpha=wd))
+  float w1;          // 1 - beta1 (exp_avg.lerp_(grad, w1))
+  float beta2;       // exp_avg_sq.mul_(beta2)
+  float c2;          // 1 - beta2 (addcmul_ value)
+  float bc2_sqrt;    // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step;    // -lr / (1 - beta1^step) (addcdiv_ value)
+};
+
+struct Buffers {
+  float* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* shadow;  // nullptr: no shadow
+};
+
+// sqrt as torch computes it. torch's CPU sqrt of a contiguous fp32 tensor calls MKL's vmsSqrt
+// (VML_HA accuracy, not always correctly rounded: ~16% of results differ by 1 ulp from IEEE sqrt)
+// when torch is built with MKL. We call the same routine, found in libtorch_cpu at load time
+// (weak symbol, declared above), on each block; it is elementwise, so any block split gives
+// torch's results. Without it (non-MKL torch, e.g. aarch64) torch's sqrt is IEEE and so is ours.
+constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
+
+// Elements per block: stage 1 (moments) and stage 2 (param) run over one block while it is in L1.
+constexpr int64_t kBlock = 512;
+
+// torch's CPU kernels (vector and scalar loops alike) fuse the multiply-add of lerp, addcmul and
+// add(alpha=) into an FMA; every other product is rounded on its own (opaque() keeps it so).
+// Stage 1, one element: grad scale, L2 or decay, both moments. Decayed param written back.
+template <typename G, bool kL2, bool kDecay>
+inline void moments_one(const Buffers& b, int64_t i, const Coeffs& c) {
+  float g = sv::scalar_as_float(static_cast<const G*>(b.grad) + i) * c.grad_scale;
+  if (kL2) g = std::fma(c.l2, b.param[i], g);  // grad.add(param, alpha=wd)
+  if (kDecay) b.param[i] = b.param[i] * c.decay;
+  const float m = b.exp_avg[i];
+  b.exp_avg[i] = std::fma(c.w1, g - m, m);  // lerp, weight < 0.5: m + w*(g - m)
+  const float vb = opaque(b.exp_avg_sq[i] * c.beta2);
+  b.exp_avg_sq[i] = std::fma(opaque(c.c2 * g), g, vb);  // mul_(beta2).addcmul_(g, g, value=1-beta2)
+}
+
+// Stage 2, one element: param.addcdiv_(exp_avg, sqrt(v)/bc2 + eps, value=-step_size); shadow.
+template <typename S>
+inline void param_one(const Buffers& b, int64_t i, float root, const Coeffs& c) {
+  const float denom = root / c.bc2_sqrt + c.eps;
+  const float p = b.param[i] + opaque(c.neg_step * b.exp_avg[i]) / denom;
+  b.param[i] = p;
+  if constexpr (!std::is_same_v<S, void>) sv::scalar_from_float(static_cast<S*>(b.shadow) + i, p);
+}
+
+// Elements [begin, end), block by block; in each stage the SIMD body and the scalar tail.
+template <typename G, typename S, bool kL2, bool kDecay>
+void update_range(const Buffers& b, int64_t begin, int64_t end, const Coeffs& c) {
+  const sv::vf gs = sv::set1(c.grad_scale), l2 = sv::set1(c.l2), decay = sv::set1(c.decay);
+  const sv::vf w1 = sv::set1(c.w1), beta2 = sv::set1(c.beta2), c2 = sv::set1(c.c2);
+  const sv::vf bc2 = sv::set1(c.bc2_sqrt), eps = sv::set1(c.eps), neg_step = sv::set1(c.neg_step);
+  const G* grad = static_cast<const G*>(b.grad);
+  alignas(64) float root[kBlock];
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    const int64_t b1 = std::min(end, b0 + kBlock);
+    int64_t i = b0;
+    for (; i + sv::kWidth <= b1; i += sv::kWidth) {
+      sv::vf g = sv::mul(sv::load_as_float(grad + i), gs);
+      if (kL2) g = sv::fmadd(l2, sv::load(b.param + i), g);
+      if (kDecay) sv::store(b.param + i, sv::mul(sv::load(b.param + i), decay));
+      const sv::vf m = sv::load(b.exp_avg + i);
+      sv::store(b.exp_avg + i, sv::fmadd(w1, sv::sub(g, m), m));
+      const sv::vf vb = opaque(sv::mul(sv::load(b.exp_avg_sq + i), beta2));
+      sv::store(b.exp_avg_sq + i, sv::fmadd(opaque(sv::mul(c2, g)), g, vb));
+    }
+    for (; i < b1; ++i) moments_one<G, kL2, kDecay>(b, i, c);
+
+    const int64_t len = b1 - b0;
+    if (::vmsSqrt != nullptr) {
+      ::vmsSqrt(static_cast<int>(len), b.exp_avg_sq + b0, root, kVmlMode);
+    } else {
+      int64_t j = 0;
+      for (; j + sv::kWidth <= len; j += sv::kWidth) sv::store(root + j, sv::sqrt(sv::load(b.exp_avg_sq + b0 + j)));
+      for (; j < len; ++j) root[j] = std::sqrt(b.exp_avg_sq[b0 + j]);
+    }
+
+    for (i = b0; i + sv::kWidth <= b1; i += sv::kWidth) {
+      const sv::vf denom = sv::add(sv::div(sv::load(root + (i - b0)), bc2), eps);
+      const sv::vf p = sv::add(sv::load(b.param + i), sv::div(opaque(sv::mul(neg_step, sv::load(b.exp_avg + i))), denom));
+      sv::store(b.param + i, p);
+      if constexpr (!std::is_same_v<S, void>) sv::store_from_float(static_cast<S*>(b.shadow) + i, p);
+    }
+    for (; i < b1; ++i) param_one<S>(b, i, root[i - b0], c);
+  }
+}
+
+// True when every grad[i] * scale in [begin, end) is finite. Stops early when `stop` is set.
+template <typename G>
+bool grad_finite(const G* grad, int64_t begin, int64_t end, float scale, const std::atomic<bool>& stop) {
+  constexpr int64_t kBlock = 1 << 14;
+  const sv::vf s = sv::set1(scale);
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    if (stop.load(std::memory_order_relaxed)) return true;  // another thread found one already
+    const int64_t b1 = std::min(end, b0 + kBlock);
+    sv::vf acc = sv::set1(0.0f);
+    float acc_tail = 0.0f;
+    int64_t i = b0;
+    for (; i + sv::kWidth <= b1; i += sv::kWidth) {
+      const sv::vf x = opaque(sv::mul(sv::load_as_float(grad + i), s));
+      acc = sv::add(acc, sv::sub(x, x));  // x - x is 0 when finite, NaN for inf/NaN; NaN sticks
+    }
+    for (; i < b1; ++i) {
+      const float x = opaque(sv::scalar_as_float(grad + i) * scale);
+      acc_tail += x - x;
+    }
+    if (!sv::all_finite(acc) || std::isnan(acc_tail)) return false;
+  }
+  return true;
+}
+
+template <typename G, typename S, bool kL2, bool kDecay>
+bool run(const Buffers& b, int64_t n, const Coeffs& c, bool check_finite) {
+  const int nth = threads_for(n);
+  std::atomic<bool> overflow{false};
+#pragma omp parallel num_threads(nth)
+  {
+    const int t = omp_get_thread_num();
+    const int team = omp_get_num_threads();
+    const int64_t begin = range_start(n, t, team), end = range_start(n, t + 1, team);
+    if (check_finite && !grad_finite(static_cast<const G*>(b.grad), begin, end, c.grad_scale, overflow)) {
+      overflow.store(true, std::memory_order_relaxed);
+    }
+    if (check_finite) {
+#pragma omp barrier
+    }
+    if (!overflow.load(std::memory_order_relaxed)) update_range<G, S, kL2, kDecay>(b, begin, end, c);
+  }
+  return !overflow.load();
+}
+
+template <typename G, typename S>
+bool dispatch_mode(const Buffers& b, int64_t n, const Coeffs& c, bool l2, bool decay, bool check) {
+  if (l2) return run<G, S, true, false>(b, n, c, check);
+  if (decay) return run<G, S, false, true>(b, n, c, check);
+  return run<G, S, false, false>(b, n, c, check);
+}
+
+template <typename G>
+bool dispatch_shadow(const Buffers& b, int64_t n, const Coeffs& c, c10::optional<at::ScalarType> shadow,
+                     bool l2, bool decay, bool check) {
+  if (!shadow) return dispatch_mode<G, void>(b, n, c, l2, decay, check);
+  if (*shadow == at::kBFloat16) return dispatch_mode<G, sv::BF16>(b, n, c, l2, decay, check);
+  return dispatch_mode<G, sv::F16>(b, n, c, l2, decay, check);
+}
+
+bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+               c10::optional<at::Tensor> shadow, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool adamw, double grad_scale, bool check_finite) {
+  constexpr const char* fn = "adam_step";
+  check_cpu_contiguous(param, fn, "param");
+  check_cpu_contiguous(grad, fn, "grad");
+  check_cpu_contiguous(exp_avg, fn, "exp_avg");
+  check_cpu_contiguous(exp_avg_sq, fn, "exp_avg_sq");
+  check_dtype_in(param, fn, "param", {at::kFloat}, "float32");
+  check_dtype_in(exp_avg, fn, "exp_avg", {at::kFloat}, "float32");
+  check_dtype_in(exp_avg_sq, fn, "exp_avg_sq", {at::kFloat}, "float32");
+  check_dtype_in(grad, fn, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
+  const int64_t n = param.numel();
+  check_numel(grad, fn, "grad", n);
+  check_numel(exp_avg, fn, "exp_avg", n);
+  check_numel(exp_avg_sq, fn, "exp_avg_sq", n);
+  std::vector<std::pair<const char*, const at::Tensor*>> named = {
+      {"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  c10::optional<at::ScalarType> shadow_dtype;
+  if (shadow.has_value()) {
+    check_cpu_contiguous(*shadow, fn, "shadow");
+    check_dtype_in(*shadow, fn, "shadow", {at::kBFloat16, at::kHalf}, "bfloat16 or float16");
+    check_numel(*shadow, fn, "shadow", n);
+    named.emplace_back("shadow", &*shadow);
+    shadow_dtype = shadow->scalar_type();
+  }
+  check_disjoint(named, fn);
+  TORCH_CHECK_VALUE(step >= 1, fn, ": step must be >= 1 (the count after incrementing), got ", step);
+  TORCH_CHECK_VALUE(lr >= 0.0, fn, ": lr must be >= 0, got ", lr);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, fn, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, fn, ": beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK_VALUE(eps >= 0.0, fn, ": eps must be >= 0, got ", eps);
+  TORCH_CHECK_VALUE(weight_decay >= 0.0, fn, ": weight_decay must be >= 0, got ", weight_decay);
+  TORCH_CHECK_VALUE(std::isfinite(grad_scale), fn, ": grad_scale must be finite, got ", grad_scale);
+  if (n == 0) return true;
+
+  const double stepd = static_cast<double>(step);
+  const double bias_correction1 = 1.0 - std::pow(beta1, stepd);
+  const double bias_correction2 = 1.0 - std::pow(beta2, stepd);
+  const double step_size = lr / bias_correction1;
+  Coeffs c;
+  c.grad_scale = static_cast<float>(grad_scale);
+  c.decay = static_cast<float>(1.0 - lr * weight_decay);
+  c.l2 = static_cast<float>(weight_decay);
+  c.w1 = static_cast<float>(1.0 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.c2 = static_cast<float>(1.0 - beta2);
+  c.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.eps = static_cast<float>(eps);
+  c.neg_step = static_cast<float>(-step_size);
+  const bool l2 = !adamw && weight_decay != 0.0;
+  const bool decay = adamw && weight_decay != 0.0;
+
+  Buffers b{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+            shadow_dtype ? shadow->data_ptr() : nullptr};
+  switch (grad.scalar_type()) {
+    case at::kFloat: return dispatch_shadow<float>(b, n, c, shadow_dtype, l2, decay, check_finite);
+    case at::kBFloat16: return dispatch_shadow<sv::BF16>(b, n, c, shadow_dtype, l2, decay, check_finite);
+    case at::kHalf: return dispatch_shadow<sv::F16>(b, n, c, shadow_dtype, l2, decay, check_finite);
+    default: TORCH_INTERNAL_ASSERT(false, "grad dtype was validated above");
+  }
+  return false;
+}
+
+}  // namespace
+}  // namespace adam
+}  // namespace pystronghold
+
+PYSTRONGHOLD_BINDINGS(adam) {
+  namespace py = pybind11;
+  m.def("adam_step", &pystronghold::adam::adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("shadow"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"),
+        py::arg("check_finite"), py::call_guard<py::gil_scoped_release>(),
+        "Fused Adam/AdamW step over flat CPU buffers, in place; False (nothing written) on a non-finite grad.");
+  m.def("simd_level", []() { return std::string(pystronghold::simd::kName); },
+        "The SIMD implementation csrc/simd.h compiled to (avx512, avx2, neon or scalar).");
+  m.def("adam_sqrt", []() { return std::string(::vmsSqrt ? "mkl-vml-ha" : "ieee"); },
+        "The sqrt adam_step uses: MKL's vmsSqrt from libtorch_cpu (as torch's CPU sqrt), or IEEE.");
+}

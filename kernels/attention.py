@@ -1,0 +1,259 @@
+"""Flash attention (FlashAttention-2, Dao 2023) forward and backward in Triton.
+
+O = softmax(Q K^T * scale [+ causal mask]) V for q, k, v of shape (B, H, N, D), 16 <= D <= 128, any N.
+Forward: one program per (BLOCK_M query rows, batch*head); it streams BLOCK_N key/value rows with the
+online softmax (running max m, running sum l, fp32 accumulator rescaled by exp(m_old - m_new)) and
+saves LSE = m + log l (natural log, fp32, (B*H, N)). Exponentials use exp2 with log2(e) folded into
+the scale. Causal programs stop at their diagonal block.
+Backward (Delta = rowsum(dO * O), computed by torch): P = exp(S - LSE), dP = dO V^T,
+dS = P (dP - Delta); dV = P^T dO, dK = scale dS^T Q in one pass per key block, dQ = scale dS K in a
+second pass per query block (no atomics). Ragged edges (N, D not multiples of the blocks) are masked.
+All accumulation is fp32; fp32 inputs use TF32 `tl.dot` on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _config
+from .reference import attention_math_reference, attention_reference  # noqa: F401  (re-exported)
+
+LOG2E = 1.4426950408889634
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+
+
+def _interpreter_blocks(configs, named_args):
+    """The one configuration used under the interpreter: blocks of 64, 32 or 16 rows by sequence length."""
+    n = named_args["n_ctx"]
+    block = 64 if n >= 128 else (32 if n >= 32 else 16)
+    return triton.Config({"BLOCK_M": block, "BLOCK_N": block}, num_warps=4, num_stages=1)
+
+
+def _configs(shapes):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)])
+_BWD_CONFIGS = _configs([(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (32, 32, 4, 1)])
+_AUTOTUNE = dict(key=["n_ctx", "head_dim", "CAUSAL"],
+                 prune_configs_by={"early_config_prune": _config.prune_to_one(_interpreter_blocks, "Q")})
+
+# ---- kernels
+
+
+@triton.autotune(configs=_FWD_CONFIGS, **_AUTOTUNE)
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, n_ctx, head_dim, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    base = bh * n_ctx * head_dim
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q_mask = (rows < n_ctx)[:, None] & d_mask[None, :]
+    q = tl.load(Q + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = n_ctx
+    if CAUSAL:
+        hi = tl.minimum((start_m + 1) * BLOCK_M, n_ctx)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (cols < n_ctx)[:, None] & d_mask[None, :]
+        k = tl.load(K + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale                      # (BLOCK_M, BLOCK_N), log2 units
+        valid = (cols < n_ctx)[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))                  # finite: column 0 is always valid
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(O + base + rows[:, None] * head_dim + offs_d[None, :], acc.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(LSE + bh * n_ctx + rows, (m_i + tl.log2(l_i)) / 1.4426950408889634, mask=rows < n_ctx)
+
+
+@triton.jit
+def _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL: tl.constexpr):
+    """P and dS of one (query block, key block) tile; both (BLOCK_M, BLOCK_N) fp32."""
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None] * 1.4426950408889634)
+    valid = (rows < n_ctx)[:, None] & (cols < n_ctx)[None, :]
+    if CAUSAL:
+        valid = valid & (cols[None, :] <= rows[:, None])
+    p = tl.where(valid, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    return p, p * (dp - delta[:, None])
+
+
+@triton.autotune(configs=_BWD_CONFIGS, **_AUTOTUNE)
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, n_ctx, head_dim,
+                          CAUSAL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    base = bh * n_ctx * head_dim
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    kv_mask = (cols < n_ctx)[:, None] & d_mask[None, :]
+    k = tl.load(K + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M                 # first query block reaching these keys
+    for start_m in range(lo, n_ctx, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q_mask = (rows < n_ctx)[:, None] & d_mask[None, :]
+        q = tl.load(Q + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(DO + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(LSE + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
+        delta = tl.load(DELTA + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
+        p, ds = _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(DK + base + cols[:, None] * head_dim + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(DV + base + cols[:, None] * head_dim + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.autotune(configs=_BWD_CONFIGS, **_AUTOTUNE)
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale, qk_scale, n_ctx, head_dim,
+                        CAUSAL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    base = bh * n_ctx * head_dim
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q_mask = (rows < n_ctx)[:, None] & d_mask[None, :]
+    q = tl.load(Q + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
+    delta = tl.load(DELTA + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = n_ctx
+    if CAUSAL:
+        hi = tl.minimum((start_m + 1) * BLOCK_M, n_ctx)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (cols < n_ctx)[:, None] & d_mask[None, :]
+        k = tl.load(K + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        p, ds = _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL)
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + base + rows[:, None] * head_dim + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=q_mask)
+
+
+# ---- launchers
+
+
+def _check(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _config.check_dtype(name, t)
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must all be (B, H, N, D) of one shape; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={q.shape[-1]} is out of range: the Triton attention takes "
+                         f"{MIN_HEAD_DIM} <= D <= {MAX_HEAD_DIM}")
+    _config.check_runnable(q.device, _attn_fwd_kernel)
+
+
+def attention_fwd(q, k, v, causal: bool, sm_scale: float, o=None):
+    """Launch the forward; q, k, v (and `o` if given) contiguous (B, H, N, D). Returns (o, lse (B*H, N) fp32)."""
+    batch, heads, n_ctx, head_dim = q.shape
+    o = torch.empty_like(q) if o is None else o
+    lse = torch.empty(batch * heads, n_ctx, dtype=torch.float32, device=q.device)
+    if q.numel():
+        grid = lambda meta: (triton.cdiv(n_ctx, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+        _attn_fwd_kernel[grid](q, k, v, o, lse, sm_scale * LOG2E, n_ctx, head_dim, CAUSAL=causal,
+                               UPCAST=_config.upcast_for_dot(q.dtype, q.device),
+                               BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+    return o, lse
+
+
+def attention_bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, grads=None):
+    """Launch the two backward passes; returns (dq, dk, dv) in q's dtype (into contiguous `grads` if given)."""
+    batch, heads, n_ctx, head_dim = q.shape
+    do = do.contiguous()
+    delta = (o.float() * do.float()).sum(-1).reshape(batch * heads, n_ctx)   # (B*H, N) fp32
+    dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if grads is None else grads
+    if q.numel():
+        args = dict(CAUSAL=causal, UPCAST=_config.upcast_for_dot(q.dtype, q.device),
+                    BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+        grid_n = lambda meta: (triton.cdiv(n_ctx, meta["BLOCK_N"]), batch * heads)  # noqa: E731
+        _attn_bwd_dkdv_kernel[grid_n](q, k, v, do, lse, delta, dk, dv, sm_scale, sm_scale * LOG2E,
+                                      n_ctx, head_dim, **args)
+        grid_m = lambda meta: (triton.cdiv(n_ctx, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+        _attn_bwd_dq_kernel[grid_m](q, k, v, do, lse, delta, dq, sm_scale, sm_scale * LOG2E, n_ctx, head_dim,
+                                    **args)
+    return dq, dk, dv
+
+
+# ---- autograd
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = attention_fwd(q, k, v, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+# ---- public
+
+
+def attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
+    """Triton flash attention: softmax(q k^T * scale) v, (B, H, N, D) -> (B, H, N, D), 16 <= D <= 128.
+
+    scale defaults to 1/sqrt(D); `causal` masks key j > query i (queries and keys aligned at 0).
+    fp32/fp16/bf16 inputs, fp32 accumulation; output in the inputs' dtype (FlashAttention-2, Dao 2023).
+    """
+    _check(q, k, v)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _AttentionFunction.apply(q, k, v, bool(causal), float(scale))

@@ -1,0 +1,119 @@
+"""`CPUAdam`: the fused CPU Adam/AdamW as a `torch.optim.Optimizer`.
+
+Param groups, `add_param_group`, `lr` edits, LR schedulers and `zero_grad` behave as in torch.
+`state_dict()` has the keys and layout of `torch.optim.AdamW` (or `torch.optim.Adam` with
+``adamw=False``): per parameter ``step`` (0-dim fp32 tensor), ``exp_avg`` and ``exp_avg_sq``; per
+group ``lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable, differentiable, fused,
+decoupled_weight_decay``. A state dict saved by either optimizer loads into the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import torch
+
+from .functional import adam_step_
+
+__all__ = ["CPUAdam"]
+
+log = logging.getLogger(__name__)
+
+# Options of torch.optim.AdamW that this optimizer does not implement, with their only allowed values.
+_UNSUPPORTED = {"amsgrad": (False,), "maximize": (False,), "capturable": (False,),
+                "differentiable": (False,), "foreach": (None, False), "fused": (None, False)}
+
+
+def _check_group(group: dict) -> None:
+    for key, allowed in _UNSUPPORTED.items():
+        if group.get(key, allowed[0]) not in allowed:
+            raise ValueError(f"CPUAdam does not support {key}={group[key]!r} (allowed: "
+                             f"{' or '.join(map(repr, allowed))}); use torch.optim.AdamW for that")
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"CPUAdam: lr must be a number or a 1-element tensor, got shape {tuple(lr.shape)}")
+        lr = lr.item()
+    if not 0.0 <= lr:
+        raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
+    beta1, beta2 = group["betas"]
+    if not 0.0 <= float(beta1) < 1.0:
+        raise ValueError(f"CPUAdam: betas[0] must be in [0, 1), got {beta1}")
+    if not 0.0 <= float(beta2) < 1.0:
+        raise ValueError(f"CPUAdam: betas[1] must be in [0, 1), got {beta2}")
+    if not 0.0 <= group["eps"]:
+        raise ValueError(f"CPUAdam: eps must be >= 0, got {group['eps']}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {group['weight_decay']}")
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW for fp32 parameters in host memory, one fused C++ pass per parameter.
+
+    Args:
+        params: parameters or param groups (fp32, on the CPU).
+        lr: learning rate. betas: (beta1, beta2) moment decay rates. eps: denominator term.
+        weight_decay: decoupled (AdamW) or L2 (Adam) coefficient; default 1e-2 for AdamW, 0 for Adam.
+        adamw: True: `torch.optim.AdamW` semantics; False: `torch.optim.Adam` (stored per group as
+            ``decoupled_weight_decay``, as torch does).
+        amsgrad, maximize, foreach, capturable, differentiable, fused: accepted only at their
+            defaults (kept in the state dict for compatibility); other values raise ValueError.
+
+    `step()` returns the closure's loss. As in torch, a non-finite gradient is not skipped: it
+    propagates into the parameter (use `pystronghold.optim.adam_step_` for loss-scaling skips).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float | None = None, amsgrad: bool = False, *,
+                 adamw: bool = True, maximize: bool = False, foreach: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False, fused: bool | None = None) -> None:
+        if weight_decay is None:
+            weight_decay = 1e-2 if adamw else 0.0
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused, decoupled_weight_decay=bool(adamw))
+        _check_group(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group)
+        for p in group["params"]:
+            if p.device.type != "cpu" or p.dtype != torch.float32:
+                raise ValueError(f"CPUAdam: parameters must be fp32 CPU tensors, got {p.dtype} on {p.device}")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One optimizer step over every parameter that has a gradient; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            _check_group(group)
+            lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+            beta1, beta2 = (float(b) for b in group["betas"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("CPUAdam does not support sparse gradients")
+                if not p.is_contiguous():
+                    raise ValueError(f"CPUAdam: parameters must be contiguous, got strides {p.stride()}")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                step_t = state["step"]
+                step = int(step_t.item()) + 1
+                # NOTE: check_finite=False keeps torch's semantics (NaN/inf propagate) and saves a read.
+                adam_step_(
+                    p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                    step=step, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
+                    check_finite=False)
+                step_t.fill_(float(step))
+        return loss

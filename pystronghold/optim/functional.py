@@ -1,0 +1,79 @@
+"""Functional fused CPU Adam/AdamW over flat buffers (the runtime's entry point).
+
+Both functions run in C++ (`csrc/adam.cpp`, `csrc/adam_norm.cpp`): one SIMD pass, OpenMP threads,
+the GIL released. The arithmetic follows `torch.optim.AdamW` / `torch.optim.Adam` (single-tensor
+CPU path) operation by operation with the same roundings (torch's CPU kernels fuse the multiply-adds
+of lerp, addcmul and add(alpha=) into FMAs, vector and scalar loops alike), so fp32 results are
+bit-identical to torch's default CPU optimizer (checked on x86 with AVX-512 and AVX2 builds of torch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._ext import native
+
+__all__ = ["adam_step_", "grad_sq_norm"]
+
+def adam_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    shadow: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> bool:
+    """One Adam/AdamW step over flat CPU buffers, in place; returns whether it was applied.
+
+    Args:
+        param: fp32 master weights (updated in place), contiguous, on the CPU.
+        grad: gradient, fp32, bf16 or fp16, same number of elements; read only.
+        exp_avg, exp_avg_sq: fp32 first and second moments (updated in place).
+        step: 1-based step count after incrementing (torch's ``state['step']`` after the update).
+        lr: learning rate (per unit of normalised gradient). beta1, beta2: moment decay rates in [0, 1).
+        eps: added to the bias-corrected ``sqrt(exp_avg_sq)``.
+        weight_decay: decoupled (``param *= 1 - lr*wd``) when ``adamw``; else L2 (``grad += wd*param``).
+        adamw: True for ``torch.optim.AdamW`` semantics, False for ``torch.optim.Adam``.
+        grad_scale: factor applied to ``grad`` in the same pass (1/loss_scale times a clip coefficient).
+        shadow: optional bf16/fp16 buffer that receives ``param.to(shadow.dtype)`` (round to nearest
+            even, bit-identical to torch's cast) after the update.
+        check_finite: scan ``grad*grad_scale`` for inf/NaN first (reads the grad once more: 4 or 2 of
+            the 28-30 bytes per element). Pass False only when the caller already knows it is finite,
+            e.g. because ``grad_sq_norm`` returned a finite value.
+
+    Returns:
+        True when applied; False, with param, states and shadow untouched, when any ``grad*grad_scale``
+        is not finite (overflow skip).
+
+    Raises:
+        ValueError: a tensor has the wrong dtype, device, layout or size, or two buffers overlap,
+            or a hyperparameter is out of range.
+    """
+    for name, value in (("step", step),):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"adam_step_: {name} must be an int, got {type(value).__name__}")
+    return native().adam_step(
+        param, grad, exp_avg, exp_avg_sq, shadow, int(step), float(lr), float(beta1), float(beta2),
+        float(eps), float(weight_decay), bool(adamw), float(grad_scale), bool(check_finite),
+    )
+
+
+def grad_sq_norm(grad: torch.Tensor, grad_scale: float = 1.0) -> float:
+    """Sum of squares of ``grad * grad_scale`` (no square root), accumulated in float64.
+
+    The product is rounded to fp32 first (the value Adam consumes). Returns inf or NaN when any
+    value is not finite, so one call serves both global-norm clipping and the overflow check.
+
+    Raises:
+        ValueError: ``grad`` is not a contiguous CPU fp32/bf16/fp16 tensor, or ``grad_scale`` is not finite.
+    """
+    return native().grad_sq_norm(grad, float(grad_scale))

@@ -1,0 +1,266 @@
+"""The cost model: bytes, FLOPs and seconds of one block, of head + tail, and of one training step.
+
+Everything is per tensor-parallel rank (a rank holds 1/tp of the split weights, see
+``pystronghold.parallel``). The formulas are explained in ``docs/DESIGN.md`` ("Planner"). Names:
+B micro-batch, T tokens per sample, C hidden, F MLP width, V padded vocabulary, a heads, t = tp,
+s = bytes per element in the compute precision (4 fp32, 2 bf16/fp16), P_b = parameters of one
+block on this rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pystronghold.models.gpt import GPTConfig
+from pystronghold.planner.hardware import GiB, Hardware
+
+__all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
+           "block_forward_flops", "block_activation_bytes", "tail_activation_bytes",
+           "host_bytes_per_param", "ring_allreduce_s", "block_costs", "PRECISION_BYTES",
+           "OVERLAP_MODES", "analytic_window", "block_param_numels", "slot_bytes"]
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each compute precision."""
+OVERLAP_MODES = ("backward", "forward")
+"""When the host updates run: during backward, or after it, ahead of the next forward's loads."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload:
+    """How the model is trained: everything the planner needs besides the model shape and hardware."""
+
+    batch: int = 1
+    """Micro-batch per data-parallel rank, samples."""
+    seq: int | None = None
+    """Tokens per sample; None: the model's ``seq_len``."""
+    precision: str = "bf16"
+    """Compute precision: "fp32", "bf16" or "fp16"."""
+    checkpointing: bool = True
+    """Recompute each block in backward, keeping only its input (the runtime's default)."""
+    flash_attention: bool = True
+    """Attention saves no (T, T) score matrix (``scaled_dot_product_attention`` with a fused
+    kernel, as the GPT model uses); False counts scores and softmax (Korthikanti et al. 2022)."""
+    dropout: bool = False
+    """Dropout is active (its 1-byte masks are kept); the GPT presets train without dropout."""
+    dp_size: int = 1
+    """Data-parallel ranks; with tp, all ``tp * dp`` ranks share one machine's host and CPUs."""
+    overlap: str = "backward"
+    """Host updates during backward (block i after its gradient copy-out) or "forward" (after
+    backward, block 0, 1, ... ahead of the next forward; needed by clipping and fp16)."""
+    compute_efficiency: float = 0.5
+    """Fraction of the dense peak FLOP/s a block reaches (Megatron-LM reports 40-55% on A100)."""
+    device_reserve_bytes: int = 1 * GiB
+    """Device bytes the planner keeps free: CUDA context, cuBLAS workspaces, allocator slack."""
+    host_reserve_bytes: int = 8 * GiB
+    """Host bytes kept for the OS, Python, torch and the data loader."""
+    nvme_staging_blocks: int = 4
+    """Blocks whose NVMe-resident states are staged in host memory at once (read-ahead and
+    write-behind of the updates)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "dp_size", "nvme_staging_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Workload.{name} must be a positive int, got {value!r}")
+        if self.seq is not None and (not isinstance(self.seq, int) or self.seq < 1):
+            raise ValueError(f"Workload.seq must be a positive int or None, got {self.seq!r}")
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"Workload.precision must be one of {sorted(PRECISION_BYTES)}, "
+                             f"got {self.precision!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"Workload.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"Workload.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+        for name in ("device_reserve_bytes", "host_reserve_bytes"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Workload.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element in the compute precision (s)."""
+        return PRECISION_BYTES[self.precision]
+
+
+# ---- parameters
+
+def block_params_per_rank(config: GPTConfig) -> int:
+    """Parameters of one block on one tensor-parallel rank: norms and row-parallel biases are
+    replicated, the QKV/fc1 columns and proj/fc2 rows are split (equals ``block_param_count``
+    at tp = 1)."""
+    return sum(block_param_numels(config))
+
+
+ALIGN_ELEMS = 16
+"""The runtime's store layout: each parameter of a block starts at a multiple of 16 elements."""
+ARENA_ALIGN = 4096
+"""The runtime's arenas round each per-block buffer up to 4096 bytes."""
+
+
+def block_param_numels(config: GPTConfig) -> list[int]:
+    """Elements of each parameter of one block on one rank, in ``Block.named_parameters()`` order
+    (ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2; weight then bias)."""
+    C, Fw, t, bias = config.hidden, config.ffn_hidden, config.tp_size, config.bias
+
+    def layer(weight: int, b: int) -> list[int]:
+        return [weight, b] if bias else [weight]
+
+    return (layer(C, C) + layer(3 * C * C // t, 3 * C // t) + layer(C * C // t, C) + layer(C, C)
+            + layer(C * Fw // t, Fw // t) + layer(Fw * C // t, C))
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def slot_bytes(config: GPTConfig, dtype_bytes: int) -> int:
+    """Device bytes of one window slot as the runtime lays it out: a parameter buffer and a
+    gradient buffer, each the block's parameters at 16-element offsets, rounded up to 4096 bytes."""
+    numel = 0
+    for n in block_param_numels(config):
+        numel = _round_up(numel, ALIGN_ELEMS) + n
+    numel = _round_up(numel, ALIGN_ELEMS)
+    return 2 * _round_up(numel * dtype_bytes, ARENA_ALIGN)
+
+
+def head_tail_params_per_rank(config: GPTConfig) -> int:
+    """Parameters of head (token + position embedding) and tail (final norm, LM head) on one rank;
+    a tied LM head is counted once."""
+    C, V, t = config.hidden, config.padded_vocab_size, config.tp_size
+    head = V * C // t + config.seq_len * C
+    tail = C + int(config.bias) * C + (0 if config.tie_embeddings else V * C // t)
+    return head + tail
+
+
+# ---- FLOPs and activations
+
+def block_forward_flops(config: GPTConfig, batch: int, seq: int) -> float:
+    """Forward FLOPs of one block on one rank: matmuls 2*B*T*(4*C^2 + 2*C*F) (= 24*B*T*C^2 at
+    F = 4C) plus attention 4*B*T^2*C (scores and weighted sum, causal mask not discounted), / tp."""
+    B, T, C, Fw = batch, seq, config.hidden, config.ffn_hidden
+    return (2.0 * B * T * (4 * C * C + 2 * C * Fw) + 4.0 * B * T * T * C) / config.tp_size
+
+
+def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
+    """Bytes one block keeps for its backward (Korthikanti et al. 2022, generalised).
+
+    Per block, in elements of s bytes: 4*B*T*C replicated (LayerNorm inputs and outputs) plus
+    (3 + 1 + 2*F/C)*B*T*C / t (Q, K, V, attention output, GeLU input and output); without a fused
+    attention kernel also 2*a*T^2*B / t (scores, softmax output); with dropout, 1-byte masks of
+    2*B*T*C (+ a*T^2*B / t). At s = 2, F = 4C, t = 1 with dropout and no fused attention this is
+    Korthikanti's B*T*C*(34 + 5*a*T/C).
+    """
+    B, T, C, t, s = work.batch, seq, config.hidden, config.tp_size, work.dtype_bytes
+    btc = B * T * C
+    elems = 4 * btc + (4 + 2 * config.ffn_hidden // C) * btc // t
+    scores = config.heads * T * T * B // t
+    if not work.flash_attention:
+        elems += 2 * scores
+    masks = (2 * btc + (0 if work.flash_attention else scores)) if work.dropout else 0
+    return elems * s + masks
+
+
+def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
+    """Peak bytes of the loss: the logits in compute precision (B*T*V*s), their fp32 copy and
+    log-softmax output and, in backward, the fp32 gradient (3 * B*T*V*4 at the peak), plus the
+    final norm's input and output (2*B*T*C*s). The full V: the loss gathers the vocabulary shards."""
+    B, V, C, s = work.batch, config.vocab_size, config.hidden, work.dtype_bytes
+    return B * seq * V * (s + 12) + 2 * B * seq * C * s
+
+
+def host_bytes_per_param(precision: str) -> int:
+    """Host store bytes per block parameter: fp32 master, exp_avg, exp_avg_sq (12) plus the
+    gradient in compute precision (s) plus, in bf16/fp16, the compute-precision shadow (s):
+    16 bytes in every precision."""
+    s = PRECISION_BYTES[precision]
+    return 12 + s + (s if s < 4 else 0)
+
+
+def ring_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks: 2*(n-1)/n * bytes / bandwidth."""
+    return 0.0 if ranks <= 1 else 2.0 * (ranks - 1) / ranks * nbytes / bytes_per_s
+
+
+# ---- one block, one step
+
+@dataclass(frozen=True, slots=True)
+class BlockCosts:
+    """Bytes and seconds of one block (and of head + tail) on one rank for a given model/workload/hardware."""
+
+    block_params: int
+    """Parameters of one block on this rank (P_b)."""
+    slot_bytes: int
+    """Device bytes of one window slot: parameters and gradients in compute precision, 2*P_b*s
+    (plus the runtime's alignment padding, see ``slot_bytes``)."""
+    head_tail_bytes: int
+    """Device bytes of head + tail: parameters, gradients, fp32 masters (bf16/fp16), Adam moments,
+    and the fp32 gradient copy the device AdamW makes in bf16/fp16."""
+    block_input_bytes: int
+    """Bytes of one block's saved input (B*T*C*s)."""
+    block_activation_bytes: int
+    """Bytes of one block's full activations (see ``block_activation_bytes``)."""
+    tail_activation_bytes: int
+    """Peak bytes of the loss computation."""
+    fwd_s: float
+    """Forward compute of one block, seconds (FLOPs / (peak * efficiency) + TP all-reduces)."""
+    bwd_s: float
+    """Backward of one block, seconds: 2x forward, +1x forward when recomputing."""
+    head_tail_s: float
+    """Forward + backward of the LM head, seconds (3 * 2*B*T*C*V / tp FLOPs)."""
+    load_s: float
+    """Host-to-device copy of one block's parameters, seconds (P_b*s / H2D bandwidth)."""
+    grad_s: float
+    """Device-to-host copy of one block's gradient, seconds (P_b*s / D2H bandwidth)."""
+    allreduce_s: float
+    """Data-parallel all-reduce of one block's gradient before its copy-out, seconds."""
+    adam_s: float
+    """Host update of one block, seconds: P_b / (CPU Adam rate / ranks), or the NVMe tier's
+    read + write of its states when that is slower."""
+
+
+def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_per_param: int = 0
+                ) -> BlockCosts:
+    """The ``BlockCosts`` of ``config`` trained as ``work`` on ``hw``. ``nvme_bytes_per_param``:
+    state bytes per parameter that live on the NVMe tier (0: none)."""
+    s = work.dtype_bytes
+    seq = work.seq or config.seq_len
+    if seq > config.seq_len:
+        raise ValueError(f"Workload.seq={seq} is longer than the model's seq_len={config.seq_len}")
+    ranks = config.tp_size * work.dp_size
+    p_b = block_params_per_rank(config)
+    p_ht = head_tail_params_per_rank(config)
+    half = s < 4
+    flops = hw.gpu.flops(work.precision) * work.compute_efficiency
+    btc_bytes = work.batch * seq * config.hidden * s
+    tp_ar = ring_allreduce_s(btc_bytes, config.tp_size, hw.gpu.interconnect_bytes_per_s)
+    fwd = block_forward_flops(config, work.batch, seq) / flops + 2 * tp_ar
+    recompute = fwd if work.checkpointing else 0.0
+    bwd = 2 * (fwd - 2 * tp_ar) + 2 * tp_ar + recompute
+    lm_flops = 2.0 * work.batch * seq * config.hidden * config.padded_vocab_size / config.tp_size
+    adam = p_b / (hw.cpu_adam_params_per_s / ranks)
+    if nvme_bytes_per_param:
+        adam = max(adam, 2 * nvme_bytes_per_param * p_b / (hw.nvme_bytes_per_s / ranks))
+    return BlockCosts(
+        block_params=p_b,
+        slot_bytes=slot_bytes(config, s),
+        head_tail_bytes=p_ht * (s + s + 8 + (4 + 4 if half else 0)),
+        block_input_bytes=btc_bytes,
+        block_activation_bytes=block_activation_bytes(config, work, seq),
+        tail_activation_bytes=tail_activation_bytes(config, work, seq),
+        fwd_s=fwd,
+        bwd_s=bwd,
+        head_tail_s=3 * lm_flops / flops,
+        load_s=p_b * s / hw.gpu.h2d_bytes_per_s,
+        grad_s=p_b * s / hw.gpu.d2h_bytes_per_s,
+        allreduce_s=ring_allreduce_s(p_b * s, work.dp_size, hw.gpu.interconnect_bytes_per_s),
+        adam_s=adam,
+    )
+
+
+def analytic_window(costs: BlockCosts) -> int:
+    """The STRONGHOLD-style bound: the smallest W >= 2 whose W - 1 blocks of compute cover one
+    block's transfer in both passes, max(2, 1 + ceil(max(load / fwd, max(load, grad) / bwd)))
+    (loads and gradient copies use the two directions of the link at once). It ignores that one
+    link serialises the loads; ``pystronghold.planner.timeline`` simulates that."""
+    ratio = max(costs.load_s / costs.fwd_s, max(costs.load_s, costs.grad_s) / costs.bwd_s)
+    return max(2, 1 + math.ceil(ratio - 1e-12))

@@ -1,0 +1,155 @@
+"""What the planner knows about a machine: the accelerator (``GPU``) and its host (``Hardware``).
+
+Units everywhere: bytes, bytes/s, FLOP/s, parameters/s. ``GiB = 2**30`` bytes (GPU memory sizes,
+as ``nvidia-smi`` reports them); bandwidths are in decimal GB/s (1e9 bytes/s), as vendors quote them.
+
+GPU presets carry the vendor's dense (no sparsity) peak FLOP/s and a *practical* host link
+bandwidth: what a pinned ``cudaMemcpyAsync`` of large buffers reaches over PCIe x16, about 75-80%
+of the signalling rate (PCIe gen3: 15.75 GB/s theoretical per direction, gen4: 31.5, gen5: 63;
+PCI-SIG base specifications, 128b/130b encoding). Both directions run at the same time (full
+duplex), so H2D loads and D2H gradient copies are modelled as two independent links.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+__all__ = ["GiB", "GB", "TFLOPS", "GPU", "Hardware", "GPUS", "PCIE_GEN3", "PCIE_GEN4", "PCIE_GEN5",
+           "DEFAULT_CPU_ADAM_RATE", "DEFAULT_NVME_BANDWIDTH", "gpu_preset"]
+
+GiB = 2**30
+"""Bytes in a GiB."""
+GB = 1e9
+"""Bytes in a (decimal) GB, the unit of bandwidths."""
+TFLOPS = 1e12
+"""FLOP/s in a TFLOP/s."""
+
+# Practical per-direction bandwidth of a PCIe x16 link with pinned host memory, bytes/s:
+# ~80% of the signalling rate (15.75 / 31.5 / 63 GB/s), what bandwidthTest-style measurements show.
+PCIE_GEN3 = 12 * GB
+PCIE_GEN4 = 25 * GB
+PCIE_GEN5 = 50 * GB
+
+DEFAULT_CPU_ADAM_RATE = 2e9
+"""Parameters/s a fused CPU AdamW updates, when not measured. The update is memory bound: per
+parameter it reads master, grad, exp_avg, exp_avg_sq (4 + 2..4 + 4 + 4 bytes) and writes master,
+exp_avg, exp_avg_sq, shadow (4 + 4 + 4 + 2 bytes), about 28-32 bytes. 2e9 parameters/s is ~60 GB/s
+of memory traffic, what one socket of a current server (8 DDR4-3200 / DDR5 channels, 200-300 GB/s
+peak) sustains for such streams with OpenMP. A desktop (2 channels, ~50-80 GB/s peak) reaches less:
+measure yours (``bench/adam.py``) and pass it as ``cpu_adam_params_per_s``."""
+
+DEFAULT_NVME_BANDWIDTH = 3 * GB
+"""Bytes/s of the NVMe tier when not given: a PCIe gen4 x4 SSD streams 5-7 GB/s sequential reads
+(vendor datasheets), less when reads and writes interleave; 3 GB/s is a conservative default."""
+
+
+@dataclass(kw_only=True, slots=True)
+class GPU:
+    """One accelerator: memory, dense peak FLOP/s by precision, host link, interconnect."""
+
+    name: str
+    """Preset name, e.g. ``a100-40gb``."""
+    memory_bytes: int
+    """Device memory, bytes."""
+    fp32_flops: float
+    """Dense fp32 peak, FLOP/s (no TF32: PyTorch's default for fp32 matmuls)."""
+    bf16_flops: float | None
+    """Dense bf16 tensor-core peak with fp32 accumulation, FLOP/s; None: bf16 unsupported."""
+    fp16_flops: float
+    """Dense fp16 tensor-core peak with fp32 accumulation, FLOP/s."""
+    h2d_bytes_per_s: float
+    """Practical host-to-device copy bandwidth, bytes/s."""
+    d2h_bytes_per_s: float
+    """Practical device-to-host copy bandwidth, bytes/s."""
+    interconnect_bytes_per_s: float = PCIE_GEN4
+    """GPU-to-GPU bandwidth per direction for tensor/data-parallel collectives, bytes/s
+    (NVLink where the card has it, else the PCIe link)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("GPU.name must not be empty")
+        for name in ("memory_bytes", "fp32_flops", "fp16_flops", "h2d_bytes_per_s", "d2h_bytes_per_s",
+                     "interconnect_bytes_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"GPU.{name} must be a positive number, got {value!r}")
+        if self.bf16_flops is not None and not self.bf16_flops > 0:
+            raise ValueError(f"GPU.bf16_flops must be positive or None, got {self.bf16_flops!r}")
+
+    def flops(self, precision: str) -> float:
+        """Dense peak FLOP/s in ``precision`` ("fp32", "bf16", "fp16"); ValueError if unsupported."""
+        if precision == "fp32":
+            return self.fp32_flops
+        if precision == "fp16":
+            return self.fp16_flops
+        if precision == "bf16":
+            if self.bf16_flops is None:
+                raise ValueError(f"{self.name} has no bf16 support; use precision fp16 or fp32")
+            return self.bf16_flops
+        raise ValueError(f"precision must be one of fp32, bf16, fp16, got {precision!r}")
+
+
+def _gpu(name: str, mem_gib: float, fp32: float, bf16: float | None, fp16: float, link: float,
+         nvlink: float | None = None) -> GPU:
+    return GPU(name=name, memory_bytes=int(mem_gib * GiB), fp32_flops=fp32 * TFLOPS,
+               bf16_flops=None if bf16 is None else bf16 * TFLOPS, fp16_flops=fp16 * TFLOPS,
+               h2d_bytes_per_s=link, d2h_bytes_per_s=link,
+               interconnect_bytes_per_s=link if nvlink is None else nvlink)
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in [
+    # NVIDIA Tesla V100 datasheet (SXM2): fp32 15.7 TFLOPS, tensor fp16 125 TFLOPS, no bf16;
+    # PCIe gen3 x16 host link; NVLink 2 300 GB/s total -> 150 GB/s per direction.
+    _gpu("v100-16gb", 16, 15.7, None, 125, PCIE_GEN3, 150 * GB),
+    _gpu("v100-32gb", 32, 15.7, None, 125, PCIE_GEN3, 150 * GB),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM): fp32 19.5, bf16/fp16 tensor 312 TFLOPS dense;
+    # PCIe gen4 x16; NVLink 3 600 GB/s total -> 300 GB/s per direction.
+    _gpu("a100-40gb", 40, 19.5, 312, 312, PCIE_GEN4, 300 * GB),
+    _gpu("a100-80gb", 80, 19.5, 312, 312, PCIE_GEN4, 300 * GB),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): fp32 67, bf16/fp16 tensor 989 TFLOPS dense
+    # (1979 with sparsity); PCIe gen5 x16; NVLink 4 900 GB/s total -> 450 GB/s per direction.
+    _gpu("h100-80gb", 80, 67, 989, 989, PCIE_GEN5, 450 * GB),
+    # NVIDIA Ampere GA102 whitepaper, GeForce RTX 3090: fp32 35.6, fp16/bf16 tensor with fp32
+    # accumulate 71 TFLOPS dense; 24 GB GDDR6X; PCIe gen4 x16; NVLink bridge 112.5 GB/s total.
+    _gpu("rtx3090", 24, 35.6, 71, 71, PCIE_GEN4, 56 * GB),
+    # NVIDIA Ada Lovelace whitepaper, GeForce RTX 4090: fp32 82.6, fp16/bf16 tensor with fp32
+    # accumulate 165.2 TFLOPS dense; 24 GB GDDR6X; PCIe gen4 x16; no NVLink (peers over PCIe).
+    _gpu("rtx4090", 24, 82.6, 165.2, 165.2, PCIE_GEN4),
+]}
+"""Built-in GPU presets by name."""
+
+
+def gpu_preset(name: str) -> GPU:
+    """The preset called ``name`` (case-insensitive); ValueError listing the known names otherwise."""
+    try:
+        return replace(GPUS[name.lower()])
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class Hardware:
+    """One training machine as the planner sees it: an accelerator plus its host."""
+
+    gpu: GPU
+    """The accelerator (per rank)."""
+    host_memory_bytes: int
+    """Host memory the store may use on this machine, bytes (all ranks of the machine share it)."""
+    cpu_adam_params_per_s: float = DEFAULT_CPU_ADAM_RATE
+    """Parameters/s of the fused CPU AdamW on this machine's CPUs, shared by its ranks
+    (see DEFAULT_CPU_ADAM_RATE)."""
+    nvme_bytes: int = 0
+    """Disk space for the NVMe tier, bytes; 0: no NVMe tier."""
+    nvme_bytes_per_s: float = field(default=DEFAULT_NVME_BANDWIDTH)
+    """Read and write bandwidth of the NVMe tier, bytes/s, shared by the machine's ranks."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpu, GPU):
+            raise ValueError(f"Hardware.gpu must be a GPU, got {self.gpu!r}")
+        for name in ("host_memory_bytes", "cpu_adam_params_per_s", "nvme_bytes_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Hardware.{name} must be a positive number, got {value!r}")
+        if not (isinstance(self.nvme_bytes, (int, float)) and self.nvme_bytes >= 0):
+            raise ValueError(f"Hardware.nvme_bytes must be >= 0, got {self.nvme_bytes!r}")

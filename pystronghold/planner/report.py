@@ -1,0 +1,134 @@
+"""A plan as a JSON-ready dict and as the text tables ``pystronghold plan`` prints."""
+
+from __future__ import annotations
+
+from pystronghold.planner.cost import host_bytes_per_param
+from pystronghold.planner.hardware import GiB
+from pystronghold.planner.plan import Plan, nvme_state_bytes_per_param
+
+__all__ = ["plan_to_dict", "format_plan", "format_table"]
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    """Every figure of ``plan`` in base units (bytes, seconds, parameters), JSON-serialisable."""
+    cfg, work, hw, c, dev, host = plan.config, plan.work, plan.hardware, plan.costs, plan.device, plan.host
+    step = plan.step
+    return {
+        "fits": plan.fits,
+        "model": {"layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
+                  "seq": work.seq or cfg.seq_len, "vocab_size": cfg.vocab_size,
+                  "params": plan.params, "block_params_per_rank": c.block_params,
+                  "tp_size": cfg.tp_size, "dp_size": work.dp_size},
+        "workload": {"batch": work.batch, "precision": work.precision,
+                     "checkpointing": work.checkpointing, "overlap": work.overlap,
+                     "compute_efficiency": work.compute_efficiency},
+        "hardware": {"gpu": hw.gpu.name, "gpu_memory_bytes": hw.gpu.memory_bytes,
+                     "gpu_flops": hw.gpu.flops(work.precision),
+                     "h2d_bytes_per_s": hw.gpu.h2d_bytes_per_s, "d2h_bytes_per_s": hw.gpu.d2h_bytes_per_s,
+                     "host_memory_bytes": hw.host_memory_bytes,
+                     "cpu_adam_params_per_s": hw.cpu_adam_params_per_s,
+                     "nvme_bytes": hw.nvme_bytes, "nvme_bytes_per_s": hw.nvme_bytes_per_s},
+        "window": {"chosen": plan.window if plan.fits or plan.window_asked else None, "asked": plan.window_asked, "max_fitting": plan.max_window,
+                   "stronghold_formula": plan.stronghold_window},
+        "per_block": {"slot_bytes": c.slot_bytes, "input_bytes": c.block_input_bytes,
+                      "activation_bytes": c.block_activation_bytes, "fwd_s": c.fwd_s,
+                      "bwd_s": c.bwd_s, "load_s": c.load_s, "grad_s": c.grad_s,
+                      "allreduce_s": c.allreduce_s, "adam_s": c.adam_s},
+        "device": {"window_bytes": dev.window_bytes, "head_tail_bytes": dev.head_tail_bytes,
+                   "activation_bytes": dev.activation_bytes, "reserve_bytes": dev.reserve_bytes,
+                   "peak_bytes": dev.peak_bytes, "capacity_bytes": dev.capacity_bytes, "fits": dev.fits},
+        "host": {"tier": host.tier, "host_bytes": host.host_bytes,
+                 "host_capacity_bytes": host.host_capacity_bytes, "disk_bytes": host.disk_bytes,
+                 "disk_capacity_bytes": host.disk_capacity_bytes,
+                 "disk_states": list(host.disk_states), "fits": host.fits},
+        "step": None if step is None else {
+            "total_s": step.total_s, "compute_s": step.compute_s,
+            "exposed_transfer_s": step.exposed_transfer_s,
+            "exposed_optimizer_s": step.exposed_optimizer_s, "tokens_per_s": plan.tokens_per_s},
+        "largest": [{"hidden": r.hidden, "heads": r.heads, "layers": r.layers, "params": r.params,
+                     "bound": r.bound, "window": r.window, "step_s": r.step_s} for r in plan.largest],
+    }
+
+
+def format_table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
+    """Columns two spaces apart; ``align`` has one "l" or "r" per column (default: the first
+    left-aligned, the others right-aligned)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = []
+    for row in [header, *rows]:
+        cells = [str(x).ljust(w) if a == "l" else str(x).rjust(w) for x, w, a in zip(row, widths, align)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.1f} GiB"
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e8 else f"{n / 1e6:,.1f} M"
+
+
+def _s(t: float) -> str:
+    return f"{t * 1e3:,.1f} ms" if t < 1 else f"{t:,.2f} s"
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable report: model, window, memory, step time, largest models."""
+    cfg, work, hw, c, dev, host = plan.config, plan.work, plan.hardware, plan.costs, plan.device, plan.host
+    seq = work.seq or cfg.seq_len
+    out = [f"model     {cfg.layers} layers x {cfg.hidden} hidden, {cfg.heads} heads, "
+           f"{_params(plan.params)} params ({_params(c.block_params)} per block), seq {seq}, "
+           f"batch {work.batch}, {work.precision}, tp {cfg.tp_size} dp {work.dp_size}",
+           f"hardware  {hw.gpu.name}: {_gib(hw.gpu.memory_bytes)}, "
+           f"{hw.gpu.flops(work.precision) / 1e12:,.1f} TFLOP/s x {work.compute_efficiency:.2f}, "
+           f"H2D {hw.gpu.h2d_bytes_per_s / 1e9:.1f} GB/s; host {_gib(hw.host_memory_bytes)}, "
+           f"CPU Adam {hw.cpu_adam_params_per_s / 1e9:.2f} G params/s"
+           + (f", NVMe {_gib(hw.nvme_bytes)} at {hw.nvme_bytes_per_s / 1e9:.1f} GB/s" if hw.nvme_bytes else ""),
+           ""]
+    host_bpp = host_bytes_per_param(work.precision) - (
+        nvme_state_bytes_per_param(work.precision)[0] if host.tier == "nvme" else 0)
+    if plan.window_asked is not None:
+        how = "as asked" if plan.window_asked == plan.window else \
+            f"asked {plan.window_asked}, clamped to the {cfg.layers} blocks"
+    elif plan.fits:
+        how = "smallest within 1% of the best step time"
+    else:
+        how = "none chosen: the model does not fit"
+    out.append(f"window W  {plan.window if plan.fits or plan.window_asked else '-'} ({how}; "
+               f"up to {plan.max_window} fit; STRONGHOLD formula: {plan.stronghold_window})")
+    update = "host update (NVMe read + write)" if host.tier == "nvme" else "CPU Adam"
+    out.append(f"per block fwd {_s(c.fwd_s)}, bwd {_s(c.bwd_s)}, load {_s(c.load_s)}, "
+               f"grad out {_s(c.grad_s)}, {update} {_s(c.adam_s)}")
+    out += ["", format_table(["memory", "bytes", "of"], [
+        ["device: window", _gib(dev.window_bytes), f"{plan.window} x {_gib(c.slot_bytes)}"],
+        ["device: head + tail", _gib(dev.head_tail_bytes), "params, grads, AdamW"],
+        ["device: activations", _gib(dev.activation_bytes), "checkpointed" if work.checkpointing else "kept"],
+        ["device: reserve", _gib(dev.reserve_bytes), ""],
+        ["device: peak", _gib(dev.peak_bytes), f"{_gib(dev.capacity_bytes)}{'' if dev.fits else '  TOO BIG'}"],
+        ["host", _gib(host.host_bytes),
+         f"{host_bpp} B/param{' + staging' if host.tier == 'nvme' else ''} + "
+         f"{_gib(work.host_reserve_bytes)} reserve, of {_gib(host.host_capacity_bytes)}"
+         f"{'' if host.host_bytes <= host.host_capacity_bytes else '  TOO BIG'}"],
+        ["disk (NVMe)", _gib(host.disk_bytes),
+         (", ".join(host.disk_states) + f" of {_gib(host.disk_capacity_bytes)}") if host.disk_states else "-"],
+    ], align="lrl")]
+    if plan.step is not None:
+        st = plan.step
+        rows = [["compute", _s(st.compute_s), f"{100 * st.compute_s / st.total_s:.0f}%"],
+                ["exposed transfer", _s(st.exposed_transfer_s), f"{100 * st.exposed_transfer_s / st.total_s:.0f}%"],
+                ["exposed optimizer", _s(st.exposed_optimizer_s), f"{100 * st.exposed_optimizer_s / st.total_s:.0f}%"],
+                ["step", _s(st.total_s), f"{plan.tokens_per_s:,.0f} tokens/s"]]
+        out += ["", format_table(["step time", "seconds", "share"], rows, align="lrl")]
+    else:
+        out += ["", "DOES NOT FIT: " + ", ".join(
+            what for what, ok in [("device memory (even W = 1)", plan.max_window >= 1 and dev.fits),
+                                  ("host memory", host.host_bytes <= host.host_capacity_bytes),
+                                  ("disk", host.disk_bytes <= host.disk_capacity_bytes)] if not ok)]
+    if plan.largest:
+        rows = [[str(r.hidden), str(r.heads), str(r.layers), _params(r.params) if r.layers else "-",
+                 r.bound, str(r.window), _s(r.step_s) if r.layers else "-"] for r in plan.largest]
+        out += ["", "largest trainable model (same seq, batch, precision; W = 1 must fit):",
+                format_table(["hidden", "heads", "layers", "params", "bound by", "W", "step"], rows)]
+    return "\n".join(out)

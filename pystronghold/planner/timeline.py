@@ -1,0 +1,126 @@
+"""Step time of the window schedule, by simulating its lanes, and the choice of W.
+
+The simulated schedule is the runtime's (``pystronghold.runtime.schedule``): forward uses blocks
+0 .. N-1, backward N-1 .. 0; W slots; after forward use k the slot of block k is reloaded with
+block k + W; the last W blocks of forward stay resident for backward; after backward use j the
+slot of block j is reloaded with block j - W once block j's gradient has left it. Five lanes, each
+serial (one job at a time, in issue order), run concurrently:
+
+- compute: block forwards, the loss, block backwards (a block waits for its load);
+- H2D: block loads (a load waits for its slot to be free and, in the next step, for the block's
+  host update);
+- collective: the data-parallel all-reduce of each block's gradient (after its backward);
+- D2H: gradient copy-outs (after the all-reduce);
+- CPU: the fused Adam of each block (after its copy-out; in "forward" overlap mode all of them
+  after the last copy-out, block 0 first).
+
+Three consecutive steps are simulated and the last one is measured, so the host updates of one
+step delaying the loads of the next are counted. O(N) per simulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pystronghold.planner.cost import BlockCosts
+
+__all__ = ["StepTime", "simulate_step", "choose_window"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """One training step on one rank, seconds: ``total = compute + exposed_transfer + exposed_optimizer``."""
+
+    total_s: float
+    """Wall time of one step in steady state."""
+    compute_s: float
+    """Compute alone: N * (forward + backward) + loss."""
+    exposed_transfer_s: float
+    """Time the compute waits for copies and collectives (step time without host updates, minus compute)."""
+    exposed_optimizer_s: float
+    """Time the host updates add on top (step time minus the step time with free host updates)."""
+
+
+def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int) -> float:
+    """Duration of the last of ``steps`` simulated steps, seconds."""
+    w = min(w, n)
+    comp = h2d = coll = d2h = cpu = 0.0  # when each lane is next free
+    update_done = [0.0] * n  # when each block's latest host update ends
+    ends = [0.0]
+    for _ in range(steps):
+        start = comp
+        loaded = [0.0] * n  # forward load of block k ends
+        fwd_done = [0.0] * n
+        for k in range(n):
+            issue = start if k < w else fwd_done[k - w]  # prologue, or the slot block k - w left
+            h2d = max(h2d, issue, update_done[k]) + c.load_s
+            loaded[k] = h2d
+            comp = max(comp, loaded[k]) + c.fwd_s
+            fwd_done[k] = comp
+        comp += c.head_tail_s  # loss forward + backward (head backward is negligible)
+        grad_out = [0.0] * n  # gradient copy-out of block j ends
+        for j in reversed(range(n)):
+            if j >= n - w:
+                ready = loaded[j]  # still resident from forward
+            else:
+                h2d = max(h2d, grad_out[j + w]) + c.load_s  # reuse the slot of block j + w
+                ready = h2d
+            comp = max(comp, ready) + c.bwd_s
+            coll = max(coll, comp) + c.allreduce_s
+            d2h = max(d2h, coll) + c.grad_s
+            grad_out[j] = d2h
+            if overlap == "backward":
+                cpu = max(cpu, d2h) + c.adam_s
+                update_done[j] = cpu
+        if overlap == "forward":  # the global gradient (norm, overflow check) first
+            cpu = max(cpu, d2h)
+            for k in range(n):
+                cpu += c.adam_s
+                update_done[k] = cpu
+        ends.append(comp)
+    return ends[-1] - ends[-2]
+
+
+def simulate_step(costs: BlockCosts, n_blocks: int, window: int, overlap: str = "backward",
+                  steps: int = 3) -> StepTime:
+    """Steady-state step time of ``n_blocks`` blocks with a window of ``window`` slots, seconds."""
+    if n_blocks < 1 or window < 1:
+        raise ValueError(f"simulate_step: n_blocks and window must be >= 1, got {n_blocks}, {window}")
+    total = _run(costs, n_blocks, window, overlap, steps)
+    no_opt = _run(replace(costs, adam_s=0.0), n_blocks, window, overlap, steps)
+    compute = n_blocks * (costs.fwd_s + costs.bwd_s) + costs.head_tail_s
+    return StepTime(total_s=total, compute_s=compute, exposed_transfer_s=max(0.0, no_opt - compute),
+                    exposed_optimizer_s=max(0.0, total - no_opt))
+
+
+def choose_window(costs: BlockCosts, n_blocks: int, max_window: int, overlap: str = "backward",
+                  tolerance: float = 0.01) -> tuple[int, StepTime]:
+    """The smallest W in [1, max_window] whose step time is within ``tolerance`` (relative) of the
+    best step time any W <= max_window reaches, both with and without the host updates, and its
+    step time.
+
+    When transfers can hide behind compute this is the smallest W that hides them; when the link
+    is the bottleneck, larger windows still help (the last W blocks of forward are not reloaded
+    for backward) and the W returned is where that gain stops. The step time without host updates
+    counts too, so a slow optimizer that would hide any W's transfers does not make W = 1 look good.
+    Binary search: both step times do not increase with W (a slot more only issues loads earlier).
+    """
+    if max_window < 1:
+        raise ValueError(f"choose_window: max_window must be >= 1, got {max_window}")
+    hi = min(max_window, n_blocks)
+    best = simulate_step(costs, n_blocks, hi, overlap)
+
+    def good(t: StepTime) -> bool:
+        return (t.total_s <= best.total_s * (1 + tolerance)
+                and t.compute_s + t.exposed_transfer_s
+                <= (best.compute_s + best.exposed_transfer_s) * (1 + tolerance))
+
+    lo, found = 1, (hi, best)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        t = simulate_step(costs, n_blocks, mid, overlap)
+        if good(t):
+            hi, found = mid, (mid, t)
+        else:
+            lo = mid + 1
+    return found

@@ -1,0 +1,214 @@
+"""The functional fused CPU Adam (`adam_step_`, `grad_sq_norm`) against torch.optim.
+
+fp32 results are compared for bit equality with torch's default CPU AdamW/Adam (the kernel
+follows torch's roundings and its vector/scalar split), and with rtol 1e-6 as the contract.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pystronghold.optim.functional import adam_step_, grad_sq_norm
+
+SIZES = [1, 7, 1023, 2**20 + 3]
+GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def torch_run(p0, grads, *, adamw, lr, betas, eps, wd, impl="single"):
+    """Reference: torch.optim.AdamW/Adam over the given grads (fp32 copies), returns (p, m, v)."""
+    p = p0.clone().requires_grad_(True)
+    kwargs = {"foreach": False} if impl == "single" else {impl: True}
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(
+        [p], lr=lr, betas=betas, eps=eps, weight_decay=wd, **kwargs)
+    for g in grads:
+        p.grad = g.float()
+        opt.step()
+    st_ = opt.state[p]
+    return p.detach(), st_["exp_avg"], st_["exp_avg_sq"]
+
+
+def ours_run(p0, grads, *, adamw, lr, betas, eps, wd, shadow_dtype=None):
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    shadow = None if shadow_dtype is None else torch.empty(p0.numel(), dtype=shadow_dtype)
+    for step, g in enumerate(grads, start=1):
+        applied = adam_step_(p, g, m, v, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                             weight_decay=wd, adamw=adamw, shadow=shadow)
+        assert applied
+    return p, m, v, shadow
+
+
+def make_grads(n, steps, dtype):
+    return [torch.randn(n).to(dtype) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("adamw,wd", [(True, 0.0), (True, 0.1), (False, 0.1)])
+def test_matches_torch_50_steps(n, grad_dtype, adamw, wd):
+    if n > 2**16 and grad_dtype != torch.float32 and wd == 0.0:
+        pytest.skip("large size covered with fp32 grads and with weight decay; keeps the file fast")
+    p0 = torch.randn(n)
+    grads = make_grads(n, 50, grad_dtype)
+    hp = dict(adamw=adamw, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=wd)
+    p_ref, m_ref, v_ref = torch_run(p0, grads, **hp)
+    p, m, v, _ = ours_run(p0, grads, **hp)
+    for ours, ref in ((p, p_ref), (m, m_ref), (v, v_ref)):
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0.0)
+        assert torch.equal(ours, ref), "expected bit equality with torch's single-tensor CPU path"
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_close_to_torch_foreach_and_fused(impl):
+    # NOTE: foreach/fused round differently from the single-tensor path (e.g. fused computes
+    # exp_avg_sq.sqrt()/bc2 differently); after 50 steps they agree to a few ulp, hence 1e-5.
+    n = 4099
+    p0 = torch.randn(n)
+    grads = make_grads(n, 50, torch.float32)
+    hp = dict(adamw=True, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.1)
+    p_ref, m_ref, v_ref = torch_run(p0, grads, impl=impl, **hp)
+    p, m, v, _ = ours_run(p0, grads, **hp)
+    torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(m, m_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-10)
+
+
+@pytest.mark.parametrize("n", [7, 1023, 2**20 + 3])
+@pytest.mark.parametrize("shadow_dtype", [torch.bfloat16, torch.float16])
+def test_shadow_is_exact_cast_of_master(n, shadow_dtype):
+    p0 = torch.randn(n) * 1e4  # fp16 overflows past 65504: inf in the shadow, as torch casts
+    grads = make_grads(n, 3, torch.bfloat16)
+    p, _, _, shadow = ours_run(p0, grads, adamw=True, lr=10.0, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
+                               shadow_dtype=shadow_dtype)
+    assert torch.equal(shadow.view(torch.int16), p.to(shadow_dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("shadow_dtype", [torch.bfloat16, torch.float16])
+def test_shadow_special_values(shadow_dtype):
+    # lr=0 keeps the master as is, so the shadow is the cast of these crafted values.
+    info = torch.finfo(shadow_dtype)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), info.max, info.max * 1.001,
+                            info.tiny, info.tiny / 3, 1e-30, 1.0 + 2**-8, 1.0 + 3 * 2**-8,
+                            1.0 + 2**-11, 1.0 + 3 * 2**-11, 65519.0, 65520.0, 3.0e38])
+    p0 = torch.cat([special.repeat(5), torch.randn(1000)])  # both the SIMD body and the tail
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    shadow = torch.empty(p0.numel(), dtype=shadow_dtype)
+    assert adam_step_(p, torch.zeros_like(p0), m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.0, shadow=shadow)
+    assert torch.equal(p, p0)
+    assert torch.equal(shadow.view(torch.int16), p0.to(shadow_dtype).view(torch.int16))
+    nan_p = torch.full((40,), float("nan"))
+    nan_shadow = torch.empty(40, dtype=shadow_dtype)
+    adam_step_(nan_p, torch.zeros(40), torch.zeros(40), torch.zeros(40), step=1, lr=0.0, beta1=0.9,
+               beta2=0.999, eps=1e-8, weight_decay=0.0, shadow=nan_shadow)
+    assert torch.isnan(nan_shadow.float()).all()
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("where", ["last", "first", "middle_nan", "scale_overflow"])
+def test_overflow_skip_leaves_everything_untouched(grad_dtype, where):
+    n = 2**20 + 3
+    g = torch.randn(n).to(grad_dtype)
+    scale = 1.0
+    if where == "last":
+        g[-1] = float("inf")
+    elif where == "first":
+        g[0] = float("-inf")
+    elif where == "middle_nan":
+        g[n // 2 + 5] = float("nan")
+    else:
+        g[n - 20] = 60000.0
+        scale = 1e35  # finite grad, but grad * grad_scale overflows fp32
+    p, m, v = torch.randn(n), torch.randn(n), torch.rand(n)
+    shadow = torch.randn(n).to(torch.bfloat16)
+    before = [t.clone() for t in (p, m, v, shadow)]
+    applied = adam_step_(p, g, m, v, step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=0.1, grad_scale=scale, shadow=shadow)
+    assert applied is False
+    for after, orig in zip((p, m, v, shadow), before):
+        assert torch.equal(after, orig)
+    # the same call with a finite grad is applied (the skip was caused by the grad alone)
+    g_ok = torch.randn(n).to(grad_dtype)
+    assert adam_step_(p, g_ok, m, v, step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.1, shadow=shadow)
+    assert not torch.equal(p, before[0])
+
+
+def test_grad_scale_equals_prescaled_grad():
+    n = 5000
+    g = torch.randn(n)
+    scale = 0.25  # a power of two: g*scale is exact, so both paths must agree bit for bit
+    a = [torch.randn(n), torch.randn(n), torch.rand(n)]  # param, exp_avg, exp_avg_sq (>= 0)
+    b = [t.clone() for t in a]
+    adam_step_(*a[:1], g, *a[1:], step=2, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+               grad_scale=scale)
+    adam_step_(*b[:1], g * scale, *b[1:], step=2, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8,
+               weight_decay=0.0)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("n", [1, 1023, 2**20 + 3])
+def test_grad_sq_norm(grad_dtype, n):
+    g = torch.randn(n).to(grad_dtype)
+    scale = 0.37
+    expected = (g.float() * scale).double().pow(2).sum().item()
+    assert grad_sq_norm(g, grad_scale=scale) == pytest.approx(expected, rel=1e-12)
+    assert grad_sq_norm(g) == pytest.approx(g.double().pow(2).sum().item(), rel=1e-12)
+    g[-1] = float("inf")
+    assert grad_sq_norm(g) == float("inf")
+    g[0] = float("nan")
+    assert grad_sq_norm(g) != grad_sq_norm(g)  # NaN
+
+
+def test_gil_is_released_two_calls_overlap():
+    n = 2**22
+    bufs = [[torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)] for _ in range(2)]
+    intervals = [[] for _ in range(2)]
+    barrier = threading.Barrier(2)
+
+    def worker(k):
+        p, g, m, v = bufs[k]
+        barrier.wait()
+        for step in range(1, 4):
+            t0 = time.perf_counter()
+            adam_step_(p, g, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+            intervals[k].append((t0, time.perf_counter()))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # With the GIL held, one thread could not even start its timer while the other's call runs.
+    overlap = any(max(a0, b0) < min(a1, b1) for a0, a1 in intervals[0] for b0, b1 in intervals[1])
+    assert overlap, f"calls never overlapped: {intervals}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 5000), steps=st.integers(1, 4), adamw=st.booleans(),
+       lr=st.floats(1e-5, 1.0), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.5, 0.9999),
+       eps=st.floats(1e-10, 1e-3), wd=st.sampled_from([0.0, 1e-3, 0.1, 0.5]), seed=st.integers(0, 2**16))
+def test_property_matches_torch(n, steps, adamw, lr, beta1, beta2, eps, wd, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(steps)]
+    hp = dict(adamw=adamw, lr=lr, betas=(beta1, beta2), eps=eps, wd=wd)
+    p_ref, m_ref, v_ref = torch_run(p0, grads, **hp)
+    p, m, v, _ = ours_run(p0, grads, **hp)
+    torch.testing.assert_close(p, p_ref, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(v, v_ref, rtol=1e-6, atol=0.0)
+
+
+def test_sqrt_is_torchs_sqrt():
+    # torch's CPU sqrt is MKL's vmsSqrt when torch has MKL; adam_step_ must use the same one,
+    # otherwise ~16% of the denominators differ by 1 ulp from torch's.
+    from pystronghold._ext import native
+
+    expected = "mkl-vml-ha" if torch.backends.mkl.is_available() else "ieee"
+    assert native().adam_sqrt() == expected
