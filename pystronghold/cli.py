@@ -1,9 +1,10 @@
-"""Command line: `pystronghold info` (more subcommands join as they are built)."""
+"""Command line: `pystronghold info | plan | train | export`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -26,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train models larger than accelerator memory.",
         epilog="example: pystronghold info --json",
     )
+    def one_line_error(message: str):
+        print(f"pystronghold: error: {message} (see pystronghold --help)", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = one_line_error  # NOTE: e.g. an unknown option after a subcommand lands here
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="version, build (compiler, SIMD), threads, CUDA and Triton status")
     info.add_argument("--json", action="store_true", help="print one JSON object")
@@ -33,10 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     from pystronghold.planner.command import add_plan_command
 
     add_plan_command(sub)
+    from pystronghold.train.command import add_export_command, add_train_command
+
+    add_train_command(sub)
+    add_export_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # NOTE: set before torch loads OpenMP. The host Adam runs an OpenMP team on a worker thread beside
+    # torch's own team; with both spinning in barriers on a small host a 10 ms step took seconds.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -1,3 +1,9 @@
+import os
+
+# NOTE: before torch loads OpenMP: the runtime's host Adam (an OpenMP team on a worker thread) and
+# torch's team spin against each other on 2 cores otherwise (seconds per step); the CLI does the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import random
 
 import numpy as np

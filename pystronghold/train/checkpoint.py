@@ -1,0 +1,286 @@
+"""Checkpoints of a training run: streamed block by block, atomic, checksummed, window-independent.
+
+Layout of one checkpoint (``<dir>/step-00000100/``)::
+
+    blocks/block-00000.safetensors ...   one file per block: for each parameter (full model name)
+                                         its fp32 master, ``<name>.exp_avg`` and ``<name>.exp_avg_sq``
+    head_tail.safetensors                head and tail fp32 masters and their AdamW moments
+    state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states,
+                                         data position, loss-scaler state (small)
+    manifest.json                        format, version, model config, step, sha256 of every file
+
+Nothing in it depends on the window size or the number of ranks that wrote it: tensors are keyed
+by parameter name and hold whole parameters. Writing goes into ``<dir>/.tmp-step-...`` one block
+at a time (at most one block's serialised bytes in extra memory), each file fsynced, the manifest
+last; only then is the directory renamed to ``step-...``. A crash or kill leaves at most a ``.tmp``
+directory (ignored, and removed by the next save) and the previous checkpoints intact. Loading
+verifies every checksum before it changes anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load, save as st_save
+
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
+           "latest_checkpoint", "read_manifest", "export_weights"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "pystronghold-checkpoint"
+VERSION = 1
+_PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, incomplete or made for another model."""
+
+
+def _write(path: Path, data: bytes) -> dict:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit() and (p / "manifest.json").is_file():
+                out.append((int(p.name[len(_PREFIX):]), p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step under ``root``, or None."""
+    found = _steps(Path(root))
+    return found[-1][1] if found else None
+
+
+# ---- save
+
+def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_file=None) -> Path:
+    """Write ``trainer``'s state as ``root/step-NNNNNNNN`` (atomically); keep the newest ``keep``.
+
+    ``_after_file(name)`` is a test hook called after each file is written. Returns the directory.
+    """
+    engine = trainer.engine
+    engine.synchronize()  # every host update (forward-overlap ones too) has landed in the store
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{_PREFIX}{trainer.step:08d}"
+    for stale in root.glob(".tmp-*"):  # left by a killed save
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    (tmp / "blocks").mkdir(parents=True)
+    files: dict[str, dict] = {}
+    store = engine.store
+    # NOTE: the engine's per-block parameter names (full model names); format is keyed by them.
+    for b, names in enumerate(engine._block_param_names):
+        lay = store.layouts[b]
+        tensors = {}
+        for tier, suffix in (("master", ""), ("exp_avg", ".exp_avg"), ("exp_avg_sq", ".exp_avg_sq")):
+            for n, view in zip(names, lay.views(store.tiers[tier][b])):
+                tensors[n + suffix] = view
+        rel = f"blocks/block-{b:05d}.safetensors"
+        files[rel] = _write(tmp / rel, st_save(tensors))
+        if _after_file is not None:
+            _after_file(rel)
+    dev = engine.device_optimizer
+    tensors = {}
+    for p, m in zip(dev.params, dev.masters):
+        n = engine._names[id(p)]
+        tensors[n] = m.detach().float().cpu()
+        st = dev._opt.state.get(m, {}) if dev._opt is not None else {}
+        if st:
+            tensors[n + ".exp_avg"] = st["exp_avg"].detach().cpu()
+            tensors[n + ".exp_avg_sq"] = st["exp_avg_sq"].detach().cpu()
+            tensors[n + ".step"] = torch.as_tensor(st["step"]).detach().float().cpu().reshape(1)
+    files["head_tail.safetensors"] = _write(tmp / "head_tail.safetensors", st_save(tensors))
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"step": trainer.step, "engine_steps": engine.steps, "skipped_steps": engine.skipped_steps,
+                "scheduler": trainer.scheduler.state_dict(), "hyper": engine.optimizer.hyper(),
+                "sampler": trainer.sampler.state_dict(), "rng": _rng_state(),
+                "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
+    files["state.pt"] = _write(tmp / "state.pt", buf.getvalue())
+    manifest = {"format": FORMAT, "version": VERSION, "step": trainer.step,
+                "model": dataclasses.asdict(trainer.config.gpt), "blocks": engine.n_blocks,
+                "precision": trainer.config.window.precision, "files": files}
+    _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+    _fsync_dir(tmp / "blocks")
+    _fsync_dir(tmp)
+    final = root / name
+    if final.exists():  # the same step saved again (e.g. a resumed run's end): replace it
+        old = root / f".tmp-old-{name}-{os.getpid()}"
+        final.rename(old)
+        shutil.rmtree(old)
+    tmp.rename(final)
+    _fsync_dir(root)
+    for _, old in _steps(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint: step %d written to %s", trainer.step, final)
+    return final
+
+
+# ---- load
+
+def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
+    """The manifest of checkpoint ``path``; with ``verify``, every file's checksum is checked first.
+
+    Raises CheckpointError naming what is wrong.
+    """
+    path = Path(path)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no manifest.json (not a checkpoint, or incomplete)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: manifest.json is corrupt ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {path}: format version {manifest.get('version')}, this "
+                              f"pystronghold reads version {VERSION}")
+    if verify:
+        for rel, meta in manifest["files"].items():
+            h = hashlib.sha256()
+            try:
+                with open(path / rel, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {path}: {rel} is missing") from None
+            if h.hexdigest() != meta["sha256"]:
+                raise CheckpointError(f"checkpoint {path}: {rel} is corrupt (sha256 mismatch)")
+    return manifest
+
+
+def _load_file(path: Path, rel: str, meta: dict) -> dict[str, torch.Tensor]:
+    data = (path / rel).read_bytes()
+    if hashlib.sha256(data).hexdigest() != meta["sha256"]:  # changed since it was verified
+        raise CheckpointError(f"checkpoint {path}: {rel} is corrupt (sha256 mismatch)")
+    return st_load(data)
+
+
+@torch.no_grad()
+def load_checkpoint(trainer, path: str | os.PathLike) -> None:
+    """Restore ``trainer`` (model, optimizer states, step, schedule, RNG, data position, scaler)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    mine = dataclasses.asdict(trainer.config.gpt)
+    if manifest["model"] != mine:
+        diff = {k: (manifest["model"].get(k), v) for k, v in mine.items() if manifest["model"].get(k) != v}
+        raise CheckpointError(f"checkpoint {path} was made for another model: (saved, this run) {diff}")
+    engine = trainer.engine
+    engine.synchronize()
+    store = engine.store
+    for b, names in enumerate(engine._block_param_names):
+        rel = f"blocks/block-{b:05d}.safetensors"
+        saved = _load_file(path, rel, manifest["files"][rel])
+        lay = store.layouts[b]
+        for tier, suffix in (("master", ""), ("exp_avg", ".exp_avg"), ("exp_avg_sq", ".exp_avg_sq")):
+            for n, view in zip(names, lay.views(store.tiers[tier][b])):
+                view.copy_(saved[n + suffix])
+        if store.has_shadow:
+            store.tiers["shadow"][b].copy_(store.tiers["master"][b])
+    saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
+    dev = engine.device_optimizer
+    for p, m in zip(dev.params, dev.masters):
+        n = engine._names[id(p)]
+        m.copy_(saved[n])
+        if m is not p:
+            p.copy_(m)
+        if n + ".exp_avg" in saved and dev._opt is not None:
+            dev._opt.state[m] = {"step": torch.tensor(float(saved[n + ".step"][0])),
+                                 "exp_avg": saved[n + ".exp_avg"].to(m.device),
+                                 "exp_avg_sq": saved[n + ".exp_avg_sq"].to(m.device)}
+    data = (path / "state.pt").read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest["files"]["state.pt"]["sha256"]:
+        raise CheckpointError(f"checkpoint {path}: state.pt is corrupt (sha256 mismatch)")
+    import io
+
+    state = torch.load(io.BytesIO(data), weights_only=False)
+    trainer.step = state["step"]
+    engine.steps, engine.skipped_steps = state["engine_steps"], state["skipped_steps"]
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    engine.optimizer.param_groups[0].update(state["hyper"])
+    try:
+        trainer.sampler.load_state_dict(state["sampler"])
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: its data position does not fit this run's data ({e})") from None
+    if engine.scaler is not None and state["scaler"] is not None:
+        engine.scaler.scale, engine.scaler.clean_steps = state["scaler"]["scale"], state["scaler"]["clean_steps"]
+    _set_rng_state(state["rng"])
+
+
+# ---- export
+
+def export_weights(path: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write checkpoint ``path``'s fp32 weights as one plain safetensors state dict (``GPT.state_dict()``
+    keys; tied weights under both names) with the model config as JSON metadata; or a ``torch.save``
+    state dict when ``out`` ends in ``.pt``. Loadable with ``GPT(GPTConfig(**config))`` and
+    ``load_state_dict`` without pystronghold's runtime. Returns ``out``."""
+    path, out = Path(path), Path(out)
+    manifest = read_manifest(path)
+    weights: dict[str, torch.Tensor] = {}
+    for rel, meta in manifest["files"].items():
+        if rel.endswith(".safetensors"):
+            for k, v in _load_file(path, rel, meta).items():
+                if not k.endswith((".exp_avg", ".exp_avg_sq", ".step")):
+                    weights[k] = v
+    if manifest["model"].get("tie_embeddings") and "tail.lm_head.weight" not in weights:
+        weights["tail.lm_head.weight"] = weights["head.tok.weight"].clone()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".pt":
+        torch.save({"config": manifest["model"], "state_dict": weights}, out)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(weights, str(out), metadata={"config": json.dumps(manifest["model"]),
+                                               "step": str(manifest["step"])})
+    return out

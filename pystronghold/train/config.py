@@ -1,0 +1,257 @@
+"""Options of ``pystronghold train``: one dataclass per component, composed into ``TrainConfig``.
+
+Every field has a docstring (shown by ``--help``) and is validated in ``__post_init__`` (a
+``ValueError`` naming the field). ``pystronghold/train/command.py`` generates the argparse options
+from these classes. With no options at all the run is the embedded demo (``DEMO_MODEL``): a GPT
+whose blocks need several times the device budget they are given, trained on the Python standard
+library's sources.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+from pystronghold.models import GPTConfig
+from pystronghold.models.presets import PRESETS
+
+__all__ = ["DEMO_MODEL", "ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "RunOptions",
+           "CheckpointOptions", "TrainConfig", "resolve_model"]
+
+DEMO_MODEL = GPTConfig(vocab_size=256, seq_len=128, layers=12, hidden=128, heads=4)
+"""The demo GPT: 12 blocks of 198k parameters (2.4M in blocks), byte vocabulary. With W=2 the
+device holds 2 of the 12 blocks; the resident model (weights, gradients, Adam state) would need
+about 6x the window's bytes."""
+
+
+def resolve_model(name: str) -> GPTConfig:
+    """``"demo"``, a preset name (``pystronghold.models.PRESETS``) or a JSON file of GPTConfig fields."""
+    if name == "demo":
+        return DEMO_MODEL
+    if name in PRESETS:
+        return PRESETS[name]
+    if name.endswith(".json") or os.path.sep in name:
+        try:
+            with open(name) as f:
+                spec = json.load(f)
+        except OSError as e:
+            raise ValueError(f"--model: cannot read {name}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model: {name} is not valid JSON: {e}") from None
+        known = {f.name for f in fields(GPTConfig)}
+        unknown = sorted(set(spec) - known)
+        if not isinstance(spec, dict) or unknown:
+            raise ValueError(f"--model: {name} has unknown GPTConfig fields {unknown}")
+        try:
+            return GPTConfig(**spec)
+        except TypeError as e:
+            raise ValueError(f"--model: {name}: {e}") from None
+    raise ValueError(f"--model: unknown preset {name!r}; choose 'demo', one of {', '.join(PRESETS)}, "
+                     "or a JSON file of GPTConfig fields")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelOptions:
+    """Which GPT is trained."""
+
+    model: str = "demo"
+    """'demo' (the embedded default), a preset name (see `pystronghold plan --help`) or a JSON file
+    of GPTConfig fields."""
+
+    def __post_init__(self) -> None:
+        resolve_model(self.model)  # raises ValueError naming --model
+
+
+@dataclass(kw_only=True, slots=True)
+class DataOptions:
+    """Where batches come from."""
+
+    data: list[str] = field(default_factory=list)
+    """Text files or directories to train on; default: the Python standard library's sources."""
+    max_bytes: int = 4 << 20
+    """Most bytes of text read (training and validation together), bytes."""
+    val_fraction: float = 0.05
+    """Share of the text held out for the validation loss, in (0, 1)."""
+    batch: int = 8
+    """Sequences per micro-batch (B)."""
+    seq: int = 0
+    """Tokens per sequence (T); 0: the model's seq_len."""
+
+    def __post_init__(self) -> None:
+        for p in self.data:
+            if not os.path.exists(p):
+                raise ValueError(f"--data: no such file or directory: {p}")
+        if self.max_bytes < 1024:
+            raise ValueError(f"--max-bytes must be >= 1024, got {self.max_bytes}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        if self.batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {self.batch}")
+        if self.seq < 0:
+            raise ValueError(f"--seq must be >= 0, got {self.seq}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimOptions:
+    """AdamW, its learning-rate schedule, clipping and accumulation."""
+
+    lr: float = 2e-3
+    """Peak learning rate."""
+    warmup: int = 20
+    """Steps of linear warm-up to the peak."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of the peak, reached at the last step."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    beta2: float = 0.99
+    """Adam second-moment decay (beta1 is 0.9)."""
+    clip: float = 1.0
+    """Clip the global gradient norm to this value; 0: no clipping."""
+    accumulation: int = 1
+    """Micro-batches per optimizer step."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.beta2 < 1:
+            raise ValueError(f"--beta2 must be in [0, 1), got {self.beta2}")
+        if self.clip < 0:
+            raise ValueError(f"--clip must be >= 0, got {self.clip}")
+        if self.accumulation < 1:
+            raise ValueError(f"--accumulation must be >= 1, got {self.accumulation}")
+
+
+@dataclass(kw_only=True, slots=True)
+class WindowOptions:
+    """The window runtime: where compute runs and how many blocks live there."""
+
+    window: str = "2"
+    """Blocks on the device at once (W >= 1), 'all', or 'auto' (measured on the first steps)."""
+    device: str = "cpu"
+    """'cpu' (the device is a budgeted host arena) or 'cuda[:n]'."""
+    precision: str = field(default="fp32", metadata={"choices": ("fp32", "bf16", "fp16")})
+    """Compute precision (the optimizer keeps fp32 masters)."""
+    device_budget_mb: float = 0.0
+    """window=auto only: device bytes the window may use, MiB; 0: 4 slots' worth."""
+
+    def __post_init__(self) -> None:
+        if self.window not in ("auto", "all"):
+            try:
+                w = int(self.window)
+            except ValueError:
+                raise ValueError(f"--window must be an int >= 1, 'all' or 'auto', got {self.window!r}") from None
+            if w < 1:
+                raise ValueError(f"--window must be >= 1, got {w}")
+        if not (self.device == "cpu" or self.device == "cuda" or
+                (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ValueError(f"--device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            index = int(self.device[5:]) if ":" in self.device else 0
+            if not torch.cuda.is_available():
+                raise ValueError(f"--device {self.device}: CUDA is not available on this machine")
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"--device {self.device}: only {torch.cuda.device_count()} CUDA device(s)")
+        if self.device_budget_mb < 0:
+            raise ValueError(f"--device-budget-mb must be >= 0, got {self.device_budget_mb}")
+
+    @property
+    def window_value(self) -> int | str:
+        """The window as RuntimeConfig takes it (an int or 'all'); 'auto' stays 'auto'."""
+        return self.window if self.window in ("auto", "all") else int(self.window)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunOptions:
+    """Length, seed, logging and outputs of the run."""
+
+    steps: int = 300
+    """Optimizer steps to train."""
+    seed: int = 0
+    """Seed of the weights, the batch order and every RNG."""
+    log_every: int = 25
+    """Steps between metrics lines."""
+    eval_every: int = 100
+    """Steps between validation losses (and at the end); 0: only at the end."""
+    eval_batches: int = 4
+    """Validation batches per evaluation."""
+    trace: str | None = None
+    """Directory for trace.json (Perfetto), timeline.png and loss.png."""
+    quiet: bool = False
+    """No progress bar (metrics lines still go to the log)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "log_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointOptions:
+    """Where and how often the run is saved, and whether it continues a saved one."""
+
+    checkpoint_dir: str | None = None
+    """Directory of checkpoints (one sub-directory per saved step); none: no checkpoints."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (one is always written at the end); 0: only at the end."""
+    keep: int = 2
+    """Most recent checkpoints kept (older ones are deleted after a new one is complete)."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in --checkpoint-dir."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.keep < 1:
+            raise ValueError(f"--keep must be >= 1, got {self.keep}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir")
+        if self.checkpoint_dir:
+            d = os.path.abspath(self.checkpoint_dir)
+            probe = d
+            while not os.path.exists(probe):
+                probe = os.path.dirname(probe)
+            if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+                raise ValueError(f"--checkpoint-dir {self.checkpoint_dir}: {probe} is not a writable directory")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything ``pystronghold train`` needs."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    window: WindowOptions = field(default_factory=WindowOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+
+    def __post_init__(self) -> None:
+        cfg = resolve_model(self.model.model)
+        if self.data.seq > cfg.seq_len:
+            raise ValueError(f"--seq {self.data.seq} is longer than the model's seq_len {cfg.seq_len}")
+
+    @property
+    def gpt(self) -> GPTConfig:
+        """The model's GPTConfig."""
+        return resolve_model(self.model.model)
+
+    @property
+    def seq(self) -> int:
+        """Tokens per sequence in effect."""
+        return self.data.seq or self.gpt.seq_len
+
+
+COMPONENTS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "window": WindowOptions,
+              "run": RunOptions, "checkpoint": CheckpointOptions}
+"""TrainConfig's fields and their dataclasses, in --help order."""

@@ -1,0 +1,215 @@
+"""The training loop of ``pystronghold train``: data, model, window engine, schedule, metrics,
+validation, checkpoints and trace outputs.
+
+``Trainer(config)`` builds everything (raising ``ValueError`` for bad input before any long work);
+``trainer.train()`` runs the remaining steps and returns a ``TrainResult``. Library code: progress
+goes to the ``on_step`` callback (the CLI draws a tqdm bar), text to ``logging``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import pystronghold
+from pystronghold.data import DataConfig, BatchSampler, load_corpus, validation_batches, VOCAB_SIZE
+from pystronghold.lr_schedule import warmup_cosine
+from pystronghold.models import GPT
+from pystronghold.train.config import TrainConfig
+from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, TimeReport, device_peak_bytes,
+                                        memory_report, summarize_events)
+
+__all__ = ["Trainer", "TrainResult", "seed_everything"]
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's (and numpy's, when installed) generators."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What a run produced."""
+
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, training loss) of every step run in this process (1-based steps)."""
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, validation loss) of every evaluation."""
+    intervals: list[IntervalMetrics] = field(default_factory=list)
+    """One entry per metrics line."""
+    memory: MemoryReport | None = None
+    time: TimeReport = field(default_factory=TimeReport)
+    start_step: int = 0
+    """Steps already done when this process started (a resumed run's checkpoint step)."""
+    checkpoints: list[str] = field(default_factory=list)
+    """Directories of the checkpoints written."""
+    outputs: list[str] = field(default_factory=list)
+    """Trace files and pictures written."""
+
+    def summary_lines(self) -> list[str]:
+        out = []
+        if self.losses:
+            out.append(f"trained steps {self.start_step + 1}..{self.losses[-1][0]}: loss "
+                       f"{self.losses[0][1]:.4f} -> {self.losses[-1][1]:.4f}"
+                       + (f", validation {self.val_losses[-1][1]:.4f}" if self.val_losses else ""))
+            if self.time.wall_s > 0:
+                out.append(f"tokens/s {self.intervals[-1].tokens_per_s:.0f} (last interval), "
+                           f"ms/step {1e3 * self.time.wall_s / len(self.losses):.1f} (mean)")
+        if self.memory is not None:
+            out += ["memory:"] + ["  " + s for s in self.memory.lines()]
+        out += ["time:"] + ["  " + s for s in self.time.lines()]
+        out += [f"wrote {p}" for p in self.checkpoints + self.outputs]
+        return out
+
+
+class Trainer:
+    """One training run of a GPT through the window runtime."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        cfg, run = config.gpt, config.run
+        if cfg.vocab_size < VOCAB_SIZE:
+            raise ValueError(f"--model: vocab_size {cfg.vocab_size} is smaller than the {VOCAB_SIZE} "
+                             "byte values of the data")
+        seed_everything(run.seed)
+        self.corpus = load_corpus(DataConfig(paths=list(config.data.data), max_bytes=config.data.max_bytes,
+                                             val_fraction=config.data.val_fraction))
+        self.seq, self.batch = config.seq, config.data.batch
+        self.sampler = BatchSampler(self.corpus.train, self.batch, self.seq, seed=run.seed)
+        self.val = validation_batches(self.corpus.val, self.batch, self.seq, run.eval_batches)
+        self.model = GPT(cfg, seed=run.seed)
+        window = config.window.window_value
+        self.auto_window = None
+        if window == "auto":
+            from pystronghold.train.autowindow import choose_runtime_window
+
+            self.auto_window = choose_runtime_window(self.model, config)
+            window = self.auto_window.window
+        o = config.optim
+        self.engine = pystronghold.wrap(
+            self.model, blocks=self.model.blocks, window=window, device=config.window.device,
+            precision=config.window.precision, clip_grad_norm=o.clip or None,
+            accumulation_steps=o.accumulation, trace=True,
+            optimizer=pystronghold.AdamW(lr=o.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay))
+        self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
+                                       decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
+        self.step = 0
+        self.result = TrainResult()
+        self._all_events: list = []  # kept only with --trace
+        if config.checkpoint.resume:
+            from pystronghold.train.checkpoint import latest_checkpoint, load_checkpoint
+
+            path = latest_checkpoint(config.checkpoint.checkpoint_dir)
+            if path is None:
+                raise ValueError(f"--resume: no complete checkpoint in {config.checkpoint.checkpoint_dir}")
+            load_checkpoint(self, path)
+            log.info("resumed from %s at step %d", path, self.step)
+        self.result.start_step = self.step
+
+    # ---- one step
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.engine.device, non_blocking=True)
+
+    def train_step(self) -> float:
+        """One optimizer step (``accumulation`` micro-batches); returns the mean micro-batch loss."""
+        acc = self.config.optim.accumulation
+        total = 0.0
+        for _ in range(acc):
+            x, y = self.sampler.next_batch()  # (B, T) int64 each
+            loss = self.engine(self._to_device(x), self._to_device(y))
+            self.engine.backward(loss / acc if acc > 1 else loss)
+            total += float(loss.detach())
+        self.engine.step()
+        self.scheduler.step()
+        self.engine.zero_grad()
+        self.step += 1
+        return total / acc
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation batches."""
+        losses = [float(self.engine(self._to_device(x), self._to_device(y))) for x, y in self.val]
+        return sum(losses) / len(losses)
+
+    # ---- the run
+
+    def train(self, on_step=None) -> TrainResult:
+        """Run the remaining steps. ``on_step(step, loss)`` is called after each step (progress)."""
+        run, ck = self.config.run, self.config.checkpoint
+        res, tracer = self.result, self.engine.trace
+        tokens_per_step = self.config.optim.accumulation * self.batch * self.seq
+        interval_losses: list[float] = []
+        t_interval = time.perf_counter()
+        steps_in_interval = 0
+        tracer.clear()
+        while self.step < run.steps:
+            t0 = time.perf_counter()
+            loss = self.train_step()
+            res.time.wall_s += time.perf_counter() - t0
+            res.losses.append((self.step, loss))
+            interval_losses.append(loss)
+            steps_in_interval += 1
+            if on_step is not None:
+                on_step(self.step, loss)
+            last = self.step == run.steps
+            if self.step % run.log_every == 0 or last:
+                self.engine.synchronize()
+                elapsed = time.perf_counter() - t_interval
+                events = tracer.events()
+                tracer.clear()
+                if run.trace:
+                    self._all_events += events
+                s = summarize_events(events)
+                res.time.add(s)
+                m = IntervalMetrics(
+                    step=self.step, loss=sum(interval_losses) / len(interval_losses),
+                    ms_per_step=1e3 * elapsed / steps_in_interval,
+                    tokens_per_s=tokens_per_step * steps_in_interval / elapsed,
+                    h2d_gbps=s.gbps.get("h2d"), d2h_gbps=s.gbps.get("d2h"),
+                    device_peak_bytes=device_peak_bytes(self.engine, memory_report(self.engine).head_tail_bytes),
+                    host_bytes=self.engine.store.nbytes, overlap=s.overlap_fraction)
+                res.intervals.append(m)
+                log.info("%s", m.line())
+                interval_losses, steps_in_interval = [], 0
+            if (run.eval_every and self.step % run.eval_every == 0) or last:
+                t0 = time.perf_counter()
+                res.val_losses.append((self.step, self.evaluate()))
+                res.time.eval_s += time.perf_counter() - t0
+                log.info("step %d | validation loss %.4f", self.step, res.val_losses[-1][1])
+            if ck.checkpoint_dir and ((ck.checkpoint_every and self.step % ck.checkpoint_every == 0) or last):
+                from pystronghold.train.checkpoint import save_checkpoint
+
+                t0 = time.perf_counter()
+                res.checkpoints.append(str(save_checkpoint(self, ck.checkpoint_dir, keep=ck.keep)))
+                res.time.checkpoint_s += time.perf_counter() - t0
+            if self.step % run.log_every == 0 or last:
+                t_interval = time.perf_counter()  # validation and checkpoints are not step time
+                tracer.clear()
+        res.memory = memory_report(self.engine)
+        if run.trace:
+            self._write_trace(Path(run.trace))
+        return res
+
+    def _write_trace(self, out: Path) -> None:
+        from pystronghold.train.pictures import write_outputs
+
+        self.result.outputs += [str(p) for p in write_outputs(out, self._all_events, self.result)]
+
+    def close(self) -> None:
+        """Stop the engine's worker threads."""
+        self.engine.close()

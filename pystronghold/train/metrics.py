@@ -1,0 +1,179 @@
+"""What ``pystronghold train`` reports: the per-interval metrics line, the memory report and where
+time went.
+
+The metrics line has fixed fields, in this order (``METRIC_FIELDS``)::
+
+    step 100 | loss 2.3141 | ms/step 412.3 | tok/s 2484 | h2d 3.10 GB/s | d2h 2.95 GB/s
+      | dev peak 4.3 MiB | host 36.4 MiB | overlap 71.2%
+
+Bandwidths and overlap come from the engine's trace (``pystronghold.trace.TraceSummary``) over the
+steps of the interval; ``-`` where the interval moved nothing of that kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pystronghold.trace import Tracer
+
+__all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport", "memory_report",
+           "TimeReport", "format_bytes"]
+
+METRIC_FIELDS = ("step", "loss", "ms/step", "tok/s", "h2d", "d2h", "dev peak", "host", "overlap")
+"""Fields of a metrics line, in order."""
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units (B, KiB, MiB, GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def summarize_events(events):
+    """``TraceSummary`` of a list of ``TraceEvent`` (e.g. the events of one logging interval)."""
+    tracer = Tracer(enabled=True)
+    for e in events:
+        tracer.record(e.kind, e.block, e.start_s, e.end_s, e.nbytes, e.lane)
+    return tracer.summary()
+
+
+@dataclass(slots=True)
+class IntervalMetrics:
+    """Figures of one logging interval (the steps since the previous line)."""
+
+    step: int
+    """Optimizer steps done at the end of the interval."""
+    loss: float
+    """Mean training loss over the interval's steps."""
+    ms_per_step: float
+    """Wall milliseconds per optimizer step."""
+    tokens_per_s: float
+    """Training tokens per wall second (micro-batches x B x T)."""
+    h2d_gbps: float | None
+    """Achieved host-to-device bandwidth while loads were in flight, GB/s (1e9 B/s)."""
+    d2h_gbps: float | None
+    """Achieved device-to-host bandwidth while gradient copies were in flight, GB/s."""
+    device_peak_bytes: int
+    """Peak device bytes (CUDA: max_memory_allocated; CPU: window arena + head/tail state)."""
+    host_bytes: int
+    """Bytes of the host store (every block's master, moments, gradient, shadow)."""
+    overlap: float | None
+    """Fraction of transfer and host-update time hidden behind compute, in [0, 1]."""
+
+    def line(self) -> str:
+        """The fixed-field metrics line."""
+        def gbps(v):
+            return "-" if v is None else f"{v:.2f} GB/s"
+        overlap = "-" if self.overlap is None else f"{100 * self.overlap:.1f}%"
+        return (f"step {self.step} | loss {self.loss:.4f} | ms/step {self.ms_per_step:.1f} | "
+                f"tok/s {self.tokens_per_s:.0f} | h2d {gbps(self.h2d_gbps)} | d2h {gbps(self.d2h_gbps)} | "
+                f"dev peak {format_bytes(self.device_peak_bytes)} | host {format_bytes(self.host_bytes)} | "
+                f"overlap {overlap}")
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass(slots=True)
+class MemoryReport:
+    """Device window vs what the model would need resident, and the host store by tier (bytes)."""
+
+    window: int
+    """W: blocks on the device at once."""
+    blocks: int
+    """Blocks of the model."""
+    window_bytes: int
+    """Device arena of the W slots (parameters + gradients in compute precision)."""
+    head_tail_bytes: int
+    """Head and tail on the device: parameters, gradients, fp32 masters (bf16/fp16), Adam moments."""
+    device_peak_bytes: int
+    """Peak device bytes measured (CUDA: max_memory_allocated, activations included; CPU: window
+    arena + head/tail, activations are ordinary host allocations there)."""
+    resident_bytes: int
+    """What training every block on the device would need: all parameters, gradients, masters and
+    Adam moments (activations not counted)."""
+    host_tiers: dict[str, int] = field(default_factory=dict)
+    """Host store bytes per tier (master, exp_avg, exp_avg_sq, grad, shadow)."""
+
+    def lines(self) -> list[str]:
+        out = [f"device: window W={self.window} of {self.blocks} blocks {format_bytes(self.window_bytes)}"
+               f" + head/tail {format_bytes(self.head_tail_bytes)} = "
+               f"{format_bytes(self.window_bytes + self.head_tail_bytes)}; measured peak "
+               f"{format_bytes(self.device_peak_bytes)}",
+               f"resident model would need {format_bytes(self.resident_bytes)} on the device "
+               f"({self.resident_bytes / max(1, self.window_bytes + self.head_tail_bytes):.1f}x the window)",
+               "host store: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_tiers.items())
+               + f" (total {format_bytes(sum(self.host_tiers.values()))})"]
+        return out
+
+
+def _state_bytes_per_param(dtype: torch.dtype) -> int:
+    s = torch.finfo(dtype).bits // 8
+    return 2 * s + 8 + (4 if dtype != torch.float32 else 0)  # param + grad + 2 moments (+ master)
+
+
+def device_peak_bytes(engine, head_tail_bytes: int) -> int:
+    """Peak device bytes of ``engine``: CUDA's allocator peak, or on CPU the arena + head/tail state."""
+    if engine.device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(engine.device))
+    return int(engine.backend.arena_used_bytes) + head_tail_bytes
+
+
+def memory_report(engine) -> MemoryReport:
+    """The ``MemoryReport`` of a wrapped model."""
+    per = _state_bytes_per_param(engine.dtype)
+    ht_numel = sum(p.numel() for p in engine.head_tail_params)
+    half_extra = 4 if engine.dtype != torch.float32 else 0  # AdamW's fp32 gradient copy of masters
+    head_tail = ht_numel * (per + half_extra)
+    block_numel = sum(lay.numel for lay in engine.store.layouts)
+    tiers = {tier: arena.capacity_bytes for tier, arena in engine.store.arenas.items()}
+    return MemoryReport(window=engine.window_size, blocks=engine.n_blocks,
+                        window_bytes=int(engine.planned_arena_bytes), head_tail_bytes=head_tail,
+                        device_peak_bytes=device_peak_bytes(engine, head_tail),
+                        resident_bytes=(block_numel + ht_numel) * per, host_tiers=tiers)
+
+
+@dataclass(slots=True)
+class TimeReport:
+    """Where time went over the run: seconds per trace kind (summed over intervals), and wall time."""
+
+    wall_s: float = 0.0
+    """Wall seconds of the training steps (evaluation and checkpoints excluded)."""
+    kind_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per event kind (compute_fwd, compute_bwd, recompute, h2d, d2h, optimizer, wait, ...);
+    background kinds run concurrently with compute, so they do not add up to the wall time."""
+    eval_s: float = 0.0
+    """Wall seconds of validation."""
+    checkpoint_s: float = 0.0
+    """Wall seconds of checkpoint writes."""
+    hidden_s: float = 0.0
+    """Seconds of background work (transfers, host updates) that overlapped compute."""
+    background_s: float = 0.0
+    """Seconds of background work (union per interval)."""
+
+    def add(self, summary) -> None:
+        for k, v in summary.time_s.items():
+            self.kind_s[k] = self.kind_s.get(k, 0.0) + v
+        if summary.overlap_fraction is not None:
+            bg = sum(summary.busy_s.get(lane, 0.0) for lane in ("h2d", "d2h", "optimizer", "file_io"))
+            self.background_s += bg
+            self.hidden_s += bg * summary.overlap_fraction
+
+    def lines(self) -> list[str]:
+        compute = sum(self.kind_s.get(k, 0.0) for k in ("compute_fwd", "compute_bwd", "recompute"))
+        out = [f"wall {self.wall_s:.1f} s training, {self.eval_s:.1f} s validation, "
+               f"{self.checkpoint_s:.1f} s checkpoints",
+               f"compute {compute:.1f} s (fwd {self.kind_s.get('compute_fwd', 0):.1f}, bwd "
+               f"{self.kind_s.get('compute_bwd', 0):.1f}, recompute {self.kind_s.get('recompute', 0):.1f}); "
+               f"waiting for copies/updates {self.kind_s.get('wait', 0):.1f} s",
+               f"background: h2d {self.kind_s.get('h2d', 0):.1f} s, d2h {self.kind_s.get('d2h', 0):.1f} s, "
+               f"host Adam {self.kind_s.get('optimizer', 0):.1f} s, norms {self.kind_s.get('norm', 0):.1f} s"
+               + (f"; {100 * self.hidden_s / self.background_s:.0f}% hidden behind compute"
+                  if self.background_s else "")]
+        rest = self.wall_s - compute - self.kind_s.get("wait", 0.0)
+        out.append(f"other (head/tail, loss, Python, exposed host work) {max(rest, 0.0):.1f} s")
+        return out

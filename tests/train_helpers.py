@@ -1,0 +1,35 @@
+"""Small configurations for the `pystronghold train` tests (a 4-block GPT on a few KiB of text)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pystronghold.train.config import (CheckpointOptions, DataOptions, ModelOptions, OptimOptions,
+                                       RunOptions, TrainConfig, WindowOptions)
+
+TINY = {"vocab_size": 256, "seq_len": 32, "layers": 4, "hidden": 32, "heads": 2}
+
+
+def text_dir(root: Path) -> Path:
+    """A directory of deterministic text (about 40 KiB of Python-like lines)."""
+    d = root / "text"
+    d.mkdir(exist_ok=True)
+    for i in range(4):
+        lines = [f"def f{i}_{k}(x):\n    return x * {k} + {i}  # line {k}\n" for k in range(200)]
+        (d / f"m{i}.py").write_text("".join(lines))
+    return d
+
+
+def tiny_config(tmp_path: Path, *, steps: int = 6, window: str = "2", ckpt: str | None = None,
+                every: int = 0, resume: bool = False, clip: float = 1.0, precision: str = "fp32",
+                trace: str | None = None, model: dict | None = None, accumulation: int = 1) -> TrainConfig:
+    model_file = tmp_path / "model.json"
+    model_file.write_text(json.dumps(model or TINY))
+    return TrainConfig(
+        model=ModelOptions(model=str(model_file)),
+        data=DataOptions(data=[str(text_dir(tmp_path))], max_bytes=1 << 16, batch=4, seq=32),
+        optim=OptimOptions(lr=3e-3, warmup=2, clip=clip, accumulation=accumulation),
+        window=WindowOptions(window=window, precision=precision),
+        run=RunOptions(steps=steps, log_every=2, eval_every=0, eval_batches=2, trace=trace, quiet=True),
+        checkpoint=CheckpointOptions(checkpoint_dir=ckpt, checkpoint_every=every, resume=resume))
