@@ -29,7 +29,7 @@ build: $(BUILD_STAMP)
 	$(PY) -m pystronghold info
 
 demo: build
-	$(PY) bench/adam.py --quick
+	$(PY) -m pystronghold train
 
 test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS)

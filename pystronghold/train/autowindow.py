@@ -1,0 +1,134 @@
+"""``--window auto``: measure one block on this machine, then let the planner's cost model choose W.
+
+Before the first step, one copy of block 0 runs forward and forward+backward (with recompute, as
+the runtime does) at the run's (B, T) and precision on the device; a block's bytes are copied
+host->device and device->host; the fused CPU Adam updates a block-sized buffer. Those seconds
+replace the analytic ones in the planner's ``BlockCosts`` (bytes still come from the planner), and
+``pystronghold.planner.timeline.choose_window`` picks the smallest W whose simulated step hides the
+transfers, among the W that fit the device budget. ONE cost model: the planner's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pystronghold.optim.functional import adam_step_
+from pystronghold.planner.cost import Workload, block_costs, BlockCosts
+from pystronghold.planner.hardware import GPU, Hardware
+from pystronghold.planner.plan import device_memory
+from pystronghold.planner.timeline import StepTime, choose_window
+from pystronghold.runtime.precision import compute_dtype
+from pystronghold.runtime.store import available_host_bytes
+
+__all__ = ["AutoWindow", "measure_costs", "choose_runtime_window"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AutoWindow:
+    """The decision of ``--window auto`` and the figures behind it."""
+
+    window: int
+    """W chosen."""
+    max_window: int
+    """Most slots that fit the device budget."""
+    budget_bytes: int
+    """Device budget, bytes."""
+    costs: BlockCosts
+    """Measured per-block seconds, planner bytes."""
+    step: StepTime
+    """Simulated step time at W."""
+
+    def line(self) -> str:
+        c, s = self.costs, self.step
+        return (f"window=auto: W={self.window} (at most {self.max_window} fit {self.budget_bytes / 2**20:.1f} MiB); "
+                f"per block measured fwd {c.fwd_s * 1e3:.2f} ms, bwd+recompute {c.bwd_s * 1e3:.2f} ms, "
+                f"load {c.load_s * 1e3:.3f} ms, grad copy {c.grad_s * 1e3:.3f} ms, host Adam {c.adam_s * 1e3:.2f} ms; "
+                f"predicted step {s.total_s * 1e3:.1f} ms (compute {s.compute_s * 1e3:.1f}, exposed transfer "
+                f"{s.exposed_transfer_s * 1e3:.1f}, exposed optimizer {s.exposed_optimizer_s * 1e3:.1f})")
+
+
+def _timed(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after one warm-up."""
+    fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int, reps: int = 3) -> BlockCosts:
+    """``BlockCosts`` of ``model`` (a GPT) with seconds measured on ``device`` (see the module doc)."""
+    cfg, dtype = model.config, compute_dtype(work.precision)
+    seq = work.seq or cfg.seq_len
+    block = copy.deepcopy(model.blocks[0]).to(device, dtype)
+    x = torch.randn(work.batch, seq, cfg.hidden, device=device, dtype=dtype)  # (B, T, C)
+    dy = torch.randn_like(x)
+
+    def fwd():
+        with torch.no_grad():
+            block(x)
+
+    def bwd():  # the runtime recomputes the block's forward inside backward
+        xg = x.detach().requires_grad_(True)
+        torch.autograd.grad(block(xg), [xg, *block.parameters()], dy)
+
+    fwd_s, bwd_s = _timed(fwd, device, reps), _timed(bwd, device, reps)
+    numel = sum(p.numel() for p in block.parameters())
+    host = torch.zeros(numel, dtype=dtype, pin_memory=device.type == "cuda")
+    dev = torch.zeros(numel, dtype=dtype, device=device)
+    load_s = _timed(lambda: dev.copy_(host, non_blocking=True), device, reps)
+    grad_s = _timed(lambda: host.copy_(dev, non_blocking=True), device, reps)
+    p, g, m, v = (torch.zeros(numel) for _ in range(4))
+    adam_s = _timed(lambda: adam_step_(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                       weight_decay=0.0, adamw=True), torch.device("cpu"), reps)
+    nbytes = numel * dtype.itemsize
+    gpu = GPU(name=f"{device.type} (measured)", memory_bytes=budget_bytes, fp32_flops=1e12, bf16_flops=1e12,
+              fp16_flops=1e12, h2d_bytes_per_s=nbytes / max(load_s, 1e-9), d2h_bytes_per_s=nbytes / max(grad_s, 1e-9))
+    hw = Hardware(gpu=gpu, host_memory_bytes=available_host_bytes(),
+                  cpu_adam_params_per_s=numel / max(adam_s, 1e-9))
+    planned = block_costs(cfg, work, hw)  # bytes from the planner; seconds replaced by measurements
+    return dataclasses.replace(planned, fwd_s=fwd_s, bwd_s=bwd_s, load_s=load_s, grad_s=grad_s,
+                               adam_s=adam_s, head_tail_s=0.0)
+
+
+def choose_runtime_window(model, config) -> AutoWindow:
+    """W for ``model`` trained with ``config`` (a TrainConfig) within its device budget; logs why."""
+    w = config.window
+    device = torch.device(w.device)
+    clip = config.optim.clip > 0
+    work = Workload(batch=config.data.batch, seq=config.seq, precision=w.precision,
+                    overlap="forward" if clip or w.precision == "fp16" else "backward",
+                    device_reserve_bytes=0, host_reserve_bytes=0)
+    n = model.config.layers
+    probe = measure_costs(model, work, device, budget_bytes=1)
+    base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
+    if w.device_budget_mb:
+        budget = int(w.device_budget_mb * 2**20)
+    elif device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        budget = base + 4 * probe.slot_bytes
+    max_window = min(n, (budget - base) // probe.slot_bytes)
+    if max_window < 1:
+        raise ValueError(f"--window auto: the device budget {budget / 2**20:.1f} MiB holds no block slot "
+                         f"(head/tail and activations need {base / 2**20:.1f} MiB, a slot "
+                         f"{probe.slot_bytes / 2**20:.2f} MiB); raise --device-budget-mb")
+    window, step = choose_window(probe, n, max_window, work.overlap)
+    decision = AutoWindow(window=window, max_window=max_window, budget_bytes=budget, costs=probe, step=step)
+    log.info("%s", decision.line())
+    return decision
