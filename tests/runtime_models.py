@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import _runtime_fallbacks  # noqa: F401  (TEMPORARY until `copy` and `adam` are merged)
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 
