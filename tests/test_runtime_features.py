@@ -134,3 +134,15 @@ def test_plain_loss_backward_and_optimizer_calls_work_too():
         losses.append(loss.item())
     assert_same_training(ref, (losses, engine.master_parameters(), engine))
     engine.close()
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_dropout_masks_repeat_exactly_in_recompute(checkpointing):
+    """The recompute restores each block's RNG state, and leaves the global RNG stream untouched."""
+    from pystronghold.models import GPT, GPTConfig
+
+    def make():
+        return GPT(GPTConfig(vocab_size=97, seq_len=32, layers=4, hidden=64, heads=4, dropout=0.1))
+
+    ref, got = run_both(make, gpt_batches(6), window=1, checkpointing=checkpointing, strict=True)
+    assert_same_training(ref, got)
