@@ -10,7 +10,7 @@ Environment variables (all optional):
                       install this way, then builds _C in place with ninja so rebuilds are incremental).
 """
 
-import hashlib
+import importlib.util
 import os
 import platform
 import subprocess
@@ -100,13 +100,11 @@ def nvidia_wheel_dirs() -> tuple:
 # ---- build identity, compiled into build_info.cpp only (so only that file rebuilds)
 
 def source_hash() -> str:
-    """Hash of csrc/; pystronghold._ext compares it with the checkout to detect a stale build."""
-    digest = hashlib.sha256()
-    for path in sorted(CSRC.rglob("*")):
-        if path.suffix in (".cpp", ".h", ".cu", ".cuh"):
-            digest.update(path.relative_to(CSRC).as_posix().encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    """Hash of csrc/, computed by the same function pystronghold._ext uses to detect a stale build."""
+    spec = importlib.util.spec_from_file_location("_pystronghold_ext", ROOT / "pystronghold" / "_ext.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.checkout_source_hash()
 
 
 def compiler_version() -> str:

@@ -54,7 +54,7 @@ class Plain:
         self.opt.zero_grad()
         return loss.item()
 
-    def extra(self, warmup: int) -> dict:
+    def extra(self, timed_steps: int) -> dict:
         n = sum(p.numel() for p in self.model.parameters())
         return {"device_bytes": 16 * n}  # fp32 param, grad, exp_avg, exp_avg_sq
 

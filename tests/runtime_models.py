@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import _runtime_fallbacks  # noqa: F401  (TEMPORARY until `copy` and `adam` are merged)
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 
@@ -136,7 +135,9 @@ def run_both(make_model, batches, *, clip=None, accumulation=1, scheduler=None, 
     """Reference and engine on two copies of the same initial model, run one after the other."""
     model = make_model()
     ref_model = copy.deepcopy(model)
+    torch.manual_seed(1234)  # the same dropout masks for both runs
     ref = train_reference(ref_model, batches, clip=clip, accumulation=accumulation, scheduler=scheduler)
+    torch.manual_seed(1234)
     got = train_engine(model, batches, clip_grad_norm=clip, accumulation=accumulation,
                        scheduler=scheduler, **options)
     return ref, got

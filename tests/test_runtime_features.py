@@ -115,3 +115,34 @@ def test_inference_forward_under_no_grad_between_steps():
     engine.backward(engine(x, y))  # training continues normally after an inference pass
     engine.step()
     engine.close()
+
+
+def test_plain_loss_backward_and_optimizer_calls_work_too():
+    """loss.backward() (no engine.backward) and engine.optimizer.step()/zero_grad() drive the engine."""
+    import pystronghold as ph
+    from runtime_models import HYPER, train_reference
+
+    model, batches = HetStack(), het_batches(6)
+    ref = train_reference(copy.deepcopy(model), batches)
+    engine = ph.wrap(model, blocks=model.blocks, window=2, optimizer=ph.AdamW(**HYPER))
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        losses.append(loss.item())
+    assert_same_training(ref, (losses, engine.master_parameters(), engine))
+    engine.close()
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_dropout_masks_repeat_exactly_in_recompute(checkpointing):
+    """The recompute restores each block's RNG state, and leaves the global RNG stream untouched."""
+    from pystronghold.models import GPT, GPTConfig
+
+    def make():
+        return GPT(GPTConfig(vocab_size=97, seq_len=32, layers=4, hidden=64, heads=4, dropout=0.1))
+
+    ref, got = run_both(make, gpt_batches(6), window=1, checkpointing=checkpointing, strict=True)
+    assert_same_training(ref, got)

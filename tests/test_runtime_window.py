@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pystronghold.runtime.schedule import Load, Release, build_plan
-from runtime_models import (HetStack, assert_same_training, het_batches, one_torch_thread, run_both,
-                            train_engine, train_reference, tiny_gpt, gpt_batches)
+from runtime_models import (HetStack, assert_same_training, het_batches, one_torch_thread,
+                            train_engine, train_reference)
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 
@@ -186,3 +186,26 @@ def _record_losses(engine, out):
         inner(loss)
 
     engine.backward = backward
+
+
+# ---- store layout
+
+
+def test_block_layout_aligns_offsets_and_keeps_gaps_zero():
+    from pystronghold.runtime.store import ALIGN_ELEMS, BlockLayout
+
+    block = HetStack().blocks[2]  # attention block: odd-sized tensors
+    named = list(block.named_parameters())
+    layout = BlockLayout(named)
+    assert all(s.offset % ALIGN_ELEMS == 0 for s in layout.spans)
+    assert layout.numel % ALIGN_ELEMS == 0
+    flat = torch.full((layout.numel,), 7.0)
+    for view, (_, p) in zip(layout.views(flat), named):
+        view.copy_(p.detach())
+    layout.zero_gaps(flat)
+    covered = sum(s.numel for s in layout.spans) + sum(e - s for s, e in layout.gaps)
+    assert covered == layout.numel  # spans and gaps tile the buffer exactly
+    for start, end in layout.gaps:
+        assert torch.all(flat[start:end] == 0)
+    for view, (_, p) in zip(layout.views(flat), named):
+        assert torch.equal(view, p.detach())

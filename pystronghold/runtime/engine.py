@@ -205,6 +205,7 @@ class Engine:
             if len(self._plan.uses) > self.n_blocks:
                 self.micro_batches += 1
             self._plan = None
+            self._flush_copies()  # finished copies go to the trace and are dropped
 
     def _begin_pass(self, train: bool) -> None:
         if self._plan is not None:
