@@ -204,6 +204,9 @@ def main(argv=None):
                        "mparams_s": n / t.median_s / 1e6, "gb_s": n * 28 / t.median_s / 1e9}
                 row[name] = rec
                 records.append(rec)
+                print(f"{name:>14} {size_m:g}M x{tensors}: {rec['median_ms']:.2f} ms "
+                      f"({rec['p20_ms']:.2f}-{rec['p80_ms']:.2f}), {rec['mparams_s']:,.0f} Mparams/s, "
+                      f"{rec['gb_s']:.1f} GB/s", flush=True)
             for rec in row.values():  # ratios against the baselines of the same size and layout
                 for base in ("torch_fused", "deepspeed", "roofline"):
                     if base in row and rec["case"].startswith("ours") and "offload" not in rec["case"]:
