@@ -37,5 +37,14 @@ test: build
 bench: build
 	$(PY) bench/adam.py --json bench/results/adam.json
 
+# DeepSpeed, for side-by-side runs of bench/adam.py only (not a dependency of pystronghold).
+# DS_BUILD_CPU_ADAM=1 compiles DeepSpeedCPUAdam at install time for this host's SIMD; on a
+# CPU-only torch DeepSpeed selects its CPU accelerator. The last line proves it imports and steps.
+deepspeed: $(DEPS_STAMP)
+	DS_BUILD_OPS=0 DS_BUILD_CPU_ADAM=1 $(PY) -m pip install -q --disable-pip-version-check \
+	    --no-build-isolation -c constraints.txt deepspeed==0.19.8
+	$(PY) -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam as A; \
+	    p = torch.nn.Parameter(torch.zeros(4)); p.grad = torch.ones(4); A([p]).step(); print('DeepSpeedCPUAdam ok', p)"
+
 clean:
 	rm -rf build pystronghold/_C*.so *.egg-info
