@@ -1,0 +1,164 @@
+"""Window runtime benchmark: one GPT trained resident versus windowed, in the same run.
+
+Configurations (all from the same initial weights, on the same batches):
+  plain      plain PyTorch + torch.optim.AdamW, everything resident, no checkpointing (baseline)
+  W=all      the engine with every block resident (same recompute as the windowed runs)
+  W=4, W=2   the engine with 4 / 2 blocks resident
+Configurations take turns step by step (fair under a shared machine's varying load).
+Reported: median step time and 20/80% quantiles, ratio to W=all and to plain, device bytes
+(parameters, gradients and optimizer states that live on the device: the window arena plus head
+and tail) against plain's, the bound (W + head + tail) / (all blocks + head + tail) in parameters,
+and the overlap fraction from the trace. Correctness first: every configuration's losses must
+equal plain PyTorch's before any time is reported.
+
+    .venv/bin/python bench/window.py                 # 12 blocks, hidden 512, seq 256
+    .venv/bin/python bench/window.py --quick --json bench/results/window.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Timing, print_table, write_json  # noqa: E402
+
+import pystronghold as ph  # noqa: E402
+from pystronghold.models import GPT, GPTConfig  # noqa: E402
+
+HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def timing(samples: list[float]) -> Timing:
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
+    return Timing(s[len(s) // 2], q(0.2), q(0.8), len(s), samples)
+
+
+class Plain:
+    """Plain PyTorch + torch.optim.AdamW, everything resident."""
+
+    def __init__(self, model) -> None:
+        self.model, self.opt = model, torch.optim.AdamW(model.parameters(), **HYPER)
+
+    def step(self, x, y) -> float:
+        loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.item()
+
+    def extra(self, timed_steps: int) -> dict:
+        n = sum(p.numel() for p in self.model.parameters())
+        return {"device_bytes": 16 * n}  # fp32 param, grad, exp_avg, exp_avg_sq
+
+    def close(self) -> None:
+        pass
+
+
+class Windowed:
+    """The same training through pystronghold.wrap with ``window`` blocks resident."""
+
+    def __init__(self, model, window) -> None:
+        self.engine = ph.wrap(model, blocks=model.blocks, window=window, optimizer=ph.AdamW(**HYPER),
+                              trace=True)
+
+    def step(self, x, y) -> float:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        self.engine.zero_grad()
+        return loss.item()
+
+    def extra(self, timed_steps: int) -> dict:
+        engine = self.engine
+        engine.synchronize()
+        ht = sum(p.numel() for p in engine.head_tail_params)
+        stats, summary = engine.stats(), engine.trace.summary()
+        return {"device_bytes": stats["arena_used_bytes"] + 16 * ht, "overlap": summary.overlap_fraction,
+                "stall_ms": 1e3 * summary.stall_s / timed_steps}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 256, seq 128, 4 steps")
+    parser.add_argument("--json", default=None, help="write the records here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.seq, args.steps = 6, 256, 128, 4
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = GPTConfig(vocab_size=8192, seq_len=args.seq, layers=args.layers, hidden=args.hidden,
+                    heads=max(1, args.hidden // 64))
+    base = GPT(cfg)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
+                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g))
+               for _ in range(args.warmup + args.steps)]
+    n_block = sum(p.numel() for p in base.blocks[0].parameters())
+    n_ht = sum(p.numel() for p in base.parameters()) - args.layers * n_block
+
+    trainers = {"plain": Plain(copy.deepcopy(base))}
+    for w in ("all", 4, 2):
+        trainers[f"W={w}"] = Windowed(copy.deepcopy(base), w)
+    losses = {name: [] for name in trainers}
+    times = {name: [] for name in trainers}
+    # NOTE: configurations take turns step by step, so load from other users of a shared machine
+    # falls on all of them alike.
+    for k, (x, y) in enumerate(batches):
+        for name, trainer in trainers.items():
+            if k == args.warmup and isinstance(trainer, Windowed):
+                trainer.engine.synchronize()
+                trainer.engine.trace.clear()
+            t0 = time.perf_counter()
+            losses[name].append(trainer.step(x, y))
+            times[name].append(time.perf_counter() - t0)
+    runs = {}
+    for name, trainer in trainers.items():
+        runs[name] = (losses[name], times[name][args.warmup:], trainer.extra(args.steps))
+        trainer.close()
+    ref_losses = runs["plain"][0]
+    for name, (run_losses, _, _) in runs.items():  # correctness before timing
+        torch.testing.assert_close(torch.tensor(run_losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                                   msg=f"{name}: losses differ from plain PyTorch")
+
+    t_all = timing(runs["W=all"][1]).median_s
+    t_plain = timing(runs["plain"][1]).median_s
+    plain_bytes = runs["plain"][2]["device_bytes"]
+    rows = []
+    for name, (_, times, extra) in runs.items():
+        t = timing(times)
+        w = {"plain": args.layers, "W=all": args.layers}.get(name) or int(name[2:])
+        rows.append({"config": name, "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s,
+                     "p80_ms": 1e3 * t.p80_s, "vs_W=all": t.median_s / t_all, "vs_plain": t.median_s / t_plain,
+                     "device_MiB": extra["device_bytes"] / 2**20,
+                     "bytes_vs_plain": extra["device_bytes"] / plain_bytes,
+                     "bound": (w * n_block + n_ht) / (args.layers * n_block + n_ht),
+                     "overlap": extra.get("overlap") if extra.get("overlap") is not None else "-",
+                     "stall_ms": extra.get("stall_ms", "-")})
+    title = (f"GPT {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32, "
+             f"{args.steps} timed steps after {args.warmup} warm-up (CPU backend)")
+    print_table(rows, list(rows[0]), title)
+    write_json(args.json, "window", rows, {"args": vars(args)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

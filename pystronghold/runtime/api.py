@@ -1,0 +1,39 @@
+"""``pystronghold.wrap``: the one call that turns a model into a windowed training engine."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pystronghold.runtime.config import RuntimeConfig
+
+__all__ = ["wrap"]
+
+log = logging.getLogger(__name__)
+
+
+def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, **options):
+    """Train ``model`` with only ``window`` of its ``blocks`` on the device at a time.
+
+    ``blocks`` is the model's stack of transformer blocks (an ``nn.ModuleList``); when omitted it is
+    found with ``pystronghold.runtime.discovery.find_blocks``. ``options`` are the fields of
+    :class:`pystronghold.runtime.config.RuntimeConfig` (window, device, precision, optimizer,
+    clip_grad_norm, accumulation_steps, checkpointing, overlap, strict, trace, host_memory_bytes,
+    ...). Returns an :class:`~pystronghold.runtime.engine.Engine`::
+
+        engine = pystronghold.wrap(model, blocks=model.blocks, window=4,
+                                   optimizer=pystronghold.AdamW(lr=3e-4, weight_decay=0.1))
+        loss = engine(x, y); engine.backward(loss); engine.step(); engine.zero_grad()
+    """
+    from pystronghold.runtime.engine import Engine
+
+    config = RuntimeConfig(**options)
+    if blocks is None:
+        from pystronghold.runtime.discovery import find_blocks
+
+        name, blocks = find_blocks(model)
+        log.info("wrap: using %r (%d blocks) as the block stack", name, len(blocks))
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise TypeError(f"wrap: blocks= must be an nn.ModuleList, got {type(blocks).__name__}")
+    return Engine(model, blocks, config)

@@ -1,0 +1,79 @@
+"""The CPU backend: the "device" is a separate, budgeted host arena.
+
+Copies between the store and the device arena go through the copy engine's worker threads, really
+asynchronously (loads on queue 0, gradient copy-outs on queue 1, so the two directions overlap),
+and compute waits on copy handles exactly where the CUDA backend makes its stream wait on events.
+Compute itself runs synchronously on the calling thread, so a slot is free as soon as the host
+returns from the block's compute and its gradient copy-out has finished.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pystronghold.io import CopyEngine, HostArena
+
+__all__ = ["CPUBackend"]
+
+_H2D_QUEUE = 0
+_D2H_QUEUE = 1
+
+
+class CPUBackend:
+    """Device = host memory in its own HostArena of ``arena_bytes`` bytes; copies via CopyEngine."""
+
+    name = "cpu"
+
+    def __init__(self, arena_bytes: int, *, copy_threads: int = 2, chunk_bytes: int = 8 << 20) -> None:
+        self.device = torch.device("cpu")
+        self.arena = HostArena(int(arena_bytes), alignment=4096, pin="none")
+        self.copies = CopyEngine(threads=copy_threads, queues=2, chunk_bytes=chunk_bytes)
+
+    # ---- memory
+
+    def device_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat ``numel``-element tensor from the device arena."""
+        return self.arena.allocate(name, (numel,), dtype)
+
+    def host_arena(self, capacity_bytes: int) -> HostArena:
+        """A host arena for one store tier."""
+        return HostArena(int(capacity_bytes), alignment=4096, pin="none")
+
+    @property
+    def arena_capacity_bytes(self) -> int:
+        return self.arena.capacity_bytes
+
+    @property
+    def arena_used_bytes(self) -> int:
+        """Bytes carved from the device arena so far."""
+        return self.arena.used_bytes
+
+    # ---- copies and ordering
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after=()):
+        """Asynchronous store -> device copy; returns its handle."""
+        return self.copies.copy(dst, src, queue=_H2D_QUEUE, after=[h for h in after if h is not None])
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=()):
+        """Asynchronous device -> store copy; returns its handle."""
+        return self.copies.copy(dst, src, queue=_D2H_QUEUE, after=[h for h in after if h is not None])
+
+    def compute_wait(self, handle) -> None:
+        """Block until ``handle`` is done: compute runs on this thread."""
+        handle.wait()
+
+    def compute_marker(self):
+        """None: compute on the CPU backend has finished when the host call returned."""
+        return None
+
+    def poison(self, tensor: torch.Tensor) -> None:
+        """Fill ``tensor`` with NaN (strict mode)."""
+        tensor.fill_(math.nan)
+
+    def synchronize(self) -> None:
+        """Nothing to do: compute is synchronous; copies are waited on through their handles."""
+
+    def close(self) -> None:
+        self.copies.close()

@@ -1,0 +1,144 @@
+"""The CUDA backend: window slots in device memory, copies on dedicated streams ordered by events.
+
+- Loads run on ``h2d_stream``, gradient copy-outs on ``d2h_stream``; compute stays on the current
+  stream. A copy that must start after other work makes its stream wait on those events (never
+  the host). Compute waits for a load with ``current_stream().wait_event``.
+- A slot is reused only after the event recorded on the compute stream when it was released
+  (``compute_marker``) and after its gradient copy-out's event: both are in the load's ``after``.
+- The store's arenas are pinned (HostArena ``pin="auto"`` registers them with CUDA), so the copies
+  are truly asynchronous DMA.
+- Handle times: ``start_s`` is when the copy was issued and ``end_s`` when the host first saw it
+  finished (CUDA events do not carry host clock times); the device-side duration is ``elapsed_s``.
+
+Importable without CUDA; constructing it without a GPU raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from pystronghold.io import HostArena
+
+__all__ = ["CUDABackend", "EventHandle"]
+
+_DEVICE_ALIGN = 256  # bytes; cudaMalloc's own alignment
+
+
+class EventHandle:
+    """A copy (or compute point) on a CUDA stream: complete when its end event has fired."""
+
+    def __init__(self, stream, nbytes: int, keepalive=(), start_event=None) -> None:
+        self.nbytes = nbytes
+        self.start_s = time.monotonic()
+        self._end_s: float | None = None
+        self._start_event = start_event
+        self.event = torch.cuda.Event(enable_timing=start_event is not None)
+        self.event.record(stream)
+        self._keepalive = keepalive  # tensors must outlive the copy
+
+    def done(self) -> bool:
+        if self._end_s is None and self.event.query():
+            self._end_s = time.monotonic()
+            self._keepalive = ()
+        return self._end_s is not None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        # NOTE: CUDA events have no timed wait; timeout_s is accepted for interface parity.
+        self.event.synchronize()
+        self.done()
+
+    @property
+    def end_s(self) -> float:
+        self.wait()
+        return self._end_s
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Device-side duration in seconds (copies only)."""
+        if self._start_event is None:
+            return None
+        self.wait()
+        return self._start_event.elapsed_time(self.event) / 1e3
+
+
+class CUDABackend:
+    """Slots in one device allocation of ``arena_bytes`` bytes; two copy streams; pinned host arenas."""
+
+    name = "cuda"
+
+    def __init__(self, device: str, arena_bytes: int, *, copy_threads: int = 2, chunk_bytes: int = 8 << 20) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r} was asked for, but CUDA is not available in this "
+                               f"torch build or on this machine (torch {torch.__version__}); use device='cpu'")
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._arena = torch.empty(int(arena_bytes), dtype=torch.uint8, device=self.device)
+        self._used = 0
+        self.h2d_stream = torch.cuda.Stream(self.device)
+        self.d2h_stream = torch.cuda.Stream(self.device)
+
+    # ---- memory
+
+    def device_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat ``numel``-element tensor carved from the device arena (256-byte aligned)."""
+        nbytes = numel * dtype.itemsize
+        start = (self._used + _DEVICE_ALIGN - 1) // _DEVICE_ALIGN * _DEVICE_ALIGN
+        if start + nbytes > self._arena.numel():
+            raise MemoryError(f"device arena: {name!r} needs {nbytes:,} bytes at offset {start:,}, "
+                              f"capacity is {self._arena.numel():,} bytes")
+        self._used = start + nbytes
+        return self._arena[start:start + nbytes].view(dtype)
+
+    def host_arena(self, capacity_bytes: int) -> HostArena:
+        """A pinned host arena for one store tier."""
+        return HostArena(int(capacity_bytes), alignment=4096, pin="auto")
+
+    @property
+    def arena_capacity_bytes(self) -> int:
+        return self._arena.numel()
+
+    @property
+    def arena_used_bytes(self) -> int:
+        return self._used
+
+    # ---- copies and ordering
+
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, after) -> EventHandle:
+        for h in after:
+            if h is not None:
+                stream.wait_event(h.event)
+        with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            return EventHandle(stream, dst.numel() * dst.element_size(), (dst, src), start)
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after=()) -> EventHandle:
+        """Store -> device copy on the load stream, after the events of ``after``."""
+        return self._copy(self.h2d_stream, dst, src, after)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=()) -> EventHandle:
+        """Device -> store copy on the copy-out stream, after the events of ``after``."""
+        return self._copy(self.d2h_stream, dst, src, after)
+
+    def compute_wait(self, handle: EventHandle) -> None:
+        """The compute stream waits for ``handle``'s event; the host does not block."""
+        torch.cuda.current_stream(self.device).wait_event(handle.event)
+
+    def compute_marker(self) -> EventHandle:
+        """An event after everything issued so far on the compute stream."""
+        return EventHandle(torch.cuda.current_stream(self.device), 0)
+
+    def poison(self, tensor: torch.Tensor) -> None:
+        """NaN-fill on the compute stream (ordered after the compute that used the slot)."""
+        tensor.fill_(math.nan)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.synchronize()

@@ -1,0 +1,158 @@
+"""How the engine gets into the model: one autograd Function around each block's forward.
+
+We chose an autograd Function per block (over module hooks + torch.utils.checkpoint) because it
+puts every scheduling point in one place we control: forward waits for the block's load, runs it
+without building a graph (only the inputs are saved: activation checkpointing), then releases the
+slot / issues prefetches; backward waits for the (re)load, recomputes with grad, back-propagates,
+hands the parameter gradients to the engine in one flat buffer, and returns the input gradients.
+No ``.grad`` of an offloaded parameter is ever touched by autograd, and nothing depends on hook
+firing order. The block's own ``forward`` is unchanged: the wrapper replaces the instance's
+``forward`` attribute, so module names, ``state_dict`` keys and user hooks stay as they were.
+
+Arguments and outputs may be nested (tuples, dicts, keyword arguments): they are flattened with
+``torch.utils._pytree``; non-tensor leaves pass through. A tiny "anchor" tensor that requires grad
+is always an input, so backward runs even when no block input requires grad.
+
+With ``checkpointing=False`` (keep activations) the forward builds the graph and keeps it; saved
+tensors that are views of the block's slot are packed as (offset, size, stride) and re-resolved
+against the slot the block is reloaded into for backward, so eviction between forward and backward
+stays correct.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["install", "BlockFunction"]
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _run_with_rng(state, device, fn):
+    """Run ``fn`` with the RNG state of the original forward (so dropout masks repeat exactly)."""
+    cpu, cuda = state
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=True):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        return fn()
+
+
+def _slot_pack_hooks(engine, block: int):
+    """saved_tensors_hooks that store slot views by position, so they survive eviction and reload."""
+    base = engine.window.resident[block].params
+    lo, itemsize = base.data_ptr(), base.element_size()
+    hi = lo + base.numel() * itemsize
+
+    def pack(t: torch.Tensor):
+        if t.device == base.device and t.dtype == base.dtype and lo <= t.data_ptr() < hi \
+                and t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr():
+            return ("slot", (t.data_ptr() - lo) // itemsize, tuple(t.shape), tuple(t.stride()))
+        return ("keep", t)
+
+    def unpack(packed):
+        if packed[0] == "keep":
+            return packed[1]
+        _, rel, shape, stride = packed
+        now = engine.window.resident[block].params  # the slot the block was reloaded into
+        return now.as_strided(shape, stride, now.storage_offset() + rel)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class BlockFunction(torch.autograd.Function):
+    """forward(engine, block, train, spec, box, anchor, *flat_args) -> tensor outputs of the block."""
+
+    @staticmethod
+    def forward(ctx, engine, block, train, spec, box, anchor, *flat):
+        fn = engine.block_forwards[block]
+        engine.enter(block, "fwd", train)
+        keep = train and not engine.config.checkpointing
+        with engine.span("compute_fwd", block):
+            if keep:
+                inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                          for x in flat]
+                args, kwargs = pytree.tree_unflatten(inputs, spec)
+                with torch.enable_grad(), _slot_pack_hooks(engine, block):
+                    out = fn(*args, **kwargs)
+            else:
+                rng = _rng_state(engine.device) if train else None
+                args, kwargs = pytree.tree_unflatten(list(flat), spec)
+                out = fn(*args, **kwargs)
+        engine.leave(block, "fwd")
+        leaves, out_spec = pytree.tree_flatten(out)
+        is_t = [isinstance(x, torch.Tensor) for x in leaves]
+        box["spec"], box["leaves"], box["is_tensor"] = out_spec, leaves, is_t
+        tensors = [x for x, t in zip(leaves, is_t) if t]
+        if train:
+            ctx.engine, ctx.block, ctx.spec, ctx.keep = engine, block, spec, keep
+            ctx.is_input_tensor = [isinstance(x, torch.Tensor) for x in flat]
+            if keep:
+                ctx.graph = (tensors, inputs)
+            else:
+                ctx.rng = rng
+                ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
+                ctx.save_for_backward(*[x for x in flat if isinstance(x, torch.Tensor)])
+        if keep:
+            tensors = [t.detach() for t in tensors]
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        engine, block = ctx.engine, ctx.block
+        engine.enter(block, "bwd", True)
+        if ctx.keep:
+            outs, inputs = ctx.graph
+            del ctx.graph
+        else:
+            saved = iter(ctx.saved_tensors)
+            needs = ctx.needs_input_grad[6:]  # one flag per flat argument
+            inputs = [next(saved).detach().requires_grad_(need) if t else x
+                      for t, x, need in zip(ctx.is_input_tensor, ctx.non_tensor, needs)]
+            args, kwargs = pytree.tree_unflatten(inputs, ctx.spec)
+            fn = engine.block_forwards[block]
+            with engine.span("recompute", block), torch.enable_grad():
+                out = _run_with_rng(ctx.rng, engine.device, lambda: fn(*args, **kwargs))
+            outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        params = engine.window.params[block]
+        wrt_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
+        with engine.span("compute_bwd", block):
+            if pairs:
+                grads = torch.autograd.grad([o for o, _ in pairs], wrt_inputs + list(params),
+                                            [g for _, g in pairs], allow_unused=True)
+            else:
+                grads = (None,) * (len(wrt_inputs) + len(params))
+            engine.leave(block, "bwd", param_grads=grads[len(wrt_inputs):])
+        input_grads = iter(grads[:len(wrt_inputs)])
+        flat_grads = [next(input_grads) if isinstance(x, torch.Tensor) and x.requires_grad else None
+                      for x in inputs]
+        return (None, None, None, None, None, None, *flat_grads)
+
+
+def install(engine, blocks: torch.nn.ModuleList) -> list:
+    """Replace each block's ``forward`` with one that runs through BlockFunction.
+
+    Returns the blocks' original forward callables, in block order.
+    """
+    originals = []
+    for index, module in enumerate(blocks):
+        original = module.forward
+        originals.append(original)
+
+        def windowed_forward(*args, _index=index, **kwargs):
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            box: dict = {}
+            outs = BlockFunction.apply(engine, _index, torch.is_grad_enabled(), spec, box,
+                                       engine.anchor, *flat)
+            outs = iter(outs)
+            leaves = [next(outs) if t else x for x, t in zip(box["leaves"], box["is_tensor"])]
+            return pytree.tree_unflatten(leaves, box["spec"])
+
+        module.forward = windowed_forward
+    return originals

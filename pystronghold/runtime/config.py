@@ -1,0 +1,85 @@
+"""Options of the layer-window runtime (what ``pystronghold.wrap`` accepts besides model and blocks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pystronghold.runtime.optimizer import AdamW
+from pystronghold.runtime.precision import DTYPES
+
+__all__ = ["RuntimeConfig", "OVERLAP_MODES"]
+
+OVERLAP_MODES = ("auto", "backward", "forward", "none")
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    """How the engine trains. Validated on construction (ValueError naming the field)."""
+
+    window: int | str = 2
+    """Blocks resident on the device at once (W), or "all". W > number of blocks is clamped to it
+    with a warning; W < 1 is an error."""
+    device: str = "cpu"
+    """Where compute runs: "cpu" (the device is a budgeted host arena) or "cuda[:n]"."""
+    precision: str = "fp32"
+    """Compute precision: "fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling)."""
+    optimizer: AdamW = field(default_factory=AdamW)
+    """AdamW hyper-parameters; ``engine.optimizer.param_groups[0]`` holds the live values."""
+    clip_grad_norm: float | None = None
+    """Clip the global L2 norm over head, blocks and tail to this value; None: no clipping."""
+    accumulation_steps: int = 1
+    """Micro-batches (backward passes) per optimizer step; updates run after the last one only."""
+    checkpointing: bool = True
+    """Recompute each block in backward (saving only its inputs); False keeps its activations."""
+    overlap: str = "auto"
+    """When host updates run: "backward" (block i as soon as its gradient is on the host),
+    "forward" (after backward, block 0, 1, ... ahead of the next forward's loads), "none" (inside
+    ``step()``), or "auto": backward unless clipping or fp16 needs the whole gradient first."""
+    strict: bool = False
+    """Poison released slots with NaN, so a missing wait shows up as wrong numbers."""
+    trace: bool = False
+    """Record every action in ``engine.trace`` (a pystronghold.trace.Tracer)."""
+    host_memory_bytes: int | None = None
+    """Host memory budget for the store (and, on CPU, the device arena), in bytes; default: what
+    the host has available (MemAvailable)."""
+    copy_threads: int = 2
+    """Worker threads of the copy engine."""
+    initial_loss_scale: float = 2.0**16
+    """fp16 only: first loss scale."""
+    loss_scale_interval: int = 2000
+    """fp16 only: clean steps before the loss scale doubles."""
+
+    def __post_init__(self) -> None:
+        if self.window != "all" and (not isinstance(self.window, int) or isinstance(self.window, bool)):
+            raise ValueError(f"RuntimeConfig.window must be an int >= 1 or 'all', got {self.window!r}")
+        if isinstance(self.window, int) and self.window < 1:
+            raise ValueError(f"RuntimeConfig.window must be >= 1, got {self.window}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"RuntimeConfig.device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+        if self.precision not in DTYPES:
+            raise ValueError(f"RuntimeConfig.precision must be one of {sorted(DTYPES)}, got {self.precision!r}")
+        if not isinstance(self.optimizer, AdamW):
+            raise ValueError(f"RuntimeConfig.optimizer must be pystronghold.AdamW(...), got {self.optimizer!r}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"RuntimeConfig.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ValueError(f"RuntimeConfig.accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"RuntimeConfig.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
+        if self.overlap == "backward" and self.needs_global_grad:
+            raise ValueError("RuntimeConfig.overlap='backward' cannot be exact with clip_grad_norm or "
+                             "fp16 loss scaling (they need the whole gradient first); use 'forward' or 'auto'")
+        if self.copy_threads < 1:
+            raise ValueError(f"RuntimeConfig.copy_threads must be >= 1, got {self.copy_threads}")
+
+    @property
+    def needs_global_grad(self) -> bool:
+        """True when the whole gradient must be known before any update (clipping, fp16)."""
+        return self.clip_grad_norm is not None or self.precision == "fp16"
+
+    @property
+    def overlap_mode(self) -> str:
+        """The overlap mode in effect ("backward", "forward" or "none")."""
+        if self.overlap != "auto":
+            return self.overlap
+        return "forward" if self.needs_global_grad else "backward"

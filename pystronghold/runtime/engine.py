@@ -1,0 +1,360 @@
+"""The engine: runs the schedule from inside each block's autograd Function, and the optimizer step.
+
+Per pass (forward, then backward when training) the engine walks the plan of ``schedule.py``:
+``enter(block)`` before a block computes (issue what is pending, wait for its load, bind its
+parameters to the slot), ``leave(block)`` after (in backward: gradients into the slot's flat
+buffer, one copy-out, a host job; then the plan's releases and prefetch loads). A load of block i
+is issued only after block i's last host update has finished, and into a slot only after that
+slot's previous copy-out (and compute) finished. See docs/DESIGN.md "Window runtime".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import warnings
+
+import torch
+
+from pystronghold.runtime import block_fn
+from pystronghold.runtime.backend import make_backend
+from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
+from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
+from pystronghold.runtime.schedule import Load, Release, build_plan
+from pystronghold.runtime.prepare import check_host_memory, split_parameters, move_to_device, slot_bytes
+from pystronghold.runtime.store import BlockLayout, HostStore
+from pystronghold.runtime.updates import HostUpdates
+from pystronghold.runtime.window import Window
+from pystronghold.trace import Tracer
+
+__all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """A model whose blocks train through a window of W device slots. Made by ``pystronghold.wrap``."""
+
+    def __init__(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, config: RuntimeConfig) -> None:
+        self.model, self.config = model, config
+        n = len(blocks)
+        if n == 0:
+            raise ValueError("wrap: the block list is empty; pass blocks= a non-empty nn.ModuleList")
+        window = n if config.window == "all" else config.window
+        if window > n:
+            msg = f"wrap: window={window} is larger than the {n} blocks; using window={n}"
+            warnings.warn(msg, stacklevel=3)
+            log.warning(msg)
+            window = n
+        self.window_size, self.n_blocks = window, n
+        self.dtype = compute_dtype(config.precision)
+        self.overlap = config.overlap_mode
+        block_named, self.head_tail_params = split_parameters(model, blocks, config.device)
+        layouts = [BlockLayout(named) for named in block_named]
+        block_params = [[p for _, p in named] for named in block_named]
+        self.planned_arena_bytes = window * slot_bytes(layouts, self.dtype)
+        # NOTE: every byte is checked before the first allocation, so a too-small host fails cleanly.
+        check_host_memory(layouts, self.dtype, self.planned_arena_bytes if config.device == "cpu" else 0,
+                          config.host_memory_bytes)
+        self.backend = make_backend(config.device, self.planned_arena_bytes, copy_threads=config.copy_threads)
+        self.device = self.backend.device
+        self.store = HostStore(layouts, self.dtype, self.backend.host_arena)
+        for b, params in enumerate(block_params):
+            self.store.fill_from(b, params)
+        # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
+        head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
+        move_to_device(model, blocks, self.device, self.dtype)
+        self.window = Window(self.backend, layouts, block_params, window, self.dtype)
+        self.plans = {train: build_plan(n, window, train) for train in (True, False)}
+        self.block_forwards = block_fn.install(self, blocks)
+        self.anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self.trace = Tracer(enabled=config.trace)
+        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer)
+        self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters)
+        self.updates = HostUpdates(self.store, self.trace)
+        self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
+                       if config.precision == "fp16" else None)
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._block_param_names = [[self._names[id(p)] for p in ps] for ps in block_params]
+        # pass state
+        self._plan = None  # the plan of the pass in progress
+        self._pos = 0  # index of the next use in the plan
+        self._loads: dict[int, object] = {}  # block -> handle of its last load
+        self._pending: list[int] = []  # blocks whose load waits for their host update
+        self._grad_out: dict[int, object] = {}  # block -> handle of its gradient copy-out
+        self._grad_valid = [False] * n  # host grad holds earlier micro-batches' sum
+        self._copies: list[tuple[str, int, object]] = []  # for the trace
+        self.micro_batches = 0  # backward passes since the last step
+        self.steps = 0  # optimizer steps taken (skipped fp16 steps not counted)
+        self.skipped_steps = 0
+        self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
+        log.info("window runtime: %d blocks, W=%d, %s, %s, overlap=%s, device arena %d bytes",
+                 n, window, config.device, config.precision, self.overlap, self.planned_arena_bytes)
+
+    # ---- user API
+
+    def __call__(self, *args, **kwargs):
+        """Run the model's own forward."""
+        return self.model(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        if self._plan is not None:
+            raise RuntimeError("backward did not reach the first block: the loss does not depend on "
+                               "every block, or only part of the graph was back-propagated")
+
+    def step(self) -> None:
+        """One optimizer step (also ``engine.optimizer.step()``, which LR schedulers track)."""
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        """Forget the gradients (head/tail ``.grad`` set to None; block gradients reset)."""
+        self.optimizer.zero_grad()
+
+    def synchronize(self) -> None:
+        """Wait for every copy and host update in flight (forward-overlap updates included)."""
+        self.updates.drain()
+        for _, _, h in self._copies:
+            h.wait()
+        self.backend.synchronize()
+        self._flush_copies()
+
+    def in_flight(self) -> int:
+        """Copies and host jobs not finished yet."""
+        return sum(not h.done() for _, _, h in self._copies) + self.updates.in_flight()
+
+    def master_parameters(self) -> dict[str, torch.Tensor]:
+        """fp32 value of every parameter by its model name (host store for blocks); synchronizes first."""
+        self.synchronize()
+        out = {}
+        for b, names in enumerate(self._block_param_names):
+            out.update(zip(names, self.store.master_views(b)))
+        for p, m in zip(self.device_optimizer.params, self.device_optimizer.masters):
+            out[self._names[id(p)]] = m.detach()
+        return out
+
+    def stats(self) -> dict:
+        """Counters for invariants and benchmarks (bytes, counts)."""
+        return dict(window=self.window_size, blocks=self.n_blocks, peak_resident=self.window.peak_resident,
+                    planned_arena_bytes=self.planned_arena_bytes, arena_used_bytes=self.backend.arena_used_bytes,
+                    store_bytes=self.store.nbytes, steps=self.steps, skipped_steps=self.skipped_steps,
+                    loss_scale=self.scaler.scale if self.scaler else None)
+
+    def close(self) -> None:
+        """Finish everything in flight and stop the worker threads (re-raises a host job's error)."""
+        try:
+            self.synchronize()
+        finally:
+            self.updates.close()
+            self.backend.close()
+
+    def span(self, kind: str, block: int | None):
+        return self.trace.span(kind, block) if self.trace.enabled else contextlib.nullcontext()
+
+    # ---- the schedule, driven by block_fn.BlockFunction
+
+    def enter(self, block: int, phase: str, train: bool) -> None:
+        """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
+        if phase == "fwd" and block == 0:
+            self._begin_pass(train)
+        plan = self._plan
+        use = plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
+        if use is None or (use.phase, use.block) != (phase, block):
+            raise RuntimeError(
+                f"block {block} ran its {phase} out of the expected order (expected {use}); the window "
+                "runtime needs each block called once per forward, in order 0..N-1")
+        self._pump()
+        if block in self._pending:
+            with self.span("wait", block):
+                self.updates.updates[block].result()
+            self._pending.remove(block)
+            self._issue(block)
+        handle = self._loads.pop(block, None)
+        if handle is not None and "load" not in self._test_skip_waits:
+            if handle.done():
+                self.backend.compute_wait(handle)
+            else:
+                with self.span("wait", block):
+                    self.backend.compute_wait(handle)
+        if phase == "bwd" and self._grad_valid[block]:
+            # accumulation: the earlier micro-batches' sum comes back so this one adds to it
+            slot = self.window.resident[block]
+            n = self.store.layouts[block].numel
+            # NOTE: after the previous micro-batch's copy-out of this block (another queue/stream)
+            h = self.backend.h2d(slot.grads[:n], self.store.tiers["grad"][block],
+                                 after=[self._grad_out.get(block)])
+            self._copies.append(("h2d", block, h))
+            with self.span("wait", block):
+                self.backend.compute_wait(h)
+        self.window.bind(block)
+
+    def leave(self, block: int, phase: str, param_grads=None) -> None:
+        """After ``block`` computed: in backward hand its gradient out; then run the plan's actions."""
+        if phase == "bwd":
+            self._grad_to_host(block, param_grads)
+        for action in self._plan.after[self._pos]:
+            if isinstance(action, Release):
+                self._release(action)
+            else:
+                self._load(action)
+        self._pos += 1
+        if self._pos == len(self._plan.uses):
+            if len(self._plan.uses) > self.n_blocks:
+                self.micro_batches += 1
+            self._plan = None
+            self._flush_copies()  # finished copies go to the trace and are dropped
+
+    def _begin_pass(self, train: bool) -> None:
+        if self._plan is not None:
+            log.warning("a new forward started before the previous pass finished (no backward?); "
+                        "abandoning it")
+            self._abandon_pass()
+        if train and self.micro_batches >= self.config.accumulation_steps:
+            raise RuntimeError(f"a training forward after {self.micro_batches} backward passes without "
+                               f"step() (accumulation_steps={self.config.accumulation_steps})")
+        self._plan, self._pos = self.plans[train], 0
+        for action in self._plan.prologue:
+            self._load(action)
+
+    def _abandon_pass(self) -> None:
+        for h in self._loads.values():
+            h.wait()
+        self._loads.clear()
+        self._pending.clear()
+        for block in list(self.window.resident):
+            self.window.vacate(block)
+        self._plan = None
+
+    def _load(self, action: Load) -> None:
+        self.window.occupy(action.block, action.slot)
+        if self.updates.pending(action.block) is not None:
+            self._pending.append(action.block)  # issued by _pump once the host update is done
+        else:
+            self._issue(action.block)
+
+    def _issue(self, block: int) -> None:
+        slot = self.window.resident[block]
+        n = self.store.layouts[block].numel
+        handle = self.backend.h2d(slot.params[:n], self.store.upload_source(block), after=slot.busy)
+        slot.busy = []
+        self._loads[block] = handle
+        self._copies.append(("h2d", block, handle))
+
+    def _pump(self) -> None:
+        for block in list(self._pending):
+            if self.updates.pending(block) is None:
+                self._pending.remove(block)
+                self._issue(block)
+
+    def _release(self, action: Release) -> None:
+        slot = self.window.vacate(action.block)
+        marker = self.backend.compute_marker()
+        if marker is not None:
+            slot.busy.append(marker)
+        if self.config.strict:
+            for h in slot.busy:
+                h.wait()
+            self.backend.poison(slot.params)
+            self.backend.poison(slot.grads)
+
+    def _grad_to_host(self, block: int, param_grads) -> None:
+        slot = self.window.resident[block]
+        accumulate = self._grad_valid[block]
+        for view, g in zip(self.window.grad_views(block), param_grads):
+            if g is not None:
+                view.add_(g) if accumulate else view.copy_(g)
+            elif not accumulate:
+                view.zero_()
+        layout = self.store.layouts[block]
+        if not accumulate:
+            layout.zero_gaps(slot.grads)
+        handle = self.backend.d2h(self.store.tiers["grad"][block], slot.grads[:layout.numel],
+                                  after=[self.backend.compute_marker()])
+        slot.busy.append(handle)
+        self._grad_out[block] = handle
+        self._copies.append(("d2h", block, handle))
+        self._grad_valid[block] = True
+        if self.micro_batches + 1 < self.config.accumulation_steps:
+            return  # not the last micro-batch: updates wait for the whole sum
+        if self.overlap == "backward":
+            self.updates.submit_update(block, handle, step=self.steps + 1, hyper=self.optimizer.hyper(),
+                                       grad_scale=1.0)
+        elif self.config.needs_global_grad:
+            self.updates.submit_norm(block, handle, self._unscale())
+
+    # ---- optimizer step
+
+    def _unscale(self) -> float:
+        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+
+    def _step(self) -> None:
+        if self._plan is not None:
+            raise RuntimeError("step() during a forward/backward pass")
+        if self.micro_batches != self.config.accumulation_steps:
+            raise RuntimeError(f"step() after {self.micro_batches} backward passes; accumulation_steps="
+                               f"{self.config.accumulation_steps} must be completed first")
+        for h in self._grad_out.values():
+            h.wait()
+        self._grad_out.clear()
+        hyper, step = self.optimizer.hyper(), self.steps + 1
+        if self.overlap == "backward":
+            self.updates.drain()
+            self.device_optimizer.step(hyper, 1.0)
+        else:
+            scale = self._unscale()
+            coef = 1.0
+            if self.config.needs_global_grad:
+                total = self._global_grad_norm(scale)
+                if self.scaler is not None:
+                    self.scaler.update(not math.isfinite(total))
+                    if not math.isfinite(total):
+                        log.info("fp16 overflow: step skipped for every block; loss scale now %g",
+                                 self.scaler.scale)
+                        self.skipped_steps += 1
+                        self._end_step()
+                        return
+                if self.config.clip_grad_norm is not None:
+                    # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
+                    coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
+                                             max=1.0))
+            for block in range(self.n_blocks):  # 0, 1, 2, ...: the order the next forward loads them
+                self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
+            self.device_optimizer.step(hyper, scale * coef)
+            if self.overlap == "none":
+                self.updates.drain()
+        self.steps = step
+        self._end_step()
+
+    def _global_grad_norm(self, grad_scale: float) -> float:
+        """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order."""
+        norms = self.device_optimizer.grad_norms(grad_scale)
+        for block, per_param in self.updates.block_norms().items():
+            for p, n in zip(self.window.params[block], per_param):
+                norms[id(p)] = n
+        ordered = [norms[id(p)].to(self.device) for p in self.optimizer.param_groups[0]["params"]
+                   if id(p) in norms]
+        return float(torch.linalg.vector_norm(torch.stack(ordered)))
+
+    def _end_step(self) -> None:
+        self.micro_batches = 0
+        self._grad_valid = [False] * self.n_blocks
+        self._flush_copies()
+
+    def _zero_grad(self) -> None:
+        self.device_optimizer.zero_grad()
+        if self._plan is None and self.micro_batches:
+            self.micro_batches = 0
+            self._grad_valid = [False] * self.n_blocks
+
+    def _flush_copies(self) -> None:
+        keep = []
+        for kind, block, h in self._copies:
+            if h.done():
+                if self.trace.enabled:
+                    self.trace.record(kind, block, h.start_s, max(h.end_s, h.start_s), h.nbytes)
+            else:
+                keep.append((kind, block, h))
+        self._copies = keep

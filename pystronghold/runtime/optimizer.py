@@ -1,0 +1,118 @@
+"""The optimizer the user sees, and the device-side optimizer of head and tail.
+
+``AdamW`` is the spec passed to ``wrap``. ``engine.optimizer`` is a ``WindowOptimizer``: a real
+``torch.optim.Optimizer`` whose single param group carries lr, betas, eps and weight_decay, so LR
+schedulers and manual ``lr`` edits work; the engine reads the group at every update. Its ``step``
+and ``zero_grad`` run the engine's. Block parameters are updated by the fused CPU Adam on the host
+store; head and tail parameters (on the device) by ``torch.optim.AdamW`` with the same settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AdamW", "WindowOptimizer", "DeviceAdamW"]
+
+
+@dataclass(kw_only=True, slots=True)
+class AdamW:
+    """AdamW hyper-parameters (decoupled weight decay, Loshchilov & Hutter), as torch.optim.AdamW."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Decay rates of the first and second moment."""
+    eps: float = 1e-8
+    """Added to the denominator."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (applied to every parameter)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0:
+            raise ValueError(f"AdamW.lr must be >= 0, got {self.lr!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"AdamW.betas must be two values in [0, 1), got {self.betas!r}")
+        if not self.eps > 0:
+            raise ValueError(f"AdamW.eps must be > 0, got {self.eps!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"AdamW.weight_decay must be >= 0, got {self.weight_decay!r}")
+
+
+class WindowOptimizer(torch.optim.Optimizer):
+    """``engine.optimizer``: one param group with every model parameter; step/zero_grad run the engine's.
+
+    NOTE: one param group only; per-group settings (e.g. no decay on norms) are not supported yet.
+    """
+
+    def __init__(self, engine, params, spec: AdamW) -> None:
+        defaults = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
+        super().__init__(list(params), defaults)
+        self._engine = engine
+
+    def hyper(self) -> dict:
+        """Current (lr, betas, eps, weight_decay) of the group, as a dict."""
+        g = self.param_groups[0]
+        return dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine._step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine._zero_grad()
+
+
+class DeviceAdamW:
+    """AdamW of head and tail, on the device, over fp32 masters.
+
+    In fp32 the masters are the parameters themselves; in bf16/fp16 they are fp32 copies and the
+    parameters are rewritten in compute precision after each update.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], spec: AdamW, masters: list[torch.Tensor]) -> None:
+        """``masters``: fp32 values of ``params`` taken before they were cast to compute precision."""
+        self.params = params
+        half = any(p.dtype != torch.float32 for p in params)
+        self.masters = [m.detach().clone().requires_grad_(True) for m in masters] if half else params
+        self._opt = torch.optim.AdamW(self.masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                      weight_decay=spec.weight_decay, foreach=False) if params else None
+
+    def grad_norms(self, grad_scale: float) -> dict[int, torch.Tensor]:
+        """fp32 L2 norm of each parameter's gradient x ``grad_scale``, keyed by id(parameter)."""
+        return {id(p): torch.linalg.vector_norm(p.grad.float() * grad_scale if grad_scale != 1.0
+                                                else p.grad.float())
+                for p in self.params if p.grad is not None}
+
+    @torch.no_grad()
+    def step(self, hyper: dict, grad_scale: float) -> None:
+        """One AdamW step with gradients multiplied by ``grad_scale`` (clip coefficient / loss scale)."""
+        if self._opt is None:
+            return
+        group = self._opt.param_groups[0]
+        group.update(lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
+                     weight_decay=hyper["weight_decay"])
+        for p, m in zip(self.params, self.masters):
+            if p.grad is None:
+                m.grad = None
+                continue
+            if m is not p:
+                m.grad = p.grad.float()
+            if grad_scale != 1.0:
+                m.grad.mul_(grad_scale)
+        self._opt.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            m.grad = None

@@ -1,0 +1,98 @@
+"""Checks and moves done once when a model is wrapped: which parameters are windowed, device
+placement, memory budgets. Every refusal here happens before anything is allocated."""
+
+from __future__ import annotations
+
+import torch
+
+from pystronghold.runtime.store import BlockLayout, available_host_bytes, store_bytes
+
+__all__ = ["split_parameters", "move_to_device", "slot_bytes", "check_host_memory"]
+
+_ARENA_ALIGN = 4096
+
+
+def split_parameters(model: torch.nn.Module, blocks: torch.nn.ModuleList, device: str):
+    """Block parameters (per block, named relative to the block) and the head/tail parameters.
+
+    Refuses a parameter shared between a block and the head/tail or between two blocks (tied
+    weights must live in head/tail), parameters on a device other than the host or ``device``,
+    and blocks that are not part of ``model``.
+    """
+    if not any(m is blocks for m in model.modules()):
+        raise ValueError("wrap: blocks= must be a ModuleList inside the model (e.g. model.blocks)")
+    target = torch.device(device)
+    for name, p in model.named_parameters():
+        ok = p.device.type == "cpu" or (p.device.type == target.type and
+                                        (target.index is None or p.device.index == target.index))
+        if not ok:
+            raise ValueError(f"wrap: parameter {name!r} is on {p.device}, but device={device!r} was "
+                             f"asked for; build the model on the host (cpu) or on {device!r}")
+    owner: dict[int, str] = {}
+    per_block = []
+    for i, block in enumerate(blocks):
+        named = []
+        for name, p in block.named_parameters():
+            if id(p) in owner:
+                raise ValueError(f"wrap: block {i} parameter {name!r} is also {owner[id(p)]}; parameters "
+                                 "shared between blocks are not supported (each block is windowed alone)")
+            owner[id(p)] = f"block {i} {name!r}"
+            if p.requires_grad:
+                named.append((name, p))
+            else:
+                raise ValueError(f"wrap: block {i} parameter {name!r} has requires_grad=False; frozen "
+                                 "block parameters are not supported yet")
+        per_block.append(named)
+    block_module_ids = {id(m) for b in blocks for m in b.modules()}
+    head_tail = []
+    for mod_name, module in model.named_modules():
+        if id(module) in block_module_ids:
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in owner:
+                raise ValueError(
+                    f"wrap: parameter {mod_name + '.' + name!r} outside the blocks is the same tensor as "
+                    f"{owner[id(p)]}: a weight tied between a block and the head/tail cannot be "
+                    "windowed; untie it or keep it in the head/tail only")
+    seen = set()
+    for p in model.parameters():
+        if id(p) not in owner and id(p) not in seen:
+            seen.add(id(p))
+            head_tail.append(p)
+    return per_block, head_tail
+
+
+@torch.no_grad()
+def move_to_device(model: torch.nn.Module, blocks: torch.nn.ModuleList, device: torch.device,
+                   dtype: torch.dtype) -> None:
+    """Head/tail parameters and every floating buffer to ``device`` in ``dtype`` (block parameters
+    are not touched: they go to the store and then become placeholders)."""
+    block_param_ids = {id(p) for p in blocks.parameters()}
+    for p in model.parameters():
+        if id(p) not in block_param_ids:
+            p.data = p.data.to(device=device, dtype=dtype)
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else None)
+
+
+def slot_bytes(layouts: list[BlockLayout], dtype: torch.dtype) -> int:
+    """Device bytes of one window slot: parameters and gradients of the largest block, aligned."""
+    cap = max(lay.numel for lay in layouts) * dtype.itemsize
+    return 2 * ((cap + _ARENA_ALIGN - 1) // _ARENA_ALIGN * _ARENA_ALIGN)
+
+
+def check_host_memory(layouts: list[BlockLayout], dtype: torch.dtype, extra_bytes: int,
+                      limit_bytes: int | None) -> None:
+    """Raise MemoryError (with the numbers) if the store plus ``extra_bytes`` exceeds the budget."""
+    need = store_bytes(layouts, dtype)
+    total = sum(need.values()) + extra_bytes
+    limit = available_host_bytes() if limit_bytes is None else int(limit_bytes)
+    if total > limit:
+        parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
+        extra = f", device arena (host memory on device='cpu') {extra_bytes:,}" if extra_bytes else ""
+        raise MemoryError(
+            f"wrap: the host store needs {total:,} bytes ({total / 2**30:.3f} GiB; {parts}{extra}) for "
+            f"{len(layouts)} blocks, but the host has {limit:,} bytes ({limit / 2**30:.3f} GiB) "
+            "available; nothing was allocated. Use a smaller model, or a host with more memory.")

@@ -1,0 +1,111 @@
+"""The schedule: which block is loaded into which slot, and when slots are released.
+
+One pass through the model *uses* blocks in a fixed order: forward ``0 .. N-1`` and, when training,
+backward ``N-1 .. 0`` (the backward use recomputes the block under checkpointing, or back-propagates
+through kept activations: either way it needs the block's parameters again). The plan is computed
+once per (N, W, train) by simulating a window of W slots over that sequence: after each use, the
+resident set becomes the next W distinct blocks still to be used; blocks leaving it are released,
+blocks entering it are loaded into the slots just freed. So while block i computes, blocks
+i+1 .. i+W-1 are being copied in, and the last W blocks of forward stay resident for backward.
+
+Both backends run exactly this plan; only how a load, a release or a wait is carried out differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Use", "Load", "Release", "Plan", "build_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Use:
+    """One use of a block: ``phase`` is "fwd" or "bwd"."""
+
+    phase: str
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Copy ``block``'s parameters from the host store into ``slot``."""
+
+    block: int
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """``block`` leaves ``slot``; the slot is reused once its copy-out and compute are finished."""
+
+    block: int
+    slot: int
+
+
+@dataclass(slots=True)
+class Plan:
+    """The precomputed actions of one pass."""
+
+    uses: list[Use]
+    """Block uses in execution order."""
+    window: int
+    """Slots W."""
+    prologue: list[Load]
+    """Loads issued before the first use."""
+    after: list[list[Release | Load]] = field(default_factory=list)
+    """``after[k]``: releases then loads to issue once use k has finished."""
+    slot_at: list[int] = field(default_factory=list)
+    """``slot_at[k]``: the slot holding the block of use k."""
+
+    def max_resident(self) -> int:
+        """Largest number of blocks resident at once (loaded or loading) over the pass."""
+        resident = len(self.prologue)
+        peak = resident
+        for actions in self.after:
+            for a in actions:
+                resident += 1 if isinstance(a, Load) else -1
+                peak = max(peak, resident)
+        return peak
+
+
+def build_plan(n_blocks: int, window: int, train: bool) -> Plan:
+    """Plan one pass over ``n_blocks`` blocks with ``window`` slots (1 <= window <= n_blocks)."""
+    if n_blocks < 1:
+        raise ValueError(f"build_plan: n_blocks must be >= 1, got {n_blocks}")
+    if not 1 <= window <= n_blocks:
+        raise ValueError(f"build_plan: window must be in [1, {n_blocks}], got {window}")
+    uses = [Use("fwd", i) for i in range(n_blocks)]
+    if train:
+        uses += [Use("bwd", i) for i in reversed(range(n_blocks))]
+
+    def next_distinct(k: int) -> list[int]:
+        """The first `window` distinct blocks used from position k on, in order of use."""
+        out: list[int] = []
+        for u in uses[k:]:
+            if u.block not in out:
+                out.append(u.block)
+                if len(out) == window:
+                    break
+        return out
+
+    free = list(range(window))
+    slot_of: dict[int, int] = {}
+    plan = Plan(uses=uses, window=window, prologue=[])
+    for b in next_distinct(0):
+        slot_of[b] = free.pop(0)
+        plan.prologue.append(Load(b, slot_of[b]))
+    for k, use in enumerate(uses):
+        plan.slot_at.append(slot_of[use.block])
+        wanted = next_distinct(k + 1)
+        actions: list[Release | Load] = []
+        for b in sorted(set(slot_of) - set(wanted)):
+            slot = slot_of.pop(b)
+            free.append(slot)
+            actions.append(Release(b, slot))
+        for b in wanted:
+            if b not in slot_of:
+                slot_of[b] = free.pop(0)
+                actions.append(Load(b, slot_of[b]))
+        plan.after.append(actions)
+    assert not slot_of, "every block is released by the end of a pass"
+    return plan

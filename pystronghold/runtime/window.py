@@ -1,0 +1,84 @@
+"""The window: W device slots, and which block's parameters point into which slot.
+
+A slot is one flat parameter buffer and one flat gradient buffer in the device arena, each as large
+as the largest block. While block b is resident, each of its ``Parameter.data`` is a view into its
+slot; otherwise it is an empty placeholder tensor, so any use of an evicted block fails loudly
+(a shape error) instead of silently reading stale memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pystronghold.runtime.store import BlockLayout
+
+__all__ = ["Slot", "Window"]
+
+
+class Slot:
+    """One device slot: flat parameter and gradient buffers plus what must finish before reuse."""
+
+    def __init__(self, index: int, params: torch.Tensor, grads: torch.Tensor) -> None:
+        self.index = index
+        self.params = params  # (max_numel,) compute dtype, on the device
+        self.grads = grads  # (max_numel,) compute dtype, on the device
+        self.block: int | None = None
+        self.busy: list = []  # handles (copy-outs, compute markers) to finish before reuse
+
+
+class Window:
+    """W slots over ``len(layouts)`` blocks; counts residency for the invariant tests."""
+
+    def __init__(self, backend, layouts: list[BlockLayout], params: list[list[torch.nn.Parameter]],
+                 slots: int, compute_dtype: torch.dtype) -> None:
+        self.layouts = layouts
+        self.params = params
+        cap = max(lay.numel for lay in layouts)
+        self.slots = [Slot(i, backend.device_buffer(f"slot{i}.params", cap, compute_dtype),
+                           backend.device_buffer(f"slot{i}.grads", cap, compute_dtype))
+                      for i in range(slots)]
+        for s in self.slots:
+            s.params.zero_()
+            s.grads.zero_()
+        self._placeholder = torch.empty(0, dtype=compute_dtype, device=backend.device)
+        self.resident: dict[int, Slot] = {}  # block -> slot, from load issue to release
+        self.peak_resident = 0
+        for block_params in params:
+            for p in block_params:
+                p.data = self._placeholder
+                p.grad = None
+
+    def occupy(self, block: int, slot: int) -> Slot:
+        """Mark ``slot`` as holding ``block`` (its load is being issued)."""
+        s = self.slots[slot]
+        if s.block is not None:
+            raise RuntimeError(f"window: slot {slot} still holds block {s.block}, cannot load block {block}")
+        if block in self.resident:
+            raise RuntimeError(f"window: block {block} is already resident in slot {self.resident[block].index}")
+        s.block = block
+        self.resident[block] = s
+        self.peak_resident = max(self.peak_resident, len(self.resident))
+        return s
+
+    def bind(self, block: int) -> Slot:
+        """Point ``block``'s parameters at its slot (after its load has been waited for)."""
+        s = self.resident[block]
+        for p, view in zip(self.params[block], self.layouts[block].views(s.params)):
+            p.data = view
+        return s
+
+    def vacate(self, block: int) -> Slot:
+        """Point ``block``'s parameters back at the placeholder and free its slot record."""
+        s = self.resident.pop(block)
+        for p in self.params[block]:
+            p.data = self._placeholder
+        s.block = None
+        return s
+
+    def param_views(self, block: int) -> list[torch.Tensor]:
+        """Views of the resident ``block``'s parameters in its slot."""
+        return self.layouts[block].views(self.resident[block].params)
+
+    def grad_views(self, block: int) -> list[torch.Tensor]:
+        """Views of the resident ``block``'s gradients in its slot."""
+        return self.layouts[block].views(self.resident[block].grads)

@@ -1,0 +1,161 @@
+"""Small models and training loops shared by the runtime tests (not a test file)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pystronghold as ph
+from pystronghold.models import GPT, GPTConfig
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def tiny_gpt(layers: int = 8) -> GPT:
+    """8 blocks, hidden 64, seq 32: the runtime tests' GPT."""
+    return GPT(GPTConfig(vocab_size=97, seq_len=32, layers=layers, hidden=64, heads=4))
+
+
+def gpt_batches(steps: int, batch: int = 2, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 97, (batch, 32), generator=g), torch.randint(0, 97, (batch, 32), generator=g))
+            for _ in range(steps)]
+
+
+# ---- a stack of blocks that differ in size and structure
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class ScaleBlock(nn.Module):
+    """Tiny block: elementwise scale and shift, with a (non-parameter) buffer."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+        self.shift = nn.Parameter(0.1 * torch.randn(d))
+        self.register_buffer("offset", torch.full((d,), 0.01))
+
+    def forward(self, x):
+        return torch.tanh(x * self.scale + self.shift) + self.offset
+
+
+class AttnBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+class HetStack(nn.Module):
+    """head (Linear) -> heterogeneous blocks -> tail (Linear + MSE loss)."""
+
+    def __init__(self, d: int = 24, d_in: int = 10) -> None:
+        super().__init__()
+        self.head = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList([MLPBlock(d, 40), ScaleBlock(d), AttnBlock(d), MLPBlock(d, 8),
+                                     ScaleBlock(d), MLPBlock(d, 96)])
+        self.tail = nn.Linear(d, 3)
+
+    def forward(self, x, y=None):
+        h = self.head(x)
+        for block in self.blocks:
+            h = block(h)
+        out = self.tail(h)
+        return out if y is None else F.mse_loss(out, y)
+
+
+def het_batches(steps: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 5, 10, generator=g), torch.randn(4, 5, 3, generator=g)) for _ in range(steps)]
+
+
+# ---- training loops
+
+
+def train_reference(model, batches, *, clip=None, accumulation=1, scheduler=None):
+    """Plain PyTorch + torch.optim.AdamW. Returns (losses, {name: parameter})."""
+    opt = torch.optim.AdamW(model.parameters(), **HYPER)
+    sched = scheduler(opt) if scheduler else None
+    losses = []
+    for k, (x, y) in enumerate(batches):
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        if (k + 1) % accumulation == 0:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            if sched:
+                sched.step()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_engine(model, batches, *, accumulation=1, scheduler=None, engine_hook=None, **options):
+    """The same loop through pystronghold.wrap. Returns (losses, {name: fp32 parameter}, engine)."""
+    engine = ph.wrap(model, blocks=model.blocks, optimizer=ph.AdamW(**HYPER),
+                     accumulation_steps=accumulation, **options)
+    if engine_hook:
+        engine_hook(engine)
+    sched = scheduler(engine.optimizer) if scheduler else None
+    losses = []
+    try:
+        for k, (x, y) in enumerate(batches):
+            loss = engine(x, y)
+            engine.backward(loss)
+            losses.append(loss.item())
+            if (k + 1) % accumulation == 0:
+                engine.step()
+                engine.zero_grad()
+                if sched:
+                    sched.step()
+        params = {n: p.clone() for n, p in engine.master_parameters().items()}
+    finally:
+        engine.close()
+    return losses, params, engine
+
+
+def run_both(make_model, batches, *, clip=None, accumulation=1, scheduler=None, **options):
+    """Reference and engine on two copies of the same initial model, run one after the other."""
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    torch.manual_seed(1234)  # the same dropout masks for both runs
+    ref = train_reference(ref_model, batches, clip=clip, accumulation=accumulation, scheduler=scheduler)
+    torch.manual_seed(1234)
+    got = train_engine(model, batches, clip_grad_norm=clip, accumulation=accumulation,
+                       scheduler=scheduler, **options)
+    return ref, got
+
+
+def assert_same_training(ref, got, rtol=1e-6, atol=1e-7):
+    (ref_losses, ref_params), (losses, params, _) = ref, got
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), rtol=rtol, atol=0)
+    assert params.keys() == ref_params.keys()
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name].float(), p.float(), rtol=rtol, atol=atol, msg=name)
+
+
+def one_torch_thread():
+    """Generator for an autouse fixture: tiny models run faster on one intra-op thread, and on this
+    shared 2-core machine OpenMP workers spinning beside the copy threads cost more than they give."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
