@@ -76,7 +76,8 @@ inline void moments_one(const Buffers& b, int64_t i, const Coeffs& c) {
   if (kL2) g = std::fma(c.l2, b.param[i], g);  // grad.add(param, alpha=wd)
   if (kDecay) b.param[i] = b.param[i] * c.decay;
   const float m = b.exp_avg[i];
-  b.exp_avg[i] = std::fma(c.w1, g - m, m);  // lerp, weight < 0.5: m + w*(g - m)
+  // exp_avg.lerp_(g, w1), torch's two branches: m + w*(g - m) for w < 0.5, else g + (w - 1)*(g - m)
+  b.exp_avg[i] = c.w1 < 0.5f ? std::fma(c.w1, g - m, m) : std::fma(c.w1 - 1.0f, g - m, g);
   const float vb = opaque(b.exp_avg_sq[i] * c.beta2);
   b.exp_avg_sq[i] = std::fma(opaque(c.c2 * g), g, vb);  // mul_(beta2).addcmul_(g, g, value=1-beta2)
 }
@@ -96,6 +97,8 @@ void update_range(const Buffers& b, int64_t begin, int64_t end, const Coeffs& c)
   const sv::vf gs = sv::set1(c.grad_scale), l2 = sv::set1(c.l2), decay = sv::set1(c.decay);
   const sv::vf w1 = sv::set1(c.w1), beta2 = sv::set1(c.beta2), c2 = sv::set1(c.c2);
   const sv::vf bc2 = sv::set1(c.bc2_sqrt), eps = sv::set1(c.eps), neg_step = sv::set1(c.neg_step);
+  const bool small_w1 = c.w1 < 0.5f;  // uniform over the call: the branch predicts perfectly
+  const sv::vf w1m1 = sv::set1(c.w1 - 1.0f);
   const G* grad = static_cast<const G*>(b.grad);
   alignas(64) float root[kBlock];
   for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
@@ -106,7 +109,7 @@ void update_range(const Buffers& b, int64_t begin, int64_t end, const Coeffs& c)
       if (kL2) g = sv::fmadd(l2, sv::load(b.param + i), g);
       if (kDecay) sv::store(b.param + i, sv::mul(sv::load(b.param + i), decay));
       const sv::vf m = sv::load(b.exp_avg + i);
-      sv::store(b.exp_avg + i, sv::fmadd(w1, sv::sub(g, m), m));
+      sv::store(b.exp_avg + i, small_w1 ? sv::fmadd(w1, sv::sub(g, m), m) : sv::fmadd(w1m1, sv::sub(g, m), g));
       const sv::vf vb = opaque(sv::mul(sv::load(b.exp_avg_sq + i), beta2));
       sv::store(b.exp_avg_sq + i, sv::fmadd(opaque(sv::mul(c2, g)), g, vb));
     }

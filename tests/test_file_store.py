@@ -139,6 +139,9 @@ def test_never_written_record_is_an_error_not_zeros(tmp_path, engine):
         h.wait()
     with pytest.raises(CopyError, match=r"not run: a request it waits for \(`after`\) failed: .*never written"):
         dependent.wait()
+    late = engine.copy(torch.empty(10_000, dtype=torch.uint8), dst, after=[h])  # h failed before this
+    with pytest.raises(CopyError, match=r"not run: .*never written"):
+        late.wait()
 
 
 def fill_until_full(directory: Path, engine: CopyEngine, record_bytes: int, blocks: int, after_create=None):

@@ -1,0 +1,229 @@
+"""Fused CPU Adam benchmark: M params/s and effective GB/s against torch, DeepSpeed and a roofline.
+
+Cases, each at every size (total parameters) as 1 tensor and as 100 tensors:
+  ours             pystronghold adam_step_ (fp32 grad, with the non-finite pre-scan)
+  ours_nocheck     the same with check_finite=False (caller already checked, e.g. grad_sq_norm)
+  torch_fused      torch.optim.AdamW(fused=True)
+  torch_foreach    torch.optim.AdamW(foreach=True)
+  deepspeed        deepspeed.ops.adam.DeepSpeedCPUAdam (when importable; `make deepspeed`)
+  roofline         csrc/roofline.cpp: 4 fp32 read streams, 3 written back in place
+Offload pipeline (bf16 grad in, fp32 update, bf16 shadow out):
+  ours_offload     one adam_step_ call with a bf16 grad and a bf16 shadow
+  ds_offload       grad.float() into a buffer, DeepSpeedCPUAdam.step(), shadow.copy_(param)
+  torch_offload    the same sequence with torch fused AdamW
+Effective GB/s counts the bytes a one-pass update must move: 28 per parameter (fp32 grad), 28 for
+the offload case (bf16 grad 2 + bf16 shadow 2), whatever an implementation really moves.
+
+Examples:
+  python bench/adam.py --quick
+  python bench/adam.py --sizes 64 --tensors 1,100 --json bench/results/adam.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_facts, print_table, time_call, write_json  # noqa: E402
+
+from pystronghold._ext import native  # noqa: E402
+from pystronghold.optim.functional import adam_step_  # noqa: E402
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+# ---- optional DeepSpeed
+
+def deepspeed_adam():
+    """DeepSpeedCPUAdam class, or None (with the reason) when it cannot be imported or built."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        probe = torch.nn.Parameter(torch.zeros(8))
+        probe.grad = torch.ones(8)
+        DeepSpeedCPUAdam([probe], lr=1e-3).step()  # builds/loads the op now, not while timing
+        return DeepSpeedCPUAdam, ""
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available"
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+# ---- cases: each returns a step function over fresh buffers
+
+def split(n, tensors):
+    base, extra = divmod(n, tensors)
+    return [base + (1 if i < extra else 0) for i in range(tensors)]
+
+
+def make_params(n, tensors):
+    params = []
+    for k in split(n, tensors):
+        p = torch.nn.Parameter(torch.empty(k).uniform_(-1, 1))  # uniform_: faster to fill than randn
+        p.grad = torch.empty(k).uniform_(-1e-2, 1e-2)
+        params.append(p)
+    return params
+
+
+def case_ours(n, tensors, check_finite=True, offload=False):
+    bufs = []
+    for k in split(n, tensors):
+        grad = torch.empty(k).uniform_(-1e-2, 1e-2)
+        bufs.append((torch.empty(k).uniform_(-1, 1), grad.to(torch.bfloat16) if offload else grad,
+                     torch.zeros(k), torch.zeros(k), torch.empty(k, dtype=torch.bfloat16) if offload else None))
+    step = [0]
+
+    def fn():
+        step[0] += 1
+        for p, g, m, v, sh in bufs:
+            adam_step_(p, g, m, v, step=step[0], shadow=sh, check_finite=check_finite, **HP)
+    return fn
+
+
+def torch_opt(params, kind, ds_cls):
+    kw = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+    if kind == "deepspeed":
+        return ds_cls(params, adamw_mode=True, **kw)
+    return torch.optim.AdamW(params, **{kind: True}, **kw)
+
+
+def case_torch(n, tensors, kind, ds_cls=None):
+    opt = torch_opt(make_params(n, tensors), kind, ds_cls)
+    return opt.step
+
+
+def case_offload_sequence(n, tensors, kind, ds_cls=None):
+    params = make_params(n, tensors)
+    grads_bf16 = [torch.empty(p.numel()).uniform_(-1e-2, 1e-2).to(torch.bfloat16) for p in params]
+    shadows = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params]
+    opt = torch_opt(params, kind, ds_cls)
+
+    def fn():
+        for p, g in zip(params, grads_bf16):
+            p.grad.copy_(g)          # cast grad bf16 -> fp32
+        opt.step()
+        for p, sh in zip(params, shadows):
+            sh.copy_(p.detach())     # cast the updated master to the bf16 shadow
+    return fn
+
+
+def case_roofline(n, tensors):
+    bufs = [[torch.empty(k).uniform_(-1, 1) for _ in range(4)] for k in split(n, tensors)]
+    stream = native().roofline_stream
+
+    def fn():
+        for a, b, c, d in bufs:
+            stream(a, b, c, d, 0.999)
+    return fn
+
+
+# ---- correctness before timing
+
+def check_correctness(ds_cls):
+    """One step of every implementation from the same state agrees with torch's single-tensor AdamW."""
+    n = 100_003
+    ref = [torch.nn.Parameter(torch.randn(n))]
+    ref[0].grad = torch.randn(n)
+    start = ref[0].detach().clone()
+    torch.optim.AdamW(ref, foreach=False, lr=HP["lr"], weight_decay=HP["weight_decay"]).step()
+    p, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
+    adam_step_(p, ref[0].grad, m, v, step=1, **HP)
+    assert torch.equal(p, ref[0].detach()), "ours differs from torch.optim.AdamW"
+    for kind in ["fused", "foreach"] + (["deepspeed"] if ds_cls else []):
+        q = [torch.nn.Parameter(start.clone())]
+        q[0].grad = ref[0].grad.clone()
+        torch_opt(q, kind, ds_cls).step()
+        torch.testing.assert_close(q[0].detach(), p, rtol=1e-5, atol=1e-7, msg=lambda s: f"{kind}: {s}")
+
+
+# ---- driver
+
+def mem_available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,16,64,256", help="total parameters, in millions (2^20), comma-separated")
+    ap.add_argument("--tensors", default="1,100", help="numbers of tensors the parameters are split into")
+    ap.add_argument("--cases", default="all", help="comma-separated case names, or all")
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (>= 20 recommended)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="threads for torch, OpenMP and DeepSpeed")
+    ap.add_argument("--quick", action="store_true", help="small sizes (1M, 4M), no foreach: under a minute")
+    ap.add_argument("--json", default=None, help="write the records to this JSON file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.tensors = "1,4", "1,100"
+    torch.set_num_threads(args.threads)
+    native().set_num_threads(args.threads)
+    ds_cls, ds_reason = deepspeed_adam()
+    if ds_cls is None:
+        print(f"DeepSpeedCPUAdam not available ({ds_reason}); `make deepspeed` installs it")
+    check_correctness(ds_cls)
+
+    cases = {
+        "ours": lambda n, t: case_ours(n, t),
+        "ours_nocheck": lambda n, t: case_ours(n, t, check_finite=False),
+        "torch_fused": lambda n, t: case_torch(n, t, "fused"),
+        "torch_foreach": lambda n, t: case_torch(n, t, "foreach"),
+        "deepspeed": lambda n, t: case_torch(n, t, "deepspeed", ds_cls),
+        "roofline": case_roofline,
+        "ours_offload": lambda n, t: case_ours(n, t, offload=True),
+        "ds_offload": lambda n, t: case_offload_sequence(n, t, "deepspeed", ds_cls),
+        "torch_offload": lambda n, t: case_offload_sequence(n, t, "fused"),
+    }
+    wanted = list(cases) if args.cases == "all" else args.cases.split(",")
+    if ds_cls is None:
+        wanted = [c for c in wanted if c not in ("deepspeed", "ds_offload")]
+    if args.quick:
+        wanted = [c for c in wanted if c != "torch_foreach"]
+    records = []
+    for size_m in [float(s) for s in args.sizes.split(",")]:
+        n = int(size_m * 2**20)
+        for tensors in [int(t) for t in args.tensors.split(",")]:
+            row = {}
+            for name in wanted:
+                need = n * 16 + (n * 16 if "offload" in name else 0)  # p, g, m, v (+ casts, shadow)
+                if need > 0.7 * mem_available_bytes():
+                    print(f"skip {name} at {size_m:g}M params: needs ~{need / 2**30:.1f} GiB, "
+                          f"{mem_available_bytes() / 2**30:.1f} GiB available")
+                    continue
+                reps = args.reps if name != "torch_foreach" or n <= 2**24 else max(5, args.reps // 4)
+                fn = cases[name](n, tensors)
+                t = time_call(fn, warmup=args.warmup, reps=reps)
+                del fn
+                gc.collect()
+                rec = {"case": name, "params_m": size_m, "tensors": tensors, "median_ms": t.median_s * 1e3,
+                       "p20_ms": t.p20_s * 1e3, "p80_ms": t.p80_s * 1e3, "reps": t.reps,
+                       "mparams_s": n / t.median_s / 1e6, "gb_s": n * 28 / t.median_s / 1e9}
+                row[name] = rec
+                records.append(rec)
+                print(f"{name:>14} {size_m:g}M x{tensors}: {rec['median_ms']:.2f} ms "
+                      f"({rec['p20_ms']:.2f}-{rec['p80_ms']:.2f}), {rec['mparams_s']:,.0f} Mparams/s, "
+                      f"{rec['gb_s']:.1f} GB/s", flush=True)
+            for rec in row.values():  # ratios against the baselines of the same size and layout
+                for base in ("torch_fused", "deepspeed", "roofline"):
+                    if base in row and rec["case"].startswith("ours") and "offload" not in rec["case"]:
+                        rec[f"x_{base}"] = row[base]["median_ms"] / rec["median_ms"]
+                if rec["case"] == "ours_offload":
+                    for base in ("ds_offload", "torch_offload"):
+                        if base in row:
+                            rec[f"x_{base}"] = row[base]["median_ms"] / rec["median_ms"]
+    columns = ["case", "params_m", "tensors", "median_ms", "p20_ms", "p80_ms", "mparams_s", "gb_s",
+               "x_torch_fused", "x_deepspeed", "x_roofline", "x_ds_offload", "x_torch_offload"]
+    facts = machine_facts()
+    print_table(records, columns, title=f"fused CPU Adam, {args.threads} threads, {facts['cpu']}, "
+                                        f"simd={facts.get('simd')}, torch {facts['torch']}")
+    write_json(args.json, "adam", records, extra={"deepspeed": ds_reason or "available",
+                                                  "argv": sys.argv[1:]})
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Copy engine and file tier bandwidth, each against a baseline measured in the same run.
+
+Host to host: CopyEngine.copy (1 and 2 threads) against one plain memcpy (native probe, GIL
+released) and torch.Tensor.copy_, at 64 MiB and 512 MiB.
+File tier: FileStore write/read of records of 16 MiB and 64 MiB against `dd` with
+oflag=direct / iflag=direct on the same directory (same bytes per repetition, block size = record
+size).
+
+    .venv/bin/python bench/copy.py [--dir /path/on/nvme] [--quick] [--json bench/results/copy.json]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# NOTE: this script is named copy.py, and Python puts its folder first on sys.path, where it would
+# shadow the standard library's `copy` (which torch imports). Drop the folder, load common.py by path.
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_common", _BENCH / "common.py")
+common = importlib.util.module_from_spec(_spec)
+sys.modules["bench_common"] = common  # dataclasses look their module up there
+_spec.loader.exec_module(common)
+print_table, time_call, write_json = common.print_table, common.time_call, common.write_json
+
+from pystronghold._ext import native  # noqa: E402
+from pystronghold.io import CopyEngine, FileStore, HostArena  # noqa: E402
+
+MiB = 1 << 20
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# ---- host to host
+
+def bench_host(sizes_mib: list[int], reps: int) -> list[dict]:
+    rows = []
+    for size_mib in sizes_mib:
+        n = size_mib * MiB
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dst = torch.zeros(n, dtype=torch.uint8)  # touched: no page faults in the timings
+        base = time_call(lambda: native().memcpy_probe(dst, src), reps=reps)
+        assert torch.equal(dst, src)
+        candidates = {"torch copy_": lambda: dst.copy_(src)}
+        engines = {t: CopyEngine(threads=t, queues=1) for t in (1, 2)}
+        for t, eng in engines.items():
+            candidates[f"engine {t} thread{'s' if t > 1 else ''}"] = lambda eng=eng: eng.copy(dst, src).wait()
+        rows.append(dict(kind="host->host", size_mib=size_mib, method="memcpy (baseline)",
+                         median_ms=base.median_s * 1e3, p20_ms=base.p20_s * 1e3, p80_ms=base.p80_s * 1e3,
+                         gb_s=gbps(n, base.median_s), ratio=1.0))
+        for name, fn in candidates.items():
+            dst.zero_()
+            fn()
+            assert torch.equal(dst, src), name  # correct before timed
+            t = time_call(fn, reps=reps)
+            rows.append(dict(kind="host->host", size_mib=size_mib, method=name, median_ms=t.median_s * 1e3,
+                             p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3, gb_s=gbps(n, t.median_s),
+                             ratio=base.median_s / t.median_s))
+        for eng in engines.values():
+            eng.close()
+        del src, dst
+    return rows
+
+
+# ---- file tier against dd
+
+def run_dd(args: list[str]) -> None:
+    done = subprocess.run(["dd", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"dd {' '.join(args)} failed: {done.stderr.strip()}")
+
+
+def bench_files(directory: Path, record_mib: list[int], total_mib: int, reps: int) -> list[dict]:
+    rows = []
+    engine = CopyEngine(threads=2, queues=4)
+    for rec_mib in record_mib:
+        n = rec_mib * MiB
+        count = max(1, total_mib // rec_mib)
+        total = n * count
+        work = directory / f"rec{rec_mib}"
+        shutil.rmtree(work, ignore_errors=True)
+        arena = HostArena(2 * total + MiB)
+        srcs = [arena.allocate(f"src{i}", (n,), torch.uint8) for i in range(count)]
+        dsts = [arena.allocate(f"dst{i}", (n,), torch.uint8) for i in range(count)]
+        for s in srcs:
+            s.random_(0, 256)
+        store = FileStore.create(work, num_blocks=count, record_bytes={"m": n}, engine=engine)
+
+        def write_all():
+            for h in [store.write(i, "m", s, queue=i % 4) for i, s in enumerate(srcs)]:
+                h.wait()
+
+        def read_all():
+            for h in [store.read(i, "m", d, queue=i % 4) for i, d in enumerate(dsts)]:
+                h.wait()
+
+        write_all()
+        read_all()
+        assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))  # correct before timed
+        raw = work / "dd.bin"
+        dd_common = [f"bs={n}", f"count={count}"]
+        dd_write = ["if=/dev/zero", f"of={raw}", "oflag=direct", "conv=notrunc", *dd_common]
+        dd_read = [f"if={raw}", "of=/dev/null", "iflag=direct", *dd_common]
+        run_dd(dd_write)
+        for op, candidate, baseline in (("write", write_all, dd_write), ("read", read_all, dd_read)):
+            base = time_call(lambda: run_dd(baseline), warmup=1, reps=reps)
+            t = time_call(candidate, warmup=1, reps=reps)
+            rows.append(dict(kind=f"file {op}", size_mib=rec_mib, method=f"dd {'o' if op == 'write' else 'i'}flag=direct "
+                             "(baseline)", median_ms=base.median_s * 1e3, p20_ms=base.p20_s * 1e3,
+                             p80_ms=base.p80_s * 1e3, gb_s=gbps(total, base.median_s), ratio=1.0))
+            rows.append(dict(kind=f"file {op}", size_mib=rec_mib,
+                             method=f"FileStore ({'O_DIRECT' if store.direct_io('m') else 'buffered'}, {count} records)",
+                             median_ms=t.median_s * 1e3, p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3,
+                             gb_s=gbps(total, t.median_s), ratio=base.median_s / t.median_s))
+        store.close()
+        del store, srcs, dsts, arena
+        shutil.rmtree(work, ignore_errors=True)
+    engine.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=None, help="directory for the file tier (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="64 MiB host copies and 16 MiB records, 5 reps")
+    parser.add_argument("--json", default=None, help="write the records with the machine facts here")
+    args = parser.parse_args()
+    reps = 5 if args.quick else 20
+    host_rows = bench_host([64] if args.quick else [64, 512], reps)
+    columns = ["kind", "size_mib", "method", "median_ms", "p20_ms", "p80_ms", "gb_s", "ratio"]
+    print_table(host_rows, columns, "host to host (ratio = baseline time / method time)")
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="ps-bench-", dir="/var/tmp"))
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        file_rows = bench_files(directory, [16] if args.quick else [16, 64], 128 if args.quick else 256,
+                                3 if args.quick else 20)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+    print_table(file_rows, columns, f"file tier in {directory} (ratio = dd time / FileStore time)")
+    load = os.getloadavg()
+    print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    write_json(args.json, "copy", host_rows + file_rows, extra={"load_avg": load, "file_dir": str(directory)})
+
+
+if __name__ == "__main__":
+    main()
