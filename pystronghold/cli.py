@@ -1,4 +1,4 @@
-"""Command line: `pystronghold info | plan | train | export`."""
+"""Command line: `pystronghold info | plan | train | export | bench`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_command(sub)
     add_export_command(sub)
+    from pystronghold.bench_suite import add_bench_command
+
+    add_bench_command(sub)
     return parser
 
 

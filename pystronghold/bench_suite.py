@@ -1,0 +1,150 @@
+"""``pystronghold bench [NAMES]``: run the ``bench/`` scripts that apply here, one table of ratios.
+
+Each script checks correctness, measures its own baseline in the same run and writes its records
+with ``--json``; this runner only starts them (``--quick`` unless ``--full``), reads the records and
+pulls one headline ratio out of each (``HEADLINES``). Scripts that do not exist in this checkout
+(e.g. ``parallel``, ``nvme`` before they are written) or do not apply to this machine are listed
+as skipped with the reason. See bench/README.md for what each measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["BENCHES", "HEADLINES", "bench_dir", "headline", "add_bench_command"]
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _adam(records: list[dict]) -> tuple[str, float, str]:
+    ours = [r for r in records if r["case"] == "ours" and r["tensors"] == 1 and "x_torch_fused" in r]
+    r = max(ours, key=lambda r: r["params_m"])
+    return f"fused CPU Adam at {r['params_m']:g}M params", r["x_torch_fused"], "torch.optim.AdamW(fused=True)"
+
+
+def _copy(records: list[dict]) -> tuple[str, float, str]:
+    eng = [r for r in records if r["kind"] == "host->host" and r["method"].startswith("engine")]
+    r = max(eng, key=lambda r: (r["size_mib"], r["ratio"]))
+    return f"copy engine host->host {r['size_mib']} MiB ({r['method']})", r["ratio"], "one memcpy"
+
+
+def _window(records: list[dict]) -> tuple[str, float, str]:
+    windowed = [r for r in records if r["config"].startswith("W=") and r["config"] != "W=all"]
+    r = min(windowed, key=lambda r: int(r["config"][2:]))
+    return (f"{r['config']} step time ({100 * r['bytes_vs_plain']:.0f}% of plain's device bytes)",
+            1.0 / r["vs_plain"], "plain PyTorch, all resident")
+
+
+def _kernels(records: list[dict]) -> tuple[str, float, str]:
+    if any(r.get("impl") == "reference" for r in records):
+        ref = [r["speedup"] for r in records if r.get("impl") == "reference"]
+        return f"CPU reference paths, geomean of {len(ref)} ops (fwd+bwd)", _geomean(ref), "naive unfused torch"
+    fused = {r["op"]: r["fwdbwd_ms"] for r in records if r.get("impl") == "fused"}
+    naive = {r["op"]: r["fwdbwd_ms"] for r in records if r.get("impl") == "unfused"}
+    ratios = [naive[k] / fused[k] for k in fused if k in naive]
+    return f"Triton fused ops, geomean of {len(ratios)} ops (fwd+bwd)", _geomean(ratios), "unfused torch"
+
+
+HEADLINES = {"adam": _adam, "copy": _copy, "window": _window, "kernels": _kernels}
+"""name -> records -> (what, speed-up over the baseline (>1: faster), baseline)."""
+
+
+def _kernel_args() -> list[str]:
+    import torch
+
+    return [] if torch.cuda.is_available() else ["--cpu-reference", "--threads", "1"]
+
+
+BENCHES = {"adam": lambda: [], "copy": lambda: [], "window": lambda: [], "kernels": _kernel_args,
+           "parallel": lambda: [], "nvme": lambda: []}
+"""Script names in run order and the extra arguments each gets on this machine."""
+
+
+_LAUNCH = ("import runpy, sys; sys.path.append(sys.argv[1]); sys.argv = sys.argv[2:]; "
+           "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def bench_dir() -> Path:
+    """The checkout's bench/ folder (next to the pystronghold package)."""
+    return Path(__file__).resolve().parent.parent / "bench"
+
+
+def headline(name: str, payload: dict) -> tuple[str, float, str]:
+    """(what, ratio vs baseline, baseline) from a script's JSON; KeyError/ValueError if it has none."""
+    return HEADLINES[name](payload["records"])
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``pystronghold bench``: 0 when every selected script ran, 1 when one failed, 2 on bad input."""
+    names = args.names or list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        print(f"pystronghold bench: error: unknown benchmark(s) {unknown}; known: {', '.join(BENCHES)}",
+              file=sys.stderr)
+        return 2
+    root = bench_dir()
+    if not root.is_dir():
+        print(f"pystronghold bench: error: no bench/ folder at {root} (run from a source checkout)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, failed = [], False
+    from tqdm import tqdm
+
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for name in tqdm(names, desc="bench", unit="script", file=sys.stderr, disable=args.quiet_progress):
+        script = root / f"{name}.py"
+        if not script.exists():
+            rows.append((name, "skipped: no bench/%s.py in this checkout" % name, "", ""))
+            continue
+        record = out / f"{name}.json"
+        record.unlink(missing_ok=True)
+        argv = [str(script), *BENCHES[name](), *([] if args.full else ["--quick"]), "--json", str(record)]
+        # NOTE: `python bench/x.py` puts bench/ first on sys.path, where bench/copy.py shadows the
+        # standard library's `copy` (torch imports it). -P keeps it off; bench/ goes last instead.
+        cmd = [sys.executable, "-P", "-c", _LAUNCH, str(root), *argv]
+        t0 = time.perf_counter()
+        with open(out / f"{name}.log", "w") as logf:
+            proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=root.parent, env=env)
+        took = time.perf_counter() - t0
+        if proc.returncode != 0:
+            failed = True
+            rows.append((name, f"FAILED (exit {proc.returncode}; see {out / (name + '.log')})", "", f"{took:.0f} s"))
+            continue
+        if not record.exists():  # the script decided it does not apply here (e.g. no GPU)
+            rows.append((name, "skipped: " + (out / f"{name}.log").read_text().strip().splitlines()[-1][:90], "",
+                         f"{took:.0f} s"))
+            continue
+        what, ratio, base = headline(name, json.loads(record.read_text()))
+        rows.append((name, f"{what} vs {base}", f"{ratio:.2f}x", f"{took:.0f} s"))
+    header = ("bench", "headline (vs baseline measured in the same run)", "speed-up", "took")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    for r in [header, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    print(f"records: {out}/<name>.json, logs: {out}/<name>.log")
+    return 1 if failed else 0
+
+
+def add_bench_command(subparsers) -> argparse.ArgumentParser:
+    """Add ``bench`` to the ``pystronghold`` subcommands."""
+    parser = subparsers.add_parser(
+        "bench", help="run the bench/ scripts that apply here; one table of ratios vs their baselines",
+        epilog="examples:\n  pystronghold bench                 # every script, --quick\n"
+               "  pystronghold bench adam copy --full --out bench/results",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHES)} (default: all)")
+    parser.add_argument("--full", action="store_true", help="the scripts' full sizes instead of --quick")
+    parser.add_argument("--out", default="bench/results", help="folder for the JSON records and logs (default: bench/results)")
+    parser.add_argument("--quiet-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run_bench)
+    return parser
