@@ -72,6 +72,7 @@ def _bad(capsys, argv):
     (["--steps", "0"], "--steps must be >= 1"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--bogus"], "unrecognized arguments"),
+    (["--model", "gpt3-175b"], "GiB of host memory"),
 ])
 def test_bad_input_is_one_line(capsys, argv, words):
     code, err = _bad(capsys, argv)

@@ -70,7 +70,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         trainer = Trainer(config)
-    except (ValueError, OSError, CheckpointError) as e:
+    except (ValueError, OSError, MemoryError, CheckpointError) as e:  # bad input, data, host too small
         print(f"pystronghold train: error: {e}", file=sys.stderr)
         return 2
     bar = None
@@ -87,8 +87,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         result = trainer.train(on_step)
-    except (OSError, CheckpointError) as e:
-        print(f"pystronghold train: error: {e}", file=sys.stderr)
+    except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
+        print(f"pystronghold train: error at step {trainer.step + 1}: {e}", file=sys.stderr)
         return 1
     finally:
         if bar is not None:

@@ -85,6 +85,16 @@ class Trainer:
         if cfg.vocab_size < VOCAB_SIZE:
             raise ValueError(f"--model: vocab_size {cfg.vocab_size} is smaller than the {VOCAB_SIZE} "
                              "byte values of the data")
+        from pystronghold.models.presets import param_count
+        from pystronghold.runtime.store import available_host_bytes
+
+        # NOTE: the GPT is built in fp32 on the host before wrap() moves its blocks into the store,
+        # so both exist for a moment; refuse before allocating rather than be killed by the OOM killer.
+        need, avail = param_count(cfg) * (4 + 16), available_host_bytes()
+        if need > avail:
+            raise MemoryError(f"--model: {param_count(cfg) / 1e6:,.0f}M parameters need about "
+                              f"{need / 2**30:.1f} GiB of host memory (fp32 weights + the host store), "
+                              f"{avail / 2**30:.1f} GiB available")
         seed_everything(run.seed)
         self.corpus = load_corpus(DataConfig(paths=list(config.data.data), max_bytes=config.data.max_bytes,
                                              val_fraction=config.data.val_fraction))
