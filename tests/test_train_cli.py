@@ -55,6 +55,18 @@ def test_loss_falls_and_metrics_are_filled(tmp_path):
     assert res.val_losses and res.val_losses[-1][0] == 30
 
 
+def test_help_lists_every_option_with_examples(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    for flag in ("--window", "--precision", "--batch", "--seq", "--steps", "--lr", "--warmup", "--clip",
+                 "--accumulation", "--seed", "--device", "--trace", "--checkpoint-dir", "--checkpoint-every",
+                 "--resume", "--data", "--model"):
+        assert flag in out, flag
+    assert "examples:" in out and "pystronghold train --model tiny --window auto" in out
+
+
 def _bad(capsys, argv):
     with pytest.raises(SystemExit) as exc:
         sys.exit(main(["train", *argv]))

@@ -41,8 +41,9 @@ def _add_fields(parser, cls) -> None:
         else:
             if default is not None:
                 help_text += f" (default: {default})"
+            metavar = None if "choices" in f.metadata else {"int": "N", "float": "X", "str": "TEXT"}[kind]
             group.add_argument(flag, dest=f.name, type=_TYPES[kind], default=default, help=help_text,
-                               choices=f.metadata.get("choices"))
+                               choices=f.metadata.get("choices"), metavar=metavar)
 
 
 def config_from_args(args: argparse.Namespace):

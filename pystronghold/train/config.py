@@ -133,7 +133,8 @@ class WindowOptions:
     """The window runtime: where compute runs and how many blocks live there."""
 
     window: str = "2"
-    """Blocks on the device at once (W >= 1), 'all', or 'auto' (measured on the first steps)."""
+    """Blocks on the device at once (W >= 1), 'all', or 'auto' (the planner's choice from block
+    times measured on this machine before the first step)."""
     device: str = "cpu"
     """'cpu' (the device is a budgeted host arena) or 'cuda[:n]'."""
     precision: str = field(default="fp32", metadata={"choices": ("fp32", "bf16", "fp16")})
