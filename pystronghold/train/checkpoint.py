@@ -248,6 +248,12 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     trainer.step = state["step"]
     engine.steps, engine.skipped_steps = state["engine_steps"], state["skipped_steps"]
     trainer.scheduler.load_state_dict(state["scheduler"])
+    saved_decay = getattr(trainer.scheduler.lr_lambdas[0], "decay_steps", None)
+    if saved_decay is not None and saved_decay != trainer.config.run.steps:
+        log.warning("resume: the LR schedule comes from the checkpoint (cosine to step %d); with --steps %d "
+                    "the learning rate %s", saved_decay, trainer.config.run.steps,
+                    "stays at its floor after that step" if saved_decay < trainer.config.run.steps
+                    else "will not reach its floor")
     engine.optimizer.param_groups[0].update(state["hyper"])
     try:
         trainer.sampler.load_state_dict(state["sampler"])
