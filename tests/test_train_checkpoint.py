@@ -30,16 +30,17 @@ def _run(config):
         trainer.close()
 
 
-@pytest.mark.parametrize("clip, window_after", [(1.0, "2"), (0.0, "3")])
-def test_resume_reproduces_the_uninterrupted_losses(tmp_path, clip, window_after):
+@pytest.mark.parametrize("clip, acc, window_after", [(1.0, 1, "2"), (0.0, 1, "3"), (1.0, 2, "1")])
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path, clip, acc, window_after):
     """Steps 4..6 after resuming from the step-3 checkpoint are bit-identical to a straight run;
     the resumed run may use another window (the format does not depend on W)."""
-    straight = _run(tiny_config(tmp_path, steps=6, clip=clip))
+    straight = _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc))
     ck = tmp_path / "ck"
-    _run(tiny_config(tmp_path, steps=6, clip=clip, ckpt=str(ck), every=3))
+    _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), every=3))
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000003", "step-00000006"]
     shutil.rmtree(ck / "step-00000006")  # as if the run had been killed after step 3
-    resumed = _run(tiny_config(tmp_path, steps=6, clip=clip, ckpt=str(ck), resume=True, window=window_after))
+    resumed = _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), resume=True,
+                               window=window_after))
     assert resumed.start_step == 3
     assert resumed.losses == straight.losses[3:]
 
