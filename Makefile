@@ -35,7 +35,7 @@ test: build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: build
-	$(PY) bench/adam.py --json bench/results/adam.json
+	$(PY) -m pystronghold bench --full --out bench/results
 
 # DeepSpeed, for side-by-side runs of bench/adam.py only (not a dependency of pystronghold).
 # DS_BUILD_CPU_ADAM=1 compiles DeepSpeedCPUAdam at install time for this host's SIMD; on a

@@ -7,6 +7,13 @@ Only a working window of transformer blocks lives on the accelerator; the rest s
 stays cheap (no torch import).
 """
 
+import os
+
+# NOTE: must be set before torch loads OpenMP (import pystronghold before torch to benefit). The
+# host Adam runs an OpenMP team on the runtime's update thread beside torch's own team; with both
+# spinning in barriers on a small host, a 20 ms step of a tiny model took 3 s.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 __version__ = "0.1.0"
 
 __all__ = ["wrap", "AdamW", "__version__"]

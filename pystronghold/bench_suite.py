@@ -54,7 +54,7 @@ def _kernels(records: list[dict]) -> tuple[str, float, str]:
     return f"Triton fused ops, geomean of {len(ratios)} ops (fwd+bwd)", _geomean(ratios), "unfused torch"
 
 
-HEADLINES = {"adam": _adam, "copy": _copy, "window": _window, "kernels": _kernels}
+HEADLINES = {"adam": _adam, "copy_engine": _copy, "window": _window, "kernels": _kernels}
 """name -> records -> (what, speed-up over the baseline (>1: faster), baseline)."""
 
 
@@ -64,13 +64,9 @@ def _kernel_args() -> list[str]:
     return [] if torch.cuda.is_available() else ["--cpu-reference", "--threads", "1"]
 
 
-BENCHES = {"adam": lambda: [], "copy": lambda: [], "window": lambda: [], "kernels": _kernel_args,
+BENCHES = {"adam": lambda: [], "copy_engine": lambda: [], "window": lambda: [], "kernels": _kernel_args,
            "parallel": lambda: [], "nvme": lambda: []}
 """Script names in run order and the extra arguments each gets on this machine."""
-
-
-_LAUNCH = ("import runpy, sys; sys.path.append(sys.argv[1]); sys.argv = sys.argv[2:]; "
-           "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def bench_dir() -> Path:
@@ -109,10 +105,8 @@ def run_bench(args: argparse.Namespace) -> int:
             continue
         record = out / f"{name}.json"
         record.unlink(missing_ok=True)
-        argv = [str(script), *BENCHES[name](), *([] if args.full else ["--quick"]), "--json", str(record)]
-        # NOTE: `python bench/x.py` puts bench/ first on sys.path, where bench/copy.py shadows the
-        # standard library's `copy` (torch imports it). -P keeps it off; bench/ goes last instead.
-        cmd = [sys.executable, "-P", "-c", _LAUNCH, str(root), *argv]
+        cmd = [sys.executable, str(script), *BENCHES[name](), *([] if args.full else ["--quick"]),
+               "--json", str(record)]
         t0 = time.perf_counter()
         with open(out / f"{name}.log", "w") as logf:
             proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=root.parent, env=env)
@@ -140,7 +134,7 @@ def add_bench_command(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "bench", help="run the bench/ scripts that apply here; one table of ratios vs their baselines",
         epilog="examples:\n  pystronghold bench                 # every script, --quick\n"
-               "  pystronghold bench adam copy --full --out bench/results",
+               "  pystronghold bench adam copy_engine --full --out bench/results",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHES)} (default: all)")
     parser.add_argument("--full", action="store_true", help="the scripts' full sizes instead of --quick")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -50,9 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # NOTE: set before torch loads OpenMP. The host Adam runs an OpenMP team on a worker thread beside
-    # torch's own team; with both spinning in barriers on a small host a 10 ms step took seconds.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -1,8 +1,5 @@
-import os
-
-# NOTE: before torch loads OpenMP: the runtime's host Adam (an OpenMP team on a worker thread) and
-# torch's team spin against each other on 2 cores otherwise (seconds per step); the CLI does the same.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# NOTE: imported before torch so its OMP_WAIT_POLICY default takes effect (see pystronghold/__init__.py).
+import pystronghold  # noqa: F401
 
 import random
 

@@ -28,7 +28,7 @@ def test_every_headline_reads_its_scripts_records():
     """The extractors against records shaped as the scripts write them (field names checked in
     the scripts' sources, so a renamed field fails here)."""
     sources = {name: (bench_dir() / f"{name}.py").read_text() for name in HEADLINES}
-    for name, fields in {"adam": ["x_torch_fused", "params_m", "tensors"], "copy": ["ratio", "size_mib"],
+    for name, fields in {"adam": ["x_torch_fused", "params_m", "tensors"], "copy_engine": ["ratio", "size_mib"],
                          "window": ["vs_plain", "bytes_vs_plain"], "kernels": ["speedup", "fwdbwd_ms"]}.items():
         for f in fields:
             assert f in sources[name], (name, f)

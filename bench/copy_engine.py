@@ -6,33 +6,23 @@ File tier: FileStore write/read of records of 16 MiB and 64 MiB against `dd` wit
 oflag=direct / iflag=direct on the same directory (same bytes per repetition, block size = record
 size).
 
-    .venv/bin/python bench/copy.py [--dir /path/on/nvme] [--quick] [--json bench/results/copy.json]
+    .venv/bin/python bench/copy_engine.py [--dir /path/on/nvme] [--quick] [--json bench/results/copy.json]
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-# NOTE: this script is named copy.py, and Python puts its folder first on sys.path, where it would
-# shadow the standard library's `copy` (which torch imports). Drop the folder, load common.py by path.
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+import torch
 
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-
-import torch  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("bench_common", _BENCH / "common.py")
-common = importlib.util.module_from_spec(_spec)
-sys.modules["bench_common"] = common  # dataclasses look their module up there
-_spec.loader.exec_module(common)
-print_table, time_call, write_json = common.print_table, common.time_call, common.write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, time_call, write_json  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
 from pystronghold.io import CopyEngine, FileStore, HostArena  # noqa: E402
@@ -153,7 +143,7 @@ def main() -> None:
     print_table(file_rows, columns, f"file tier in {directory} (ratio = dd time / FileStore time)")
     load = os.getloadavg()
     print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    write_json(args.json, "copy", host_rows + file_rows, extra={"load_avg": load, "file_dir": str(directory)})
+    write_json(args.json, "copy_engine", host_rows + file_rows, extra={"load_avg": load, "file_dir": str(directory)})
 
 
 if __name__ == "__main__":
