@@ -54,7 +54,14 @@ def _kernels(records: list[dict]) -> tuple[str, float, str]:
     return f"Triton fused ops, geomean of {len(ratios)} ops (fwd+bwd)", _geomean(ratios), "unfused torch"
 
 
-HEADLINES = {"adam": _adam, "copy_engine": _copy, "window": _window, "kernels": _kernels}
+def _parallel(records: list[dict]) -> tuple[str, float, str]:
+    r = max(records, key=lambda r: (r["procs"], r["dp"]))
+    return (f"TP={r['tp']} x DP={r['dp']} step time (gloo on CPU, {r['procs']} processes)", 1.0 / r["vs_1x1"],
+            "TP=1 x DP=1, one process")
+
+
+HEADLINES = {"adam": _adam, "copy_engine": _copy, "window": _window, "kernels": _kernels,
+             "parallel": _parallel}
 """name -> records -> (what, speed-up over the baseline (>1: faster), baseline)."""
 
 

@@ -9,13 +9,13 @@ from pystronghold.cli import main
 
 
 def test_bench_runs_kernels_reference_and_reports_a_ratio(tmp_path, capsys):
-    code = main(["bench", "kernels", "parallel", "--out", str(tmp_path), "--quiet-progress"])
+    code = main(["bench", "kernels", "nvme", "--out", str(tmp_path), "--quiet-progress"])
     out = capsys.readouterr().out
     assert code == 0, out
     payload = json.loads((tmp_path / "kernels.json").read_text())
     what, ratio, base = HEADLINES["kernels"](payload["records"])
     assert ratio > 0 and f"{ratio:.2f}x" in out and base in out
-    assert "skipped" in out.split("parallel", 1)[1].splitlines()[0] or not (bench_dir() / "parallel.py").exists()
+    assert "skipped" in out.split("nvme", 1)[1].splitlines()[0] or (bench_dir() / "nvme.py").exists()
 
 
 def test_bench_unknown_name(capsys):
@@ -29,7 +29,8 @@ def test_every_headline_reads_its_scripts_records():
     the scripts' sources, so a renamed field fails here)."""
     sources = {name: (bench_dir() / f"{name}.py").read_text() for name in HEADLINES}
     for name, fields in {"adam": ["x_torch_fused", "params_m", "tensors"], "copy_engine": ["ratio", "size_mib"],
-                         "window": ["vs_plain", "bytes_vs_plain"], "kernels": ["speedup", "fwdbwd_ms"]}.items():
+                         "window": ["vs_plain", "bytes_vs_plain"], "kernels": ["speedup", "fwdbwd_ms"],
+                         "parallel": ["vs_1x1", "procs"]}.items():
         for f in fields:
             assert f in sources[name], (name, f)
     assert HEADLINES["adam"]([{"case": "ours", "tensors": 1, "params_m": 4.0, "x_torch_fused": 1.5},
@@ -37,3 +38,5 @@ def test_every_headline_reads_its_scripts_records():
     assert HEADLINES["window"]([{"config": "W=4", "vs_plain": 0.5, "bytes_vs_plain": 0.3},
                                 {"config": "W=2", "vs_plain": 0.8, "bytes_vs_plain": 0.2},
                                 {"config": "W=all", "vs_plain": 1.0, "bytes_vs_plain": 0.6}])[1] == 1.25
+    assert HEADLINES["parallel"]([{"tp": 1, "dp": 1, "procs": 1, "vs_1x1": 1.0},
+                                  {"tp": 2, "dp": 2, "procs": 4, "vs_1x1": 2.0}])[1] == 0.5

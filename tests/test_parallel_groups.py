@@ -110,3 +110,19 @@ def _one_rank_raises(rank: int, world: int) -> None:
 def test_a_failing_rank_is_reported_and_the_others_stopped():
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 failed on purpose"):
         run_ranks(_one_rank_raises, 2)
+
+
+
+def _torchrun_start_with_bad_tp(rank: int, world: int) -> None:
+    # as under torchrun: init_parallel creates the default group from the environment itself
+    records = _Records()
+    logging.getLogger("pystronghold.parallel.groups").addHandler(records)
+    with pytest.raises(ValueError, match="tp_size=3 must divide the world size 2"):
+        init_parallel(tp_size=3, timeout_s=10)
+    assert dist.is_initialized()
+    assert len(records.messages) == (1 if rank == 0 else 0)
+
+
+def test_bad_tp_at_start_fails_on_every_rank_without_hanging():
+    """Every rank gets the ValueError at start and returns (a rank left waiting would time out)."""
+    run_ranks(_torchrun_start_with_bad_tp, 2, init=False, timeout_s=60)

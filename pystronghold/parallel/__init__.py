@@ -4,6 +4,8 @@
 - ``mappings``: the four region functions (copy-to, reduce-from, scatter-to, gather-from).
 - ``layers``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``, and the
   seeded init that gives every TP size the single-process weights.
+- ``data``: the window runtime's collectives: per-block data-parallel gradient averaging, the
+  clipping norm over TP shards, the fp16 overflow flag agreed by every rank.
 """
 
 from pystronghold.parallel.groups import (ParallelGroups, group_rank, group_size, init_parallel,

@@ -20,7 +20,8 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, *
     found with ``pystronghold.runtime.discovery.find_blocks``. ``options`` are the fields of
     :class:`pystronghold.runtime.config.RuntimeConfig` (window, device, precision, optimizer,
     clip_grad_norm, accumulation_steps, checkpointing, overlap, strict, trace, host_memory_bytes,
-    ...). Returns an :class:`~pystronghold.runtime.engine.Engine`::
+    parallel, ...). With ``parallel=init_parallel(tp, dp)`` every rank calls ``wrap`` on its own
+    replica (its TP shard) and feeds it its own slice of the batch. Returns an :class:`~pystronghold.runtime.engine.Engine`::
 
         engine = pystronghold.wrap(model, blocks=model.blocks, window=4,
                                    optimizer=pystronghold.AdamW(lr=3e-4, weight_decay=0.1))

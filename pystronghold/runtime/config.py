@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.runtime.optimizer import AdamW
 from pystronghold.runtime.precision import DTYPES
 
@@ -44,6 +45,11 @@ class RuntimeConfig:
     the host has available (MemAvailable)."""
     copy_threads: int = 2
     """Worker threads of the copy engine."""
+    parallel: ParallelGroups | None = None
+    """Tensor/data-parallel layout (``pystronghold.parallel.init_parallel``). Each block's gradient
+    is averaged over ``dp_group`` before its update (head and tail too), the clipping norm sums
+    tensor-parallel shards over ``tp_group``, and fp16 overflow skips are agreed by every rank.
+    None: one process."""
     initial_loss_scale: float = 2.0**16
     """fp16 only: first loss scale."""
     loss_scale_interval: int = 2000
@@ -69,6 +75,9 @@ class RuntimeConfig:
         if self.overlap == "backward" and self.needs_global_grad:
             raise ValueError("RuntimeConfig.overlap='backward' cannot be exact with clip_grad_norm or "
                              "fp16 loss scaling (they need the whole gradient first); use 'forward' or 'auto'")
+        if self.parallel is not None and not isinstance(self.parallel, ParallelGroups):
+            raise ValueError(f"RuntimeConfig.parallel must be a ParallelGroups (from init_parallel) or "
+                             f"None, got {self.parallel!r}")
         if self.copy_threads < 1:
             raise ValueError(f"RuntimeConfig.copy_threads must be >= 1, got {self.copy_threads}")
 

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from pystronghold.parallel.data import any_rank, average_, average_grads_, global_grad_norm, is_tp_shard
 from pystronghold.runtime import block_fn
 from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import RuntimeConfig
@@ -51,6 +52,9 @@ class Engine:
         self.window_size, self.n_blocks = window, n
         self.dtype = compute_dtype(config.precision)
         self.overlap = config.overlap_mode
+        par = config.parallel
+        self.dp_group, self.tp_group = (par.dp_group, par.tp_group) if par is not None else (None, None)
+        self.parallel = par is not None and par.world_size > 1
         block_named, self.head_tail_params = split_parameters(model, blocks, config.device)
         layouts = [BlockLayout(named) for named in block_named]
         block_params = [[p for _, p in named] for named in block_named]
@@ -89,6 +93,7 @@ class Engine:
         self.micro_batches = 0  # backward passes since the last step
         self.steps = 0  # optimizer steps taken (skipped fp16 steps not counted)
         self.skipped_steps = 0
+        self.grad_norm: float | None = None  # the last step's global gradient norm (clipping/fp16)
         self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
         log.info("window runtime: %d blocks, W=%d, %s, %s, overlap=%s, device arena %d bytes",
                  n, window, config.device, config.precision, self.overlap, self.planned_arena_bytes)
@@ -141,7 +146,7 @@ class Engine:
         return dict(window=self.window_size, blocks=self.n_blocks, peak_resident=self.window.peak_resident,
                     planned_arena_bytes=self.planned_arena_bytes, arena_used_bytes=self.backend.arena_used_bytes,
                     store_bytes=self.store.nbytes, steps=self.steps, skipped_steps=self.skipped_steps,
-                    loss_scale=self.scaler.scale if self.scaler else None)
+                    loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm)
 
     def close(self) -> None:
         """Finish everything in flight and stop the worker threads (re-raises a host job's error)."""
@@ -271,13 +276,18 @@ class Engine:
         layout = self.store.layouts[block]
         if not accumulate:
             layout.zero_gaps(slot.grads)
+        last = self.micro_batches + 1 >= self.config.accumulation_steps
+        if last:
+            # data parallelism: the block's whole gradient (all micro-batches) averaged over the DP
+            # ranks in one all_reduce, where it is now: in the device slot, before the copy-out
+            average_(slot.grads[:layout.numel], self.dp_group)
         handle = self.backend.d2h(self.store.tiers["grad"][block], slot.grads[:layout.numel],
                                   after=[self.backend.compute_marker()])
         slot.busy.append(handle)
         self._grad_out[block] = handle
         self._copies.append(("d2h", block, handle))
         self._grad_valid[block] = True
-        if self.micro_batches + 1 < self.config.accumulation_steps:
+        if not last:
             return  # not the last micro-batch: updates wait for the whole sum
         if self.overlap == "backward":
             self.updates.submit_update(block, handle, step=self.steps + 1, hyper=self.optimizer.hyper(),
@@ -299,6 +309,7 @@ class Engine:
         for h in self._grad_out.values():
             h.wait()
         self._grad_out.clear()
+        average_grads_(self.device_optimizer.params, self.dp_group)  # head and tail, one bucket
         hyper, step = self.optimizer.hyper(), self.steps + 1
         if self.overlap == "backward":
             self.updates.drain()
@@ -307,10 +318,13 @@ class Engine:
             scale = self._unscale()
             coef = 1.0
             if self.config.needs_global_grad:
-                total = self._global_grad_norm(scale)
+                total = self.grad_norm = self._global_grad_norm(scale)
                 if self.scaler is not None:
-                    self.scaler.update(not math.isfinite(total))
-                    if not math.isfinite(total):
+                    overflow = not math.isfinite(total)
+                    if self.parallel:  # every rank skips together, or none does
+                        overflow = any_rank(overflow)
+                    self.scaler.update(overflow)
+                    if overflow:
                         log.info("fp16 overflow: step skipped for every block; loss scale now %g",
                                  self.scaler.scale)
                         self.skipped_steps += 1
@@ -329,14 +343,15 @@ class Engine:
         self._end_step()
 
     def _global_grad_norm(self, grad_scale: float) -> float:
-        """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order."""
+        """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;
+        tensor-parallel shards summed over the TP group (pystronghold.parallel.data)."""
         norms = self.device_optimizer.grad_norms(grad_scale)
         for block, per_param in self.updates.block_norms().items():
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
-        ordered = [norms[id(p)].to(self.device) for p in self.optimizer.param_groups[0]["params"]
-                   if id(p) in norms]
-        return float(torch.linalg.vector_norm(torch.stack(ordered)))
+        params = [p for p in self.optimizer.param_groups[0]["params"] if id(p) in norms]
+        return global_grad_norm([norms[id(p)] for p in params], [is_tp_shard(p) for p in params],
+                                self.tp_group)
 
     def _end_step(self) -> None:
         self.micro_batches = 0

@@ -1,0 +1,213 @@
+"""Parallelism benchmark: a tiny GPT through the window runtime at TP 1/2 x DP 1/2, gloo on CPU.
+
+Every configuration trains the same model (same initial weights, same global batches: strong
+scaling, each DP rank gets global_batch / dp sequences) with W=2 blocks resident, one process per
+rank, gloo on the loopback. Reported per configuration:
+
+- step time: per step, the slowest rank's time (every rank waits for it at the next collective);
+  median and 20/80% quantiles over the timed steps, and the ratio to TP=1 x DP=1 (the baseline,
+  measured in the same run);
+- communication per rank per step, in bytes handed to the collectives, *computed* from the
+  parameter counts and activation shapes (formulas below) and *measured* by a wrapper around
+  ``torch.distributed.all_reduce`` / ``all_gather`` that adds up the bytes of the tensors this
+  rank passes in (for all_gather: its own input), split by group (TP, DP, world).
+
+Computed, per rank per step (fp32, b = global_batch / dp sequences of T tokens, hidden C, L blocks,
+padded vocabulary V, checkpointing on so each block's forward runs twice):
+  TP: 4 * b*T*C * (6 L + 2)  [per block 2 all_reduces forward, 2 again in the recompute, 2 in the
+      backward of the column-parallel inputs; head 1 (embedding), tail 1 (LM head input grad)]
+      + 4 * b*T*V/tp  [the all_gather of this rank's logits shard] + 8 (clipping norm, float64)
+  DP: 4 * (this rank's parameters)  [every gradient averaged once]
+The measured DP figure is larger when a block's flat buffer carries alignment padding (store.py:
+parameters start at multiples of 16 elements; the default shapes here need none).
+
+These are CPU figures on a small, shared machine: processes compete for cores (ranks beyond the
+core count are oversubscribed), and gloo on loopback is not a GPU interconnect. They show the
+runtime's behaviour and communication volume, not the speed-up a GPU cluster would see.
+Correctness first: each configuration's losses must equal TP=1 x DP=1's before times are shown.
+
+    .venv/bin/python bench/parallel.py --json bench/results/parallel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))  # `common`, here and in the spawned ranks (they inherit sys.path)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from common import Timing, print_table, write_json  # noqa: E402
+
+HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, dp)
+
+
+# ---- counting the bytes handed to collectives
+
+
+class Counter:
+    """Wraps torch.distributed.all_reduce / all_gather; adds up input bytes per group kind."""
+
+    def __init__(self, groups) -> None:
+        self.groups, self.on = groups, False
+        self.bytes = {"tp": 0, "dp": 0, "world": 0}
+        self._all_reduce, self._all_gather = dist.all_reduce, dist.all_gather
+        dist.all_reduce, dist.all_gather = self.all_reduce, self.all_gather
+
+    def _kind(self, group) -> str:
+        # NOTE: with tp=1 the TP group holds one rank and no collective reaches it; with dp=1 the
+        # same holds for the DP group. World is the default group (None).
+        if group is None:
+            return "world"
+        return "tp" if group is self.groups.tp_group else "dp"
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if self.on:
+            self.bytes[self._kind(group)] += tensor.numel() * tensor.element_size()
+        return self._all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        if self.on:
+            self.bytes[self._kind(group)] += tensor.numel() * tensor.element_size()
+        return self._all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+# ---- one rank
+
+
+def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, out_path: str) -> None:
+    world = tp * dp
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    logging.basicConfig(level=logging.WARNING)
+    import pystronghold as ph
+    from pystronghold.models import GPT, GPTConfig
+    from pystronghold.parallel import init_parallel
+
+    groups = init_parallel(tp_size=tp, dp_size=dp, backend="gloo", timeout_s=120)
+    cfg = GPTConfig(vocab_size=args["vocab"], seq_len=args["seq"], layers=args["layers"],
+                    hidden=args["hidden"], heads=args["heads"], vocab_pad_multiple=2, tp_size=tp)
+    model = GPT(cfg, seed=0, tp_group=groups.tp_group)
+    n_local = sum(p.numel() for p in model.parameters())
+    engine = ph.wrap(model, blocks=model.blocks, window=2, optimizer=ph.AdamW(**HYPER),
+                     clip_grad_norm=1.0, parallel=groups)
+    counter = Counter(groups)
+    g = torch.Generator().manual_seed(0)
+    steps = args["warmup"] + args["steps"]
+    data = torch.randint(0, cfg.vocab_size, (steps, args["batch"], args["seq"] + 1), generator=g)
+    b = args["batch"] // dp
+    mine = data[:, groups.dp_rank * b:(groups.dp_rank + 1) * b]  # (steps, b, T + 1)
+    times, losses, measured = [], [], []
+    try:
+        for k, tokens in enumerate(mine):
+            dist.barrier()
+            before = dict(counter.bytes)
+            counter.on = True
+            t0 = time.perf_counter()
+            loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            times.append(time.perf_counter() - t0)
+            counter.on = False
+            measured.append({key: counter.bytes[key] - before[key] for key in before})
+            mean = loss.detach().reshape(1).clone()
+            dist.all_reduce(mean, group=groups.dp_group)
+            losses.append(mean.item() / dp)
+    finally:
+        engine.close()
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # per step, the slowest rank
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(dict(
+            times=slowest[args["warmup"]:].tolist(), losses=losses, measured=measured[-1],
+            n_local=n_local, padded_vocab=cfg.padded_vocab_size, threads=torch.get_num_threads())))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(args: dict, tp: int, dp: int) -> dict:
+    """Run one (tp, dp) configuration on tp * dp processes; rank 0's record."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        mp.start_processes(_rank_main, args=(args, tp, dp, _free_port(), out), nprocs=tp * dp,
+                           start_method="spawn", join=True)
+        return json.loads(Path(out).read_text())
+
+
+def computed_bytes(args: dict, tp: int, dp: int, rec: dict) -> dict:
+    """Bytes per rank per step from the formulas in the module docstring."""
+    b, T, C, L = args["batch"] // dp, args["seq"], args["hidden"], args["layers"]
+    tp_bytes = 4 * b * T * C * (6 * L + 2) + 4 * b * T * rec["padded_vocab"] // tp + 8 if tp > 1 else 0
+    dp_bytes = 4 * rec["n_local"] if dp > 1 else 0
+    return {"tp": tp_bytes, "dp": dp_bytes}
+
+
+def timing(samples: list[float]) -> Timing:
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
+    return Timing(s[len(s) // 2], q(0.2), q(0.8), len(s), samples)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over DP")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="5 timed steps after 1 warm-up (a smoke run)")
+    parser.add_argument("--json", default=None, help="write the records here")
+    args = vars(parser.parse_args(argv))
+    if args.pop("quick"):
+        args.update(steps=5, warmup=1)
+    results = {}
+    for tp, dp in CONFIGS:
+        results[(tp, dp)] = run_config(args, tp, dp)
+    base = results[(1, 1)]
+    for (tp, dp), rec in results.items():  # correctness before timing
+        # NOTE: summation order differs across layouts; over the steps losses agree to ~1e-6
+        torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(base["losses"]),
+                                   rtol=1e-4, atol=0, msg=f"tp={tp} dp={dp}: losses differ from tp=1 dp=1")
+    t_base = timing(base["times"]).median_s
+    rows = []
+    for (tp, dp), rec in results.items():
+        t, comp, meas = timing(rec["times"]), computed_bytes(args, tp, dp, rec), rec["measured"]
+        rows.append({"tp": tp, "dp": dp, "procs": tp * dp, "threads/proc": rec["threads"],
+                     "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s,
+                     "vs_1x1": t.median_s / t_base, "params/rank": rec["n_local"],
+                     "tp_bytes_computed": comp["tp"], "tp_bytes_measured": meas["tp"],
+                     "dp_bytes_computed": comp["dp"], "dp_bytes_measured": meas["dp"],
+                     "world_bytes_measured": meas["world"]})
+    title = (f"GPT {args['layers']} blocks, hidden {args['hidden']}, heads {args['heads']}, seq "
+             f"{args['seq']}, vocab {args['vocab']}, global batch {args['batch']}, W=2, fp32, clip 1.0; "
+             f"{args['steps']} timed steps after {args['warmup']} warm-up; gloo on CPU ({os.cpu_count()} cores); "
+             "bytes per rank per step")
+    print_table(rows, list(rows[0]), title)
+    write_json(args["json"], "parallel", rows, {"args": args})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
