@@ -120,6 +120,12 @@ void update_range_ieee(const Buffers& b, int64_t begin, int64_t end, const Coeff
   const sv::vf w1m1 = sv::set1(c.w1 - 1.0f);
   const G* grad = static_cast<const G*>(b.grad);
   int64_t i = begin;
+  if constexpr (!std::is_same_v<S, void>) {
+    // NOTE: the shadow is write-only here: non-temporal stores skip the read for ownership of its
+    // lines (2 of ~30 bytes per element). They need kStreamAlign-aligned addresses: peel the head.
+    const auto addr = [&](int64_t j) { return reinterpret_cast<uintptr_t>(static_cast<S*>(b.shadow) + j); };
+    while (i < end && addr(i) % sv::kStreamAlign != 0) fused_one<G, S, kL2, kDecay>(b, i++, c);
+  }
   for (; i + sv::kWidth <= end; i += sv::kWidth) {
     sv::vf p = sv::load(b.param + i);
     sv::vf g = sv::mul(sv::load_as_float(grad + i), gs);
@@ -134,9 +140,10 @@ void update_range_ieee(const Buffers& b, int64_t begin, int64_t end, const Coeff
     const sv::vf denom = sv::add(sv::div(sv::sqrt(v), bc2), eps);
     p = sv::add(p, sv::div(opaque(sv::mul(neg_step, m)), denom));
     sv::store(b.param + i, p);
-    if constexpr (!std::is_same_v<S, void>) sv::store_from_float(static_cast<S*>(b.shadow) + i, p);
+    if constexpr (!std::is_same_v<S, void>) sv::stream_from_float(static_cast<S*>(b.shadow) + i, p);
   }
   for (; i < end; ++i) fused_one<G, S, kL2, kDecay>(b, i, c);
+  if constexpr (!std::is_same_v<S, void>) sv::stream_fence();  // streamed stores visible before return
 }
 
 // Bitwise-torch path over [begin, end), block by block: stage 1 (moments) over a block, MKL's
@@ -277,7 +284,8 @@ bool dispatch_shadow(const std::vector<Buffers>& b, const std::vector<int64_t>& 
 // Validates one tensor set (the k-th of a multi call when `k` >= 0) and returns its buffers.
 Buffers check_set(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                   const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& shadow, const char* fn, int64_t k) {
-  const std::string sfx = k < 0 ? "" : "[" + std::to_string(k) + "]";
+  // adam_step names "param"; adam_step_multi names the list element, "params[3]"
+  const std::string sfx = k < 0 ? "" : "s[" + std::to_string(k) + "]";
   const std::string np = "param" + sfx, ng = "grad" + sfx, nm = "exp_avg" + sfx, nv = "exp_avg_sq" + sfx;
   const std::string ns = "shadow" + sfx;
   check_cpu_contiguous(param, fn, np.c_str());

@@ -124,12 +124,20 @@ def test_close_to_torch_foreach_and_fused(impl):
 
 @pytest.mark.parametrize("n", [7, 1023, 2**20 + 3])
 @pytest.mark.parametrize("shadow_dtype", [torch.bfloat16, torch.float16])
-def test_shadow_is_exact_cast_of_master(n, shadow_dtype):
+@pytest.mark.parametrize("shadow_offset", [0, 3])
+def test_shadow_is_exact_cast_of_master(n, shadow_dtype, shadow_offset):
+    # shadow_offset: a shadow view that starts off the streaming-store alignment (the kernel peels
+    # scalar elements until aligned, then stores non-temporally).
     p0 = torch.randn(n) * 1e4  # fp16 overflows past 65504: inf in the shadow, as torch casts
     grads = make_grads(n, 3, torch.bfloat16)
-    p, _, _, shadow = ours_run(p0, grads, adamw=True, lr=10.0, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
-                               shadow_dtype=shadow_dtype)
+    shadow = torch.empty(n + shadow_offset, dtype=shadow_dtype)[shadow_offset:]
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step, g in enumerate(grads, start=1):
+        assert adam_step_(p, g, m, v, step=step, lr=10.0, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.0, shadow=shadow)
     assert torch.equal(shadow.view(torch.int16), p.to(shadow_dtype).view(torch.int16))
+    p_plain, _, _, _ = ours_run(p0, grads, adamw=True, lr=10.0, betas=(0.9, 0.999), eps=1e-8, wd=0.0)
+    assert torch.equal(p, p_plain)  # the shadow does not change the update
 
 
 @pytest.mark.parametrize("shadow_dtype", [torch.bfloat16, torch.float16])

@@ -71,8 +71,8 @@ def _bufs(n=10, count=3):
     (lambda b: b[1].pop(), r"params, grads, exp_avgs and exp_avg_sqs must have the same length, got 3, 2"),
     (lambda b: b[1].__setitem__(2, torch.randn(10).to(torch.bfloat16)),
      r"grads\[2\] must have the dtype of grads\[0\] \(Float\), got BFloat16"),
-    (lambda b: b[2].__setitem__(1, torch.zeros(10, dtype=torch.float64)), r"exp_avg\[1\] must be float32"),
-    (lambda b: b[3].__setitem__(2, torch.zeros(9)), r"exp_avg_sq\[2\] must have the same number of elements"),
+    (lambda b: b[2].__setitem__(1, torch.zeros(10, dtype=torch.float64)), r"exp_avgs\[1\] must be float32"),
+    (lambda b: b[3].__setitem__(2, torch.zeros(9)), r"exp_avg_sqs\[2\] must have the same number of elements"),
     (lambda b: b[0].__setitem__(2, b[0][0]), r"params\[0\] and params\[2\] overlap in memory"),
     (lambda b: b[2].__setitem__(0, b[1][1]), r"grads\[1\] and exp_avgs\[0\] overlap|exp_avgs\[0\] and grads\[1\] overlap"),
 ])
