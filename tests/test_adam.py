@@ -225,12 +225,19 @@ def test_gil_is_released_two_calls_overlap():
     intervals = [[] for _ in range(2)]
     barrier = threading.Barrier(2)
 
+    # NOTE: bitwise_torch=True makes each call ~30 ms (MKL sqrt), long enough for the other thread to
+    # be scheduled on a loaded machine; thread 1 uses adam_step_multi_, so both entry points are covered.
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bitwise_torch=True)
+
     def worker(k):
         p, g, m, v = bufs[k]
         barrier.wait()
-        for step in range(1, 4):
+        for step in range(1, 9):
             t0 = time.perf_counter()
-            adam_step_(p, g, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+            if k == 0:
+                adam_step_(p, g, m, v, step=step, **hp)
+            else:
+                adam_step_multi_([p], [g], [m], [v], step=step, **hp)
             intervals[k].append((t0, time.perf_counter()))
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
