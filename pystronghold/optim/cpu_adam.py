@@ -60,7 +60,7 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad, maximize, foreach, capturable, differentiable, fused: accepted only at their
             defaults (kept in the state dict for compatibility); other values raise ValueError.
         bitwise_torch: bit-identical results to ``torch.optim.AdamW(foreach=False)`` (MKL's sqrt, as
-            torch), ~5x slower. Default False: the IEEE SIMD sqrt, within a few ulp of torch (see
+            torch), ~4x slower. Default False: the IEEE SIMD sqrt, within a few ulp of torch (see
             `pystronghold.optim.functional`). An attribute of the optimizer, not of the state dict.
 
     Each `step()` makes one fused call per param group (per distinct step count within a group):

@@ -12,7 +12,7 @@ Accuracy against torch's default CPU AdamW/Adam:
   (``lr * |m/(sqrt(v)+eps)|``); over 50 steps that is below 1e-6 relative or 1e-8*lr*steps absolute.
   Adam with L2 weight decay feeds ``param`` back into the moments, so they inherit that difference.
 - ``bitwise_torch=True``: MKL's ``vmsSqrt`` from libtorch_cpu, as torch does: bit-identical fp32
-  results (checked on x86 with AVX-512 and AVX2 builds of torch), at ~5x the cost (vmsSqrt dominates).
+  results (checked on x86 with AVX-512 and AVX2 builds of torch), at ~4x the cost (vmsSqrt dominates).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def adam_step_(
             the 28-30 bytes per element). Pass False only when the caller already knows it is finite,
             e.g. because ``grad_sq_norm`` returned a finite value.
         bitwise_torch: compute sqrt with MKL's ``vmsSqrt`` as torch's CPU sqrt does, so results are
-            bit-identical to ``torch.optim.AdamW(foreach=False)``; ~5x slower. Default False: the IEEE
+            bit-identical to ``torch.optim.AdamW(foreach=False)``; ~4x slower. Default False: the IEEE
             SIMD sqrt (see the module docstring for the accuracy).
 
     Returns:
