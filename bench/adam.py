@@ -1,8 +1,10 @@
 """Fused CPU Adam benchmark: M params/s and effective GB/s against torch, DeepSpeed and a roofline.
 
 Cases, each at every size (total parameters) as 1 tensor and as 100 tensors:
-  ours             pystronghold adam_step_ (fp32 grad, with the non-finite pre-scan)
+  ours             pystronghold adam_step_ (fp32 grad, with the non-finite pre-scan); 100 tensors
+                   go through one adam_step_multi_ call (one parallel region)
   ours_nocheck     the same with check_finite=False (caller already checked, e.g. grad_sq_norm)
+  ours_bitwise     the same as ours_nocheck with bitwise_torch=True (torch's MKL sqrt, bit-identical)
   torch_fused      torch.optim.AdamW(fused=True)
   torch_foreach    torch.optim.AdamW(foreach=True)
   deepspeed        deepspeed.ops.adam.DeepSpeedCPUAdam (when importable; `make deepspeed`)
@@ -26,13 +28,18 @@ import gc
 import sys
 from pathlib import Path
 
-import torch
+# NOTE: bench/copy.py would shadow the standard library's `copy` (torch imports it) while this
+# folder is first on sys.path: drop it until torch is loaded, then add it back for common.py.
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
+sys.path.insert(0, str(_BENCH))
 from common import machine_facts, print_table, time_call, write_json  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
-from pystronghold.optim.functional import adam_step_  # noqa: E402
+from pystronghold.optim.functional import adam_step_, adam_step_multi_  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
@@ -67,7 +74,7 @@ def make_params(n, tensors):
     return params
 
 
-def case_ours(n, tensors, check_finite=True, offload=False):
+def case_ours(n, tensors, check_finite=True, offload=False, bitwise_torch=False):
     bufs = []
     for k in split(n, tensors):
         grad = torch.empty(k).uniform_(-1e-2, 1e-2)
@@ -75,10 +82,17 @@ def case_ours(n, tensors, check_finite=True, offload=False):
                      torch.zeros(k), torch.zeros(k), torch.empty(k, dtype=torch.bfloat16) if offload else None))
     step = [0]
 
+    cols = [list(c) for c in zip(*bufs)]  # params, grads, exp_avgs, exp_avg_sqs, shadows
+
     def fn():
         step[0] += 1
-        for p, g, m, v, sh in bufs:
-            adam_step_(p, g, m, v, step=step[0], shadow=sh, check_finite=check_finite, **HP)
+        if len(bufs) == 1:
+            p, g, m, v, sh = bufs[0]
+            adam_step_(p, g, m, v, step=step[0], shadow=sh, check_finite=check_finite,
+                       bitwise_torch=bitwise_torch, **HP)
+        else:
+            adam_step_multi_(*cols[:4], step=step[0], shadows=cols[4] if offload else None,
+                             check_finite=check_finite, bitwise_torch=bitwise_torch, **HP)
     return fn
 
 
@@ -122,15 +136,27 @@ def case_roofline(n, tensors):
 # ---- correctness before timing
 
 def check_correctness(ds_cls):
-    """One step of every implementation from the same state agrees with torch's single-tensor AdamW."""
+    """One step of every implementation from the same state agrees with torch's single-tensor AdamW:
+    ours bit for bit with bitwise_torch=True, the default within 1 ulp of each update (IEEE sqrt),
+    the others within 1e-5 (their own roundings); the multi-tensor and offload paths equal the
+    single call."""
     n = 100_003
     ref = [torch.nn.Parameter(torch.randn(n))]
     ref[0].grad = torch.randn(n)
     start = ref[0].detach().clone()
     torch.optim.AdamW(ref, foreach=False, lr=HP["lr"], weight_decay=HP["weight_decay"]).step()
     p, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
+    adam_step_(p, ref[0].grad, m, v, step=1, bitwise_torch=True, **HP)
+    assert torch.equal(p, ref[0].detach()), "ours (bitwise_torch=True) differs from torch.optim.AdamW"
+    p, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
     adam_step_(p, ref[0].grad, m, v, step=1, **HP)
-    assert torch.equal(p, ref[0].detach()), "ours differs from torch.optim.AdamW"
+    torch.testing.assert_close(p, ref[0].detach(), rtol=1e-6, atol=1e-5 * HP["lr"])
+    halves = [t.split(n // 2) for t in (start.clone(), ref[0].grad, torch.zeros(n), torch.zeros(n))]
+    adam_step_multi_(*[list(h) for h in halves], step=1, **HP)
+    assert torch.equal(torch.cat(halves[0]), p), "adam_step_multi_ differs from adam_step_"
+    q, shadow = start.clone(), torch.empty(n, dtype=torch.bfloat16)
+    adam_step_(q, ref[0].grad.bfloat16(), torch.zeros(n), torch.zeros(n), step=1, shadow=shadow, **HP)
+    assert torch.equal(shadow, q.bfloat16()), "offload shadow is not the cast of the master"
     for kind in ["fused", "foreach"] + (["deepspeed"] if ds_cls else []):
         q = [torch.nn.Parameter(start.clone())]
         q[0].grad = ref[0].grad.clone()
@@ -155,11 +181,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (>= 20 recommended)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="threads for torch, OpenMP and DeepSpeed")
-    ap.add_argument("--quick", action="store_true", help="small sizes (1M, 4M), no foreach: under a minute")
+    ap.add_argument("--quick", action="store_true", help="4M params only, no foreach/bitwise: about half a minute")
     ap.add_argument("--json", default=None, help="write the records to this JSON file")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.tensors = "1,4", "1,100"
+        args.sizes, args.tensors = "4", "1,100"
     torch.set_num_threads(args.threads)
     native().set_num_threads(args.threads)
     ds_cls, ds_reason = deepspeed_adam()
@@ -170,6 +196,7 @@ def main(argv=None):
     cases = {
         "ours": lambda n, t: case_ours(n, t),
         "ours_nocheck": lambda n, t: case_ours(n, t, check_finite=False),
+        "ours_bitwise": lambda n, t: case_ours(n, t, check_finite=False, bitwise_torch=True),
         "torch_fused": lambda n, t: case_torch(n, t, "fused"),
         "torch_foreach": lambda n, t: case_torch(n, t, "foreach"),
         "deepspeed": lambda n, t: case_torch(n, t, "deepspeed", ds_cls),
@@ -182,7 +209,7 @@ def main(argv=None):
     if ds_cls is None:
         wanted = [c for c in wanted if c not in ("deepspeed", "ds_offload")]
     if args.quick:
-        wanted = [c for c in wanted if c != "torch_foreach"]
+        wanted = [c for c in wanted if c not in ("torch_foreach", "ours_bitwise")]
     records = []
     for size_m in [float(s) for s in args.sizes.split(",")]:
         n = int(size_m * 2**20)
@@ -194,7 +221,8 @@ def main(argv=None):
                     print(f"skip {name} at {size_m:g}M params: needs ~{need / 2**30:.1f} GiB, "
                           f"{mem_available_bytes() / 2**30:.1f} GiB available")
                     continue
-                reps = args.reps if name != "torch_foreach" or n <= 2**24 else max(5, args.reps // 4)
+                slow = name in ("torch_foreach", "ours_bitwise")  # 5-10x slower: fewer reps when large
+                reps = args.reps if not slow or n <= 2**24 else max(5, args.reps // 4)
                 fn = cases[name](n, tensors)
                 t = time_call(fn, warmup=args.warmup, reps=reps)
                 del fn

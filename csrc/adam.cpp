@@ -1,13 +1,23 @@
 // Fused CPU Adam/AdamW over flat fp32 buffers: one pass reads param, grad (fp32/bf16/fp16),
 // exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq and optionally a bf16/fp16 shadow of
 // the new param. The arithmetic follows torch.optim's single-tensor CPU path operation by
-// operation (same roundings, same fused lerp), so results agree with torch.optim.AdamW/Adam.
+// operation (same roundings, same fused lerp). Two sqrt choices:
+//   default        the ISA's correctly rounded SIMD sqrt, in one fused pass (memory-bound). Only
+//                  sqrt differs from torch (MKL's vmsSqrt is 1 ulp off IEEE for ~16% of inputs), so
+//                  exp_avg/exp_avg_sq are bit-identical to torch's and param within a few ulp of
+//                  its update (docs/DESIGN.md, "Fused CPU Adam").
+//   bitwise_torch  MKL's vmsSqrt, as torch's CPU sqrt: bit-identical to torch, ~5x slower.
+// adam_step_multi updates many tensors in one OpenMP region: the tensors are laid end to end and
+// each thread takes one contiguous range of the whole, so threads never sync per tensor.
 //
 // Overflow skip: before anything is written, each thread scans its range of the grad (times
 // grad_scale) for inf/NaN; after a barrier, either every thread updates its range or none does.
 // The scan reads only the grad (4 or 2 bytes per element of the 28-30 the update moves); callers
 // that already know the grad is finite (e.g. from grad_sq_norm) pass check_finite=false.
+#include <algorithm>
 #include <atomic>
+#include <string>
+#include <vector>
 
 #include "adam.h"
 #include "bindings.h"
@@ -91,13 +101,59 @@ inline void param_one(const Buffers& b, int64_t i, float root, const Coeffs& c) 
   if constexpr (!std::is_same_v<S, void>) sv::scalar_from_float(static_cast<S*>(b.shadow) + i, p);
 }
 
-// Elements [begin, end), block by block; in each stage the SIMD body and the scalar tail.
+// Default (IEEE) path, one element: the whole update with a correctly rounded sqrt. Every other
+// operation is torch's, in torch's order and rounding, so only sqrt can differ from torch.
 template <typename G, typename S, bool kL2, bool kDecay>
-void update_range(const Buffers& b, int64_t begin, int64_t end, const Coeffs& c) {
+inline void fused_one(const Buffers& b, int64_t i, const Coeffs& c) {
+  moments_one<G, kL2, kDecay>(b, i, c);
+  param_one<S>(b, i, std::sqrt(b.exp_avg_sq[i]), c);
+}
+
+// Default (IEEE) path over elements [begin, end): one fused pass, each element loaded and stored
+// once; the SIMD body and the scalar tail. sv::sqrt is the ISA's IEEE sqrt (vsqrtps).
+template <typename G, typename S, bool kL2, bool kDecay>
+void update_range_ieee(const Buffers& b, int64_t begin, int64_t end, const Coeffs& c) {
   const sv::vf gs = sv::set1(c.grad_scale), l2 = sv::set1(c.l2), decay = sv::set1(c.decay);
   const sv::vf w1 = sv::set1(c.w1), beta2 = sv::set1(c.beta2), c2 = sv::set1(c.c2);
   const sv::vf bc2 = sv::set1(c.bc2_sqrt), eps = sv::set1(c.eps), neg_step = sv::set1(c.neg_step);
   const bool small_w1 = c.w1 < 0.5f;  // uniform over the call: the branch predicts perfectly
+  const sv::vf w1m1 = sv::set1(c.w1 - 1.0f);
+  const G* grad = static_cast<const G*>(b.grad);
+  int64_t i = begin;
+  if constexpr (!std::is_same_v<S, void>) {
+    // NOTE: the shadow is write-only here: non-temporal stores skip the read for ownership of its
+    // lines (2 of ~30 bytes per element). They need kStreamAlign-aligned addresses: peel the head.
+    const auto addr = [&](int64_t j) { return reinterpret_cast<uintptr_t>(static_cast<S*>(b.shadow) + j); };
+    while (i < end && addr(i) % sv::kStreamAlign != 0) fused_one<G, S, kL2, kDecay>(b, i++, c);
+  }
+  for (; i + sv::kWidth <= end; i += sv::kWidth) {
+    sv::vf p = sv::load(b.param + i);
+    sv::vf g = sv::mul(sv::load_as_float(grad + i), gs);
+    if (kL2) g = sv::fmadd(l2, p, g);
+    if (kDecay) p = opaque(sv::mul(p, decay));
+    const sv::vf m0 = sv::load(b.exp_avg + i);
+    const sv::vf m = small_w1 ? sv::fmadd(w1, sv::sub(g, m0), m0) : sv::fmadd(w1m1, sv::sub(g, m0), g);
+    const sv::vf vb = opaque(sv::mul(sv::load(b.exp_avg_sq + i), beta2));
+    const sv::vf v = sv::fmadd(opaque(sv::mul(c2, g)), g, vb);
+    sv::store(b.exp_avg + i, m);
+    sv::store(b.exp_avg_sq + i, v);
+    const sv::vf denom = sv::add(sv::div(sv::sqrt(v), bc2), eps);
+    p = sv::add(p, sv::div(opaque(sv::mul(neg_step, m)), denom));
+    sv::store(b.param + i, p);
+    if constexpr (!std::is_same_v<S, void>) sv::stream_from_float(static_cast<S*>(b.shadow) + i, p);
+  }
+  for (; i < end; ++i) fused_one<G, S, kL2, kDecay>(b, i, c);
+  if constexpr (!std::is_same_v<S, void>) sv::stream_fence();  // streamed stores visible before return
+}
+
+// Bitwise-torch path over [begin, end), block by block: stage 1 (moments) over a block, MKL's
+// vmsSqrt over its exp_avg_sq (as torch's sqrt), stage 2 (param) while the block is in L1.
+template <typename G, typename S, bool kL2, bool kDecay>
+void update_range_torch(const Buffers& b, int64_t begin, int64_t end, const Coeffs& c) {
+  const sv::vf gs = sv::set1(c.grad_scale), l2 = sv::set1(c.l2), decay = sv::set1(c.decay);
+  const sv::vf w1 = sv::set1(c.w1), beta2 = sv::set1(c.beta2), c2 = sv::set1(c.c2);
+  const sv::vf bc2 = sv::set1(c.bc2_sqrt), eps = sv::set1(c.eps), neg_step = sv::set1(c.neg_step);
+  const bool small_w1 = c.w1 < 0.5f;
   const sv::vf w1m1 = sv::set1(c.w1 - 1.0f);
   const G* grad = static_cast<const G*>(b.grad);
   alignas(64) float root[kBlock];
@@ -158,8 +214,26 @@ bool grad_finite(const G* grad, int64_t begin, int64_t end, float scale, const s
   return true;
 }
 
+// Calls f(buffers, local_begin, local_end) for each piece of the global range [begin, end) of the
+// tensors laid end to end (offsets[k] = first global index of tensor k, offsets.back() = total).
+template <typename F>
+inline void for_pieces(const std::vector<Buffers>& bufs, const std::vector<int64_t>& offsets, int64_t begin,
+                       int64_t end, F&& f) {
+  size_t k = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin()) - 1;
+  for (; k < bufs.size() && offsets[k] < end; ++k) {
+    const int64_t lo = std::max(begin, offsets[k]) - offsets[k];
+    const int64_t hi = std::min(end, offsets[k + 1]) - offsets[k];
+    if (lo < hi) f(bufs[k], lo, hi);
+  }
+}
+
+// One parallel region for all tensors: each thread takes one contiguous range of the tensors laid
+// end to end (static split, no per-tensor synchronisation). With check_finite, every thread scans
+// its range of the grads, then a barrier, then all update or none does.
 template <typename G, typename S, bool kL2, bool kDecay>
-bool run(const Buffers& b, int64_t n, const Coeffs& c, bool check_finite) {
+bool run(const std::vector<Buffers>& bufs, const std::vector<int64_t>& offsets, const Coeffs& c,
+         bool check_finite, bool bitwise_torch) {
+  const int64_t n = offsets.back();
   const int nth = threads_for(n);
   std::atomic<bool> overflow{false};
 #pragma omp parallel num_threads(nth)
@@ -167,59 +241,80 @@ bool run(const Buffers& b, int64_t n, const Coeffs& c, bool check_finite) {
     const int t = omp_get_thread_num();
     const int team = omp_get_num_threads();
     const int64_t begin = range_start(n, t, team), end = range_start(n, t + 1, team);
-    if (check_finite && !grad_finite(static_cast<const G*>(b.grad), begin, end, c.grad_scale, overflow)) {
-      overflow.store(true, std::memory_order_relaxed);
-    }
     if (check_finite) {
+      bool finite = true;
+      for_pieces(bufs, offsets, begin, end, [&](const Buffers& b, int64_t lo, int64_t hi) {
+        finite = finite && grad_finite(static_cast<const G*>(b.grad), lo, hi, c.grad_scale, overflow);
+      });
+      if (!finite) overflow.store(true, std::memory_order_relaxed);
 #pragma omp barrier
     }
-    if (!overflow.load(std::memory_order_relaxed)) update_range<G, S, kL2, kDecay>(b, begin, end, c);
+    if (!overflow.load(std::memory_order_relaxed)) {
+      for_pieces(bufs, offsets, begin, end, [&](const Buffers& b, int64_t lo, int64_t hi) {
+        if (bitwise_torch) {
+          update_range_torch<G, S, kL2, kDecay>(b, lo, hi, c);
+        } else {
+          update_range_ieee<G, S, kL2, kDecay>(b, lo, hi, c);
+        }
+      });
+    }
   }
   return !overflow.load();
 }
 
+struct Mode {
+  bool l2, decay, check_finite, bitwise_torch;
+};
+
 template <typename G, typename S>
-bool dispatch_mode(const Buffers& b, int64_t n, const Coeffs& c, bool l2, bool decay, bool check) {
-  if (l2) return run<G, S, true, false>(b, n, c, check);
-  if (decay) return run<G, S, false, true>(b, n, c, check);
-  return run<G, S, false, false>(b, n, c, check);
+bool dispatch_mode(const std::vector<Buffers>& b, const std::vector<int64_t>& off, const Coeffs& c, Mode m) {
+  if (m.l2) return run<G, S, true, false>(b, off, c, m.check_finite, m.bitwise_torch);
+  if (m.decay) return run<G, S, false, true>(b, off, c, m.check_finite, m.bitwise_torch);
+  return run<G, S, false, false>(b, off, c, m.check_finite, m.bitwise_torch);
 }
 
 template <typename G>
-bool dispatch_shadow(const Buffers& b, int64_t n, const Coeffs& c, c10::optional<at::ScalarType> shadow,
-                     bool l2, bool decay, bool check) {
-  if (!shadow) return dispatch_mode<G, void>(b, n, c, l2, decay, check);
-  if (*shadow == at::kBFloat16) return dispatch_mode<G, sv::BF16>(b, n, c, l2, decay, check);
-  return dispatch_mode<G, sv::F16>(b, n, c, l2, decay, check);
+bool dispatch_shadow(const std::vector<Buffers>& b, const std::vector<int64_t>& off, const Coeffs& c,
+                     c10::optional<at::ScalarType> shadow, Mode m) {
+  if (!shadow) return dispatch_mode<G, void>(b, off, c, m);
+  if (*shadow == at::kBFloat16) return dispatch_mode<G, sv::BF16>(b, off, c, m);
+  return dispatch_mode<G, sv::F16>(b, off, c, m);
 }
 
-bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-               c10::optional<at::Tensor> shadow, int64_t step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool adamw, double grad_scale, bool check_finite) {
-  constexpr const char* fn = "adam_step";
-  check_cpu_contiguous(param, fn, "param");
-  check_cpu_contiguous(grad, fn, "grad");
-  check_cpu_contiguous(exp_avg, fn, "exp_avg");
-  check_cpu_contiguous(exp_avg_sq, fn, "exp_avg_sq");
-  check_dtype_in(param, fn, "param", {at::kFloat}, "float32");
-  check_dtype_in(exp_avg, fn, "exp_avg", {at::kFloat}, "float32");
-  check_dtype_in(exp_avg_sq, fn, "exp_avg_sq", {at::kFloat}, "float32");
-  check_dtype_in(grad, fn, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
+// Validates one tensor set (the k-th of a multi call when `k` >= 0) and returns its buffers.
+Buffers check_set(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                  const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& shadow, const char* fn, int64_t k) {
+  // adam_step names "param"; adam_step_multi names the list element, "params[3]"
+  const std::string sfx = k < 0 ? "" : "s[" + std::to_string(k) + "]";
+  const std::string np = "param" + sfx, ng = "grad" + sfx, nm = "exp_avg" + sfx, nv = "exp_avg_sq" + sfx;
+  const std::string ns = "shadow" + sfx;
+  check_cpu_contiguous(param, fn, np.c_str());
+  check_cpu_contiguous(grad, fn, ng.c_str());
+  check_cpu_contiguous(exp_avg, fn, nm.c_str());
+  check_cpu_contiguous(exp_avg_sq, fn, nv.c_str());
+  check_dtype_in(param, fn, np.c_str(), {at::kFloat}, "float32");
+  check_dtype_in(exp_avg, fn, nm.c_str(), {at::kFloat}, "float32");
+  check_dtype_in(exp_avg_sq, fn, nv.c_str(), {at::kFloat}, "float32");
+  check_dtype_in(grad, fn, ng.c_str(), {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
   const int64_t n = param.numel();
-  check_numel(grad, fn, "grad", n);
-  check_numel(exp_avg, fn, "exp_avg", n);
-  check_numel(exp_avg_sq, fn, "exp_avg_sq", n);
+  check_numel(grad, fn, ng.c_str(), n);
+  check_numel(exp_avg, fn, nm.c_str(), n);
+  check_numel(exp_avg_sq, fn, nv.c_str(), n);
   std::vector<std::pair<const char*, const at::Tensor*>> named = {
-      {"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
-  c10::optional<at::ScalarType> shadow_dtype;
+      {np.c_str(), &param}, {ng.c_str(), &grad}, {nm.c_str(), &exp_avg}, {nv.c_str(), &exp_avg_sq}};
   if (shadow.has_value()) {
-    check_cpu_contiguous(*shadow, fn, "shadow");
-    check_dtype_in(*shadow, fn, "shadow", {at::kBFloat16, at::kHalf}, "bfloat16 or float16");
-    check_numel(*shadow, fn, "shadow", n);
-    named.emplace_back("shadow", &*shadow);
-    shadow_dtype = shadow->scalar_type();
+    check_cpu_contiguous(*shadow, fn, ns.c_str());
+    check_dtype_in(*shadow, fn, ns.c_str(), {at::kBFloat16, at::kHalf}, "bfloat16 or float16");
+    check_numel(*shadow, fn, ns.c_str(), n);
+    named.emplace_back(ns.c_str(), &*shadow);
   }
   check_disjoint(named, fn);
+  return Buffers{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                 shadow.has_value() ? shadow->data_ptr() : nullptr};
+}
+
+Coeffs coeffs(const char* fn, int64_t step, double lr, double beta1, double beta2, double eps,
+              double weight_decay, double grad_scale) {
   TORCH_CHECK_VALUE(step >= 1, fn, ": step must be >= 1 (the count after incrementing), got ", step);
   TORCH_CHECK_VALUE(lr >= 0.0, fn, ": lr must be >= 0, got ", lr);
   TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, fn, ": beta1 must be in [0, 1), got ", beta1);
@@ -227,8 +322,6 @@ bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   TORCH_CHECK_VALUE(eps >= 0.0, fn, ": eps must be >= 0, got ", eps);
   TORCH_CHECK_VALUE(weight_decay >= 0.0, fn, ": weight_decay must be >= 0, got ", weight_decay);
   TORCH_CHECK_VALUE(std::isfinite(grad_scale), fn, ": grad_scale must be finite, got ", grad_scale);
-  if (n == 0) return true;
-
   const double stepd = static_cast<double>(step);
   const double bias_correction1 = 1.0 - std::pow(beta1, stepd);
   const double bias_correction2 = 1.0 - std::pow(beta2, stepd);
@@ -243,18 +336,96 @@ bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   c.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   c.eps = static_cast<float>(eps);
   c.neg_step = static_cast<float>(-step_size);
-  const bool l2 = !adamw && weight_decay != 0.0;
-  const bool decay = adamw && weight_decay != 0.0;
+  return c;
+}
 
-  Buffers b{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-            shadow_dtype ? shadow->data_ptr() : nullptr};
-  switch (grad.scalar_type()) {
-    case at::kFloat: return dispatch_shadow<float>(b, n, c, shadow_dtype, l2, decay, check_finite);
-    case at::kBFloat16: return dispatch_shadow<sv::BF16>(b, n, c, shadow_dtype, l2, decay, check_finite);
-    case at::kHalf: return dispatch_shadow<sv::F16>(b, n, c, shadow_dtype, l2, decay, check_finite);
+// Across the sets of a multi call no two buffers may overlap either (e.g. one tensor passed twice):
+// sort every buffer's [start, end) by address and compare neighbours, O(n log n).
+void check_sets_disjoint(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                         const c10::optional<std::vector<at::Tensor>>& shadows, const char* fn) {
+  struct Span { uintptr_t lo, hi; const char* list; size_t k; };
+  std::vector<Span> spans;
+  auto add = [&](const std::vector<at::Tensor>& ts, const char* list) {
+    for (size_t k = 0; k < ts.size(); ++k) {
+      if (ts[k].numel() == 0) continue;
+      const auto lo = reinterpret_cast<uintptr_t>(ts[k].data_ptr());
+      spans.push_back({lo, lo + ts[k].nbytes(), list, k});
+    }
+  };
+  add(params, "params");
+  add(grads, "grads");
+  add(exp_avgs, "exp_avgs");
+  add(exp_avg_sqs, "exp_avg_sqs");
+  if (shadows.has_value()) add(*shadows, "shadows");
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const Span& a = spans[i - 1];
+    const Span& b = spans[i];
+    TORCH_CHECK_VALUE(a.hi <= b.lo, fn, ": ", a.list, "[", a.k, "] and ", b.list, "[", b.k,
+                      "] overlap in memory; every buffer must be separate");
+  }
+}
+
+bool adam_step_multi(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                     const c10::optional<std::vector<at::Tensor>>& shadows, int64_t step, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+                     bool check_finite, bool bitwise_torch, const char* fn, bool single) {
+  const size_t count = params.size();
+  TORCH_CHECK_VALUE(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count, fn,
+                    ": params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", count, ", ",
+                    grads.size(), ", ", exp_avgs.size(), " and ", exp_avg_sqs.size());
+  TORCH_CHECK_VALUE(!shadows.has_value() || shadows->size() == count, fn,
+                    ": shadows must be None or have one tensor per param (", count, "), got ",
+                    shadows.has_value() ? shadows->size() : 0);
+  const Coeffs c = coeffs(fn, step, lr, beta1, beta2, eps, weight_decay, grad_scale);
+  std::vector<Buffers> bufs;
+  std::vector<int64_t> offsets = {0};
+  bufs.reserve(count);
+  offsets.reserve(count + 1);
+  for (size_t k = 0; k < count; ++k) {
+    const c10::optional<at::Tensor> sh = shadows.has_value() ? c10::optional<at::Tensor>((*shadows)[k]) : c10::nullopt;
+    bufs.push_back(check_set(params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], sh, fn, single ? -1 : int64_t(k)));
+    if (k > 0) {
+      TORCH_CHECK_VALUE(grads[k].scalar_type() == grads[0].scalar_type(), fn, ": grads[", k, "] must have the dtype of grads[0] (",
+                        grads[0].scalar_type(), "), got ", grads[k].scalar_type());
+      TORCH_CHECK_VALUE(!sh || sh->scalar_type() == (*shadows)[0].scalar_type(), fn, ": shadows[", k,
+                        "] must have the dtype of shadows[0] (", (*shadows)[0].scalar_type(), "), got ", sh->scalar_type());
+    }
+    offsets.push_back(offsets.back() + params[k].numel());
+  }
+  if (!single) check_sets_disjoint(params, grads, exp_avgs, exp_avg_sqs, shadows, fn);
+  if (offsets.back() == 0) return true;
+  const c10::optional<at::ScalarType> shadow_dtype =
+      shadows.has_value() && count > 0 ? c10::optional<at::ScalarType>((*shadows)[0].scalar_type()) : c10::nullopt;
+  const Mode m{!adamw && weight_decay != 0.0, adamw && weight_decay != 0.0, check_finite, bitwise_torch};
+  switch (grads[0].scalar_type()) {
+    case at::kFloat: return dispatch_shadow<float>(bufs, offsets, c, shadow_dtype, m);
+    case at::kBFloat16: return dispatch_shadow<sv::BF16>(bufs, offsets, c, shadow_dtype, m);
+    case at::kHalf: return dispatch_shadow<sv::F16>(bufs, offsets, c, shadow_dtype, m);
     default: TORCH_INTERNAL_ASSERT(false, "grad dtype was validated above");
   }
   return false;
+}
+
+bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+               c10::optional<at::Tensor> shadow, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool adamw, double grad_scale, bool check_finite,
+               bool bitwise_torch) {
+  c10::optional<std::vector<at::Tensor>> shadows;
+  if (shadow.has_value()) shadows = std::vector<at::Tensor>{*shadow};
+  return adam_step_multi({param}, {grad}, {exp_avg}, {exp_avg_sq}, shadows, step, lr, beta1, beta2, eps,
+                         weight_decay, adamw, grad_scale, check_finite, bitwise_torch, "adam_step", true);
+}
+
+bool adam_step_multi_py(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+                        std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+                        c10::optional<std::vector<at::Tensor>> shadows, int64_t step, double lr, double beta1,
+                        double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+                        bool check_finite, bool bitwise_torch) {
+  return adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, beta1, beta2, eps, weight_decay,
+                         adamw, grad_scale, check_finite, bitwise_torch, "adam_step_multi", false);
 }
 
 }  // namespace
@@ -266,10 +437,17 @@ PYSTRONGHOLD_BINDINGS(adam) {
   m.def("adam_step", &pystronghold::adam::adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("shadow"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"),
-        py::arg("check_finite"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("check_finite"), py::arg("bitwise_torch"), py::call_guard<py::gil_scoped_release>(),
         "Fused Adam/AdamW step over flat CPU buffers, in place; False (nothing written) on a non-finite grad.");
+  m.def("adam_step_multi", &pystronghold::adam::adam_step_multi_py, py::arg("params"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("shadows"), py::arg("step"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+        py::arg("grad_scale"), py::arg("check_finite"), py::arg("bitwise_torch"),
+        py::call_guard<py::gil_scoped_release>(),
+        "adam_step over lists of flat CPU buffers in one parallel region; all applied or none.");
   m.def("simd_level", []() { return std::string(pystronghold::simd::kName); },
         "The SIMD implementation csrc/simd.h compiled to (avx512, avx2, neon or scalar).");
-  m.def("adam_sqrt", []() { return std::string(::vmsSqrt ? "mkl-vml-ha" : "ieee"); },
-        "The sqrt adam_step uses: MKL's vmsSqrt from libtorch_cpu (as torch's CPU sqrt), or IEEE.");
+  m.def("adam_torch_sqrt", []() { return std::string(::vmsSqrt ? "mkl-vml-ha" : "ieee"); },
+        "The sqrt adam_step uses with bitwise_torch=True: MKL's vmsSqrt from libtorch_cpu (torch's CPU "
+        "sqrt), or IEEE when torch has no MKL. The default path always uses the IEEE SIMD sqrt.");
 }

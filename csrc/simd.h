@@ -101,6 +101,21 @@ inline void store_half(uint16_t* p, vf x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+// Non-temporal store of kWidth 16-bit values (p aligned to kWidth * 2 bytes): bf16/fp16 packing of
+// store_bf16/store_half, written around the cache (no read for ownership of a write-only line).
+inline void stream_u16(uint16_t* p, __m256i packed) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed); }
+inline __m256i pack_bf16(vf x) {
+  __m512i u = _mm512_castps_si512(x);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline __m256i pack_half(vf x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void stream_bf16(uint16_t* p, vf x) { stream_u16(p, pack_bf16(x)); }
+inline void stream_half(uint16_t* p, vf x) { stream_u16(p, pack_half(x)); }
+inline void stream_fence() { _mm_sfence(); }
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -138,6 +153,20 @@ inline void store_half(uint16_t* p, vf x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+// Non-temporal variants (p aligned to kWidth * 2 = 16 bytes): see the AVX-512 block.
+inline __m128i pack_bf16(vf x) {
+  __m256i u = _mm256_castps_si256(x);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void stream_bf16(uint16_t* p, vf x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x)); }
+inline void stream_half(uint16_t* p, vf x) {
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void stream_fence() { _mm_sfence(); }
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -164,6 +193,10 @@ inline void store_bf16(uint16_t* p, vf x) {
   vst1_u16(p, vmovn_u32(r));
 }
 inline void store_half(uint16_t* p, vf x) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x))); }
+// No non-temporal store in NEON intrinsics: plain stores.
+inline void stream_bf16(uint16_t* p, vf x) { store_bf16(p, x); }
+inline void stream_half(uint16_t* p, vf x) { store_half(p, x); }
+inline void stream_fence() {}
 inline vf add(vf a, vf b) { return vaddq_f32(a, b); }
 inline vf sub(vf a, vf b) { return vsubq_f32(a, b); }
 inline vf mul(vf a, vf b) { return vmulq_f32(a, b); }
@@ -183,6 +216,9 @@ inline vf load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
 inline vf load_half(const uint16_t* p) { return half_to_float(*p); }
 inline void store_bf16(uint16_t* p, vf x) { *p = float_to_bf16(x); }
 inline void store_half(uint16_t* p, vf x) { *p = float_to_half(x); }
+inline void stream_bf16(uint16_t* p, vf x) { store_bf16(p, x); }
+inline void stream_half(uint16_t* p, vf x) { store_half(p, x); }
+inline void stream_fence() {}
 inline vf add(vf a, vf b) { return a + b; }
 inline vf sub(vf a, vf b) { return a - b; }
 inline vf mul(vf a, vf b) { return a * b; }
@@ -206,6 +242,10 @@ inline float scalar_as_float(const F16* p) { return half_to_float(p->bits); }
 
 inline void store_from_float(BF16* p, vf x) { store_bf16(reinterpret_cast<uint16_t*>(p), x); }
 inline void store_from_float(F16* p, vf x) { store_half(reinterpret_cast<uint16_t*>(p), x); }
+// Non-temporal: p must be aligned to kWidth * 2 bytes (kStreamAlign).
+constexpr int kStreamAlign = kWidth * 2;
+inline void stream_from_float(BF16* p, vf x) { stream_bf16(reinterpret_cast<uint16_t*>(p), x); }
+inline void stream_from_float(F16* p, vf x) { stream_half(reinterpret_cast<uint16_t*>(p), x); }
 inline void scalar_from_float(BF16* p, float x) { p->bits = float_to_bf16(x); }
 inline void scalar_from_float(F16* p, float x) { p->bits = float_to_half(x); }
 

@@ -1,7 +1,9 @@
 """The functional fused CPU Adam (`adam_step_`, `grad_sq_norm`) against torch.optim.
 
-fp32 results are compared for bit equality with torch's default CPU AdamW/Adam (the kernel
-follows torch's roundings and its vector/scalar split), and with rtol 1e-6 as the contract.
+Two modes. With ``bitwise_torch=True`` fp32 results are compared for bit equality with torch's
+default CPU AdamW/Adam (the kernel follows torch's roundings and calls torch's MKL sqrt). The default
+mode uses the IEEE SIMD sqrt: it is bit-identical to torch's algorithm with a correctly rounded sqrt
+(`ieee_reference_run`) and within the tolerances below of torch itself.
 """
 
 import threading
@@ -9,13 +11,20 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pystronghold.optim.functional import adam_step_, grad_sq_norm
+from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm
 
 SIZES = [1, 7, 1023, 2**20 + 3]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# NOTE: default mode vs torch. torch's sqrt (MKL vmsSqrt) is 1 ulp off IEEE for ~16% of inputs, so
+# a step's update differs by ~1 ulp, which sometimes flips the rounding of param + update by 1 ulp
+# of param. Over 50 steps that stays within rtol 1e-6 except for params near zero, whose absolute
+# difference is a few ulp of the updates: atol = 1e-5 * lr covers them (measured worst over the
+# test configurations and 150 random ones: 3.2e-6 * lr for param, 6e-6 * lr for exp_avg with L2).
+RTOL_VS_TORCH = 1e-6
+ATOL_PER_LR = 1e-5
 
 
 def torch_run(p0, grads, *, adamw, lr, betas, eps, wd, impl="single"):
@@ -31,14 +40,46 @@ def torch_run(p0, grads, *, adamw, lr, betas, eps, wd, impl="single"):
     return p.detach(), st_["exp_avg"], st_["exp_avg_sq"]
 
 
-def ours_run(p0, grads, *, adamw, lr, betas, eps, wd, shadow_dtype=None):
+def ieee_reference_run(p0, grads, *, adamw, lr, betas, eps, wd):
+    """torch's single-tensor AdamW/Adam, op for op, with a correctly rounded sqrt (fp64 sqrt of an
+    fp32 value rounded to fp32 is the correctly rounded fp32 sqrt) in place of torch's MKL sqrt."""
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    beta1, beta2 = betas
+    for step, g in enumerate(grads, start=1):
+        g = g.float()
+        if wd != 0.0:
+            if adamw:
+                p.mul_(1 - lr * wd)
+            else:
+                g = g.add(p, alpha=wd)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.double().sqrt().float() / (1 - beta2**step) ** 0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-(lr / (1 - beta1**step)))
+    return p, m, v
+
+
+def ours_run(p0, grads, *, adamw, lr, betas, eps, wd, shadow_dtype=None, bitwise_torch=False):
     p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
     shadow = None if shadow_dtype is None else torch.empty(p0.numel(), dtype=shadow_dtype)
     for step, g in enumerate(grads, start=1):
         applied = adam_step_(p, g, m, v, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                             weight_decay=wd, adamw=adamw, shadow=shadow)
+                             weight_decay=wd, adamw=adamw, shadow=shadow, bitwise_torch=bitwise_torch)
         assert applied
     return p, m, v, shadow
+
+
+def assert_default_close_to_torch(ours, ref, *, adamw, lr):
+    """Default mode against torch: param within the stated tolerance; AdamW's moments bit-equal
+    (sqrt never feeds back into them), Adam-L2's moments within tolerance (param feeds the grad)."""
+    (p, m, v), (p_ref, m_ref, v_ref) = ours, ref
+    atol = ATOL_PER_LR * lr
+    torch.testing.assert_close(p, p_ref, rtol=RTOL_VS_TORCH, atol=atol)
+    if adamw:
+        assert torch.equal(m, m_ref) and torch.equal(v, v_ref)
+    else:
+        torch.testing.assert_close(m, m_ref, rtol=RTOL_VS_TORCH, atol=atol)
+        torch.testing.assert_close(v, v_ref, rtol=RTOL_VS_TORCH, atol=0.0)
 
 
 def make_grads(n, steps, dtype):
@@ -54,11 +95,16 @@ def test_matches_torch_50_steps(n, grad_dtype, adamw, wd):
     p0 = torch.randn(n)
     grads = make_grads(n, 50, grad_dtype)
     hp = dict(adamw=adamw, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=wd)
-    p_ref, m_ref, v_ref = torch_run(p0, grads, **hp)
+    ref = torch_run(p0, grads, **hp)
+    # bitwise_torch=True: bit equality with torch's single-tensor CPU path
+    p, m, v, _ = ours_run(p0, grads, bitwise_torch=True, **hp)
+    for ours, want in zip((p, m, v), ref):
+        assert torch.equal(ours, want), "bitwise_torch=True: expected bit equality with torch"
+    # default: bit equality with torch's algorithm under an IEEE sqrt, and close to torch itself
     p, m, v, _ = ours_run(p0, grads, **hp)
-    for ours, ref in ((p, p_ref), (m, m_ref), (v, v_ref)):
-        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0.0)
-        assert torch.equal(ours, ref), "expected bit equality with torch's single-tensor CPU path"
+    for ours, want in zip((p, m, v), ieee_reference_run(p0, grads, **hp)):
+        assert torch.equal(ours, want), "default: expected torch's arithmetic with the IEEE sqrt"
+    assert_default_close_to_torch((p, m, v), ref, adamw=adamw, lr=hp["lr"])
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
@@ -78,12 +124,20 @@ def test_close_to_torch_foreach_and_fused(impl):
 
 @pytest.mark.parametrize("n", [7, 1023, 2**20 + 3])
 @pytest.mark.parametrize("shadow_dtype", [torch.bfloat16, torch.float16])
-def test_shadow_is_exact_cast_of_master(n, shadow_dtype):
+@pytest.mark.parametrize("shadow_offset", [0, 3])
+def test_shadow_is_exact_cast_of_master(n, shadow_dtype, shadow_offset):
+    # shadow_offset: a shadow view that starts off the streaming-store alignment (the kernel peels
+    # scalar elements until aligned, then stores non-temporally).
     p0 = torch.randn(n) * 1e4  # fp16 overflows past 65504: inf in the shadow, as torch casts
     grads = make_grads(n, 3, torch.bfloat16)
-    p, _, _, shadow = ours_run(p0, grads, adamw=True, lr=10.0, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
-                               shadow_dtype=shadow_dtype)
+    shadow = torch.empty(n + shadow_offset, dtype=shadow_dtype)[shadow_offset:]
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step, g in enumerate(grads, start=1):
+        assert adam_step_(p, g, m, v, step=step, lr=10.0, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.0, shadow=shadow)
     assert torch.equal(shadow.view(torch.int16), p.to(shadow_dtype).view(torch.int16))
+    p_plain, _, _, _ = ours_run(p0, grads, adamw=True, lr=10.0, betas=(0.9, 0.999), eps=1e-8, wd=0.0)
+    assert torch.equal(p, p_plain)  # the shadow does not change the update
 
 
 @pytest.mark.parametrize("shadow_dtype", [torch.bfloat16, torch.float16])
@@ -171,12 +225,19 @@ def test_gil_is_released_two_calls_overlap():
     intervals = [[] for _ in range(2)]
     barrier = threading.Barrier(2)
 
+    # NOTE: bitwise_torch=True makes each call ~30 ms (MKL sqrt), long enough for the other thread to
+    # be scheduled on a loaded machine; thread 1 uses adam_step_multi_, so both entry points are covered.
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bitwise_torch=True)
+
     def worker(k):
         p, g, m, v = bufs[k]
         barrier.wait()
-        for step in range(1, 4):
+        for step in range(1, 9):
             t0 = time.perf_counter()
-            adam_step_(p, g, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+            if k == 0:
+                adam_step_(p, g, m, v, step=step, **hp)
+            else:
+                adam_step_multi_([p], [g], [m], [v], step=step, **hp)
             intervals[k].append((t0, time.perf_counter()))
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
@@ -189,7 +250,9 @@ def test_gil_is_released_two_calls_overlap():
     assert overlap, f"calls never overlapped: {intervals}"
 
 
-@settings(max_examples=40, deadline=None)
+# NOTE: derandomize: the same 40 examples on every run (no example database), so CI cannot flake.
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 5000), steps=st.integers(1, 4), adamw=st.booleans(),
        lr=st.floats(1e-5, 1.0), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.5, 0.9999),
        eps=st.floats(1e-10, 1e-3), wd=st.sampled_from([0.0, 1e-3, 0.1, 0.5]), seed=st.integers(0, 2**16))
@@ -198,17 +261,20 @@ def test_property_matches_torch(n, steps, adamw, lr, beta1, beta2, eps, wd, seed
     p0 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen) for _ in range(steps)]
     hp = dict(adamw=adamw, lr=lr, betas=(beta1, beta2), eps=eps, wd=wd)
-    p_ref, m_ref, v_ref = torch_run(p0, grads, **hp)
+    ref = torch_run(p0, grads, **hp)
+    p, m, v, _ = ours_run(p0, grads, bitwise_torch=True, **hp)
+    for ours, want in zip((p, m, v), ref):
+        assert torch.equal(ours, want)
     p, m, v, _ = ours_run(p0, grads, **hp)
-    torch.testing.assert_close(p, p_ref, rtol=1e-6, atol=0.0)
-    torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=0.0)
-    torch.testing.assert_close(v, v_ref, rtol=1e-6, atol=0.0)
+    for ours, want in zip((p, m, v), ieee_reference_run(p0, grads, **hp)):
+        assert torch.equal(ours, want)
+    assert_default_close_to_torch((p, m, v), ref, adamw=adamw, lr=lr)
 
 
-def test_sqrt_is_torchs_sqrt():
-    # torch's CPU sqrt is MKL's vmsSqrt when torch has MKL; adam_step_ must use the same one,
-    # otherwise ~16% of the denominators differ by 1 ulp from torch's.
+def test_bitwise_sqrt_is_torchs_sqrt():
+    # torch's CPU sqrt is MKL's vmsSqrt when torch has MKL; bitwise_torch=True must use the same
+    # one, otherwise ~16% of the denominators differ by 1 ulp from torch's.
     from pystronghold._ext import native
 
     expected = "mkl-vml-ha" if torch.backends.mkl.is_available() else "ieee"
-    assert native().adam_sqrt() == expected
+    assert native().adam_torch_sqrt() == expected

@@ -39,8 +39,23 @@ def train(model, opt, steps, sched=None, seed=0):
 
 def assert_same_params(a, b):
     for pa, pb in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=0.0)
         assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_default_mode_close_to_torch(adamw):
+    # NOTE: the default IEEE sqrt differs from torch's MKL sqrt by 1 ulp on ~16% of inputs; through
+    # the model the params' few-ulp differences change the grads too, so this compares at rtol 1e-6
+    # with atol 1e-5 * lr (see tests/test_adam.py) and the losses at rtol 1e-6.
+    ref, ours = make_model(), make_model()
+    torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    opt_ref = torch_cls(groups(ref), lr=2e-3, weight_decay=0.05, foreach=False)
+    opt = CPUAdam(groups(ours), lr=2e-3, weight_decay=0.05, adamw=adamw)
+    losses_ref = train(ref, opt_ref, 50)
+    losses = train(ours, opt, 50)
+    torch.testing.assert_close(losses, losses_ref, rtol=1e-6, atol=0.0)
+    for pa, pb in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-5 * 3e-3)
 
 
 @pytest.mark.parametrize("adamw", [True, False])
@@ -49,7 +64,7 @@ def test_model_with_param_groups_matches_torch(adamw):
     torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     wd = 0.05
     opt_ref = torch_cls(groups(ref), lr=2e-3, weight_decay=wd, foreach=False)
-    opt = CPUAdam(groups(ours), lr=2e-3, weight_decay=wd, adamw=adamw)
+    opt = CPUAdam(groups(ours), lr=2e-3, weight_decay=wd, adamw=adamw, bitwise_torch=True)
     losses_ref = train(ref, opt_ref, 50)
     losses = train(ours, opt, 50)
     assert losses == losses_ref
@@ -60,7 +75,7 @@ def test_scheduler_lr_edit_and_add_param_group():
     ref, ours = make_model(), make_model()
     params_ref, params = list(ref.parameters()), list(ours.parameters())
     opt_ref = torch.optim.AdamW(params_ref[:4], lr=1e-2, foreach=False)
-    opt = CPUAdam(params[:4], lr=1e-2)
+    opt = CPUAdam(params[:4], lr=1e-2, bitwise_torch=True)
     sched_ref = torch.optim.lr_scheduler.StepLR(opt_ref, step_size=3, gamma=0.5)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     train(ref, opt_ref, 7, sched_ref)
@@ -79,7 +94,7 @@ def test_scheduler_lr_edit_and_add_param_group():
 def test_state_dict_layout_is_torch_adamw():
     ref, ours = make_model(), make_model()
     opt_ref = torch.optim.AdamW(groups(ref))  # defaults: foreach=None (single-tensor on the CPU)
-    opt = CPUAdam(groups(ours))
+    opt = CPUAdam(groups(ours), bitwise_torch=True)
     train(ref, opt_ref, 2)
     train(ours, opt, 2)
     sd_ref, sd = opt_ref.state_dict(), opt.state_dict()
@@ -99,7 +114,8 @@ def test_state_dict_layout_is_torch_adamw():
 def test_state_dict_round_trip_and_resume(direction, adamw):
     torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     make_torch = lambda m: torch_cls(groups(m), lr=1e-3, weight_decay=0.1, foreach=False)  # noqa: E731
-    make_ours = lambda m: CPUAdam(groups(m), lr=1e-3, weight_decay=0.1, adamw=adamw)  # noqa: E731
+    make_ours = lambda m: CPUAdam(groups(m), lr=1e-3, weight_decay=0.1, adamw=adamw,  # noqa: E731
+                                  bitwise_torch=True)
     first, second = (make_torch, make_ours) if direction == "torch_to_ours" else (make_ours, make_torch)
     # uninterrupted run: 10 steps of the first optimizer
     base = make_model()

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .functional import adam_step_
+from .functional import adam_step_multi_
 
 __all__ = ["CPUAdam"]
 
@@ -59,6 +59,12 @@ class CPUAdam(torch.optim.Optimizer):
             ``decoupled_weight_decay``, as torch does).
         amsgrad, maximize, foreach, capturable, differentiable, fused: accepted only at their
             defaults (kept in the state dict for compatibility); other values raise ValueError.
+        bitwise_torch: bit-identical results to ``torch.optim.AdamW(foreach=False)`` (MKL's sqrt, as
+            torch), ~4x slower. Default False: the IEEE SIMD sqrt, within a few ulp of torch (see
+            `pystronghold.optim.functional`). An attribute of the optimizer, not of the state dict.
+
+    Each `step()` makes one fused call per param group (per distinct step count within a group):
+    all its tensors in one parallel region.
 
     `step()` returns the closure's loss. As in torch, a non-finite gradient is not skipped: it
     propagates into the parameter (use `pystronghold.optim.adam_step_` for loss-scaling skips).
@@ -67,13 +73,15 @@ class CPUAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float | None = None, amsgrad: bool = False, *,
                  adamw: bool = True, maximize: bool = False, foreach: bool | None = None,
-                 capturable: bool = False, differentiable: bool = False, fused: bool | None = None) -> None:
+                 capturable: bool = False, differentiable: bool = False, fused: bool | None = None,
+                 bitwise_torch: bool = False) -> None:
         if weight_decay is None:
             weight_decay = 1e-2 if adamw else 0.0
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=bool(adamw))
         _check_group(defaults)
+        self.bitwise_torch = bool(bitwise_torch)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -95,6 +103,7 @@ class CPUAdam(torch.optim.Optimizer):
             _check_group(group)
             lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
             beta1, beta2 = (float(b) for b in group["betas"])
+            by_step: dict[int, list[torch.Tensor]] = {}  # one fused call per distinct step count
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -107,13 +116,16 @@ class CPUAdam(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                step_t = state["step"]
-                step = int(step_t.item()) + 1
+                by_step.setdefault(int(state["step"].item()) + 1, []).append(p)
+            for step, params in by_step.items():
+                states = [self.state[p] for p in params]
                 # NOTE: check_finite=False keeps torch's semantics (NaN/inf propagate) and saves a read.
-                adam_step_(
-                    p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                adam_step_multi_(
+                    [p.view(-1) for p in params], [p.grad.reshape(-1) for p in params],
+                    [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
                     step=step, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
-                    check_finite=False)
-                step_t.fill_(float(step))
+                    check_finite=False, bitwise_torch=self.bitwise_torch)
+                for s in states:
+                    s["step"].fill_(float(step))
         return loss
