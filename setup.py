@@ -153,7 +153,9 @@ def extensions():
     debug = os.environ.get("DEBUG", "0") == "1"
     generated = write_build_info(simd, with_cuda, debug)
 
-    opt = ["-O0", "-g"] if debug else ["-O3"]
+    # NOTE: -g0 overrides the -g in Python's own CFLAGS: release builds need no debug info, and it
+    # costs compile time and a larger .so.
+    opt = ["-O0", "-g"] if debug else ["-O3", "-g0"]
     std = cxx_standard()
     cxx_flags = [f"-std={std}", "-fopenmp", "-Wall", "-Wno-unknown-pragmas", "-Wno-c++20-extensions", *opt, *SIMD_FLAGS[simd]]
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
@@ -173,7 +175,7 @@ def extensions():
     library_dirs += libs
     define_macros.append(("PYSTRONGHOLD_WITH_CUDA", "1"))
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    nvcc_flags = [*opt, f"-std={std}", "-DPYSTRONGHOLD_WITH_CUDA=1"]
+    nvcc_flags = [*(["-O0", "-g"] if debug else ["-O3"]), f"-std={std}", "-DPYSTRONGHOLD_WITH_CUDA=1"]
     if not arch:
         nvcc_flags += ["-gencode=arch=compute_90,code=sm_90"]
     return [cpp_extension.CUDAExtension(

@@ -28,14 +28,9 @@ import gc
 import sys
 from pathlib import Path
 
-# NOTE: bench/copy.py would shadow the standard library's `copy` (torch imports it) while this
-# folder is first on sys.path: drop it until torch is loaded, then add it back for common.py.
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+import torch
 
-import torch  # noqa: E402
-
-sys.path.insert(0, str(_BENCH))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_facts, print_table, time_call, write_json  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
