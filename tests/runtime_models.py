@@ -109,7 +109,8 @@ def train_reference(model, batches, *, clip=None, accumulation=1, scheduler=None
 
 def train_engine(model, batches, *, accumulation=1, scheduler=None, engine_hook=None, **options):
     """The same loop through pystronghold.wrap. Returns (losses, {name: fp32 parameter}, engine)."""
-    engine = ph.wrap(model, blocks=model.blocks, optimizer=ph.AdamW(**HYPER),
+    # NOTE: bitwise_torch: the reference is CPU torch.optim.AdamW, whose sqrt is MKL's (1 ulp off IEEE).
+    engine = ph.wrap(model, blocks=model.blocks, optimizer=ph.AdamW(**HYPER, bitwise_torch=True),
                      accumulation_steps=accumulation, **options)
     if engine_hook:
         engine_hook(engine)

@@ -124,7 +124,7 @@ def test_plain_loss_backward_and_optimizer_calls_work_too():
 
     model, batches = HetStack(), het_batches(6)
     ref = train_reference(copy.deepcopy(model), batches)
-    engine = ph.wrap(model, blocks=model.blocks, window=2, optimizer=ph.AdamW(**HYPER))
+    engine = ph.wrap(model, blocks=model.blocks, window=2, optimizer=ph.AdamW(**HYPER, bitwise_torch=True))
     losses = []
     for x, y in batches:
         loss = model(x, y)

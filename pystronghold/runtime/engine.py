@@ -77,7 +77,7 @@ class Engine:
         self.trace = Tracer(enabled=config.trace)
         self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer)
         self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters)
-        self.updates = HostUpdates(self.store, self.trace)
+        self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch)
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
         self._names = {id(p): name for name, p in model.named_parameters()}

@@ -28,6 +28,10 @@ class AdamW:
     """Added to the denominator."""
     weight_decay: float = 0.01
     """Decoupled weight decay (applied to every parameter)."""
+    bitwise_torch: bool = False
+    """Update blocks with torch's CPU square root (MKL vmsSqrt) so they are bit-identical to CPU
+    ``torch.optim.AdamW``; about 4x slower host updates. The default, a correctly rounded sqrt, differs
+    from CPU torch by a few ulp on some elements (docs/DESIGN.md, "Fused CPU Adam")."""
 
     def __post_init__(self) -> None:
         if not self.lr >= 0:

@@ -23,9 +23,10 @@ __all__ = ["HostUpdates"]
 class HostUpdates:
     """Submits norm and update jobs for blocks; remembers one pending future per block."""
 
-    def __init__(self, store, tracer) -> None:
+    def __init__(self, store, tracer, *, bitwise_torch: bool = False) -> None:
         self.store = store
         self.tracer = tracer
+        self.bitwise_torch = bitwise_torch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pystronghold-adam")
         self.updates: dict[int, Future] = {}  # block -> its latest update job
         self.norms: dict[int, Future] = {}  # block -> per-parameter gradient norms
@@ -55,7 +56,8 @@ class HostUpdates:
                 ok = adam_step_(t["master"][block], t["grad"][block], t["exp_avg"][block],
                                 t["exp_avg_sq"][block], step=step, lr=hyper["lr"], beta1=beta1,
                                 beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"],
-                                adamw=True, grad_scale=grad_scale, shadow=shadow)
+                                adamw=True, grad_scale=grad_scale, shadow=shadow,
+                                bitwise_torch=self.bitwise_torch)
             if not ok:
                 raise FloatingPointError(
                     f"block {block}: its gradient has inf/NaN values; the update was not applied. "
