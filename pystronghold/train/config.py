@@ -282,11 +282,13 @@ class TrainConfig:
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
         par = self.parallel
         tp, dp, world = par.tp, par.dp_size, par.world_size
+        if world == 1 and tp * dp > 1:
+            raise ValueError(f"--tp {tp} x --dp {dp} needs {tp * dp} processes; launch with "
+                             f"torchrun --nproc-per-node {tp * dp} -m pystronghold train ...")
         if world % tp:
             raise ValueError(f"--tp {tp} must divide the number of processes {world}")
         if tp * dp != world:
-            hint = "" if world > 1 else f"; launch with torchrun --nproc-per-node {tp * dp}"
-            raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} processes, but there are {world}{hint}")
+            raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} processes, but there are {world}")
         if cfg.heads % tp:
             raise ValueError(f"--tp {tp} must divide the model's {cfg.heads} attention heads")
         if cfg.padded_vocab_size % tp:
