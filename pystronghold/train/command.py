@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from pystronghold.planner.command import field_docs
@@ -21,6 +22,7 @@ EXAMPLES = """examples:
   pystronghold train --data notes.txt src/ --batch 4 --seq 64
   pystronghold train --checkpoint-dir ck --checkpoint-every 50  # then add --resume to continue
   pystronghold train --model gpt3-125m --device cuda --precision bf16 --window 4
+  torchrun --nproc-per-node 4 -m pystronghold train --model tiny --tp 2 --dp 2   # 4 processes
 """
 
 _TYPES = {"str": str, "int": int, "float": float}
@@ -65,17 +67,29 @@ def _one_line_error(prog: str):
 def run_train(args: argparse.Namespace) -> int:
     """Run ``pystronghold train``: 0 on success, 2 on bad input, 1 when training fails."""
     from pystronghold.train.checkpoint import CheckpointError
-    from pystronghold.train.loop import Trainer
+    from pystronghold.train.loop import Trainer, close_parallel
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    # Under torchrun every rank runs this; only rank 0 logs, draws the bar and prints errors (every
+    # rank fails alike on bad input, so the others exit with the same status, silently).
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.ERROR, format="%(message)s", stream=sys.stdout)
+
+    def error(message: str) -> None:
+        if rank0:
+            print(f"pystronghold train: error: {message}", file=sys.stderr)
+
     try:
         config = config_from_args(args)
         trainer = Trainer(config)
     except (ValueError, OSError, MemoryError, CheckpointError) as e:  # bad input, data, host too small
-        print(f"pystronghold train: error: {e}", file=sys.stderr)
+        close_parallel()
+        error(str(e))
         return 2
+    except BaseException:
+        close_parallel()
+        raise
     bar = None
-    if not config.run.quiet and trainer.step < config.run.steps:
+    if rank0 and not config.run.quiet and trainer.step < config.run.steps:
         from tqdm import tqdm
 
         bar = tqdm(total=config.run.steps, initial=trainer.step, desc="train", unit="step",
@@ -89,7 +103,9 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         result = trainer.train(on_step)
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
-        print(f"pystronghold train: error at step {trainer.step + 1}: {e}", file=sys.stderr)
+        # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
+        # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
+        error(f"at step {trainer.step + 1}: {e}")
         return 1
     finally:
         if bar is not None:

@@ -9,6 +9,7 @@ library's sources.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -17,7 +18,7 @@ from pystronghold.models import GPTConfig
 from pystronghold.models.presets import PRESETS
 
 __all__ = ["DEMO_MODEL", "ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "RunOptions",
-           "CheckpointOptions", "TrainConfig", "resolve_model"]
+           "CheckpointOptions", "ParallelOptions", "TrainConfig", "resolve_model"]
 
 DEMO_MODEL = GPTConfig(vocab_size=256, seq_len=128, layers=12, hidden=128, heads=4)
 """The demo GPT: 12 blocks of 198k parameters (2.4M in blocks), byte vocabulary. With W=2 the
@@ -227,6 +228,41 @@ class CheckpointOptions:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelOptions:
+    """Tensor and data parallelism (launch with torchrun --nproc-per-node TP*DP)."""
+
+    tp: int = 1
+    """Tensor-parallel ranks per model replica (attention heads, MLP columns and vocabulary split)."""
+    dp: int = 0
+    """Data-parallel replicas, each fed its slice of every batch; 0: the world size / --tp."""
+    dist_timeout: float = 300.0
+    """Seconds a collective waits for the other ranks before the run fails."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.dp < 0:
+            raise ValueError(f"--dp must be >= 1 (or 0: world size / --tp), got {self.dp}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be > 0, got {self.dist_timeout}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the launch (torchrun's WORLD_SIZE; 1 without a launcher)."""
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def dp_size(self) -> int:
+        """--dp in effect (0 resolved against the world size)."""
+        return self.dp or max(self.world_size // self.tp, 1)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this run needs torch.distributed (several processes or sizes above 1)."""
+        return self.world_size > 1 or self.tp * self.dp_size > 1
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """Everything ``pystronghold train`` needs."""
 
@@ -236,16 +272,41 @@ class TrainConfig:
     window: WindowOptions = field(default_factory=WindowOptions)
     run: RunOptions = field(default_factory=RunOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
 
     def __post_init__(self) -> None:
         cfg = resolve_model(self.model.model)
         if self.data.seq > cfg.seq_len:
             raise ValueError(f"--seq {self.data.seq} is longer than the model's seq_len {cfg.seq_len}")
+        # NOTE: every rank runs these same checks on the same arguments and environment, so a bad
+        # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
+        par = self.parallel
+        tp, dp, world = par.tp, par.dp_size, par.world_size
+        if world == 1 and tp * dp > 1:
+            raise ValueError(f"--tp {tp} x --dp {dp} needs {tp * dp} processes; launch with "
+                             f"torchrun --nproc-per-node {tp * dp} -m pystronghold train ...")
+        if world % tp:
+            raise ValueError(f"--tp {tp} must divide the number of processes {world}")
+        if tp * dp != world:
+            raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} processes, but there are {world}")
+        if cfg.heads % tp:
+            raise ValueError(f"--tp {tp} must divide the model's {cfg.heads} attention heads")
+        if cfg.padded_vocab_size % tp:
+            raise ValueError(f"--tp {tp} must divide the model's padded vocabulary {cfg.padded_vocab_size}")
+        if self.data.batch % dp:
+            raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} "
+                             "(each replica takes an equal slice of every batch)")
+        if par.distributed and self.window.window == "auto":
+            raise ValueError("--window auto is not supported with several processes yet; give --window N")
+        if tp > 1 and self.checkpoint.checkpoint_dir:
+            raise ValueError("--checkpoint-dir/--resume with --tp > 1 is not supported yet "
+                             "(the checkpoint format is per whole model; data parallelism alone works)")
 
     @property
     def gpt(self) -> GPTConfig:
-        """The model's GPTConfig."""
-        return resolve_model(self.model.model)
+        """The model's GPTConfig (``tp_size`` = --tp)."""
+        cfg = resolve_model(self.model.model)
+        return dataclasses.replace(cfg, tp_size=self.parallel.tp) if self.parallel.tp > 1 else cfg
 
     @property
     def seq(self) -> int:
@@ -254,5 +315,5 @@ class TrainConfig:
 
 
 COMPONENTS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "window": WindowOptions,
-              "run": RunOptions, "checkpoint": CheckpointOptions}
+              "run": RunOptions, "checkpoint": CheckpointOptions, "parallel": ParallelOptions}
 """TrainConfig's fields and their dataclasses, in --help order."""

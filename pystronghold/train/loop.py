@@ -9,6 +9,7 @@ goes to the ``on_step`` callback (the CLI draws a tqdm bar), text to ``logging``
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -95,13 +96,31 @@ class Trainer:
             raise MemoryError(f"--model: {param_count(cfg) / 1e6:,.0f}M parameters need about "
                               f"{need / 2**30:.1f} GiB of host memory (fp32 weights + the host store), "
                               f"{avail / 2**30:.1f} GiB available")
+        # Several processes (torchrun): the TP x DP groups first (sizes were checked by TrainConfig on
+        # every rank). Every rank seeds alike, so all draw the same global batches and build the
+        # single-process weights (each TP rank keeps its shard); DP rank r trains on slice r.
+        self.groups = None
+        par = config.parallel
+        if par.distributed:
+            from pystronghold.parallel import init_parallel
+
+            backend = "nccl" if config.window.device.startswith("cuda") else "gloo"
+            if backend == "nccl" and config.window.device == "cuda":
+                config.window.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            if backend == "nccl":
+                torch.cuda.set_device(torch.device(config.window.device))
+            self.groups = init_parallel(par.tp, par.dp_size, heads=cfg.heads, backend=backend,
+                                        timeout_s=par.dist_timeout)
+        self.rank = self.groups.rank if self.groups is not None else 0
         seed_everything(run.seed)
         self.corpus = load_corpus(DataConfig(paths=list(config.data.data), max_bytes=config.data.max_bytes,
                                              val_fraction=config.data.val_fraction))
         self.seq, self.batch = config.seq, config.data.batch
         self.sampler = BatchSampler(self.corpus.train, self.batch, self.seq, seed=run.seed)
         self.val = validation_batches(self.corpus.val, self.batch, self.seq, run.eval_batches)
-        self.model = GPT(cfg, seed=run.seed)
+        self.dp_size = self.groups.dp_size if self.groups is not None else 1
+        self.dp_rank = self.groups.dp_rank if self.groups is not None else 0
+        self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None)
         window = config.window.window_value
         self.auto_window = None
         if window == "auto":
@@ -113,7 +132,7 @@ class Trainer:
         self.engine = pystronghold.wrap(
             self.model, blocks=self.model.blocks, window=window, device=config.window.device,
             precision=config.window.precision, clip_grad_norm=o.clip or None,
-            accumulation_steps=o.accumulation, trace=True,
+            accumulation_steps=o.accumulation, trace=True, parallel=self.groups,
             optimizer=pystronghold.AdamW(lr=o.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay))
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
@@ -133,7 +152,23 @@ class Trainer:
     # ---- one step
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """This DP rank's slice of a global batch, on the device."""
+        if self.dp_size > 1:
+            per = t.shape[0] // self.dp_size
+            t = t[self.dp_rank * per:(self.dp_rank + 1) * per]
         return t.to(self.engine.device, non_blocking=True)
+
+    def _dp_mean(self, value: float) -> float:
+        """The mean of ``value`` over the DP replicas (equal slices: the global batch's mean loss)."""
+        if self.dp_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        if dist.get_backend(self.groups.dp_group) == "nccl":
+            t = t.to(self.engine.device)
+        dist.all_reduce(t, group=self.groups.dp_group)
+        return float(t.item()) / self.dp_size
 
     def train_step(self) -> float:
         """One optimizer step (``accumulation`` micro-batches); returns the mean micro-batch loss."""
@@ -148,13 +183,13 @@ class Trainer:
         self.scheduler.step()
         self.engine.zero_grad()
         self.step += 1
-        return total / acc
+        return self._dp_mean(total / acc)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches."""
+        """Mean loss over the fixed validation batches (the same value on every rank)."""
         losses = [float(self.engine(self._to_device(x), self._to_device(y))) for x, y in self.val]
-        return sum(losses) / len(losses)
+        return self._dp_mean(sum(losses) / len(losses))
 
     # ---- the run
 
@@ -205,15 +240,25 @@ class Trainer:
                 from pystronghold.train.checkpoint import save_checkpoint
 
                 t0 = time.perf_counter()
-                res.checkpoints.append(str(save_checkpoint(self, ck.checkpoint_dir, keep=ck.keep)))
+                # NOTE: DP replicas hold identical state (TP > 1 is refused by TrainConfig): rank 0
+                # writes, the others wait so that no rank runs ahead of a checkpoint being written.
+                if self.rank == 0:
+                    res.checkpoints.append(str(save_checkpoint(self, ck.checkpoint_dir, keep=ck.keep)))
+                self._barrier()
                 res.time.checkpoint_s += time.perf_counter() - t0
             if self.step % run.log_every == 0 or last:
                 t_interval = time.perf_counter()  # validation and checkpoints are not step time
                 tracer.clear()
         res.memory = memory_report(self.engine)
-        if run.trace:
+        if run.trace and self.rank == 0:
             self._write_trace(Path(run.trace))
         return res
+
+    def _barrier(self) -> None:
+        if self.groups is not None:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     def _write_trace(self, out: Path) -> None:
         from pystronghold.train.pictures import write_outputs
@@ -221,5 +266,16 @@ class Trainer:
         self.result.outputs += [str(p) for p in write_outputs(out, self._all_events, self.result)]
 
     def close(self) -> None:
-        """Stop the engine's worker threads."""
-        self.engine.close()
+        """Stop the engine's worker threads and leave torch.distributed (when this run joined it)."""
+        try:
+            self.engine.close()
+        finally:
+            close_parallel()
+
+
+def close_parallel() -> None:
+    """Destroy the default process group, if any (the end of a run, or its failure)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
