@@ -107,10 +107,12 @@ def train_reference(model, batches, *, clip=None, accumulation=1, scheduler=None
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_engine(model, batches, *, accumulation=1, scheduler=None, engine_hook=None, **options):
+def train_engine(model, batches, *, accumulation=1, scheduler=None, engine_hook=None, bitwise_torch=True,
+                 **options):
     """The same loop through pystronghold.wrap. Returns (losses, {name: fp32 parameter}, engine)."""
-    # NOTE: bitwise_torch: the reference is CPU torch.optim.AdamW, whose sqrt is MKL's (1 ulp off IEEE).
-    engine = ph.wrap(model, blocks=model.blocks, optimizer=ph.AdamW(**HYPER, bitwise_torch=True),
+    # NOTE: bitwise_torch by default: the reference is CPU torch.optim.AdamW, whose sqrt is MKL's
+    # (1 ulp off IEEE on some inputs).
+    engine = ph.wrap(model, blocks=model.blocks, optimizer=ph.AdamW(**HYPER, bitwise_torch=bitwise_torch),
                      accumulation_steps=accumulation, **options)
     if engine_hook:
         engine_hook(engine)

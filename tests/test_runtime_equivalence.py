@@ -27,27 +27,12 @@ def test_default_fast_adam_stays_close_to_pytorch():
     on some inputs): losses agree to 1e-6 relative and parameters to 1e-4 absolute (0.1 lr) over 20
     steps. The absolute bound is for noise-gradient elements (the attention key bias, true gradient
     zero), where Adam turns rounding into +-lr steps."""
-    import copy
-
-    import pystronghold as ph
-    from runtime_models import HYPER, train_reference
-
-    model, batches = tiny_gpt(), gpt_batches(STEPS)
-    ref_losses, ref_params = train_reference(copy.deepcopy(model), batches)
-    engine = ph.wrap(model, blocks=model.blocks, window=2, optimizer=ph.AdamW(**HYPER))
+    (ref_losses, ref_params), (losses, masters, engine) = run_both(
+        tiny_gpt, gpt_batches(STEPS), window=2, bitwise_torch=False)
     assert not engine.updates.bitwise_torch
-    losses = []
-    for x, y in batches:
-        loss = engine(x, y)
-        engine.backward(loss)
-        losses.append(loss.item())
-        engine.step()
-        engine.zero_grad()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
-    masters = engine.master_parameters()
     for name, p in ref_params.items():
         torch.testing.assert_close(masters[name], p, rtol=0, atol=1e-4, msg=name)
-    engine.close()
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, "all"])
