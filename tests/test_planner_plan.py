@@ -54,17 +54,21 @@ def test_largest_model_fits_and_one_more_layer_does_not(host_gib, bound):
     assert not make_plan(dataclasses.replace(CFG, layers=layers + 1), WORK, h).fits
 
 
-def test_nvme_tier_moves_the_fp32_states():
+def test_nvme_tier_places_states_as_the_runtime_does():
+    """The planner's disk placement is the runtime's (plan_placement): moments first, then the
+    master; the host part (with its staging cache) fits the host, the rest is on disk."""
     cfg = dataclasses.replace(CFG, layers=200)
     short = make_plan(cfg, WORK, hw(host_gib=64))
     assert short.host.tier == "host" and not short.fits
     plan = make_plan(cfg, WORK, hw(host_gib=64, nvme_gib=2000))
     assert plan.host.tier == "nvme" and plan.fits
-    assert plan.host.disk_states == ("master", "exp_avg", "exp_avg_sq")
-    assert plan.host.disk_bytes == 200 * plan.costs.block_params * 12
+    assert plan.host.host_bytes <= 64 * GiB
+    assert {"exp_avg", "exp_avg_sq"} <= set(plan.host.disk_states)
+    assert plan.host.disk_bytes >= 200 * plan.costs.block_params * 8 * 0.5
+    assert plan.host.disk_step_bytes >= 2 * plan.host.disk_bytes * 0.9
     assert plan.step.exposed_optimizer_s > 0  # the disk is slower than the host Adam here
-    fp32 = make_plan(cfg, dataclasses.replace(WORK, precision="fp32"), hw(host_gib=64, nvme_gib=2000))
-    assert fp32.host.disk_states == ("exp_avg", "exp_avg_sq")
+    roomy = make_plan(cfg, WORK, hw(host_gib=4096, nvme_gib=2000))
+    assert roomy.host.tier == "host" and roomy.host.disk_bytes == 0
 
 
 def test_largest_models_table_rows():

@@ -88,13 +88,14 @@ def test_planner_matches_the_runtime_on_cpu():
         engine.close()
     planned = plan.device.window_bytes + plan.device.head_tail_bytes
     assert abs(measured - planned) <= 0.1 * planned, (measured, planned)
-    # host-bound largest model: on CPU the device arena (W slots) is host memory too, so the planner
-    # is given the host budget minus the arena; that is halfway between its needs at 5 and 6 blocks
+    # host-bound largest model: on CPU the device (W slots, head and tail) is host memory too, so
+    # the planner is given the host budget minus those; that is halfway between its needs at 5 and
+    # 6 blocks
     def planner_host(layers):
         return make_plan(dataclasses.replace(cfg, layers=layers), work, hw, window=2).host.host_bytes
-    arena = 2 * plan.costs.slot_bytes
-    budget = (planner_host(5) + planner_host(6)) // 2 + arena
-    hw_small = dataclasses.replace(hw, host_memory_bytes=budget - arena)
+    device = 2 * plan.costs.slot_bytes + plan.device.head_tail_bytes
+    budget = (planner_host(5) + planner_host(6)) // 2 + device
+    hw_small = dataclasses.replace(hw, host_memory_bytes=budget - device)
     largest, bound = largest_layers(cfg, work, hw_small)
     assert (largest, bound) == (5, "host")
     for layers, fits in ((largest, True), (largest + 1, False)):

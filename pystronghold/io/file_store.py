@@ -50,6 +50,7 @@ __all__ = ["FileStore", "FORMAT_VERSION", "SUFFIX"]
 FORMAT_VERSION = 1
 """On-disk format version written in every file header (`csrc/file_store.h` has the layout)."""
 SUFFIX = ".psr"
+_ALIGN = 4096
 _STATE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,63}$")
 
 
@@ -117,6 +118,13 @@ class FileStore:
         if len(blocks) != 1:
             raise RuntimeError(f"FileStore.open: the files in {directory} disagree on num_blocks: {sorted(blocks)}")
         return cls(directory, files, engine)
+
+    @staticmethod
+    def file_bytes_for(num_blocks: int, record_bytes: int) -> int:
+        """Bytes of one state's file holding ``num_blocks`` records of ``record_bytes`` bytes: a
+        4096-byte header, then per record a 4096-byte meta and the payload rounded up to 4096
+        (the layout of ``csrc/file_store.h``). What ``create`` preallocates."""
+        return _ALIGN + int(num_blocks) * (_ALIGN + (int(record_bytes) + _ALIGN - 1) // _ALIGN * _ALIGN)
 
     def _file(self, state: str):
         try:

@@ -218,10 +218,10 @@ class BlockCosts:
     read + write of its states when that is slower."""
 
 
-def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_per_param: int = 0
+def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_per_param: float = 0.0
                 ) -> BlockCosts:
     """The ``BlockCosts`` of ``config`` trained as ``work`` on ``hw``. ``nvme_bytes_per_param``:
-    state bytes per parameter that live on the NVMe tier (0: none)."""
+    bytes read plus written on the NVMe tier per parameter and step (0: no disk tier)."""
     s = work.dtype_bytes
     seq = work.seq or config.seq_len
     if seq > config.seq_len:
@@ -239,7 +239,7 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     lm_flops = 2.0 * work.batch * seq * config.hidden * config.padded_vocab_size / config.tp_size
     adam = p_b / (hw.cpu_adam_params_per_s / ranks)
     if nvme_bytes_per_param:
-        adam = max(adam, 2 * nvme_bytes_per_param * p_b / (hw.nvme_bytes_per_s / ranks))
+        adam = max(adam, nvme_bytes_per_param * p_b / (hw.nvme_bytes_per_s / ranks))
     return BlockCosts(
         block_params=p_b,
         slot_bytes=slot_bytes(config, s),

@@ -15,9 +15,11 @@ from pystronghold.planner.cost import (BlockCosts, Workload, analytic_window, bl
                                        host_bytes_per_param)
 from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.timeline import StepTime, choose_window, simulate_step
+from pystronghold.runtime.placement import plan_placement
+from pystronghold.runtime.precision import compute_dtype
 
 __all__ = ["DeviceMemory", "HostMemory", "Plan", "LargestModel", "device_memory", "host_memory",
-           "make_plan", "largest_layers", "largest_models", "nvme_state_bytes_per_param"]
+           "make_plan", "largest_layers", "largest_models"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,7 @@ class HostMemory:
     """Host and disk bytes of the block store on one machine (all its ranks)."""
 
     tier: str
-    """"host": every block state in host memory; "nvme": the fp32 states go to disk."""
+    """"host": every block state in host memory; "nvme": some states go to disk."""
     host_bytes: int
     """Host memory used: the store (or its host-resident part and staging buffers) plus the reserve."""
     host_capacity_bytes: int
@@ -62,22 +64,14 @@ class HostMemory:
     disk_capacity_bytes: int
     """NVMe space given (0: none)."""
     disk_states: tuple[str, ...]
-    """Which store tiers live on disk."""
+    """Which store tiers live on disk (some may be split: the first blocks in host memory)."""
+    disk_step_bytes: int = 0
+    """Bytes read plus written on disk per training step (all ranks)."""
 
     @property
     def fits(self) -> bool:
         """Host and disk usage within their capacities."""
         return self.host_bytes <= self.host_capacity_bytes and self.disk_bytes <= self.disk_capacity_bytes
-
-
-def nvme_state_bytes_per_param(precision: str) -> tuple[int, tuple[str, ...]]:
-    """Bytes per parameter and names of the store tiers moved to NVMe when host memory is short:
-    the Adam moments always (8 bytes), and the fp32 master too when a compute-precision shadow is
-    what the device loads (bf16/fp16: 12 bytes). The upload source and the gradient stay in host
-    memory: the device reads and writes them every step."""
-    if precision == "fp32":
-        return 8, ("exp_avg", "exp_avg_sq")
-    return 12, ("master", "exp_avg", "exp_avg_sq")
 
 
 def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
@@ -96,18 +90,24 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
 
 
 def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, ranks: int) -> HostMemory:
-    """Host (and disk) bytes of the store: all in host memory when that fits, else (with NVMe)
-    the fp32 states on disk and ``nvme_staging_blocks`` blocks of them staged in host memory."""
-    params = ranks * n_blocks * costs.block_params
-    all_host = params * host_bytes_per_param(work.precision) + work.host_reserve_bytes
-    if all_host <= hw.host_memory_bytes or not hw.nvme_bytes:
-        return HostMemory(tier="host", host_bytes=all_host, host_capacity_bytes=hw.host_memory_bytes,
-                          disk_bytes=0, disk_capacity_bytes=hw.nvme_bytes, disk_states=())
-    disk_bpp, states = nvme_state_bytes_per_param(work.precision)
-    staging = ranks * min(work.nvme_staging_blocks, n_blocks) * costs.block_params * disk_bpp
-    host = params * (host_bytes_per_param(work.precision) - disk_bpp) + staging + work.host_reserve_bytes
-    return HostMemory(tier="nvme", host_bytes=host, host_capacity_bytes=hw.host_memory_bytes,
-                      disk_bytes=params * disk_bpp, disk_capacity_bytes=hw.nvme_bytes, disk_states=states)
+    """Host (and disk) bytes of the store, placed exactly as the runtime places it
+    (``pystronghold.runtime.placement.plan_placement``): everything in host memory when it fits the
+    host (less the reserve, shared by the ranks), else, with NVMe, the states that do not fit go to
+    disk and ``nvme_staging_blocks`` blocks of them are staged in host memory."""
+    dtype = compute_dtype(work.precision)
+    numels = [costs.block_params] * n_blocks
+    budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
+    try:
+        placement = plan_placement(numels, dtype, budget_bytes=budget, nvme=bool(hw.nvme_bytes),
+                                   cache_blocks=work.nvme_staging_blocks,
+                                   streamed_grads=work.overlap == "backward")
+    except MemoryError:  # does not fit: report the all-in-host figures (fits is False)
+        placement = plan_placement(numels, dtype, budget_bytes=2**62)
+    return HostMemory(tier="nvme" if placement.spilled else "host",
+                      host_bytes=ranks * placement.host_bytes + work.host_reserve_bytes,
+                      host_capacity_bytes=hw.host_memory_bytes, disk_bytes=ranks * placement.disk_bytes,
+                      disk_capacity_bytes=hw.nvme_bytes, disk_states=placement.disk_states,
+                      disk_step_bytes=ranks * placement.step_io_bytes(numels))
 
 
 @dataclass(slots=True)
@@ -160,7 +160,8 @@ def _costs(config: GPTConfig, work: Workload, hw: Hardware) -> tuple[BlockCosts,
     costs = block_costs(config, work, hw)
     host = host_memory(costs, work, hw, config.layers, ranks)
     if host.tier == "nvme":  # the host updates now also read and write the disk
-        costs = block_costs(config, work, hw, nvme_bytes_per_param=nvme_state_bytes_per_param(work.precision)[0])
+        costs = block_costs(config, work, hw,
+                            nvme_bytes_per_param=host.disk_step_bytes / (ranks * config.layers * costs.block_params))
     return costs, host
 
 

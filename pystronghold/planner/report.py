@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pystronghold.planner.cost import host_bytes_per_param
 from pystronghold.planner.hardware import GiB
-from pystronghold.planner.plan import Plan, nvme_state_bytes_per_param
+from pystronghold.planner.plan import Plan
 
 __all__ = ["plan_to_dict", "format_plan", "format_table"]
 
@@ -87,8 +86,8 @@ def format_plan(plan: Plan) -> str:
            f"CPU Adam {hw.cpu_adam_params_per_s / 1e9:.2f} G params/s"
            + (f", NVMe {_gib(hw.nvme_bytes)} at {hw.nvme_bytes_per_s / 1e9:.1f} GB/s" if hw.nvme_bytes else ""),
            ""]
-    host_bpp = host_bytes_per_param(work.precision) - (
-        nvme_state_bytes_per_param(work.precision)[0] if host.tier == "nvme" else 0)
+    host_bpp = (host.host_bytes - work.host_reserve_bytes) / max(cfg.layers * c.block_params * cfg.tp_size
+                                                                 * work.dp_size, 1)
     if plan.window_asked is not None:
         how = "as asked" if plan.window_asked == plan.window else \
             f"asked {plan.window_asked}, clamped to the {cfg.layers} blocks"
@@ -108,11 +107,12 @@ def format_plan(plan: Plan) -> str:
         ["device: reserve", _gib(dev.reserve_bytes), ""],
         ["device: peak", _gib(dev.peak_bytes), f"{_gib(dev.capacity_bytes)}{'' if dev.fits else '  TOO BIG'}"],
         ["host", _gib(host.host_bytes),
-         f"{host_bpp} B/param{' + staging' if host.tier == 'nvme' else ''} + "
+         f"{host_bpp:.1f} B/param{' incl. staging' if host.tier == 'nvme' else ''} + "
          f"{_gib(work.host_reserve_bytes)} reserve, of {_gib(host.host_capacity_bytes)}"
          f"{'' if host.host_bytes <= host.host_capacity_bytes else '  TOO BIG'}"],
         ["disk (NVMe)", _gib(host.disk_bytes),
-         (", ".join(host.disk_states) + f" of {_gib(host.disk_capacity_bytes)}") if host.disk_states else "-"],
+         (", ".join(host.disk_states) + f" of {_gib(host.disk_capacity_bytes)}; "
+          f"{_gib(host.disk_step_bytes)} read+written per step") if host.disk_states else "-"],
     ], align="lrl")]
     if plan.step is not None:
         st = plan.step

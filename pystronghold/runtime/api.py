@@ -13,14 +13,17 @@ __all__ = ["wrap"]
 log = logging.getLogger(__name__)
 
 
-def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, **options):
+def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, materialize=None, **options):
     """Train ``model`` with only ``window`` of its ``blocks`` on the device at a time.
 
     ``blocks`` is the model's stack of transformer blocks (an ``nn.ModuleList``); when omitted it is
     found with ``pystronghold.runtime.discovery.find_blocks``. ``options`` are the fields of
     :class:`pystronghold.runtime.config.RuntimeConfig` (window, device, precision, optimizer,
     clip_grad_norm, accumulation_steps, checkpointing, overlap, strict, trace, host_memory_bytes,
-    parallel, ...). With ``parallel=init_parallel(tp, dp)`` every rank calls ``wrap`` on its own
+    nvme_dir, parallel, ...). With ``nvme_dir``, the block states the host budget cannot hold live
+    on disk there (the file tier), staged through a bounded host cache. Blocks may be built on the
+    ``meta`` device (a model larger than host memory): ``materialize(i)`` (default: the model's
+    ``materialize_block_``) then gives block i real parameters, one block at a time. With ``parallel=init_parallel(tp, dp)`` every rank calls ``wrap`` on its own
     replica (its TP shard) and feeds it its own slice of the batch. Returns an :class:`~pystronghold.runtime.engine.Engine`::
 
         engine = pystronghold.wrap(model, blocks=model.blocks, window=4,
@@ -37,4 +40,4 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, *
         log.info("wrap: using %r (%d blocks) as the block stack", name, len(blocks))
     if not isinstance(blocks, torch.nn.ModuleList):
         raise TypeError(f"wrap: blocks= must be an nn.ModuleList, got {type(blocks).__name__}")
-    return Engine(model, blocks, config)
+    return Engine(model, blocks, config, materialize=materialize)

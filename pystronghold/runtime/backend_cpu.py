@@ -1,7 +1,8 @@
 """The CPU backend: the "device" is a separate, budgeted host arena.
 
 Copies between the store and the device arena go through the copy engine's worker threads, really
-asynchronously (loads on queue 0, gradient copy-outs on queue 1, so the two directions overlap),
+asynchronously (loads on queue 0, gradient copy-outs on queue 1, so the two directions overlap;
+file-tier reads and writes on queues 2 and 3),
 and compute waits on copy handles exactly where the CUDA backend makes its stream wait on events.
 Compute itself runs synchronously on the calling thread, so a slot is free as soon as the host
 returns from the block's compute and its gradient copy-out has finished.
@@ -19,6 +20,8 @@ __all__ = ["CPUBackend"]
 
 _H2D_QUEUE = 0
 _D2H_QUEUE = 1
+_FILE_READ_QUEUE = 2
+_FILE_WRITE_QUEUE = 3
 
 
 class CPUBackend:
@@ -29,7 +32,9 @@ class CPUBackend:
     def __init__(self, arena_bytes: int, *, copy_threads: int = 2, chunk_bytes: int = 8 << 20) -> None:
         self.device = torch.device("cpu")
         self.arena = HostArena(int(arena_bytes), alignment=4096, pin="none")
-        self.copies = CopyEngine(threads=copy_threads, queues=2, chunk_bytes=chunk_bytes)
+        # file reads and writes (NVMe tier) get queues of their own, so a long disk read never
+        # holds back a load queued behind it, and a load can name a read in after=
+        self.copies = CopyEngine(threads=copy_threads, queues=4, chunk_bytes=chunk_bytes)
 
     # ---- memory
 
@@ -49,6 +54,10 @@ class CPUBackend:
     def arena_used_bytes(self) -> int:
         """Bytes carved from the device arena so far."""
         return self.arena.used_bytes
+
+    def file_io(self):
+        """(copy engine, read queue, write queue) for the file tier: this backend's own engine."""
+        return self.copies, _FILE_READ_QUEUE, _FILE_WRITE_QUEUE
 
     # ---- copies and ordering
 

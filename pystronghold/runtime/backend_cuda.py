@@ -80,6 +80,7 @@ class CUDABackend:
         self._used = 0
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
+        self._file_engine = None
 
     # ---- memory
 
@@ -107,10 +108,23 @@ class CUDABackend:
 
     # ---- copies and ordering
 
+    def file_io(self):
+        """(copy engine, read queue, write queue) for the file tier: an engine of its own, made on
+        first use (file I/O is host work; a copy from a buffer it fills waits for it on the host)."""
+        if self._file_engine is None:
+            from pystronghold.io import CopyEngine
+
+            self._file_engine = CopyEngine(threads=2, queues=2)
+        return self._file_engine, 0, 1
+
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, after) -> EventHandle:
         for h in after:
-            if h is not None:
+            if h is None:
+                continue
+            if isinstance(h, EventHandle):
                 stream.wait_event(h.event)
+            else:  # a host-side request (a file read): the host waits before issuing the copy
+                h.wait()
         with torch.cuda.stream(stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
@@ -142,3 +156,5 @@ class CUDABackend:
 
     def close(self) -> None:
         self.synchronize()
+        if self._file_engine is not None:
+            self._file_engine.close()

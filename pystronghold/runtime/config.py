@@ -42,7 +42,18 @@ class RuntimeConfig:
     """Record every action in ``engine.trace`` (a pystronghold.trace.Tracer)."""
     host_memory_bytes: int | None = None
     """Host memory budget for the store (and, on CPU, the device arena), in bytes; default: what
-    the host has available (MemAvailable)."""
+    the host has available (MemAvailable). With ``nvme_dir`` the states that do not fit go to disk
+    (``pystronghold.runtime.placement``); without it a store larger than this is refused."""
+    nvme_dir: str | None = None
+    """Directory for the file (NVMe) tier: a scratch subdirectory is made in it for the block states
+    the host budget cannot hold, and removed on ``close()``. None: everything in host memory."""
+    nvme_states: str = "auto"
+    """"auto": only what the host budget cannot hold goes to disk; "all": every state of every block
+    (tests, benchmarks)."""
+    nvme_cache_blocks: int = 4
+    """Blocks the host cache of the file tier stages at once (each one block's disk states)."""
+    nvme_preallocate: bool = True
+    """Reserve the tier's disk space at start (a full disk then fails before the first step)."""
     copy_threads: int = 2
     """Worker threads of the copy engine."""
     parallel: ParallelGroups | None = None
@@ -78,6 +89,18 @@ class RuntimeConfig:
         if self.parallel is not None and not isinstance(self.parallel, ParallelGroups):
             raise ValueError(f"RuntimeConfig.parallel must be a ParallelGroups (from init_parallel) or "
                              f"None, got {self.parallel!r}")
+        if self.nvme_states not in ("auto", "all"):
+            raise ValueError(f"RuntimeConfig.nvme_states must be 'auto' or 'all', got {self.nvme_states!r}")
+        if self.nvme_states == "all" and self.nvme_dir is None:
+            raise ValueError("RuntimeConfig.nvme_states='all' needs nvme_dir (where the states go)")
+        if not isinstance(self.nvme_cache_blocks, int) or self.nvme_cache_blocks < 1:
+            raise ValueError(f"RuntimeConfig.nvme_cache_blocks must be an int >= 1, got {self.nvme_cache_blocks!r}")
+        if self.host_memory_bytes is not None and (not isinstance(self.host_memory_bytes, int)
+                                                   or self.host_memory_bytes <= 0):
+            raise ValueError(f"RuntimeConfig.host_memory_bytes must be a positive int (bytes) or None, "
+                             f"got {self.host_memory_bytes!r}")
+        if self.nvme_dir is not None:
+            self.nvme_dir = str(self.nvme_dir)
         if self.copy_threads < 1:
             raise ValueError(f"RuntimeConfig.copy_threads must be >= 1, got {self.copy_threads}")
 

@@ -24,8 +24,10 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.schedule import Load, Release, build_plan
-from pystronghold.runtime.prepare import check_host_memory, split_parameters, move_to_device, slot_bytes
-from pystronghold.runtime.store import BlockLayout, HostStore
+from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes
+from pystronghold.runtime.placement import plan_placement
+from pystronghold.runtime.prepare import head_tail_bytes, move_to_device, slot_bytes, split_parameters
+from pystronghold.runtime.store import BlockLayout, HostStore, available_host_bytes
 from pystronghold.runtime.updates import HostUpdates
 from pystronghold.runtime.window import Window
 from pystronghold.trace import Tracer
@@ -38,7 +40,8 @@ log = logging.getLogger(__name__)
 class Engine:
     """A model whose blocks train through a window of W device slots. Made by ``pystronghold.wrap``."""
 
-    def __init__(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, config: RuntimeConfig) -> None:
+    def __init__(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, config: RuntimeConfig,
+                 materialize=None) -> None:
         self.model, self.config = model, config
         n = len(blocks)
         if n == 0:
@@ -59,14 +62,59 @@ class Engine:
         layouts = [BlockLayout(named) for named in block_named]
         block_params = [[p for _, p in named] for named in block_named]
         self.planned_arena_bytes = window * slot_bytes(layouts, self.dtype)
-        # NOTE: every byte is checked before the first allocation, so a too-small host fails cleanly.
-        check_host_memory(layouts, self.dtype, self.planned_arena_bytes if config.device == "cpu" else 0,
-                          config.host_memory_bytes)
-        self.backend = make_backend(config.device, self.planned_arena_bytes, copy_threads=config.copy_threads)
-        self.device = self.backend.device
-        self.store = HostStore(layouts, self.dtype, self.backend.host_arena)
+        # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
+        self.placement = plan_placement(
+            [lay.numel for lay in layouts], self.dtype,
+            budget_bytes=available_host_bytes() if config.host_memory_bytes is None else int(config.host_memory_bytes),
+            # on the CPU backend the "device" (window arena, head and tail) is host memory too
+            fixed_bytes=(self.planned_arena_bytes + head_tail_bytes(self.head_tail_params, self.dtype)
+                         if config.device == "cpu" else 0),
+            nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
+            streamed_grads=self.overlap == "backward" and config.accumulation_steps == 1,
+            force_disk=config.nvme_states == "all")
+        self.scratch = None
+        if self.placement.spilled:
+            from pystronghold.io.scratch import ScratchDir, check_free_space, free_bytes
+
+            need = disk_tier_bytes(self.placement, [lay.numel for lay in layouts], self.dtype)
+            if config.nvme_preallocate:
+                check_free_space(config.nvme_dir, need, what="the NVMe tier's block states")
+            elif free_bytes(config.nvme_dir) < need:
+                log.warning("NVMe tier: %s has %s bytes free, the tier's files will grow to %s bytes "
+                            "(sparse, not reserved): the run fails when the disk fills up",
+                            config.nvme_dir, f"{free_bytes(config.nvme_dir):,}", f"{need:,}")
+            self.scratch = ScratchDir(config.nvme_dir)
+        try:
+            self.backend = make_backend(config.device, self.planned_arena_bytes, copy_threads=config.copy_threads)
+            self.device = self.backend.device
+
+            def disk_factory(placement, numels):
+                engine, read_q, write_q = self.backend.file_io()
+                return DiskTier(self.scratch.path, placement, numels, self.dtype, engine=engine,
+                                read_queue=read_q, write_queue=write_q, arena_factory=self.backend.host_arena,
+                                preallocate=config.nvme_preallocate)
+
+            self.store = HostStore(layouts, self.dtype, self.backend.host_arena, placement=self.placement,
+                                   disk_factory=disk_factory)
+        except BaseException:
+            if self.scratch is not None:
+                self.scratch.close()
+            raise
+        materialize = self._materializer(model, block_params, materialize)
+        placeholder = torch.empty(0)
         for b, params in enumerate(block_params):
+            if materialize is not None and any(p.is_meta for p in params):
+                materialize(b)
+                # materializing may make new Parameter objects (to_empty): take the block's own
+                own = dict(blocks[b].named_parameters())
+                params[:] = [own[name] for name, _ in block_named[b]]
+                if any(p.is_meta for p in params):
+                    raise ValueError(f"wrap: materialize({b}) left block {b} parameters on the meta device")
             self.store.fill_from(b, params)
+            for p in params:  # the store has the values now: one block at a time in host memory
+                p.data = placeholder
+            if (b + 1) % 8 == 0 or b + 1 == n:
+                log.info("store filled: %d/%d blocks", b + 1, n)
         # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
         head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
         move_to_device(model, blocks, self.device, self.dtype)
@@ -77,7 +125,8 @@ class Engine:
         self.trace = Tracer(enabled=config.trace)
         self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer)
         self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters)
-        self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch)
+        self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch,
+                                   prefetch_depth=max(1, config.nvme_cache_blocks - 2))
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
         self._names = {id(p): name for name, p in model.named_parameters()}
@@ -86,6 +135,7 @@ class Engine:
         self._plan = None  # the plan of the pass in progress
         self._pos = 0  # index of the next use in the plan
         self._loads: dict[int, object] = {}  # block -> handle of its last load
+        self._load_leases: dict[int, object] = {}  # block -> its load's disk lease (reads to check)
         self._pending: list[int] = []  # blocks whose load waits for their host update
         self._grad_out: dict[int, object] = {}  # block -> handle of its gradient copy-out
         self._grad_valid = [False] * n  # host grad holds earlier micro-batches' sum
@@ -97,6 +147,19 @@ class Engine:
         self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
         log.info("window runtime: %d blocks, W=%d, %s, %s, overlap=%s, device arena %d bytes",
                  n, window, config.device, config.precision, self.overlap, self.planned_arena_bytes)
+
+    @staticmethod
+    def _materializer(model, block_params, materialize):
+        """The function that builds block i's meta parameters (``materialize`` or the model's
+        ``materialize_block_``); None when no block is on the meta device."""
+        if not any(p.is_meta for ps in block_params for p in ps):
+            return None
+        if materialize is None:
+            materialize = getattr(model, "materialize_block_", None)
+        if materialize is None:
+            raise ValueError("wrap: some block parameters are on the meta device; pass materialize=fn "
+                             "(fn(i) gives block i real, initialised parameters on the host)")
+        return materialize
 
     # ---- user API
 
@@ -125,6 +188,7 @@ class Engine:
         for _, _, h in self._copies:
             h.wait()
         self.backend.synchronize()
+        self.store.synchronize()
         self._flush_copies()
 
     def in_flight(self) -> int:
@@ -146,7 +210,8 @@ class Engine:
         return dict(window=self.window_size, blocks=self.n_blocks, peak_resident=self.window.peak_resident,
                     planned_arena_bytes=self.planned_arena_bytes, arena_used_bytes=self.backend.arena_used_bytes,
                     store_bytes=self.store.nbytes, steps=self.steps, skipped_steps=self.skipped_steps,
-                    loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm)
+                    loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm,
+                    disk=self.store.disk_stats())
 
     def close(self) -> None:
         """Finish everything in flight and stop the worker threads (re-raises a host job's error)."""
@@ -154,7 +219,10 @@ class Engine:
             self.synchronize()
         finally:
             self.updates.close()
+            self.store.close()
             self.backend.close()
+            if self.scratch is not None:
+                self.scratch.close()
 
     def span(self, kind: str, block: int | None):
         return self.trace.span(kind, block) if self.trace.enabled else contextlib.nullcontext()
@@ -178,6 +246,9 @@ class Engine:
             self._pending.remove(block)
             self._issue(block)
         handle = self._loads.pop(block, None)
+        lease = self._load_leases.pop(block, None)
+        if lease is not None:
+            lease.wait()  # its disk reads (the load depends on them; this names the file on failure)
         if handle is not None and "load" not in self._test_skip_waits:
             if handle.done():
                 self.backend.compute_wait(handle)
@@ -188,9 +259,11 @@ class Engine:
             # accumulation: the earlier micro-batches' sum comes back so this one adds to it
             slot = self.window.resident[block]
             n = self.store.layouts[block].numel
+            lease = self.store.acquire(block, ["grad"])
+            lease.wait()
             # NOTE: after the previous micro-batch's copy-out of this block (another queue/stream)
-            h = self.backend.h2d(slot.grads[:n], self.store.tiers["grad"][block],
-                                 after=[self._grad_out.get(block)])
+            h = self.backend.h2d(slot.grads[:n], lease.tensors["grad"], after=[self._grad_out.get(block)])
+            self.store.release(lease, after=[h])
             self._copies.append(("h2d", block, h))
             with self.span("wait", block):
                 self.backend.compute_wait(h)
@@ -228,6 +301,7 @@ class Engine:
         for h in self._loads.values():
             h.wait()
         self._loads.clear()
+        self._load_leases.clear()
         self._pending.clear()
         for block in list(self.window.resident):
             self.window.vacate(block)
@@ -243,7 +317,12 @@ class Engine:
     def _issue(self, block: int) -> None:
         slot = self.window.resident[block]
         n = self.store.layouts[block].numel
-        handle = self.backend.h2d(slot.params[:n], self.store.upload_source(block), after=slot.busy)
+        lease = self.store.acquire(block, [self.store.upload_state])
+        handle = self.backend.h2d(slot.params[:n], lease.tensors[self.store.upload_state],
+                                  after=[*slot.busy, *lease.read_handles()])
+        self.store.release(lease, after=[handle])  # the cache slot stays until the copy is done
+        if lease.slot is not None:
+            self._load_leases[block] = lease
         slot.busy = []
         self._loads[block] = handle
         self._copies.append(("h2d", block, handle))
@@ -281,18 +360,24 @@ class Engine:
             # data parallelism: the block's whole gradient (all micro-batches) averaged over the DP
             # ranks in one all_reduce, where it is now: in the device slot, before the copy-out
             average_(slot.grads[:layout.numel], self.dp_group)
-        handle = self.backend.d2h(self.store.tiers["grad"][block], slot.grads[:layout.numel],
+        streamed = last and self.overlap == "backward"
+        # NOTE: a streamed update stages its optimizer states now, so their disk reads overlap the copy-out
+        states = ["grad", *self.updates.update_states] if streamed else ["grad"]
+        lease = self.store.acquire(block, states, fresh=["grad"])
+        handle = self.backend.d2h(lease.tensors["grad"], slot.grads[:layout.numel],
                                   after=[self.backend.compute_marker()])
         slot.busy.append(handle)
         self._grad_out[block] = handle
         self._copies.append(("d2h", block, handle))
         self._grad_valid[block] = True
-        if not last:
-            return  # not the last micro-batch: updates wait for the whole sum
-        if self.overlap == "backward":
+        if streamed:
             self.updates.submit_update(block, handle, step=self.steps + 1, hyper=self.optimizer.hyper(),
-                                       grad_scale=1.0)
-        elif self.config.needs_global_grad:
+                                       grad_scale=1.0, lease=lease)
+            if block > 0:
+                self.store.prefetch(block - 1, self.updates.update_states)
+            return
+        self.store.release(lease, dirty=["grad"], after=[handle])
+        if last and self.config.needs_global_grad:
             self.updates.submit_norm(block, handle, self._unscale())
 
     # ---- optimizer step
@@ -365,6 +450,7 @@ class Engine:
             self._grad_valid = [False] * self.n_blocks
 
     def _flush_copies(self) -> None:
+        self._copies.extend(self.store.take_events())
         keep = []
         for kind, block, h in self._copies:
             if h.done():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from pystronghold.runtime.store import BlockLayout, available_host_bytes, store_bytes
+from pystronghold.runtime.store import BlockLayout
 
-__all__ = ["split_parameters", "move_to_device", "slot_bytes", "check_host_memory"]
+__all__ = ["split_parameters", "move_to_device", "slot_bytes", "head_tail_bytes"]
 
 _ARENA_ALIGN = 4096
 
@@ -22,7 +22,10 @@ def split_parameters(model: torch.nn.Module, blocks: torch.nn.ModuleList, device
     if not any(m is blocks for m in model.modules()):
         raise ValueError("wrap: blocks= must be a ModuleList inside the model (e.g. model.blocks)")
     target = torch.device(device)
+    block_ids = {id(p) for p in blocks.parameters()}
     for name, p in model.named_parameters():
+        if p.is_meta and id(p) in block_ids:
+            continue  # built one block at a time by wrap(materialize=...)
         ok = p.device.type == "cpu" or (p.device.type == target.type and
                                         (target.index is None or p.device.index == target.index))
         if not ok:
@@ -77,22 +80,14 @@ def move_to_device(model: torch.nn.Module, blocks: torch.nn.ModuleList, device: 
                 module._buffers[key] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else None)
 
 
+def head_tail_bytes(params: list[torch.Tensor], dtype: torch.dtype) -> int:
+    """Device bytes of the head and tail when training in ``dtype``: parameters and gradients in
+    ``dtype``, two fp32 Adam moments, and (bf16/fp16) fp32 masters and their fp32 gradients."""
+    numel = sum(p.numel() for p in params)
+    return numel * (2 * dtype.itemsize + 8 + (8 if dtype != torch.float32 else 0))
+
+
 def slot_bytes(layouts: list[BlockLayout], dtype: torch.dtype) -> int:
     """Device bytes of one window slot: parameters and gradients of the largest block, aligned."""
     cap = max(lay.numel for lay in layouts) * dtype.itemsize
     return 2 * ((cap + _ARENA_ALIGN - 1) // _ARENA_ALIGN * _ARENA_ALIGN)
-
-
-def check_host_memory(layouts: list[BlockLayout], dtype: torch.dtype, extra_bytes: int,
-                      limit_bytes: int | None) -> None:
-    """Raise MemoryError (with the numbers) if the store plus ``extra_bytes`` exceeds the budget."""
-    need = store_bytes(layouts, dtype)
-    total = sum(need.values()) + extra_bytes
-    limit = available_host_bytes() if limit_bytes is None else int(limit_bytes)
-    if total > limit:
-        parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
-        extra = f", device arena (host memory on device='cpu') {extra_bytes:,}" if extra_bytes else ""
-        raise MemoryError(
-            f"wrap: the host store needs {total:,} bytes ({total / 2**30:.3f} GiB; {parts}{extra}) for "
-            f"{len(layouts)} blocks, but the host has {limit:,} bytes ({limit / 2**30:.3f} GiB) "
-            "available; nothing was allocated. Use a smaller model, or a host with more memory.")

@@ -1,7 +1,9 @@
-"""The host store: every block's parameters and optimizer state as flat per-block host buffers.
+"""The store: every block's parameters and optimizer state as flat per-block buffers.
 
-Per tier there is one host arena (one allocation, pinned on CUDA hosts) carved into one flat buffer
-per block. The tiers are:
+Per state there is one host arena (one allocation, pinned on CUDA hosts) carved into one flat
+buffer per block held in host memory; with an NVMe directory, states that do not fit the host
+budget live in the file tier instead (``placement.py`` decides, ``disk_tier.py`` stages them
+through a bounded host cache). The states are:
 
 =============  ==============  ====================================================================
 tier           dtype           what it holds
@@ -26,8 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pystronghold.runtime.disk_tier import DiskTier, Lease
+from pystronghold.runtime.placement import STATES, Placement, buffer_bytes, plan_placement, state_dtype
+
 __all__ = ["ALIGN_ELEMS", "ParamSpan", "BlockLayout", "HostStore", "available_host_bytes",
-           "store_bytes"]
+           "store_bytes", "Lease"]
 
 log = logging.getLogger(__name__)
 
@@ -95,59 +100,149 @@ def available_host_bytes() -> int:
 
 
 def store_bytes(layouts: list[BlockLayout], compute_dtype: torch.dtype) -> dict[str, int]:
-    """Bytes each tier's arena needs (per-block buffers aligned to 4096 bytes)."""
+    """Bytes each tier's arena needs with every block in host memory (buffers aligned to 4096)."""
     half = compute_dtype != torch.float32
-    itemsize = {"master": 4, "exp_avg": 4, "exp_avg_sq": 4,
-                "grad": torch.finfo(compute_dtype).bits // 8}
-    if half:
-        itemsize["shadow"] = torch.finfo(compute_dtype).bits // 8
-    return {tier: sum(_round_up(lay.numel * size, _ARENA_ALIGN) for lay in layouts) + _ARENA_ALIGN
-            for tier, size in itemsize.items()}
+    states = [s for s in STATES if s != "shadow" or half]
+    return {s: sum(buffer_bytes(lay.numel, s, compute_dtype) for lay in layouts) + _ARENA_ALIGN
+            for s in states}
 
 
 class HostStore:
-    """Allocates and owns the per-block host buffers of every tier.
+    """Owns every block's states: host buffers per tier and, per ``placement``, the file tier.
 
-    ``arena_factory(capacity_bytes)`` makes one HostArena per tier. The caller checks the budget
-    first (``prepare.check_host_memory``): this class allocates.
+    Host-memory states are flat buffers from one arena per state (``tiers[state][block]``; None for
+    a block whose state is on disk). Every user goes through ``acquire``/``release`` leases, which
+    hand out the host buffer directly or stage a disk state in the tier's cache
+    (``pystronghold.runtime.disk_tier``). ``arena_factory(capacity_bytes)`` makes a HostArena.
+    The caller planned the placement against its budget first: this class allocates.
     """
 
-    def __init__(self, layouts: list[BlockLayout], compute_dtype: torch.dtype, arena_factory) -> None:
+    def __init__(self, layouts: list[BlockLayout], compute_dtype: torch.dtype, arena_factory, *,
+                 placement: Placement | None = None, disk_factory=None) -> None:
         self.layouts = layouts
         self.compute_dtype = compute_dtype
-        need = store_bytes(layouts, compute_dtype)
-        total = sum(need.values())
-        self.nbytes = total
-        self.arenas = {tier: arena_factory(cap) for tier, cap in need.items()}
-        dtypes = {"master": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32,
-                  "grad": compute_dtype, "shadow": compute_dtype}
-        self.tiers: dict[str, list[torch.Tensor]] = {}
-        for tier, arena in self.arenas.items():
-            bufs = []
-            for i, lay in enumerate(layouts):
-                buf = arena.allocate(f"{tier}.{i}", (lay.numel,), dtypes[tier])
-                buf.zero_()
-                bufs.append(buf)
-            self.tiers[tier] = bufs
-        log.info("host store: %d blocks, %.1f MiB over %d tiers", len(layouts), total / 2**20, len(need))
+        numels = [lay.numel for lay in layouts]
+        if placement is None:
+            placement = plan_placement(numels, compute_dtype, budget_bytes=2**62)
+        self.placement = placement
+        self.arenas = {}
+        self.tiers: dict[str, list[torch.Tensor | None]] = {}
+        for state in placement.states:
+            in_ram = [b for b in range(len(layouts)) if not placement.on_disk(state, b)]
+            bufs: list[torch.Tensor | None] = [None] * len(layouts)
+            if in_ram:
+                arena = arena_factory(sum(buffer_bytes(numels[b], state, compute_dtype) for b in in_ram)
+                                      + _ARENA_ALIGN)
+                self.arenas[state] = arena
+                for b in in_ram:
+                    bufs[b] = arena.allocate(f"{state}.{b}", (numels[b],), state_dtype(state, compute_dtype))
+                    bufs[b].zero_()
+            self.tiers[state] = bufs
+        # NOTE: the tier is built last, so a failure above leaves no files behind
+        self.disk: DiskTier | None = disk_factory(placement, numels) if placement.spilled else None
+        if self.disk is not None:
+            self.arenas["cache"] = self.disk.arena
+        self.nbytes = sum(a.capacity_bytes for a in self.arenas.values())
+        log.info("host store: %d blocks, %.1f MiB in host memory over %d arenas; %s", len(layouts),
+                 self.nbytes / 2**20, len(self.arenas), placement.describe(len(layouts)))
 
     @property
     def has_shadow(self) -> bool:
         """True when a compute-precision shadow tier exists (bf16/fp16)."""
         return "shadow" in self.tiers
 
-    def upload_source(self, block: int) -> torch.Tensor:
-        """The host buffer a load copies from: the shadow in bf16/fp16, the master in fp32."""
-        return self.tiers["shadow" if self.has_shadow else "master"][block]
+    @property
+    def upload_state(self) -> str:
+        """The state a load copies to the device: the shadow in bf16/fp16, the master in fp32."""
+        return "shadow" if self.has_shadow else "master"
+
+    def on_disk(self, state: str, block: int) -> bool:
+        """True when ``state`` of ``block`` lives in the file tier."""
+        return self.placement.on_disk(state, block)
+
+    # ---- leases
+
+    def acquire(self, block: int, states, *, fresh=(), modify=()) -> Lease:
+        """Buffers of ``states`` of ``block`` (see ``DiskTier.acquire``): host buffers directly,
+        disk states staged in the cache (call ``lease.wait()`` before reading them)."""
+        ram = {s: self.tiers[s][block] for s in states if self.tiers[s][block] is not None}
+        disk = [s for s in states if s not in ram]
+        if not disk:
+            return Lease(block, ram)
+        lease = self.disk.acquire(block, disk, fresh=[s for s in fresh if s in disk],
+                                  modify=[s for s in modify if s in disk])
+        lease.tensors.update(ram)
+        return lease
+
+    def release(self, lease: Lease, *, dirty=(), after=(), drop=()) -> None:
+        """Give ``lease`` back: its changed (``dirty``) disk states are written back behind the
+        copies in ``after``; ``drop`` states are forgotten by the cache."""
+        if lease.slot is not None:
+            self.disk.release(lease, dirty=[s for s in dirty if s in lease.disk_states], after=after,
+                              drop=[s for s in drop if s in lease.disk_states])
+
+    def prefetch(self, block: int, states) -> None:
+        """Start reading the disk states among ``states`` of ``block`` (never blocks)."""
+        disk = [s for s in states if self.tiers[s][block] is None]
+        if disk:
+            self.disk.prefetch(block, disk)
+
+    # ---- whole values (checkpoints, tests, exports)
 
     @torch.no_grad()
     def fill_from(self, block: int, params: list[torch.Tensor]) -> None:
         """Copy a block's initial parameter values into its master (and shadow) buffers."""
-        for view, p in zip(self.layouts[block].views(self.tiers["master"][block]), params):
+        states = ["master", "shadow"] if self.has_shadow else ["master"]
+        lease = self.acquire(block, states, fresh=states)
+        master = lease.tensors["master"]
+        master.zero_()
+        for view, p in zip(self.layouts[block].views(master), params):
             view.copy_(p.detach())
         if self.has_shadow:
-            self.tiers["shadow"][block].copy_(self.tiers["master"][block])
+            lease.tensors["shadow"].copy_(master)
+        self.release(lease, dirty=states)
+
+    def read_state(self, block: int, state: str) -> torch.Tensor:
+        """The flat value of ``state`` of ``block``: the host buffer itself, or a copy read from disk."""
+        lease = self.acquire(block, [state])
+        try:
+            lease.wait()
+            value = lease.tensors[state] if lease.slot is None else lease.tensors[state].clone()
+        finally:
+            self.release(lease)
+        return value
+
+    @torch.no_grad()
+    def write_state(self, block: int, state: str, values: list[torch.Tensor]) -> None:
+        """Overwrite ``state`` of ``block`` with one tensor per parameter (gaps stay zero)."""
+        lease = self.acquire(block, [state], fresh=[state])
+        flat = lease.tensors[state]
+        flat.zero_()
+        for view, v in zip(self.layouts[block].views(flat), values):
+            view.copy_(v)
+        self.release(lease, dirty=[state])
 
     def master_views(self, block: int) -> list[torch.Tensor]:
-        """fp32 master value of each parameter of ``block`` (views into the store)."""
-        return self.layouts[block].views(self.tiers["master"][block])
+        """fp32 master value of each parameter of ``block`` (views into the store, or into a copy
+        when the master is on disk)."""
+        return self.layouts[block].views(self.read_state(block, "master"))
+
+    # ---- the file tier as a whole
+
+    def synchronize(self) -> None:
+        """Wait for the file tier's reads and writes in flight (raises its first failure)."""
+        if self.disk is not None:
+            self.disk.synchronize()
+
+    def take_events(self) -> list:
+        """File reads/writes issued since the last call, for the trace."""
+        return self.disk.take_events() if self.disk is not None else []
+
+    def disk_stats(self) -> dict | None:
+        """The file tier's counters (None without one)."""
+        return self.disk.stats() if self.disk is not None else None
+
+    def close(self) -> None:
+        """Finish the file tier's I/O and close its files."""
+        if self.disk is not None:
+            self.disk.close()

@@ -11,6 +11,7 @@ Adam turns last-bit differences of near-zero gradients into visible ones through
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -21,47 +22,88 @@ __all__ = ["HostUpdates"]
 
 
 class HostUpdates:
-    """Submits norm and update jobs for blocks; remembers one pending future per block."""
+    """Submits norm and update jobs for blocks; remembers one pending future per block.
 
-    def __init__(self, store, tracer, *, bitwise_torch: bool = False) -> None:
+    Jobs work on leases of the store (``HostStore.acquire``): host buffers directly, disk states
+    staged in the file tier's cache. Before waiting for its own reads, a job starts the reads of
+    the next queued blocks (``prefetch_depth`` of them), so disk reads overlap the Adam pass.
+    """
+
+    update_states = ("master", "exp_avg", "exp_avg_sq")
+    """States an update reads and writes back (besides the gradient it reads and the shadow it writes)."""
+
+    def __init__(self, store, tracer, *, bitwise_torch: bool = False, prefetch_depth: int = 2) -> None:
         self.store = store
         self.tracer = tracer
         self.bitwise_torch = bitwise_torch
+        self.prefetch_depth = prefetch_depth
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pystronghold-adam")
         self.updates: dict[int, Future] = {}  # block -> its latest update job
         self.norms: dict[int, Future] = {}  # block -> per-parameter gradient norms
+        self._queued: deque[int] = deque()  # blocks of update jobs submitted, not started
 
     def submit_norm(self, block: int, grad_handle, grad_scale: float) -> None:
         """Per-parameter L2 norms (fp32) of the block's gradient x ``grad_scale``, after its copy-out."""
-        views = self.store.layouts[block].views(self.store.tiers["grad"][block])
+        layout = self.store.layouts[block]
 
         def job() -> torch.Tensor:
             grad_handle.wait()
-            with self.tracer.span("norm", block):
-                return torch.stack([torch.linalg.vector_norm(v.float() * grad_scale if grad_scale != 1.0
-                                                             else v.float()) for v in views])
+            lease = self.store.acquire(block, ["grad"])
+            try:
+                lease.wait()
+                with self.tracer.span("norm", block):
+                    return torch.stack([torch.linalg.vector_norm(v.float() * grad_scale if grad_scale != 1.0
+                                                                 else v.float())
+                                        for v in layout.views(lease.tensors["grad"])])
+            finally:
+                self.store.release(lease)
 
         self.norms[block] = self._pool.submit(job)
 
-    def submit_update(self, block: int, grad_handle, *, step: int, hyper: dict, grad_scale: float) -> None:
-        """Run AdamW on the block's master buffer (and refresh its shadow) after its copy-out."""
-        t = self.store.tiers
-        shadow = t["shadow"][block] if self.store.has_shadow else None
+    def submit_update(self, block: int, grad_handle, *, step: int, hyper: dict, grad_scale: float,
+                      lease=None) -> None:
+        """Run AdamW on the block's master buffer (and refresh its shadow) after its copy-out.
+
+        lease: the gradient's lease from the copy-out when the gradient goes straight to this
+        update (backward overlap); it is released, and the cached gradient dropped, afterwards.
+        """
+        store = self.store
         beta1, beta2 = hyper["betas"]
+        outputs = [*self.update_states, "shadow"] if store.has_shadow else list(self.update_states)
+        self._queued.append(block)
 
         def job() -> None:
+            if self._queued and self._queued[0] == block:
+                self._queued.popleft()
             if grad_handle is not None:
                 grad_handle.wait()
-            with self.tracer.span("optimizer", block, nbytes=t["master"][block].nbytes):
-                ok = adam_step_(t["master"][block], t["grad"][block], t["exp_avg"][block],
-                                t["exp_avg_sq"][block], step=step, lr=hyper["lr"], beta1=beta1,
-                                beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"],
-                                adamw=True, grad_scale=grad_scale, shadow=shadow,
-                                bitwise_torch=self.bitwise_torch)
-            if not ok:
-                raise FloatingPointError(
-                    f"block {block}: its gradient has inf/NaN values; the update was not applied. "
-                    "Use precision='fp16' loss scaling or clip_grad_norm to skip such steps.")
+            try:
+                own = store.acquire(block, [*outputs, "grad"], fresh=["shadow"] if store.has_shadow else (),
+                                    modify=self.update_states)
+            except BaseException:
+                if lease is not None:
+                    store.release(lease)
+                raise
+            dirty = ()
+            try:
+                for nxt in list(self._queued)[:self.prefetch_depth]:
+                    store.prefetch(nxt, [*self.update_states, "grad"])
+                own.wait()
+                t = own.tensors
+                with self.tracer.span("optimizer", block, nbytes=t["master"].nbytes):
+                    ok = adam_step_(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step,
+                                    lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                                    weight_decay=hyper["weight_decay"], adamw=True, grad_scale=grad_scale,
+                                    shadow=t.get("shadow"), bitwise_torch=self.bitwise_torch)
+                if not ok:
+                    raise FloatingPointError(
+                        f"block {block}: its gradient has inf/NaN values; the update was not applied. "
+                        "Use precision='fp16' loss scaling or clip_grad_norm to skip such steps.")
+                dirty = outputs
+            finally:
+                store.release(own, dirty=dirty, drop=["grad"] if lease is not None else ())
+                if lease is not None:
+                    store.release(lease)
 
         self.updates[block] = self._pool.submit(job)
 

@@ -75,7 +75,13 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
     """``BlockCosts`` of ``model`` (a GPT) with seconds measured on ``device`` (see the module doc)."""
     cfg, dtype = model.config, compute_dtype(work.precision)
     seq = work.seq or cfg.seq_len
-    block = copy.deepcopy(model.blocks[0]).to(device, dtype)
+    block = copy.deepcopy(model.blocks[0])
+    if any(p.is_meta for p in block.parameters()):  # a lazily built GPT (--nvme): values do not matter here
+        block = block.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0.0, cfg.init_std)
+    block = block.to(device, dtype)
     x = torch.randn(work.batch, seq, cfg.hidden, device=device, dtype=dtype)  # (B, T, C)
     dy = torch.randn_like(x)
 

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 FORMAT = "pystronghold-checkpoint"
 VERSION = 1
 _PREFIX = "step-"
+_BLOCK_STATES = (("master", ""), ("exp_avg", ".exp_avg"), ("exp_avg_sq", ".exp_avg_sq"))
 
 
 class CheckpointError(ValueError):
@@ -122,8 +123,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
     for b, names in enumerate(engine._block_param_names):
         lay = store.layouts[b]
         tensors = {}
-        for tier, suffix in (("master", ""), ("exp_avg", ".exp_avg"), ("exp_avg_sq", ".exp_avg_sq")):
-            for n, view in zip(names, lay.views(store.tiers[tier][b])):
+        for tier, suffix in _BLOCK_STATES:
+            for n, view in zip(names, lay.views(store.read_state(b, tier))):  # read from disk if there
                 tensors[n + suffix] = view
         rel = f"blocks/block-{b:05d}.safetensors"
         files[rel] = _write(tmp / rel, st_save(tensors))
@@ -222,12 +223,10 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     for b, names in enumerate(engine._block_param_names):
         rel = f"blocks/block-{b:05d}.safetensors"
         saved = _load_file(path, rel, manifest["files"][rel])
-        lay = store.layouts[b]
-        for tier, suffix in (("master", ""), ("exp_avg", ".exp_avg"), ("exp_avg_sq", ".exp_avg_sq")):
-            for n, view in zip(names, lay.views(store.tiers[tier][b])):
-                view.copy_(saved[n + suffix])
+        for tier, suffix in _BLOCK_STATES:
+            store.write_state(b, tier, [saved[n + suffix] for n in names])
         if store.has_shadow:
-            store.tiers["shadow"][b].copy_(store.tiers["master"][b])
+            store.write_state(b, "shadow", [saved[n] for n in names])
     saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
     dev = engine.device_optimizer
     for p, m in zip(dev.params, dev.masters):

@@ -100,17 +100,23 @@ def run_train(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
 
+    failure = None
     try:
         result = trainer.train(on_step)
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
         # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
         # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
-        error(f"at step {trainer.step + 1}: {e}")
-        return 1
+        failure = f"at step {trainer.step + 1}: {e}"
     finally:
         if bar is not None:
             bar.close()
-        trainer.close()
+        try:
+            trainer.close()
+        except (OSError, CheckpointError, FloatingPointError) as e:
+            failure = failure or f"finishing the run: {e}"  # the first failure is the one to report
+    if failure is not None:
+        error(failure)
+        return 1
     for line in result.summary_lines():
         log.info("%s", line)
     return 0

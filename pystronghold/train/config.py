@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, fields
 from pystronghold.models import GPTConfig
 from pystronghold.models.presets import PRESETS
 
-__all__ = ["DEMO_MODEL", "ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "RunOptions",
-           "CheckpointOptions", "ParallelOptions", "TrainConfig", "resolve_model"]
+__all__ = ["DEMO_MODEL", "ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "MemoryOptions",
+           "RunOptions", "parse_bytes", "CheckpointOptions", "ParallelOptions", "TrainConfig", "resolve_model"]
 
 DEMO_MODEL = GPTConfig(vocab_size=256, seq_len=128, layers=12, hidden=128, heads=4)
 """The demo GPT: 12 blocks of 198k parameters (2.4M in blocks), byte vocabulary. With W=2 the
@@ -171,6 +171,62 @@ class WindowOptions:
         return self.window if self.window in ("auto", "all") else int(self.window)
 
 
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """Bytes from '12e9', '8G' / '8GB' (powers of 1000) or '8GiB' (powers of 1024); ValueError
+    naming ``flag`` otherwise."""
+    t = text.strip().lower().removesuffix("b")
+    unit = next((u for u in sorted(_BYTE_UNITS, key=len, reverse=True) if u and t.endswith(u)), "")
+    try:
+        value = float(t[:len(t) - len(unit)] if unit else t) * _BYTE_UNITS[unit]
+    except ValueError:
+        raise ValueError(f"{flag} must be a size in bytes like 12e9, 8G or 8GiB, got {text!r}") from None
+    if not value >= 1:
+        raise ValueError(f"{flag} must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+@dataclass(kw_only=True, slots=True)
+class MemoryOptions:
+    """Host memory and the NVMe tier."""
+
+    host_memory: str | None = None
+    """Host memory the block states may use (e.g. 8G, 8GiB, 12e9 bytes); default: what the host has
+    available. With --nvme, states that do not fit go to disk."""
+    nvme: str | None = None
+    """Directory for block states the host memory cannot hold (a scratch subdirectory is made there
+    and removed at the end; it is never needed to resume: checkpoints are separate)."""
+    nvme_states: str = field(default="auto", metadata={"choices": ("auto", "all")})
+    """'auto': only what --host-memory cannot hold goes to disk; 'all': every block state."""
+    nvme_cache_blocks: int = 4
+    """Blocks of disk states staged in host memory at once."""
+    nvme_sparse: bool = False
+    """Do not reserve the NVMe tier's disk space at the start (its files grow as states are first
+    written; a disk that fills up then fails the run at that write, naming the directory)."""
+
+    def __post_init__(self) -> None:
+        if self.host_memory is not None:
+            parse_bytes(self.host_memory, "--host-memory")
+        if self.nvme_states == "all" and self.nvme is None:
+            raise ValueError("--nvme-states all needs --nvme DIR")
+        if self.nvme is not None:
+            from pathlib import Path
+
+            p = Path(self.nvme)
+            if p.exists() and not p.is_dir():
+                raise ValueError(f"--nvme {self.nvme}: exists and is not a directory")
+        if self.nvme_cache_blocks < 1:
+            raise ValueError(f"--nvme-cache-blocks must be >= 1, got {self.nvme_cache_blocks}")
+
+    @property
+    def host_memory_bytes(self) -> int | None:
+        """--host-memory in bytes (None: not given)."""
+        return None if self.host_memory is None else parse_bytes(self.host_memory, "--host-memory")
+
+
 @dataclass(kw_only=True, slots=True)
 class RunOptions:
     """Length, seed, logging and outputs of the run."""
@@ -270,6 +326,7 @@ class TrainConfig:
     data: DataOptions = field(default_factory=DataOptions)
     optim: OptimOptions = field(default_factory=OptimOptions)
     window: WindowOptions = field(default_factory=WindowOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
     run: RunOptions = field(default_factory=RunOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
@@ -315,5 +372,5 @@ class TrainConfig:
 
 
 COMPONENTS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "window": WindowOptions,
-              "run": RunOptions, "checkpoint": CheckpointOptions, "parallel": ParallelOptions}
+              "memory": MemoryOptions, "run": RunOptions, "checkpoint": CheckpointOptions, "parallel": ParallelOptions}
 """TrainConfig's fields and their dataclasses, in --help order."""

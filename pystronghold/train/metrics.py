@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pystronghold.runtime.prepare import head_tail_bytes
 from pystronghold.trace import Tracer
 
 __all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport", "memory_report",
@@ -97,7 +98,10 @@ class MemoryReport:
     """What training every block on the device would need: all parameters, gradients, masters and
     Adam moments (activations not counted)."""
     host_tiers: dict[str, int] = field(default_factory=dict)
-    """Host store bytes per tier (master, exp_avg, exp_avg_sq, grad, shadow)."""
+    """Host store bytes per tier (master, exp_avg, exp_avg_sq, grad, shadow; cache: the NVMe
+    tier's staging cache)."""
+    disk: str | None = None
+    """Where the NVMe tier is and what it holds (None without one)."""
 
     def lines(self) -> list[str]:
         out = [f"device: window W={self.window} of {self.blocks} blocks {format_bytes(self.window_bytes)}"
@@ -108,6 +112,8 @@ class MemoryReport:
                f"({self.resident_bytes / max(1, self.window_bytes + self.head_tail_bytes):.1f}x the window)",
                "host store: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_tiers.items())
                + f" (total {format_bytes(sum(self.host_tiers.values()))})"]
+        if self.disk is not None:
+            out.append(f"NVMe tier: {self.disk}")
         return out
 
 
@@ -127,14 +133,19 @@ def memory_report(engine) -> MemoryReport:
     """The ``MemoryReport`` of a wrapped model."""
     per = _state_bytes_per_param(engine.dtype)
     ht_numel = sum(p.numel() for p in engine.head_tail_params)
-    half_extra = 4 if engine.dtype != torch.float32 else 0  # AdamW's fp32 gradient copy of masters
-    head_tail = ht_numel * (per + half_extra)
+    head_tail = head_tail_bytes(engine.head_tail_params, engine.dtype)
     block_numel = sum(lay.numel for lay in engine.store.layouts)
     tiers = {tier: arena.capacity_bytes for tier, arena in engine.store.arenas.items()}
+    disk = None
+    st = engine.store.disk_stats()
+    if st is not None:
+        disk = (f"{st['directory']}: {engine.store.placement.describe(engine.n_blocks)}; files "
+                f"{format_bytes(st['file_bytes'])}, read {format_bytes(st['read_bytes'])}, written "
+                f"{format_bytes(st['write_bytes'])}, cache hits {st['hits']} / misses {st['misses']}")
     return MemoryReport(window=engine.window_size, blocks=engine.n_blocks,
                         window_bytes=int(engine.planned_arena_bytes), head_tail_bytes=head_tail,
                         device_peak_bytes=device_peak_bytes(engine, head_tail),
-                        resident_bytes=(block_numel + ht_numel) * per, host_tiers=tiers)
+                        resident_bytes=(block_numel + ht_numel) * per, host_tiers=tiers, disk=disk)
 
 
 @dataclass(slots=True)
@@ -172,6 +183,8 @@ class TimeReport:
                f"waiting for copies/updates {self.kind_s.get('wait', 0):.1f} s",
                f"background: h2d {self.kind_s.get('h2d', 0):.1f} s, d2h {self.kind_s.get('d2h', 0):.1f} s, "
                f"host Adam {self.kind_s.get('optimizer', 0):.1f} s, norms {self.kind_s.get('norm', 0):.1f} s"
+               + (f", disk read {self.kind_s['file_read']:.1f} s, disk write {self.kind_s.get('file_write', 0):.1f} s"
+                  if "file_read" in self.kind_s else "")
                + (f"; {100 * self.hidden_s / self.background_s:.0f}% hidden behind compute"
                   if self.background_s else "")]
         rest = self.wall_s - compute - self.kind_s.get("wait", 0.0)

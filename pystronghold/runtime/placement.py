@@ -1,0 +1,184 @@
+"""Which block states live in host memory and which in the file (NVMe) tier.
+
+The store holds five states per block (see ``store.py``). With no disk directory every state is in
+host memory and a store larger than the budget is refused. With one, states move to disk until
+the host part, the block cache that stages disk states, and the fixed costs fit the budget. The
+order is the order of least harm:
+
+1. ``grad`` first when it is *streamed*: with backward overlap and no accumulation a block's
+   gradient goes from the device into a cache buffer and is consumed by the block's update right
+   away, so it costs no disk I/O at all (and no host memory beyond the cache).
+2. ``exp_avg_sq``, ``exp_avg``: read and written once per step, by the host update only.
+3. ``master``: the same in bf16/fp16; in fp32 it is also what loads upload, so spilling it adds
+   disk reads to the forward and backward loads.
+4. ``grad`` (not streamed): written after the copy-out, read back by the update.
+5. ``shadow`` (bf16/fp16 only): what loads upload; read twice per step.
+
+Within a state, the last blocks go first (a state may be split: blocks 0..k-1 in host memory,
+k..N-1 on disk). The cache holds ``cache_blocks`` blocks' worth of every state that has any block
+on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["STATES", "Placement", "plan_placement", "state_dtype", "buffer_bytes", "spill_order"]
+
+STATES = ("master", "exp_avg", "exp_avg_sq", "grad", "shadow")
+"""Per-block states of the store."""
+_ALIGN = 4096
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def state_dtype(state: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """fp32 for the optimizer states, the compute dtype for grad and shadow."""
+    return compute_dtype if state in ("grad", "shadow") else torch.float32
+
+
+def buffer_bytes(numel: int, state: str, compute_dtype: torch.dtype) -> int:
+    """Bytes of one flat buffer of ``numel`` elements of ``state`` (4096-byte aligned)."""
+    return _round_up(numel * state_dtype(state, compute_dtype).itemsize, _ALIGN)
+
+
+def spill_order(compute_dtype: torch.dtype, *, streamed_grads: bool) -> tuple[str, ...]:
+    """The order in which states move to disk (see the module docstring)."""
+    order = ["exp_avg_sq", "exp_avg", "master", "grad"]
+    if streamed_grads:
+        order = ["grad"] + order[:-1]
+    if compute_dtype != torch.float32:
+        order.append("shadow")
+    return tuple(order)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where each (state, block) lives, and the byte totals that decided it."""
+
+    states: tuple[str, ...]
+    """States the store holds (``shadow`` only in bf16/fp16)."""
+    compute_dtype: torch.dtype = torch.float32
+    """The dtype of grad and shadow."""
+    disk_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """State -> blocks whose record of that state is on disk (absent: all in host memory)."""
+    cache_blocks: int = 0
+    """Blocks the host cache stages at once (0 when nothing is on disk)."""
+    streamed_grads: bool = False
+    """Gradients on disk go straight from the copy-out to the update, never to a file."""
+    host_bytes: int = 0
+    """Bytes of the host-memory part of the store, cache included."""
+    cache_bytes: int = 0
+    """Bytes of the cache (part of ``host_bytes``)."""
+    disk_bytes: int = 0
+    """Bytes of the records on disk (streamed gradients excluded: they never reach a file)."""
+    budget_bytes: int = 0
+    """The host budget the placement was made for (store + ``fixed_bytes``)."""
+    fixed_bytes: int = 0
+    """Host bytes outside the store counted against the budget (the CPU backend's device arena)."""
+
+    def on_disk(self, state: str, block: int) -> bool:
+        """True when ``state`` of ``block`` lives in the file tier."""
+        return block in self.disk_blocks.get(state, ())
+
+    @property
+    def spilled(self) -> bool:
+        """True when any state of any block is on disk."""
+        return any(self.disk_blocks.values())
+
+    @property
+    def disk_states(self) -> tuple[str, ...]:
+        """States with at least one block on disk, in ``STATES`` order."""
+        return tuple(s for s in STATES if self.disk_blocks.get(s))
+
+    def step_io_bytes(self, numels: list[int]) -> int:
+        """Disk bytes read plus written in one training step (an upper bound: cache hits save
+        some): each update reads and writes its disk states (a non-streamed gradient is written at
+        the copy-out and read by the update), and a load reads its upload state (fp32 master or
+        shadow) for the forward and again for the backward."""
+        total = 0
+        upload = "shadow" if "shadow" in self.states else "master"
+        for state, blocks in self.disk_blocks.items():
+            if state == "grad" and self.streamed_grads:
+                continue
+            per_block = {"shadow": 3}.get(state, 2) + (2 if state == upload and state == "master" else 0)
+            total += sum(per_block * buffer_bytes(numels[b], state, self._dtype_of(state)) for b in blocks)
+        return total
+
+    def _dtype_of(self, state: str) -> torch.dtype:
+        return self.compute_dtype if state in ("grad", "shadow") else torch.float32
+
+    def describe(self, n_blocks: int) -> str:
+        """One line: which states are on disk (all blocks or how many)."""
+        if not self.spilled:
+            return "all states in host memory"
+        parts = []
+        for s in self.disk_states:
+            k = len(self.disk_blocks[s])
+            what = "streamed" if s == "grad" and self.streamed_grads else "on disk"
+            parts.append(f"{s} {what}" + ("" if k == n_blocks else f" ({k}/{n_blocks} blocks)"))
+        return (f"{', '.join(parts)}; host {self.host_bytes / 2**30:.2f} GiB incl. cache of "
+                f"{self.cache_blocks} blocks ({self.cache_bytes / 2**30:.2f} GiB), disk "
+                f"{self.disk_bytes / 2**30:.2f} GiB")
+
+
+def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_bytes: int,
+                   fixed_bytes: int = 0, nvme: bool = False, cache_blocks: int = 4,
+                   streamed_grads: bool = False, force_disk: bool = False) -> Placement:
+    """Place the states of blocks with ``numels`` (padded elements per block) for a host budget.
+
+    budget_bytes: host bytes for the store plus ``fixed_bytes``. nvme: a disk directory exists
+    (else everything must fit in host memory). cache_blocks: blocks staged in host memory at once.
+    streamed_grads: gradients can go straight to the update (backward overlap, no accumulation).
+    force_disk: spill every state of every block even when host memory would hold them (tests,
+    benchmarks). Raises MemoryError with the numbers when no placement fits.
+    """
+    if cache_blocks < 1:
+        raise ValueError(f"cache_blocks must be >= 1, got {cache_blocks}")
+    n = len(numels)
+    states = tuple(s for s in STATES if s != "shadow" or compute_dtype != torch.float32)
+    per = {s: [buffer_bytes(k, s, compute_dtype) for k in numels] for s in states}
+    slot = {s: buffer_bytes(max(numels), s, compute_dtype) for s in states}
+    ram = sum(sum(v) for v in per.values())
+    if ram + fixed_bytes <= budget_bytes and not force_disk:
+        return Placement(states=states, compute_dtype=compute_dtype, host_bytes=ram, budget_bytes=budget_bytes,
+                         fixed_bytes=fixed_bytes)
+    if not nvme:
+        total = ram + fixed_bytes
+        raise MemoryError(
+            f"wrap: the host store needs {total:,} bytes ({total / 2**30:.3f} GiB: states {ram:,}, device "
+            f"arena (host memory on device='cpu') {fixed_bytes:,}) for {n} blocks, but the host has "
+            f"{budget_bytes:,} bytes ({budget_bytes / 2**30:.3f} GiB) available; nothing was allocated. "
+            "Give an NVMe directory (--nvme DIR / nvme_dir=) so states can live on disk, use a smaller "
+            "model, or a host with more memory.")
+    order = [s for s in spill_order(compute_dtype, streamed_grads=streamed_grads) if s in states]
+    disk: dict[str, list[int]] = {}
+    cache = 0
+    for state in order:
+        for block in reversed(range(n)):
+            if ram + cache + fixed_bytes <= budget_bytes and not force_disk:
+                break
+            if state not in disk:
+                disk[state] = []
+                cache += cache_blocks * slot[state]
+            disk[state].append(block)
+            ram -= per[state][block]
+    host = ram + cache
+    if host + fixed_bytes > budget_bytes:
+        raise MemoryError(
+            f"even with every state on disk the host needs {host + fixed_bytes:,} bytes "
+            f"({(host + fixed_bytes) / 2**30:.2f} GiB: cache of {cache_blocks} blocks {cache:,}, "
+            f"device arena {fixed_bytes:,}, rest of the store {ram:,}), more than the host budget of "
+            f"{budget_bytes:,} bytes ({budget_bytes / 2**30:.2f} GiB); give more --host-memory, fewer "
+            "cache blocks, or use a model with smaller blocks.")
+    disk_bytes = sum(per[s][b] for s, blocks in disk.items() for b in blocks
+                     if not (s == "grad" and streamed_grads))
+    return Placement(states=states, compute_dtype=compute_dtype,
+                     disk_blocks={s: tuple(sorted(b)) for s, b in disk.items()},
+                     cache_blocks=cache_blocks, streamed_grads=streamed_grads and "grad" in disk,
+                     host_bytes=host, cache_bytes=cache, disk_bytes=disk_bytes,
+                     budget_bytes=budget_bytes, fixed_bytes=fixed_bytes)
