@@ -1,5 +1,6 @@
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -176,3 +177,71 @@ def test_gpt2_124m_count():
     # GPT-2 small: 124,439,808 parameters with its 50257-token vocabulary; ours pads it to 50304.
     cfg = PRESETS["gpt2-124m"]
     assert param_count(cfg) == 124_439_808 + (50304 - 50257) * 768
+
+
+# ---- building without materializing the blocks (meta device)
+
+def _block_bytes(model: GPT) -> int:
+    """Host/device bytes the blocks' parameters occupy (meta tensors occupy none)."""
+    return sum(p.numel() * p.element_size() for p in model.blocks.parameters() if not p.is_meta)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True, "bias": False}])
+def test_lazy_blocks_materialize_to_the_eager_weights(overrides):
+    cfg = dataclasses.replace(PRESETS["tiny"], **overrides)
+    eager = GPT(cfg, seed=5)
+    lazy = GPT(cfg, seed=5, materialize_blocks=False)
+    assert all(p.is_meta for p in lazy.blocks.parameters())
+    assert _block_bytes(lazy) == 0
+    assert not any(p.is_meta for p in (*lazy.head.parameters(), *lazy.tail.parameters()))
+    if cfg.tie_embeddings:
+        assert lazy.tail.lm_head.weight is lazy.head.tok.weight
+    # materialize out of order: the values must not depend on it
+    for i in reversed(range(cfg.layers)):
+        block = lazy.materialize_block_(i)
+        assert block is lazy.blocks[i] and not any(p.is_meta for p in block.parameters())
+    eager_state, lazy_state = eager.state_dict(), lazy.state_dict()
+    assert list(lazy_state) == list(eager_state)
+    for name, value in eager_state.items():
+        assert lazy_state[name].device.type == "cpu", name
+        torch.testing.assert_close(lazy_state[name], value, rtol=0, atol=0, msg=name)
+    idx = torch.randint(0, cfg.vocab_size, (2, 8))
+    torch.testing.assert_close(lazy(idx, idx), eager(idx, idx), rtol=0, atol=0)
+
+
+def test_materialize_block_uses_the_seed_of_the_latest_reset():
+    lazy = GPT(tiny(), seed=1, materialize_blocks=False)
+    lazy.reset_parameters(9)
+    lazy.materialize_block_(0)
+    torch.testing.assert_close(lazy.blocks[0].attn.qkv.weight, GPT(tiny(), seed=9).blocks[0].attn.qkv.weight,
+                               rtol=0, atol=0)
+
+
+def test_materialize_block_twice_or_out_of_range_is_refused():
+    lazy = GPT(tiny(), materialize_blocks=False)
+    lazy.materialize_block_(1)
+    with pytest.raises(ValueError, match="block 1 is already materialized"):
+        lazy.materialize_block_(1)
+    with pytest.raises(ValueError, match="already materialized"):
+        GPT(tiny()).materialize_block_(0)
+    with pytest.raises(ValueError, match="out of range"):
+        lazy.materialize_block_(3)
+
+
+def test_forward_with_meta_blocks_fails_clearly():
+    lazy = GPT(tiny(), materialize_blocks=False)
+    with pytest.raises(RuntimeError, match="blocks are not materialized"):
+        lazy(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_large_model_blocks_stay_on_meta():
+    # NOTE: 24 blocks of hidden 2048 are 1.2e9 parameters (4.8 GB in fp32): allocating or even
+    # drawing them would take far longer than the bound below on this machine.
+    cfg = GPTConfig(vocab_size=256, seq_len=64, layers=24, hidden=2048, heads=16)
+    start = time.perf_counter()
+    lazy = GPT(cfg, materialize_blocks=False)
+    elapsed = time.perf_counter() - start
+    assert all(p.device.type == "meta" for p in lazy.blocks.parameters())
+    assert _block_bytes(lazy) == 0
+    assert sum(p.numel() for p in lazy.blocks.parameters()) == cfg.layers * block_param_count(cfg)
+    assert elapsed < 2.0, f"construction took {elapsed:.2f} s"

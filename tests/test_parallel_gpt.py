@@ -46,6 +46,14 @@ def _equal_to_single_process(rank: int, world: int) -> None:
         ref_params = dict(ref.named_parameters())
         for pname, full in _gathered(par, g).items():
             torch.testing.assert_close(full, ref_params[pname], rtol=0, atol=0, msg=f"{name} {pname}")
+        # built with meta blocks and materialized one by one: this rank's slices, bit for bit
+        lazy = GPT(cfg, seed=7, tp_group=g, materialize_blocks=False)
+        for i in range(cfg.layers):
+            lazy.materialize_block_(i)
+        par_params = dict(par.named_parameters())
+        for pname, p in lazy.named_parameters():
+            assert getattr(p, "tp_split", None) == getattr(par_params[pname], "tp_split", None), pname
+            torch.testing.assert_close(p, par_params[pname], rtol=0, atol=0, msg=f"{name} lazy {pname}")
         # forward and backward
         gen = torch.Generator().manual_seed(1)
         idx = torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)

@@ -257,17 +257,29 @@ class GPT(nn.Module):
 
     With ``config.tp_size > 1``, ``tp_group`` (a process group of that many ranks, see
     ``pystronghold.parallel.init_parallel``) splits heads, MLP columns and the vocabulary.
+
+    With ``materialize_blocks=False`` only the head and tail get storage; the blocks' parameters
+    stay on the ``meta`` device (0 bytes) until ``materialize_block_(i)`` gives block ``i`` real
+    tensors, initialised exactly as the eager constructor would have. A model too large for host
+    memory in fp32 (3B parameters are 12 GB) can so be built and handed over one block at a time.
     """
 
     def __init__(self, config: GPTConfig, *, seed: int = 0,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, materialize_blocks: bool = True) -> None:
         super().__init__()
         if group_size(tp_group) != config.tp_size:
             raise ValueError(f"GPTConfig.tp_size={config.tp_size} but the tensor-parallel group "
                              f"has {group_size(tp_group)} ranks (tp_group={tp_group})")
         self.config = config
+        self.seed = seed
+        """The seed the current weights were drawn from (``materialize_block_`` draws from it)."""
         self.head = Head(config, tp_group)
-        self.blocks = nn.ModuleList(Block(config, tp_group) for _ in range(config.layers))
+        if materialize_blocks:
+            self.blocks = nn.ModuleList(Block(config, tp_group) for _ in range(config.layers))
+        else:
+            # NOTE: on meta, construction allocates nothing and init_normal_ skips the draws.
+            with torch.device("meta"):
+                self.blocks = nn.ModuleList(Block(config, tp_group) for _ in range(config.layers))
         self.tail = Tail(config, tp_group)
         if config.tie_embeddings:
             self.tail.lm_head.weight = self.head.tok.weight
@@ -275,28 +287,66 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """(Re)initialise every parameter from ``seed`` (GPT-2 scheme, see GPTConfig.init_std)."""
-        cfg = self.config
-        residual_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        """(Re)initialise every parameter from ``seed`` (GPT-2 scheme, see GPTConfig.init_std).
+
+        Blocks still on ``meta`` stay there; ``materialize_block_`` initialises them from ``seed``.
+        """
+        self.seed = seed
         seen: set[int] = set()  # a tied weight is drawn once, under its first name (the embedding's)
         for module_name, module in self.named_modules():
             for name, param in module.named_parameters(prefix=module_name, recurse=False):
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
-                if isinstance(module, (nn.LayerNorm, PLayerNorm)):
-                    param.fill_(1.0 if name.endswith("weight") else 0.0)
-                    continue
-                if name.endswith("bias"):
-                    param.zero_()
-                    continue
-                std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
-                init_normal_(param, std, seed, name)
+                self._init_parameter(module, name, param)
+
+    @torch.no_grad()
+    def _init_parameter(self, module: nn.Module, name: str, param: torch.Tensor) -> None:
+        """Initialise ``param`` of ``module``; ``name`` is its full name in the model
+        (``blocks.3.attn.qkv.weight``), which seeds its draw together with ``self.seed``."""
+        if param.is_meta:
+            return  # nothing to fill; drawn when the block is materialized
+        cfg = self.config
+        if isinstance(module, (nn.LayerNorm, PLayerNorm)):
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+            return
+        if name.endswith("bias"):
+            param.zero_()
+            return
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+        std = residual_std if getattr(module, "residual_out", False) else cfg.init_std
+        init_normal_(param, std, self.seed, name)
+
+    @torch.no_grad()
+    def materialize_block_(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        """Give block ``index``'s ``meta`` parameters real storage on ``device`` and initialise
+        them exactly as ``GPT(..., materialize_blocks=True)`` with the same seed would have
+        (bit for bit). Returns the block. ``ValueError`` if the block already has storage."""
+        if not -len(self.blocks) <= index < len(self.blocks):
+            raise ValueError(f"block index {index} is out of range for {len(self.blocks)} blocks")
+        index %= len(self.blocks)
+        block = self.blocks[index]
+        if not all(t.is_meta for t in (*block.parameters(), *block.buffers())):
+            raise ValueError(f"block {index} is already materialized (its parameters are not on meta)")
+        # NOTE: to_empty builds new Parameter objects, dropping attributes set on the old ones
+        # (tp_split, which init_normal_ needs to draw the full tensor and keep this rank's slice).
+        attrs = {name: dict(vars(p)) for name, p in block.named_parameters()}
+        block.to_empty(device=device)
+        for name, p in block.named_parameters():
+            for key, value in attrs[name].items():
+                setattr(p, key, value)
+        for module_name, module in block.named_modules(prefix=f"blocks.{index}"):
+            for name, param in module.named_parameters(prefix=module_name, recurse=False):
+                self._init_parameter(module, name, param)
+        return block
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, V), or the mean cross-entropy loss given targets (B, T)."""
+        first = next(self.blocks[0].parameters(), None)
+        if first is not None and first.is_meta:  # one check, instead of a deep meta-tensor error
+            raise RuntimeError("blocks are not materialized; wrap() the model with pystronghold "
+                               "(it materializes one block at a time) or call materialize_block_(i)")
         x = self.head(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
         return self.tail(x, targets)
-

@@ -37,8 +37,12 @@ def init_normal_(param: torch.Tensor, std: float, seed: int, name: str) -> torch
     """Fill ``param`` with N(0, std) from a CPU generator seeded by (``seed``, ``name``).
 
     For a split parameter (``tp_split``) the full tensor is drawn and this rank's slice kept: the
-    values do not depend on the TP size. Returns ``param``.
+    values do not depend on the TP size. Returns ``param``. A ``meta`` parameter is returned
+    untouched: it has no storage to fill, and drawing the full tensor on the host anyway is the
+    cost that building on ``meta`` avoids (``GPT(..., materialize_blocks=False)``).
     """
+    if param.is_meta:
+        return param
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     shape = list(param.shape)
     dim, rank, size = getattr(param, "tp_split", (0, 0, 1))
