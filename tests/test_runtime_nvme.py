@@ -68,7 +68,7 @@ def test_a_host_budget_too_small_for_the_store_puts_every_state_on_disk(tmp_path
     # a budget that holds the device arena and the cache but nothing else of the store
     arena = 2 * 2 * ((max(numels) * 4 + 4095) // 4096 * 4096)
     cache = 4 * 4 * ((max(numels) * 4 + 4095) // 4096 * 4096)
-    budget = arena + cache + 4096 * 8
+    budget = arena + cache + _head_tail(model) + 4096 * 8
     assert budget < full.host_bytes + arena
     ram, disk = ram_and_disk(tiny_gpt, gpt_batches(STEPS), tmp_path, dict(host_memory_bytes=budget),
                              window=2)
@@ -107,7 +107,15 @@ def _almost_all_budget(model, window):
     numels = [sum((p.numel() + 15) // 16 * 16 for p in b.parameters()) + 16 for b in model.blocks]
     full = plan_placement(numels, torch.float32, budget_bytes=2**40)
     arena = window * 2 * ((max(numels) * 4 + 4095) // 4096 * 4096)
-    return arena + full.host_bytes - 1
+    return arena + _head_tail(model) + full.host_bytes - 1
+
+
+def _head_tail(model):
+    """Host bytes of head and tail on the CPU backend (counted against the budget)."""
+    from pystronghold.runtime.prepare import head_tail_bytes
+
+    return head_tail_bytes([p for n, p in model.named_parameters() if not n.startswith("blocks.")],
+                           torch.float32)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -116,6 +124,20 @@ def test_half_precision_with_the_shadow_on_disk(tmp_path, precision):
     ram, disk = ram_and_disk(tiny_gpt, gpt_batches(8), tmp_path, dict(nvme_states="all"), **options)
     assert_identical(ram, disk)
     assert "shadow" in disk[2].placement.disk_states
+
+
+def test_blocks_built_on_meta_are_materialized_one_at_a_time(tmp_path):
+    """GPT(materialize_blocks=False) + wrap: each block gets its eager initial values when the store
+    is filled, and the training is the eager model's."""
+    from pystronghold.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=97, seq_len=32, layers=4, hidden=64, heads=4)
+    batches = gpt_batches(4)
+    eager = train_engine(GPT(cfg, seed=3), batches, window=2)
+    lazy_model = GPT(cfg, seed=3, materialize_blocks=False)
+    assert all(p.is_meta for p in lazy_model.blocks.parameters())
+    lazy = train_engine(lazy_model, batches, window=2, nvme_dir=str(tmp_path), nvme_states="all")
+    assert_identical(eager, lazy)
 
 
 def test_without_a_disk_directory_a_too_small_budget_is_refused_with_the_hint(tmp_path):

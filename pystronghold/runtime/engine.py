@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from pystronghold.io.scratch import ScratchDir, check_free_space, free_bytes
 from pystronghold.parallel.data import any_rank, average_, average_grads_, global_grad_norm, is_tp_shard
 from pystronghold.runtime import block_fn
 from pystronghold.runtime.backend import make_backend
@@ -74,8 +75,6 @@ class Engine:
             force_disk=config.nvme_states == "all")
         self.scratch = None
         if self.placement.spilled:
-            from pystronghold.io.scratch import ScratchDir, check_free_space, free_bytes
-
             need = disk_tier_bytes(self.placement, [lay.numel for lay in layouts], self.dtype)
             if config.nvme_preallocate:
                 check_free_space(config.nvme_dir, need, what="the NVMe tier's block states")
