@@ -60,8 +60,17 @@ def _parallel(records: list[dict]) -> tuple[str, float, str]:
             "TP=1 x DP=1, one process")
 
 
+def _nvme(records: list[dict]) -> tuple[str, float, str]:
+    step = next(r for r in records if r["what"] == "step time, states on disk")
+    tier = {r["what"]: r for r in records if r["kind"] == "tier"}
+    write = tier["tier write during training"]["ratio"]
+    read = tier["tier read during training"]["ratio"]
+    return (f"step time, every state on disk (tier at {100 * write:.0f}% of raw write, {100 * read:.0f}% of "
+            f"raw read)", 1.0 / step["ratio"], "states in host memory")
+
+
 HEADLINES = {"adam": _adam, "copy_engine": _copy, "window": _window, "kernels": _kernels,
-             "parallel": _parallel}
+             "parallel": _parallel, "nvme": _nvme}
 """name -> records -> (what, speed-up over the baseline (>1: faster), baseline)."""
 
 

@@ -30,7 +30,8 @@ def test_every_headline_reads_its_scripts_records():
     sources = {name: (bench_dir() / f"{name}.py").read_text() for name in HEADLINES}
     for name, fields in {"adam": ["x_torch_fused", "params_m", "tensors"], "copy_engine": ["ratio", "size_mib"],
                          "window": ["vs_plain", "bytes_vs_plain"], "kernels": ["speedup", "fwdbwd_ms"],
-                         "parallel": ["vs_1x1", "procs"]}.items():
+                         "parallel": ["vs_1x1", "procs"], "nvme": ["step time, states on disk", "kind", "ratio"]
+                         }.items():
         for f in fields:
             assert f in sources[name], (name, f)
     assert HEADLINES["adam"]([{"case": "ours", "tensors": 1, "params_m": 4.0, "x_torch_fused": 1.5},
@@ -38,5 +39,9 @@ def test_every_headline_reads_its_scripts_records():
     assert HEADLINES["window"]([{"config": "W=4", "vs_plain": 0.5, "bytes_vs_plain": 0.3},
                                 {"config": "W=2", "vs_plain": 0.8, "bytes_vs_plain": 0.2},
                                 {"config": "W=all", "vs_plain": 1.0, "bytes_vs_plain": 0.6}])[1] == 1.25
+    nvme = [{"what": "tier write during training", "kind": "tier", "ratio": 0.9},
+            {"what": "tier read during training", "kind": "tier", "ratio": 0.7},
+            {"what": "step time, states on disk", "kind": "step", "ratio": 1.25}]
+    assert HEADLINES["nvme"](nvme)[1] == 0.8
     assert HEADLINES["parallel"]([{"tp": 1, "dp": 1, "procs": 1, "vs_1x1": 1.0},
                                   {"tp": 2, "dp": 2, "procs": 4, "vs_1x1": 2.0}])[1] == 0.5

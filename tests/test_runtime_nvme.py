@@ -206,3 +206,54 @@ def _run(config, keep=False):
     finally:
         trainer.close()
     return trainer if keep else result
+
+
+def test_placement_order_split_and_streamed_gradients():
+    numels = [1024] * 6  # 4 KiB per fp32 block buffer
+    kib = 4096
+    everything = plan_placement(numels, torch.float32, budget_bytes=2**30)
+    assert not everything.spilled and everything.host_bytes == 4 * 6 * kib
+    # one state's worth short, cache of 1: the moments' last blocks go first, split
+    p = plan_placement(numels, torch.float32, budget_bytes=4 * 6 * kib - 3 * kib, nvme=True, cache_blocks=1)
+    assert p.disk_blocks == {"exp_avg_sq": (2, 3, 4, 5)}
+    assert p.on_disk("exp_avg_sq", 5) and not p.on_disk("exp_avg_sq", 1) and not p.on_disk("master", 5)
+    assert p.host_bytes <= 4 * 6 * kib - 3 * kib
+    # streamed gradients go first and cost no disk bytes
+    s = plan_placement(numels, torch.float32, budget_bytes=3 * 6 * kib, nvme=True, cache_blocks=1,
+                       streamed_grads=True)
+    assert set(s.disk_blocks) == {"grad"} and s.streamed_grads and s.disk_bytes == 0
+    assert s.step_io_bytes(numels) == 0
+    # bf16: the shadow exists and is spilled last; fp32 master as upload state counts its loads
+    half = plan_placement(numels, torch.bfloat16, budget_bytes=1, nvme=True, force_disk=True)
+    assert half.disk_states == ("master", "exp_avg", "exp_avg_sq", "grad", "shadow")
+    full = plan_placement(numels, torch.float32, budget_bytes=1, nvme=True, force_disk=True)
+    assert full.step_io_bytes(numels) == 6 * kib * (4 + 2 + 2 + 2)  # master 2 loads + update, moments, grad
+    with pytest.raises(ValueError, match="cache_blocks"):
+        plan_placement(numels, torch.float32, budget_bytes=1, nvme=True, cache_blocks=0)
+
+
+def test_runtime_options_are_validated():
+    model = tiny_gpt(layers=2)
+    with pytest.raises(ValueError, match="nvme_states='all' needs nvme_dir"):
+        ph.wrap(model, blocks=model.blocks, nvme_states="all")
+    with pytest.raises(ValueError, match="nvme_cache_blocks"):
+        ph.wrap(model, blocks=model.blocks, nvme_dir="/tmp", nvme_cache_blocks=0)
+    with pytest.raises(ValueError, match="host_memory_bytes"):
+        ph.wrap(model, blocks=model.blocks, host_memory_bytes=-5)
+
+
+def test_checkpoint_from_the_disk_tier_resumes_in_host_memory(tmp_path):
+    """A run with every state on disk writes checkpoints (read through the tier) that a run in host
+    memory resumes to the uninterrupted losses."""
+    from pystronghold.train.config import MemoryOptions
+    from train_helpers import tiny_config
+
+    straight = _run(tiny_config(tmp_path, steps=4, clip=0.0))
+    ck = tmp_path / "ck"
+    config = tiny_config(tmp_path, steps=4, clip=0.0, ckpt=str(ck), every=2)
+    config.memory = MemoryOptions(nvme=str(tmp_path / "nvme"), nvme_states="all")
+    on_disk = _run(config)
+    assert on_disk.losses == straight.losses
+    shutil.rmtree(ck / "step-00000004")
+    resumed = _run(tiny_config(tmp_path, steps=4, clip=0.0, ckpt=str(ck), resume=True))
+    assert resumed.losses == straight.losses[2:]

@@ -135,3 +135,25 @@ def test_trace_writes_perfetto_json_and_pictures(tmp_path):
     for name in ("timeline.png", "loss.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(out / "loss.png") in res.outputs
+
+
+def test_train_with_nvme_reports_the_tier_and_bad_nvme_input_is_one_line(tmp_path, capsys):
+    from pystronghold.cli import main
+    from pystronghold.train.config import parse_bytes
+
+    assert parse_bytes("8G", "--x") == 8 * 10**9 and parse_bytes("1.5GiB", "--x") == 3 * 2**29
+    assert parse_bytes("12e9", "--x") == 12 * 10**9 and parse_bytes("512MB", "--x") == 512 * 10**6
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, a few bytes of training text\n" * 400)
+    base = ["train", "--model", "tiny", "--data", str(text), "--steps", "2", "--batch", "2", "--seq", "16",
+            "--log-every", "1", "--eval-batches", "1", "--quiet"]
+    assert main(base + ["--nvme", str(tmp_path / "nvme"), "--nvme-states", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "NVMe tier" in out and "exp_avg_sq on disk" in out
+    (tmp_path / "afile").write_text("x")
+    for extra, message in ((["--nvme", str(tmp_path / "afile")], "not a directory"),
+                           (["--host-memory", "lots"], "--host-memory must be a size"),
+                           (["--nvme-states", "all"], "--nvme-states all needs --nvme")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
