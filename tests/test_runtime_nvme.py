@@ -219,14 +219,14 @@ def test_placement_order_split_and_streamed_gradients():
     assert p.on_disk("exp_avg_sq", 5) and not p.on_disk("exp_avg_sq", 1) and not p.on_disk("master", 5)
     assert p.host_bytes <= 4 * 6 * kib - 3 * kib
     # streamed gradients go first and cost no disk bytes
-    s = plan_placement(numels, torch.float32, budget_bytes=3 * 6 * kib, nvme=True, cache_blocks=1,
+    s = plan_placement(numels, torch.float32, budget_bytes=3 * 6 * kib + kib, nvme=True, cache_blocks=1,
                        streamed_grads=True)
     assert set(s.disk_blocks) == {"grad"} and s.streamed_grads and s.disk_bytes == 0
     assert s.step_io_bytes(numels) == 0
     # bf16: the shadow exists and is spilled last; fp32 master as upload state counts its loads
-    half = plan_placement(numels, torch.bfloat16, budget_bytes=1, nvme=True, force_disk=True)
+    half = plan_placement(numels, torch.bfloat16, budget_bytes=2**30, nvme=True, force_disk=True)
     assert half.disk_states == ("master", "exp_avg", "exp_avg_sq", "grad", "shadow")
-    full = plan_placement(numels, torch.float32, budget_bytes=1, nvme=True, force_disk=True)
+    full = plan_placement(numels, torch.float32, budget_bytes=2**30, nvme=True, force_disk=True)
     assert full.step_io_bytes(numels) == 6 * kib * (4 + 2 + 2 + 2)  # master 2 loads + update, moments, grad
     with pytest.raises(ValueError, match="cache_blocks"):
         plan_placement(numels, torch.float32, budget_bytes=1, nvme=True, cache_blocks=0)
