@@ -117,3 +117,13 @@ def write_json(path: str | os.PathLike | None, subject: str, records: list, extr
                "records": [asdict(r) if hasattr(r, "__dataclass_fields__") else r for r in records]}
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
+
+
+def add_gpt_arguments(parser, *, layers: int, hidden: int, seq: int, steps: int, warmup: int) -> None:
+    """The GPT shape and timing options the training benchmarks share (their defaults differ)."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=warmup)

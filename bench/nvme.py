@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import add_gpt_arguments, print_table, write_json  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
@@ -91,12 +91,7 @@ class Trainer:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=1)
+    add_gpt_arguments(parser, layers=8, hidden=1024, seq=64, steps=4, warmup=1)
     parser.add_argument("--raw-mib", type=int, default=1024, help="MiB written and read for the raw figure")
     parser.add_argument("--dir", default=None, help="directory for the tier and the raw test (default: temp)")
     parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 512, 3 steps, 256 MiB raw")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timing, print_table, write_json  # noqa: E402
+from common import Timing, add_gpt_arguments, print_table, write_json  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
@@ -90,12 +90,7 @@ class Windowed:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=2)
+    add_gpt_arguments(parser, layers=12, hidden=512, seq=256, steps=6, warmup=2)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 256, seq 128, 4 steps")
     parser.add_argument("--json", default=None, help="write the records here")
