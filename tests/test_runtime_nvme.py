@@ -257,3 +257,62 @@ def test_checkpoint_from_the_disk_tier_resumes_in_host_memory(tmp_path):
     shutil.rmtree(ck / "step-00000004")
     resumed = _run(tiny_config(tmp_path, steps=4, clip=0.0, ckpt=str(ck), resume=True))
     assert resumed.losses == straight.losses[2:]
+
+
+def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_cleaned(tmp_path):
+    """SIGKILL during a step with states on disk: the last checkpoint is complete (the tier is
+    scratch, never part of it); the next run resumes from it to the uninterrupted losses and
+    removes the dead process's scratch directory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+    from pathlib import Path
+
+    from pystronghold.train.config import MemoryOptions
+    from train_helpers import tiny_config
+
+    ck, nvme, marker = tmp_path / "ck", tmp_path / "nvme", tmp_path / "in-step-3"
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from train_helpers import tiny_config
+        from pystronghold.train import Trainer
+        from pystronghold.train.checkpoint import save_checkpoint
+        from pystronghold.train.config import MemoryOptions
+        config = tiny_config(Path({str(tmp_path)!r}), steps=4, clip=0.0)
+        config.memory = MemoryOptions(nvme={str(nvme)!r}, nvme_states="all")
+        t = Trainer(config)
+        t.train_step(); t.train_step()
+        save_checkpoint(t, {str(ck)!r})
+        engine = t.engine
+        original = engine.updates.submit_update
+        def stalled(block, *args, **kwargs):  # step 3's backward: the update of the last block hangs
+            original(block, *args, **kwargs)
+            Path({str(marker)!r}).write_text(str(block))
+            time.sleep(60)
+        engine.updates.submit_update = stalled
+        t.train_step()
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None, "the child exited before step 3"
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    stale = [p for p in nvme.iterdir() if p.name.startswith("pystronghold-scratch-")]
+    assert len(stale) == 1 and any(stale[0].rglob("*.psr"))  # the dead run's tier is still there
+    assert latest_checkpoint(ck).name == "step-00000002"
+    straight = _run(tiny_config(tmp_path, steps=4, clip=0.0))
+    config = tiny_config(tmp_path, steps=4, clip=0.0, ckpt=str(ck), resume=True)
+    config.memory = MemoryOptions(nvme=str(nvme), nvme_states="all")
+    resumed = _run(config)
+    assert resumed.losses == straight.losses[2:]
+    assert not stale[0].exists(), "the next run removes a dead process's scratch directory"

@@ -152,6 +152,8 @@ def test_train_with_nvme_reports_the_tier_and_bad_nvme_input_is_one_line(tmp_pat
     caplog.set_level(logging.INFO)
     assert main(base + ["--nvme", str(tmp_path / "nvme"), "--nvme-states", "all"]) == 0
     assert "NVMe tier" in caplog.text and "exp_avg_sq on disk" in caplog.text
+    # --window auto measures a block of the lazily built model (its blocks start on meta)
+    assert main(base + ["--nvme", str(tmp_path / "nvme"), "--window", "auto", "--steps", "1"]) == 0
     capsys.readouterr()
     (tmp_path / "afile").write_text("x")
     for extra, message in ((["--nvme", str(tmp_path / "afile")], "not a directory"),
