@@ -41,8 +41,9 @@ class RuntimeConfig:
     trace: bool = False
     """Record every action in ``engine.trace`` (a pystronghold.trace.Tracer)."""
     host_memory_bytes: int | None = None
-    """Host memory budget for the store (and, on CPU, the device arena), in bytes; default: what
-    the host has available (MemAvailable). With ``nvme_dir`` the states that do not fit go to disk
+    """Host memory budget for the store (and, on CPU, the device arena, head and tail), in bytes;
+    default: 85% of what the host has available (MemAvailable; the rest is for activations, Python
+    and torch). With ``nvme_dir`` the states that do not fit go to disk
     (``pystronghold.runtime.placement``); without it a store larger than this is refused."""
     nvme_dir: str | None = None
     """Directory for the file (NVMe) tier: a scratch subdirectory is made in it for the block states

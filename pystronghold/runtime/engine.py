@@ -28,7 +28,7 @@ from pystronghold.runtime.schedule import Load, Release, build_plan
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes
 from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.prepare import head_tail_bytes, move_to_device, slot_bytes, split_parameters
-from pystronghold.runtime.store import BlockLayout, HostStore, available_host_bytes
+from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
 from pystronghold.runtime.updates import HostUpdates
 from pystronghold.runtime.window import Window
 from pystronghold.trace import Tracer
@@ -66,7 +66,8 @@ class Engine:
         # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
         self.placement = plan_placement(
             [lay.numel for lay in layouts], self.dtype,
-            budget_bytes=available_host_bytes() if config.host_memory_bytes is None else int(config.host_memory_bytes),
+            budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
+                          else int(config.host_memory_bytes)),
             # on the CPU backend the "device" (window arena, head and tail) is host memory too
             fixed_bytes=(self.planned_arena_bytes + head_tail_bytes(self.head_tail_params, self.dtype)
                          if config.device == "cpu" else 0),

@@ -32,6 +32,7 @@ from pystronghold.runtime.disk_tier import DiskTier, Lease
 from pystronghold.runtime.placement import STATES, Placement, buffer_bytes, plan_placement, state_dtype
 
 __all__ = ["ALIGN_ELEMS", "ParamSpan", "BlockLayout", "HostStore", "available_host_bytes",
+           "default_host_budget_bytes",
            "store_bytes", "Lease"]
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,16 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+DEFAULT_HOST_FRACTION = 0.85
+"""Share of the available host memory the store may use when no budget is given: the rest is left
+for activations, the loss, Python and torch (a store filled to the last byte would be OOM-killed)."""
+
+
+def default_host_budget_bytes() -> int:
+    """The host budget of a store when ``host_memory_bytes`` is not given, in bytes."""
+    return int(available_host_bytes() * DEFAULT_HOST_FRACTION)
 
 
 def store_bytes(layouts: list[BlockLayout], compute_dtype: torch.dtype) -> dict[str, int]:

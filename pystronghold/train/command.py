@@ -34,7 +34,7 @@ def _add_fields(parser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = docs.get(f.name, "")
+        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
         kind = str(f.type).replace("| None", "").strip()
         if kind == "bool":
             group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
@@ -43,7 +43,8 @@ def _add_fields(parser, cls) -> None:
         else:
             if default is not None:
                 help_text += f" (default: {default})"
-            metavar = None if "choices" in f.metadata else {"int": "N", "float": "X", "str": "TEXT"}[kind]
+            metavar = None if "choices" in f.metadata else f.metadata.get(
+                "metavar", {"int": "N", "float": "X", "str": "TEXT"}[kind])
             group.add_argument(flag, dest=f.name, type=_TYPES[kind], default=default, help=help_text,
                                choices=f.metadata.get("choices"), metavar=metavar)
 

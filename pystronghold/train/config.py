@@ -193,10 +193,11 @@ def parse_bytes(text: str, flag: str) -> int:
 class MemoryOptions:
     """Host memory and the NVMe tier."""
 
-    host_memory: str | None = None
-    """Host memory the block states may use (e.g. 8G, 8GiB, 12e9 bytes); default: what the host has
-    available. With --nvme, states that do not fit go to disk."""
-    nvme: str | None = None
+    host_memory: str | None = field(default=None, metadata={"metavar": "BYTES"})
+    """Host memory the block states (and, on --device cpu, the window, head and tail) may use, e.g.
+    8G, 8GiB, 12e9 bytes; default: 85% of what the host has available. With --nvme, states that do
+    not fit go to disk."""
+    nvme: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Directory for block states the host memory cannot hold (a scratch subdirectory is made there
     and removed at the end; it is never needed to resume: checkpoints are separate)."""
     nvme_states: str = field(default="auto", metadata={"choices": ("auto", "all")})
