@@ -11,8 +11,8 @@
 from pystronghold.parallel.groups import (ParallelGroups, group_rank, group_size, init_parallel,
                                           validate_parallel_sizes)
 from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                          VocabParallelEmbedding, gather_tp_param, init_normal_,
-                                          mark_tp_split)
+                                          VocabParallelEmbedding, gather_tp_param, gather_tp_tensor,
+                                          init_normal_, mark_tp_split, tp_slice)
 from pystronghold.parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
                                             reduce_from_tp_region, scatter_to_tp_region)
 
@@ -20,5 +20,5 @@ __all__ = [
     "ParallelGroups", "init_parallel", "validate_parallel_sizes", "group_size", "group_rank",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "init_normal_", "gather_tp_param", "mark_tp_split",
+    "init_normal_", "gather_tp_param", "gather_tp_tensor", "tp_slice", "mark_tp_split",
 ]

@@ -4,7 +4,9 @@ Each layer holds this rank's slice of the full weight, with the same parameter n
 torch layer (``weight`` (out, in), ``bias``). A split parameter carries ``tp_split = (dim, rank,
 size)``: ``init_normal_`` draws the *full* tensor from a seed and keeps the slice, so a run with any
 TP size starts from exactly the single-process weights, and ``gather_tp_param`` rebuilds the full
-tensor. With ``group=None`` (or a one-rank group) every layer is its plain torch counterpart.
+tensor (``gather_tp_tensor`` that of any tensor shaped like the slice, e.g. an Adam moment;
+``tp_slice`` cuts a rank's slice out of a full tensor). With ``group=None`` (or a one-rank group)
+every layer is its plain torch counterpart.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pystronghold.parallel.mappings import (copy_to_tp_region, gather_from_tp_re
                                             reduce_from_tp_region, scatter_to_tp_region)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "init_normal_", "gather_tp_param", "mark_tp_split"]
+           "init_normal_", "gather_tp_param", "gather_tp_tensor", "tp_slice", "mark_tp_split"]
 
 
 # ---- split parameters: init and gather
@@ -56,15 +58,40 @@ def init_normal_(param: torch.Tensor, std: float, seed: int, name: str) -> torch
 def gather_tp_param(param: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The full tensor of a split parameter, gathered from every rank of ``group`` (a collective:
     every rank must call it). Unsplit parameters are returned detached as they are."""
-    dim, _, size = getattr(param, "tp_split", (0, 0, 1))
+    return gather_tp_tensor(param.detach(), getattr(param, "tp_split", (0, 0, 1)), group)
+
+
+@torch.no_grad()
+def gather_tp_tensor(local: torch.Tensor, split: tuple[int, int, int],
+                     group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full tensor of which ``local`` is this rank's slice as described by ``split = (dim,
+    rank, size)`` (a parameter's ``tp_split``; also its Adam moments and fp32 master), gathered
+    from every rank of ``group`` (a collective when size > 1). With size 1, ``local`` itself.
+    On an NCCL group the tensor travels through the current CUDA device and comes back where it was."""
+    dim, _, size = split
     if size == 1:
-        return param.detach()
+        return local
     if size != group_size(group):
-        raise ValueError(f"parameter is split {size} ways but the group has {group_size(group)} ranks")
-    local = param.detach().contiguous()
+        raise ValueError(f"tensor is split {size} ways but the group has {group_size(group)} ranks")
+    where = local.device
+    local = local.contiguous()
+    if dist.get_backend(group) == "nccl" and where.type != "cuda":
+        local = local.cuda()
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local, group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(parts, dim=dim).to(where)
+
+
+def tp_slice(full: torch.Tensor, split: tuple[int, int, int]) -> torch.Tensor:
+    """This rank's slice of the whole tensor ``full`` for ``split = (dim, rank, size)`` (a view;
+    ``full`` itself when size is 1): rows ``[rank * n/size, (rank+1) * n/size)`` along ``dim``."""
+    dim, rank, size = split
+    if size == 1:
+        return full
+    if full.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of shape {tuple(full.shape)} does not split {size} ways")
+    shard = full.shape[dim] // size
+    return full.narrow(dim, rank * shard, shard)
 
 
 def _local_size(full: int, group: dist.ProcessGroup | None, what: str) -> int:

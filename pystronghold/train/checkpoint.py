@@ -10,7 +10,11 @@ Layout of one checkpoint (``<dir>/step-00000100/``)::
     manifest.json                        format, version, model config, step, sha256 of every file
 
 Nothing in it depends on the window size or the number of ranks that wrote it: tensors are keyed
-by parameter name and hold whole parameters. Writing goes into ``<dir>/.tmp-step-...`` one block
+by parameter name and hold whole parameters (``manifest.json`` records the TP x DP layout that
+wrote it, as information only). With tensor parallelism saving is a collective: the TP ranks of DP
+replica 0 gather every split tensor (master and moments, along the parameter's ``tp_split`` dim)
+one block at a time and global rank 0 writes; loading reads the whole tensors on every rank and
+keeps each rank's slice, so a checkpoint written with any TP size resumes with any other. Writing goes into ``<dir>/.tmp-step-...`` one block
 at a time (at most one block's serialised bytes in extra memory), each file fsynced, the manifest
 last; only then is the directory renamed to ``step-...``. A crash or kill leaves at most a ``.tmp``
 directory (ignored, and removed by the next save) and the previous checkpoints intact. Loading
@@ -30,6 +34,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load, save as st_save
+
+from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
            "latest_checkpoint", "read_manifest", "export_weights"]
@@ -95,6 +101,22 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def _split(param: torch.Tensor) -> tuple[int, int, int]:
+    """``(dim, rank, size)`` of a tensor-parallel parameter; ``(0, 0, 1)`` for a whole one."""
+    return getattr(param, "tp_split", (0, 0, 1))
+
+
+def _tp_group(trainer):
+    """The TP group of a run with tensor parallelism, else None (nothing is split)."""
+    groups = trainer.groups
+    return groups.tp_group if groups is not None and groups.tp_size > 1 else None
+
+
+def _model_dict(config) -> dict:
+    """The model config as the manifest keeps it: ``tp_size`` 1 (the format holds whole tensors)."""
+    return dataclasses.asdict(dataclasses.replace(config, tp_size=1))
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The complete checkpoint with the highest step under ``root``, or None."""
     found = _steps(Path(root))
@@ -103,44 +125,63 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 # ---- save
 
-def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_file=None) -> Path:
+def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_file=None) -> Path | None:
     """Write ``trainer``'s state as ``root/step-NNNNNNNN`` (atomically); keep the newest ``keep``.
 
-    ``_after_file(name)`` is a test hook called after each file is written. Returns the directory.
+    In a run of several processes every rank calls it: with tensor parallelism the TP ranks of DP
+    replica 0 gather each split tensor (a collective, one block at a time); global rank 0 alone
+    writes and gets the directory, every other rank gets None. ``_after_file(name)`` is a test hook
+    called after each file is written.
     """
     engine = trainer.engine
     engine.synchronize()  # every host update (forward-overlap ones too) has landed in the store
+    groups = trainer.groups
+    if groups is not None and groups.dp_rank != 0:
+        return None  # NOTE: DP replicas hold identical state; replica 0 (with global rank 0) saves it
+    writer = groups is None or groups.rank == 0
+    tp_group = _tp_group(trainer)
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     name = f"{_PREFIX}{trainer.step:08d}"
-    for stale in root.glob(".tmp-*"):  # left by a killed save
-        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{name}-{os.getpid()}"
-    (tmp / "blocks").mkdir(parents=True)
+    if writer:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # left by a killed save
+            shutil.rmtree(stale, ignore_errors=True)
+        (tmp / "blocks").mkdir(parents=True)
     files: dict[str, dict] = {}
+
+    def write(rel: str, tensors: dict[str, torch.Tensor]) -> None:
+        if writer:
+            files[rel] = _write(tmp / rel, st_save(tensors))
+            if _after_file is not None:
+                _after_file(rel)
+
     store = engine.store
     # NOTE: the engine's per-block parameter names (full model names); format is keyed by them.
+    # Every TP rank walks the same blocks, states and parameters in the same order, so the
+    # gathers match; a gathered block is written and dropped before the next one is read.
     for b, names in enumerate(engine._block_param_names):
         lay = store.layouts[b]
+        splits = [_split(p) for p in engine.window.params[b]]
         tensors = {}
         for tier, suffix in _BLOCK_STATES:
-            for n, view in zip(names, lay.views(store.read_state(b, tier))):  # read from disk if there
-                tensors[n + suffix] = view
-        rel = f"blocks/block-{b:05d}.safetensors"
-        files[rel] = _write(tmp / rel, st_save(tensors))
-        if _after_file is not None:
-            _after_file(rel)
+            views = lay.views(store.read_state(b, tier))  # read from disk if there
+            for n, split, view in zip(names, splits, views):
+                tensors[n + suffix] = gather_tp_tensor(view, split, tp_group)
+        write(f"blocks/block-{b:05d}.safetensors", tensors)
     dev = engine.device_optimizer
     tensors = {}
     for p, m in zip(dev.params, dev.masters):
-        n = engine._names[id(p)]
-        tensors[n] = m.detach().float().cpu()
+        n, split = engine._names[id(p)], _split(p)  # a fp16/bf16 run's master is a copy: p has the split
+        tensors[n] = gather_tp_tensor(m.detach().float(), split, tp_group).cpu()
         st = dev._opt.state.get(m, {}) if dev._opt is not None else {}
         if st:
-            tensors[n + ".exp_avg"] = st["exp_avg"].detach().cpu()
-            tensors[n + ".exp_avg_sq"] = st["exp_avg_sq"].detach().cpu()
+            tensors[n + ".exp_avg"] = gather_tp_tensor(st["exp_avg"].detach(), split, tp_group).cpu()
+            tensors[n + ".exp_avg_sq"] = gather_tp_tensor(st["exp_avg_sq"].detach(), split, tp_group).cpu()
             tensors[n + ".step"] = torch.as_tensor(st["step"]).detach().float().cpu().reshape(1)
-    files["head_tail.safetensors"] = _write(tmp / "head_tail.safetensors", st_save(tensors))
+    write("head_tail.safetensors", tensors)
+    if not writer:
+        return None
     import io
 
     buf = io.BytesIO()
@@ -150,8 +191,10 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
                 "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
     files["state.pt"] = _write(tmp / "state.pt", buf.getvalue())
     manifest = {"format": FORMAT, "version": VERSION, "step": trainer.step,
-                "model": dataclasses.asdict(trainer.config.gpt), "blocks": engine.n_blocks,
-                "precision": trainer.config.window.precision, "files": files}
+                "model": _model_dict(trainer.config.gpt), "blocks": engine.n_blocks,
+                "precision": trainer.config.window.precision,
+                "written_by": {"tp": groups.tp_size if groups else 1, "dp": groups.dp_size if groups else 1},
+                "files": files}
     _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
     _fsync_dir(tmp / "blocks")
     _fsync_dir(tmp)
@@ -208,14 +251,35 @@ def _load_file(path: Path, rel: str, meta: dict) -> dict[str, torch.Tensor]:
     return st_load(data)
 
 
+def _mine(saved: dict[str, torch.Tensor], key: str, param: torch.Tensor, shape, path: Path) -> torch.Tensor:
+    """This rank's part of the whole tensor ``saved[key]`` (the slice ``param.tp_split`` names), checked
+    against the ``shape`` it must have. A contiguous copy: the store and Adam want dense tensors."""
+    try:
+        full = saved[key]
+    except KeyError:
+        raise CheckpointError(f"checkpoint {path}: {key} is missing") from None
+    try:
+        part = tp_slice(full, _split(param))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: {key}: {e}") from None
+    if part.shape != torch.Size(shape):
+        raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(full.shape)}, this run expects "
+                              f"{tuple(shape)} per rank (split {_split(param)})")
+    return part.contiguous()
+
+
 @torch.no_grad()
 def load_checkpoint(trainer, path: str | os.PathLike) -> None:
-    """Restore ``trainer`` (model, optimizer states, step, schedule, RNG, data position, scaler)."""
+    """Restore ``trainer`` (model, optimizer states, step, schedule, RNG, data position, scaler).
+
+    Every rank of a run with several processes calls it and reads the files itself; a rank of a
+    tensor-parallel run keeps its slice of each split tensor (any TP size may have written them).
+    """
     path = Path(path)
     manifest = read_manifest(path)
-    mine = dataclasses.asdict(trainer.config.gpt)
-    if manifest["model"] != mine:
-        diff = {k: (manifest["model"].get(k), v) for k, v in mine.items() if manifest["model"].get(k) != v}
+    mine, saved_model = _model_dict(trainer.config.gpt), dict(manifest["model"], tp_size=1)
+    if saved_model != mine:
+        diff = {k: (saved_model.get(k), v) for k, v in mine.items() if saved_model.get(k) != v}
         raise CheckpointError(f"checkpoint {path} was made for another model: (saved, this run) {diff}")
     engine = trainer.engine
     engine.synchronize()
@@ -223,21 +287,24 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     for b, names in enumerate(engine._block_param_names):
         rel = f"blocks/block-{b:05d}.safetensors"
         saved = _load_file(path, rel, manifest["files"][rel])
+        params = engine.window.params[b]
         for tier, suffix in _BLOCK_STATES:
-            store.write_state(b, tier, [saved[n + suffix] for n in names])
-        if store.has_shadow:
-            store.write_state(b, "shadow", [saved[n] for n in names])
+            values = [_mine(saved, n + suffix, p, span.shape, path)
+                      for n, p, span in zip(names, params, store.layouts[b].spans)]
+            store.write_state(b, tier, values)
+            if tier == "master" and store.has_shadow:
+                store.write_state(b, "shadow", values)
     saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
     dev = engine.device_optimizer
     for p, m in zip(dev.params, dev.masters):
         n = engine._names[id(p)]
-        m.copy_(saved[n])
+        m.copy_(_mine(saved, n, p, m.shape, path))
         if m is not p:
             p.copy_(m)
         if n + ".exp_avg" in saved and dev._opt is not None:
             dev._opt.state[m] = {"step": torch.tensor(float(saved[n + ".step"][0])),
-                                 "exp_avg": saved[n + ".exp_avg"].to(m.device),
-                                 "exp_avg_sq": saved[n + ".exp_avg_sq"].to(m.device)}
+                                 "exp_avg": _mine(saved, n + ".exp_avg", p, m.shape, path).to(m.device),
+                                 "exp_avg_sq": _mine(saved, n + ".exp_avg_sq", p, m.shape, path).to(m.device)}
     data = (path / "state.pt").read_bytes()
     if hashlib.sha256(data).hexdigest() != manifest["files"]["state.pt"]["sha256"]:
         raise CheckpointError(f"checkpoint {path}: state.pt is corrupt (sha256 mismatch)")

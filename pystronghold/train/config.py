@@ -356,9 +356,6 @@ class TrainConfig:
                              "(each replica takes an equal slice of every batch)")
         if par.distributed and self.window.window == "auto":
             raise ValueError("--window auto is not supported with several processes yet; give --window N")
-        if tp > 1 and self.checkpoint.checkpoint_dir:
-            raise ValueError("--checkpoint-dir/--resume with --tp > 1 is not supported yet "
-                             "(the checkpoint format is per whole model; data parallelism alone works)")
 
     @property
     def gpt(self) -> GPTConfig:

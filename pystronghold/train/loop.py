@@ -247,10 +247,11 @@ class Trainer:
                 from pystronghold.train.checkpoint import save_checkpoint
 
                 t0 = time.perf_counter()
-                # NOTE: DP replicas hold identical state (TP > 1 is refused by TrainConfig): rank 0
-                # writes, the others wait so that no rank runs ahead of a checkpoint being written.
-                if self.rank == 0:
-                    res.checkpoints.append(str(save_checkpoint(self, ck.checkpoint_dir, keep=ck.keep)))
+                # NOTE: every rank calls it: the TP ranks of DP replica 0 gather the split tensors,
+                # rank 0 writes; all wait so that no rank runs ahead of a checkpoint being written.
+                written = save_checkpoint(self, ck.checkpoint_dir, keep=ck.keep)
+                if written is not None:
+                    res.checkpoints.append(str(written))
                 self._barrier()
                 res.time.checkpoint_s += time.perf_counter() - t0
             if self.step % run.log_every == 0 or last:
