@@ -5,7 +5,8 @@ from _dist import run_ranks
 
 from pystronghold.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    copy_to_tp_region, gather_from_tp_region, gather_tp_param,
-                                   init_parallel, reduce_from_tp_region, scatter_to_tp_region)
+                                   gather_tp_tensor, init_parallel, reduce_from_tp_region,
+                                   scatter_to_tp_region, tp_slice)
 
 close = torch.testing.assert_close
 
@@ -36,6 +37,17 @@ def test_init_is_seeded_normal():
     close(a.weight, b.weight, rtol=0, atol=0)
     assert not torch.equal(a.weight, ColumnParallelLinear(64, 64, seed=2).weight)
     assert abs(ColumnParallelLinear(64, 64, init_std=0.5).weight.std().item() - 0.5) < 0.05
+
+
+def test_tp_slice_cuts_the_rank_rows_and_refuses_an_uneven_split():
+    full = torch.arange(24.0).reshape(4, 6)
+    assert tp_slice(full, (0, 0, 1)) is full and gather_tp_tensor(full, (0, 0, 1), None) is full
+    close(tp_slice(full, (0, 1, 2)), full[2:], rtol=0, atol=0)
+    close(tp_slice(full, (1, 2, 3)), full[:, 4:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not split 4 ways"):
+        tp_slice(full, (1, 0, 4))
+    with pytest.raises(ValueError, match="split 2 ways but the group has 1 ranks"):
+        gather_tp_tensor(full, (0, 0, 2), None)
 
 
 def test_bad_layer_arguments():
@@ -87,6 +99,8 @@ def _column(r: int, g) -> None:
     close(par.weight.grad, full.weight.grad.chunk(2, 0)[r])
     close(par.bias.grad, full.bias.grad.chunk(2)[r])
     close(gather_tp_param(par.weight, g), full.weight)
+    moment = torch.randn(12, 8)  # a whole tensor (e.g. an Adam moment): slice, then gather back
+    close(gather_tp_tensor(tp_slice(moment, par.weight.tp_split), par.weight.tp_split, g), moment, rtol=0, atol=0)
     par.gather_output = False
     close(par(X), full(X).chunk(2, -1)[r])
     par.skip_bias_add = True

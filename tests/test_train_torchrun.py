@@ -82,15 +82,14 @@ def test_single_process_with_tp_says_how_to_launch():
         "--nproc-per-node 2 -m pystronghold train ..."]
 
 
-def test_checkpoints_with_tp_refused_dp_batch_checked(monkeypatch):
+def test_checkpoints_accepted_with_tp_and_dp(monkeypatch):
     from pystronghold.train.config import CheckpointOptions, ParallelOptions, TrainConfig
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="--checkpoint-dir/--resume with --tp > 1 is not supported yet"):
-        TrainConfig(parallel=ParallelOptions(tp=2), checkpoint=CheckpointOptions(checkpoint_dir="ck"))
+    config = TrainConfig(parallel=ParallelOptions(tp=2), checkpoint=CheckpointOptions(checkpoint_dir="ck"))
+    assert config.gpt.tp_size == 2 and config.parallel.dp_size == 1
     config = TrainConfig(parallel=ParallelOptions(dp=2), checkpoint=CheckpointOptions(checkpoint_dir="ck"))
     assert config.parallel.dp_size == 2 and config.gpt.tp_size == 1
-    assert TrainConfig(parallel=ParallelOptions(tp=2)).gpt.tp_size == 2  # --dp 0: world / tp = 1
 
 
 def test_dp_checkpoint_written_by_rank_0_resumed_by_every_rank(reference, tmp_path):
@@ -105,4 +104,21 @@ def test_dp_checkpoint_written_by_rank_0_resumed_by_every_rank(reference, tmp_pa
     assert p.returncode == 0, p.stderr
     train, val = _losses(p.stdout)
     assert train == pytest.approx(reference[0][2:], abs=1e-4)  # step 3 continues the same run
+    assert val == pytest.approx(reference[1], abs=1e-4)
+
+
+def test_tp_checkpoint_resumed_by_one_process(reference, tmp_path):
+    """Every rank of a --tp 2 run joins the save (split tensors gathered), rank 0 writes whole
+    parameters, and a single process resumes from them."""
+    import shutil
+
+    ck = str(tmp_path / "ck")
+    p = _run(2, "--tp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]
+    shutil.rmtree(os.path.join(ck, "step-00000003"))
+    p = _run(1, "--checkpoint-dir", ck, "--resume")
+    assert p.returncode == 0, p.stderr
+    train, val = _losses(p.stdout)
+    assert train == pytest.approx(reference[0][2:], abs=1e-4)
     assert val == pytest.approx(reference[1], abs=1e-4)
