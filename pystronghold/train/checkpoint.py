@@ -14,8 +14,9 @@ by parameter name and hold whole parameters (``manifest.json`` records the TP x 
 wrote it, as information only). With tensor parallelism saving is a collective: the TP ranks of DP
 replica 0 gather every split tensor (master and moments, along the parameter's ``tp_split`` dim)
 one block at a time and global rank 0 writes; loading reads the whole tensors on every rank and
-keeps each rank's slice, so a checkpoint written with any TP size resumes with any other. Writing goes into ``<dir>/.tmp-step-...`` one block
-at a time (at most one block's serialised bytes in extra memory), each file fsynced, the manifest
+keeps each rank's slice, so a checkpoint written with any TP size resumes with any other. Writing
+goes into ``<dir>/.tmp-step-...`` one block at a time (at most one block's serialised bytes in
+extra memory), each file fsynced, the manifest
 last; only then is the directory renamed to ``step-...``. A crash or kill leaves at most a ``.tmp``
 directory (ignored, and removed by the next save) and the previous checkpoints intact. Loading
 verifies every checksum before it changes anything.
