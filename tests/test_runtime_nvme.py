@@ -263,16 +263,11 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
     """SIGKILL during a step with states on disk: the last checkpoint is complete (the tier is
     scratch, never part of it); the next run resumes from it to the uninterrupted losses and
     removes the dead process's scratch directory."""
-    import os
-    import signal
-    import subprocess
-    import sys
     import textwrap
-    import time
     from pathlib import Path
 
     from pystronghold.train.config import MemoryOptions
-    from train_helpers import tiny_config
+    from train_helpers import kill_when_marked, tiny_config
 
     ck, nvme, marker = tmp_path / "ck", tmp_path / "nvme", tmp_path / "in-step-3"
     script = textwrap.dedent(f"""
@@ -297,16 +292,7 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
         engine.updates.submit_update = stalled
         t.train_step()
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert child.poll() is None, "the child exited before step 3"
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait()
+    kill_when_marked(script, marker, "step 3")
     stale = [p for p in nvme.iterdir() if p.name.startswith("pystronghold-scratch-")]
     assert len(stale) == 1 and any(stale[0].rglob("*.psr"))  # the dead run's tier is still there
     assert latest_checkpoint(ck).name == "step-00000002"

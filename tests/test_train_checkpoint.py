@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +14,7 @@ from pystronghold.models import GPT, GPTConfig
 from pystronghold.train import Trainer
 from pystronghold.train.checkpoint import (CheckpointError, export_weights, latest_checkpoint,
                                            load_checkpoint, read_manifest)
-from train_helpers import TINY, tiny_config
+from train_helpers import TINY, kill_when_marked, tiny_config
 
 
 def _run(config):
@@ -64,16 +59,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
             time.sleep(60)
         save_checkpoint(t, {str(ck)!r}, _after_file=slow)
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert child.poll() is None, "the child exited before its second save"
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait()
+    kill_when_marked(script, marker, "its second save")
     assert any(p.name.startswith(".tmp-step-00000003") for p in ck.iterdir())  # the half-written save
     latest = latest_checkpoint(ck)
     assert latest.name == "step-00000002"

@@ -33,3 +33,24 @@ def tiny_config(tmp_path: Path, *, steps: int = 6, window: str = "2", ckpt: str 
         window=WindowOptions(window=window, precision=precision),
         run=RunOptions(steps=steps, log_every=2, eval_every=0, eval_batches=2, trace=trace, quiet=True),
         checkpoint=CheckpointOptions(checkpoint_dir=ckpt, checkpoint_every=every, resume=resume))
+
+
+def kill_when_marked(script: str, marker: Path, what: str, timeout_s: float = 120.0) -> None:
+    """Run ``script`` in a child Python; SIGKILL it as soon as it writes ``marker``. ``what`` names
+    the point the child must reach (in the failure message)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists():
+            assert child.poll() is None, f"the child exited before {what}"
+            assert time.monotonic() < deadline, f"the child did not reach {what} in {timeout_s} s"
+            time.sleep(0.1)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
