@@ -23,6 +23,7 @@ import copy
 import logging
 import mmap
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -32,11 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_gpt_arguments, print_table, write_json  # noqa: E402
+from window import Windowed  # noqa: E402
 
-import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
 
-HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 _CHUNK = 16 << 20
 
 
@@ -76,19 +76,6 @@ def union_s(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-class Trainer:
-    def __init__(self, model, **options) -> None:
-        self.engine = ph.wrap(model, blocks=model.blocks, window=2, optimizer=ph.AdamW(**HYPER), trace=True,
-                              **options)
-
-    def step(self, x, y) -> float:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        self.engine.zero_grad()
-        return loss.item()
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_gpt_arguments(parser, layers=8, hidden=1024, seq=64, steps=4, warmup=1)
@@ -105,9 +92,7 @@ def main(argv=None) -> int:
     try:
         return run(args, root)
     finally:
-        for p in sorted(root.rglob("*"), reverse=True):
-            p.rmdir() if p.is_dir() else p.unlink()
-        root.rmdir()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def run(args, root: Path) -> int:
@@ -120,8 +105,8 @@ def run(args, root: Path) -> int:
     batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
                 torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g))
                for _ in range(args.warmup + args.steps)]
-    trainers = {"ram": Trainer(copy.deepcopy(base)),
-                "disk": Trainer(copy.deepcopy(base), nvme_dir=str(root / "tier"), nvme_states="all")}
+    trainers = {"ram": Windowed(copy.deepcopy(base), 2),
+                "disk": Windowed(copy.deepcopy(base), 2, nvme_dir=str(root / "tier"), nvme_states="all")}
     del base
     losses = {name: [] for name in trainers}
     times = {name: [] for name in trainers}

@@ -63,11 +63,12 @@ class Plain:
 
 
 class Windowed:
-    """The same training through pystronghold.wrap with ``window`` blocks resident."""
+    """The same training through pystronghold.wrap with ``window`` blocks resident (``options``:
+    more wrap options, e.g. the NVMe tier's in bench/nvme.py)."""
 
-    def __init__(self, model, window) -> None:
+    def __init__(self, model, window, **options) -> None:
         self.engine = ph.wrap(model, blocks=model.blocks, window=window, optimizer=ph.AdamW(**HYPER),
-                              trace=True)
+                              trace=True, **options)
 
     def step(self, x, y) -> float:
         loss = self.engine(x, y)

@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 from pystronghold.io import CopyError, CopyHandle, FileStore, HostArena
+from pystronghold.io.scratch import ScratchDir, check_free_space, free_bytes
 from pystronghold.runtime.placement import Placement, buffer_bytes, state_dtype
 
-__all__ = ["DiskTier", "DiskTierError", "Lease", "disk_tier_bytes"]
+__all__ = ["DiskTier", "DiskTierError", "Lease", "disk_tier_bytes", "open_scratch"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,21 @@ def disk_tier_bytes(placement: Placement, numels: list[int], compute_dtype: torc
     return sum(FileStore.file_bytes_for(len(blocks), buffer_bytes(cap, state, compute_dtype))
                for state, blocks in placement.disk_blocks.items()
                if blocks and not (state == "grad" and placement.streamed_grads))
+
+
+def open_scratch(nvme_dir: str, need_bytes: int, *, preallocate: bool) -> ScratchDir:
+    """The tier's scratch directory under ``nvme_dir``, after checking the disk has ``need_bytes``
+    free: DiskSpaceError with both numbers when the files are to be preallocated, a warning when
+    they grow sparse (the run then fails at the write that finds the disk full)."""
+    if preallocate:
+        check_free_space(nvme_dir, need_bytes, what="the NVMe tier's block states")
+    else:
+        free = free_bytes(nvme_dir)
+        if free < need_bytes:
+            log.warning("NVMe tier: %s has %s bytes free, the tier's files will grow to %s bytes "
+                        "(sparse, not reserved): the run fails when the disk fills up",
+                        nvme_dir, f"{free:,}", f"{need_bytes:,}")
+    return ScratchDir(nvme_dir)
 
 
 class _Slot:
@@ -76,7 +92,7 @@ class Lease:
         self.tensors = tensors
         self.slot = slot
         self.reads = list(reads)  # (state, handle)
-        self.disk_states: frozenset[str] = frozenset()  # the states staged in a cache slot
+        self.disk_states = frozenset(tensors) if slot is not None else frozenset()  # staged in the slot
         self._tier = tier
 
     def wait(self) -> None:
@@ -168,9 +184,7 @@ class DiskTier:
             for h in slot.readers:
                 h.wait()
         n = self.numels[block]
-        lease = Lease(block, {s: slot.buffers[s][:n] for s in states}, slot, reads, self)
-        lease.disk_states = frozenset(states)
-        return lease
+        return Lease(block, {s: slot.buffers[s][:n] for s in states}, slot, reads, self)
 
     def release(self, lease: Lease, *, dirty=(), after=(), drop=()) -> None:
         """Return ``lease``; write its ``dirty`` states back (after the ``after`` copies finish).
@@ -299,10 +313,10 @@ class DiskTier:
     def _raise_failed(self) -> None:
         if self._failed is None:
             with self._cond:
-                handles = [(h, s, b) for slot in self._slots for s, h in slot.writes.items()
-                           for b in (slot.block,) if h.failed]
-            for h, s, b in handles[:1]:
-                self._wait(h, f"writing {s} of block {b}")
+                failed = [(h, s, slot.block) for slot in self._slots for s, h in slot.writes.items() if h.failed]
+            if failed:
+                handle, state, block = failed[0]
+                self._wait(handle, f"writing {state} of block {block}")
         if self._failed is not None:
             raise DiskTierError(f"{self._failed} (the NVMe tier stopped at the first failure; "
                                 "restart from the last checkpoint)")

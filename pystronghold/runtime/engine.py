@@ -17,7 +17,6 @@ import warnings
 
 import torch
 
-from pystronghold.io.scratch import ScratchDir, check_free_space, free_bytes
 from pystronghold.parallel.data import any_rank, average_, average_grads_, global_grad_norm, is_tp_shard
 from pystronghold.runtime import block_fn
 from pystronghold.runtime.backend import make_backend
@@ -25,9 +24,10 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.schedule import Load, Release, build_plan
-from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes
+from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.placement import plan_placement
-from pystronghold.runtime.prepare import head_tail_bytes, move_to_device, slot_bytes, split_parameters
+from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, move_to_device, slot_bytes,
+                                          split_parameters)
 from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
 from pystronghold.runtime.updates import HostUpdates
 from pystronghold.runtime.window import Window
@@ -62,10 +62,11 @@ class Engine:
         block_named, self.head_tail_params = split_parameters(model, blocks, config.device)
         layouts = [BlockLayout(named) for named in block_named]
         block_params = [[p for _, p in named] for named in block_named]
+        numels = [lay.numel for lay in layouts]
         self.planned_arena_bytes = window * slot_bytes(layouts, self.dtype)
         # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
         self.placement = plan_placement(
-            [lay.numel for lay in layouts], self.dtype,
+            numels, self.dtype,
             budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
                           else int(config.host_memory_bytes)),
             # on the CPU backend the "device" (window arena, head and tail) is host memory too
@@ -76,14 +77,8 @@ class Engine:
             force_disk=config.nvme_states == "all")
         self.scratch = None
         if self.placement.spilled:
-            need = disk_tier_bytes(self.placement, [lay.numel for lay in layouts], self.dtype)
-            if config.nvme_preallocate:
-                check_free_space(config.nvme_dir, need, what="the NVMe tier's block states")
-            elif free_bytes(config.nvme_dir) < need:
-                log.warning("NVMe tier: %s has %s bytes free, the tier's files will grow to %s bytes "
-                            "(sparse, not reserved): the run fails when the disk fills up",
-                            config.nvme_dir, f"{free_bytes(config.nvme_dir):,}", f"{need:,}")
-            self.scratch = ScratchDir(config.nvme_dir)
+            self.scratch = open_scratch(config.nvme_dir, disk_tier_bytes(self.placement, numels, self.dtype),
+                                        preallocate=config.nvme_preallocate)
         try:
             self.backend = make_backend(config.device, self.planned_arena_bytes, copy_threads=config.copy_threads)
             self.device = self.backend.device
@@ -100,21 +95,7 @@ class Engine:
             if self.scratch is not None:
                 self.scratch.close()
             raise
-        materialize = self._materializer(model, block_params, materialize)
-        placeholder = torch.empty(0)
-        for b, params in enumerate(block_params):
-            if materialize is not None and any(p.is_meta for p in params):
-                materialize(b)
-                # materializing may make new Parameter objects (to_empty): take the block's own
-                own = dict(blocks[b].named_parameters())
-                params[:] = [own[name] for name, _ in block_named[b]]
-                if any(p.is_meta for p in params):
-                    raise ValueError(f"wrap: materialize({b}) left block {b} parameters on the meta device")
-            self.store.fill_from(b, params)
-            for p in params:  # the store has the values now: one block at a time in host memory
-                p.data = placeholder
-            if (b + 1) % 8 == 0 or b + 1 == n:
-                log.info("store filled: %d/%d blocks", b + 1, n)
+        fill_store(self.store, model, blocks, block_named, block_params, materialize)
         # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
         head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
         move_to_device(model, blocks, self.device, self.dtype)
@@ -147,19 +128,6 @@ class Engine:
         self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
         log.info("window runtime: %d blocks, W=%d, %s, %s, overlap=%s, device arena %d bytes",
                  n, window, config.device, config.precision, self.overlap, self.planned_arena_bytes)
-
-    @staticmethod
-    def _materializer(model, block_params, materialize):
-        """The function that builds block i's meta parameters (``materialize`` or the model's
-        ``materialize_block_``); None when no block is on the meta device."""
-        if not any(p.is_meta for ps in block_params for p in ps):
-            return None
-        if materialize is None:
-            materialize = getattr(model, "materialize_block_", None)
-        if materialize is None:
-            raise ValueError("wrap: some block parameters are on the meta device; pass materialize=fn "
-                             "(fn(i) gives block i real, initialised parameters on the host)")
-        return materialize
 
     # ---- user API
 

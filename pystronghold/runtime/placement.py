@@ -106,11 +106,8 @@ class Placement:
             if state == "grad" and self.streamed_grads:
                 continue
             per_block = {"shadow": 3}.get(state, 2) + (2 if state == upload and state == "master" else 0)
-            total += sum(per_block * buffer_bytes(numels[b], state, self._dtype_of(state)) for b in blocks)
+            total += sum(per_block * buffer_bytes(numels[b], state, self.compute_dtype) for b in blocks)
         return total
-
-    def _dtype_of(self, state: str) -> torch.dtype:
-        return self.compute_dtype if state in ("grad", "shadow") else torch.float32
 
     def describe(self, n_blocks: int) -> str:
         """One line: which states are on disk (all blocks or how many)."""

@@ -3,11 +3,15 @@ placement, memory budgets. Every refusal here happens before anything is allocat
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pystronghold.runtime.store import BlockLayout
 
-__all__ = ["split_parameters", "move_to_device", "slot_bytes", "head_tail_bytes"]
+__all__ = ["split_parameters", "move_to_device", "fill_store", "slot_bytes", "head_tail_bytes"]
+
+log = logging.getLogger(__name__)
 
 _ARENA_ALIGN = 4096
 
@@ -78,6 +82,43 @@ def move_to_device(model: torch.nn.Module, blocks: torch.nn.ModuleList, device: 
         for key, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[key] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else None)
+
+
+def _materializer(model, block_params, materialize):
+    """The function that builds block i's meta parameters (``materialize`` or the model's
+    ``materialize_block_``); None when no block is on the meta device."""
+    if not any(p.is_meta for ps in block_params for p in ps):
+        return None
+    if materialize is None:
+        materialize = getattr(model, "materialize_block_", None)
+    if materialize is None:
+        raise ValueError("wrap: some block parameters are on the meta device; pass materialize=fn "
+                         "(fn(i) gives block i real, initialised parameters on the host)")
+    return materialize
+
+
+def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block_named, block_params,
+               materialize=None) -> None:
+    """Copy every block's initial values into ``store``, one block at a time: a meta block is
+    materialized first (``materialize(i)``), and each block's own storage is dropped once the store
+    has it, so the whole model never needs to fit in host memory. ``block_params[i]`` is updated
+    in place to the block's Parameter objects (materializing may make new ones)."""
+    materialize = _materializer(model, block_params, materialize)
+    placeholder = torch.empty(0)
+    n = len(block_params)
+    for b, params in enumerate(block_params):
+        if materialize is not None and any(p.is_meta for p in params):
+            materialize(b)
+            # materializing may make new Parameter objects (to_empty): take the block's own
+            own = dict(blocks[b].named_parameters())
+            params[:] = [own[name] for name, _ in block_named[b]]
+            if any(p.is_meta for p in params):
+                raise ValueError(f"wrap: materialize({b}) left block {b} parameters on the meta device")
+        store.fill_from(b, params)
+        for p in params:
+            p.data = placeholder
+        if (b + 1) % 8 == 0 or b + 1 == n:
+            log.info("store filled: %d/%d blocks", b + 1, n)
 
 
 def head_tail_bytes(params: list[torch.Tensor], dtype: torch.dtype) -> int:

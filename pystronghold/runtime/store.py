@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from pystronghold.runtime.disk_tier import DiskTier, Lease
-from pystronghold.runtime.placement import STATES, Placement, buffer_bytes, plan_placement, state_dtype
+from pystronghold.runtime.placement import Placement, buffer_bytes, plan_placement, state_dtype
 
-__all__ = ["ALIGN_ELEMS", "ParamSpan", "BlockLayout", "HostStore", "available_host_bytes",
-           "default_host_budget_bytes",
-           "store_bytes", "Lease"]
+__all__ = ["ALIGN_ELEMS", "ParamSpan", "BlockLayout", "HostStore", "Lease", "available_host_bytes",
+           "default_host_budget_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +107,6 @@ for activations, the loss, Python and torch (a store filled to the last byte wou
 def default_host_budget_bytes() -> int:
     """The host budget of a store when ``host_memory_bytes`` is not given, in bytes."""
     return int(available_host_bytes() * DEFAULT_HOST_FRACTION)
-
-
-def store_bytes(layouts: list[BlockLayout], compute_dtype: torch.dtype) -> dict[str, int]:
-    """Bytes each tier's arena needs with every block in host memory (buffers aligned to 4096)."""
-    half = compute_dtype != torch.float32
-    states = [s for s in STATES if s != "shadow" or half]
-    return {s: sum(buffer_bytes(lay.numel, s, compute_dtype) for lay in layouts) + _ARENA_ALIGN
-            for s in states}
 
 
 class HostStore:
