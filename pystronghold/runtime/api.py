@@ -40,4 +40,8 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
         log.info("wrap: using %r (%d blocks) as the block stack", name, len(blocks))
     if not isinstance(blocks, torch.nn.ModuleList):
         raise TypeError(f"wrap: blocks= must be an nn.ModuleList, got {type(blocks).__name__}")
-    return Engine(model, blocks, config, materialize=materialize)
+    from pystronghold.runtime.purity import disable_hf_cache
+
+    engine = Engine(model, blocks, config, materialize=materialize)
+    disable_hf_cache(model)
+    return engine

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from pystronghold.runtime.purity import argument_name, fingerprint, is_mutable_cache, output_checksums
+
 __all__ = ["install", "BlockFunction"]
 
 
@@ -65,14 +67,55 @@ def _slot_pack_hooks(engine, block: int):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+def _fingerprints(block: int, spec, flat) -> dict[int, object]:
+    """Fingerprints of the non-tensor arguments of a block call that will be recomputed; a
+    Hugging Face KV cache among them is refused (each call appends to it)."""
+    prints = {}
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            continue
+        if is_mutable_cache(x):
+            raise ValueError(
+                f"block {block} got a Hugging Face {type(x).__name__} as {argument_name(spec, i)} in a "
+                "training forward: its recompute would append to the cache a second time and compute "
+                "something else; call the model with use_cache=False (wrap turns the cache off in "
+                "training forwards unless use_cache= is passed explicitly)")
+        prints[i] = fingerprint(x)
+    return prints
+
+
+def _check_unchanged(block: int, spec, flat, prints: dict, when: str) -> None:
+    for i, before in prints.items():
+        if fingerprint(flat[i]) != before:
+            raise ValueError(
+                f"block {block}'s non-tensor argument {argument_name(spec, i)} ({type(flat[i]).__name__}) "
+                f"changed {when}: the backward recompute would not see what the forward saw; blocks must "
+                "not mutate their non-tensor arguments (pass state as tensors, or turn the cache off)")
+
+
+def _check_same_output(block: int, checksums: list, outs) -> None:
+    got = output_checksums(outs)
+    for k, (want, have) in enumerate(zip(checksums, got)):
+        if want != have:
+            raise RuntimeError(
+                f"strict: block {block}'s recomputed output {k} differs from its forward output "
+                f"(checksum {have} != {want}): the block is not pure (hidden state, or randomness "
+                "outside torch's RNG)")
+    if len(checksums) != len(got):
+        raise RuntimeError(f"strict: block {block}'s recompute returned {len(got)} tensors, its "
+                           f"forward {len(checksums)}")
+
+
 class BlockFunction(torch.autograd.Function):
     """forward(engine, block, train, spec, box, anchor, *flat_args) -> tensor outputs of the block."""
 
     @staticmethod
     def forward(ctx, engine, block, train, spec, box, anchor, *flat):
         fn = engine.block_forwards[block]
-        engine.enter(block, "fwd", train)
         keep = train and not engine.config.checkpointing
+        recompute = train and not keep
+        prints = _fingerprints(block, spec, flat) if recompute else None
+        engine.enter(block, "fwd", train)
         with engine.span("compute_fwd", block):
             if keep:
                 inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
@@ -85,6 +128,8 @@ class BlockFunction(torch.autograd.Function):
                 args, kwargs = pytree.tree_unflatten(list(flat), spec)
                 out = fn(*args, **kwargs)
         engine.leave(block, "fwd")
+        if recompute:
+            _check_unchanged(block, spec, flat, prints, "during its forward")
         leaves, out_spec = pytree.tree_flatten(out)
         is_t = [isinstance(x, torch.Tensor) for x in leaves]
         box["spec"], box["leaves"], box["is_tensor"] = out_spec, leaves, is_t
@@ -95,7 +140,8 @@ class BlockFunction(torch.autograd.Function):
             if keep:
                 ctx.graph = (tensors, inputs)
             else:
-                ctx.rng = rng
+                ctx.rng, ctx.prints = rng, prints
+                ctx.checksums = output_checksums(tensors) if engine.config.strict else None
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
                 ctx.save_for_backward(*[x for x in flat if isinstance(x, torch.Tensor)])
         if keep:
@@ -114,11 +160,14 @@ class BlockFunction(torch.autograd.Function):
             needs = ctx.needs_input_grad[6:]  # one flag per flat argument
             inputs = [next(saved).detach().requires_grad_(need) if t else x
                       for t, x, need in zip(ctx.is_input_tensor, ctx.non_tensor, needs)]
+            _check_unchanged(block, ctx.spec, inputs, ctx.prints, "between its forward and its recompute")
             args, kwargs = pytree.tree_unflatten(inputs, ctx.spec)
             fn = engine.block_forwards[block]
             with engine.span("recompute", block), torch.enable_grad():
                 out = _run_with_rng(ctx.rng, engine.device, lambda: fn(*args, **kwargs))
             outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+            if ctx.checksums is not None:
+                _check_same_output(block, ctx.checksums, outs)
         params = engine.window.params[block]
         wrt_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
