@@ -24,6 +24,7 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.schedule import Load, Release, build_plan
+from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, move_to_device, slot_bytes,
@@ -110,8 +111,10 @@ class Engine:
                                    prefetch_depth=max(1, config.nvme_cache_blocks - 2))
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
-        self._names = {id(p): name for name, p in model.named_parameters()}
-        self._block_param_names = [[self._names[id(p)] for p in ps] for ps in block_params]
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.states = EngineStates(self, [[names[id(p)] for p in ps] for ps in block_params],
+                                   [names[id(p)] for p in self.head_tail_params])
+        install_model_hooks(self, model, blocks)  # model.state_dict() / load_state_dict() via the store
         # pass state
         self._plan = None  # the plan of the pass in progress
         self._pos = 0  # index of the next use in the plan
@@ -165,13 +168,11 @@ class Engine:
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """fp32 value of every parameter by its model name (host store for blocks); synchronizes first."""
-        self.synchronize()
-        out = {}
-        for b, names in enumerate(self._block_param_names):
-            out.update(zip(names, self.store.master_views(b)))
-        for p, m in zip(self.device_optimizer.params, self.device_optimizer.masters):
-            out[self._names[id(p)]] = m.detach()
-        return out
+        return self.states.master_parameters()
+
+    def in_pass(self) -> bool:
+        """True between a forward's first block and the end of its backward (or of an inference pass)."""
+        return self._plan is not None
 
     def stats(self) -> dict:
         """Counters for invariants and benchmarks (bytes, counts)."""

@@ -72,6 +72,19 @@ class WindowOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine._zero_grad()
 
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's format for every parameter (block or head/tail), by index in
+        ``model.parameters()``: ``step``, ``exp_avg``, ``exp_avg_sq`` (copies), plus ``param_groups``."""
+        from pystronghold.runtime.state_dict import optimizer_state_dict
+
+        return optimizer_state_dict(self._engine)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of ``state_dict()`` or of ``torch.optim.AdamW(model.parameters())``."""
+        from pystronghold.runtime.state_dict import load_optimizer_state_dict
+
+        load_optimizer_state_dict(self._engine, state_dict)
+
 
 class DeviceAdamW:
     """AdamW of head and tail, on the device, over fp32 masters.
@@ -87,6 +100,23 @@ class DeviceAdamW:
         self.masters = [m.detach().clone().requires_grad_(True) for m in masters] if half else params
         self._opt = torch.optim.AdamW(self.masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                       weight_decay=spec.weight_decay, foreach=False) if params else None
+
+    def state_of(self, index: int) -> dict:
+        """torch AdamW state of parameter ``index`` (``step``, ``exp_avg``, ``exp_avg_sq``; {} before
+        its first update). The live tensors: copy them to keep them."""
+        return dict(self._opt.state.get(self.masters[index], {})) if self._opt is not None else {}
+
+    @torch.no_grad()
+    def load_state(self, index: int, state: dict) -> None:
+        """Replace parameter ``index``'s AdamW state (``{}``: none, as before the first update)."""
+        m = self.masters[index]
+        if not state:
+            if self._opt is not None:
+                self._opt.state.pop(m, None)
+            return
+        self._opt.state[m] = {"step": torch.as_tensor(state["step"], dtype=torch.float32).detach().clone().cpu(),
+                              **{k: state[k].detach().to(device=m.device, dtype=torch.float32, copy=True)
+                                 for k in ("exp_avg", "exp_avg_sq")}}
 
     def grad_norms(self, grad_scale: float) -> dict[int, torch.Tensor]:
         """fp32 L2 norm of each parameter's gradient x ``grad_scale``, keyed by id(parameter)."""

@@ -75,6 +75,13 @@ class Window:
         s.block = None
         return s
 
+    def unbind(self, block: int) -> None:
+        """Point a block that is not resident back at the empty placeholder (after a state load)."""
+        if block in self.resident:
+            raise RuntimeError(f"window: block {block} is resident; vacate it instead")
+        for p in self.params[block]:
+            p.data = self._placeholder
+
     def param_views(self, block: int) -> list[torch.Tensor]:
         """Views of the resident ``block``'s parameters in its slot."""
         return self.layouts[block].views(self.resident[block].params)

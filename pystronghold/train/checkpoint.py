@@ -157,25 +157,23 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
             if _after_file is not None:
                 _after_file(rel)
 
-    store = engine.store
-    # NOTE: the engine's per-block parameter names (full model names); format is keyed by them.
-    # Every TP rank walks the same blocks, states and parameters in the same order, so the
-    # gathers match; a gathered block is written and dropped before the next one is read.
-    for b, names in enumerate(engine._block_param_names):
-        lay = store.layouts[b]
+    states = engine.states
+    # NOTE: the format is keyed by full model names. Every TP rank walks the same blocks, states and
+    # parameters in the same order, so the gathers match; a gathered block is written and dropped
+    # before the next one is read (engine.states reads one block, from disk if it is there).
+    for b, names in enumerate(states.block_names):
         splits = [_split(p) for p in engine.window.params[b]]
+        values = states.read_block(b, [tier for tier, _ in _BLOCK_STATES])
         tensors = {}
         for tier, suffix in _BLOCK_STATES:
-            views = lay.views(store.read_state(b, tier))  # read from disk if there
-            for n, split, view in zip(names, splits, views):
-                tensors[n + suffix] = gather_tp_tensor(view, split, tp_group)
+            for n, split in zip(names, splits):
+                tensors[n + suffix] = gather_tp_tensor(values[tier][n], split, tp_group)
+        del values
         write(f"blocks/block-{b:05d}.safetensors", tensors)
-    dev = engine.device_optimizer
     tensors = {}
-    for p, m in zip(dev.params, dev.masters):
-        n, split = engine._names[id(p)], _split(p)  # a fp16/bf16 run's master is a copy: p has the split
-        tensors[n] = gather_tp_tensor(m.detach().float(), split, tp_group).cpu()
-        st = dev._opt.state.get(m, {}) if dev._opt is not None else {}
+    for n, p, m, st in states.head_tail():
+        split = _split(p)  # a fp16/bf16 run's master is a copy: p has the split
+        tensors[n] = gather_tp_tensor(m.float(), split, tp_group).cpu()
         if st:
             tensors[n + ".exp_avg"] = gather_tp_tensor(st["exp_avg"].detach(), split, tp_group).cpu()
             tensors[n + ".exp_avg_sq"] = gather_tp_tensor(st["exp_avg_sq"].detach(), split, tp_group).cpu()
@@ -283,29 +281,22 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
         diff = {k: (saved_model.get(k), v) for k, v in mine.items() if saved_model.get(k) != v}
         raise CheckpointError(f"checkpoint {path} was made for another model: (saved, this run) {diff}")
     engine = trainer.engine
-    engine.synchronize()
-    store = engine.store
-    for b, names in enumerate(engine._block_param_names):
+    states = engine.states
+    for b, names in enumerate(states.block_names):
         rel = f"blocks/block-{b:05d}.safetensors"
         saved = _load_file(path, rel, manifest["files"][rel])
-        params = engine.window.params[b]
-        for tier, suffix in _BLOCK_STATES:
-            values = [_mine(saved, n + suffix, p, span.shape, path)
-                      for n, p, span in zip(names, params, store.layouts[b].spans)]
-            store.write_state(b, tier, values)
-            if tier == "master" and store.has_shadow:
-                store.write_state(b, "shadow", values)
+        params, spans = engine.window.params[b], engine.store.layouts[b].spans
+        states.write_block(b, {tier: [_mine(saved, n + suffix, p, span.shape, path)
+                                      for n, p, span in zip(names, params, spans)]
+                               for tier, suffix in _BLOCK_STATES})
     saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
-    dev = engine.device_optimizer
-    for p, m in zip(dev.params, dev.masters):
-        n = engine._names[id(p)]
-        m.copy_(_mine(saved, n, p, m.shape, path))
-        if m is not p:
-            p.copy_(m)
-        if n + ".exp_avg" in saved and dev._opt is not None:
-            dev._opt.state[m] = {"step": torch.tensor(float(saved[n + ".step"][0])),
-                                 "exp_avg": _mine(saved, n + ".exp_avg", p, m.shape, path).to(m.device),
-                                 "exp_avg_sq": _mine(saved, n + ".exp_avg_sq", p, m.shape, path).to(m.device)}
+    for i, (n, p, m, _) in enumerate(states.head_tail()):
+        state = None
+        if n + ".exp_avg" in saved:
+            state = {"step": torch.tensor(float(saved[n + ".step"][0])),
+                     "exp_avg": _mine(saved, n + ".exp_avg", p, m.shape, path),
+                     "exp_avg_sq": _mine(saved, n + ".exp_avg_sq", p, m.shape, path)}
+        states.write_head_tail(i, master=_mine(saved, n, p, m.shape, path), state=state)
     data = (path / "state.pt").read_bytes()
     if hashlib.sha256(data).hexdigest() != manifest["files"]["state.pt"]["sha256"]:
         raise CheckpointError(f"checkpoint {path}: state.pt is corrupt (sha256 mismatch)")

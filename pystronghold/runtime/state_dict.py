@@ -1,0 +1,277 @@
+"""Whole values of a wrapped model: ``model.state_dict()``, ``engine.optimizer.state_dict()`` and
+their ``load_state_dict``, over the store where the block states really live.
+
+A windowed block's ``Parameter`` is an empty placeholder between passes; its value (fp32 master)
+and AdamW moments are in the host store (or the file tier). ``EngineStates`` (``engine.states``)
+reads and writes them one block at a time, by full parameter name; ``install_model_hooks`` makes
+``model.state_dict()`` / ``model.load_state_dict()`` go through it, and ``optimizer_state_dict`` /
+``load_optimizer_state_dict`` give ``engine.optimizer`` torch AdamW's format.
+
+Memory: ``model.state_dict()`` holds one compact copy of each block parameter in the model's
+dtype (the model once; a disk block is read one at a time); ``load_state_dict`` stages one block
+at a time. The checkpoint writer (``pystronghold.train.checkpoint``) streams block by block through
+``read_block`` / ``write_block``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["EngineStates", "install_model_hooks", "optimizer_state_dict", "load_optimizer_state_dict"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The AdamW states kept per parameter besides its value (torch's names)."""
+_TORCH_ONLY_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                            differentiable=False, fused=None, decoupled_weight_decay=True)
+"""Keys of a ``torch.optim.AdamW`` param group this optimizer does not vary, at the values it implements."""
+
+
+class EngineStates:
+    """Every parameter's fp32 value and AdamW state, by full model name, wherever it lives.
+
+    ``engine.states``. Reads synchronize the engine first (every host update has landed); writes
+    are refused while a forward/backward pass is in progress.
+    """
+
+    def __init__(self, engine, block_names: list[list[str]], head_tail_names: list[str]) -> None:
+        self._engine = engine
+        self.block_names = block_names
+        """Full model names of each block's parameters, in layout order."""
+        self.head_tail_names = head_tail_names
+        """Full model names of the head and tail parameters (device-resident), in optimizer order."""
+
+    def _writable(self) -> None:
+        if self._engine.in_pass():
+            raise RuntimeError("cannot load state during a forward/backward pass; load between steps")
+        self._engine.synchronize()
+
+    def read_block(self, block: int, states=("master", *MOMENTS)) -> dict[str, dict[str, torch.Tensor]]:
+        """``{state: {name: fp32 tensor}}`` of ``block`` for ``states`` (``master`` is the value).
+
+        Views into the store (valid until the next update) or, for a state on disk, into a copy.
+        """
+        engine = self._engine
+        engine.synchronize()
+        layout = engine.store.layouts[block]
+        return {state: dict(zip(self.block_names[block], layout.views(engine.store.read_state(block, state))))
+                for state in states}
+
+    def write_block(self, block: int, values: dict[str, list[torch.Tensor]]) -> None:
+        """Overwrite ``states`` of ``block``: ``{state: [one tensor per parameter, layout order]}``;
+        ``master`` refreshes the compute-precision shadow too. Shapes are checked (ValueError)."""
+        self._writable()
+        store = self._engine.store
+        spans = store.layouts[block].spans
+        for state, tensors in values.items():
+            if len(tensors) != len(spans):
+                raise ValueError(f"write_block: block {block} has {len(spans)} parameters, got {len(tensors)} "
+                                 f"{state} tensors")
+            for name, span, t in zip(self.block_names[block], spans, tensors):
+                if tuple(t.shape) != tuple(span.shape):
+                    raise ValueError(f"write_block: {state} of {name} must have shape {tuple(span.shape)}, "
+                                     f"got {tuple(t.shape)}")
+        for state, tensors in values.items():
+            store.write_state(block, state, tensors)
+            if state == "master" and store.has_shadow:
+                store.write_state(block, "shadow", tensors)
+
+    def head_tail(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor, dict]]:
+        """``(name, parameter, fp32 master, AdamW state)`` per head/tail parameter; the state is
+        torch's (``step``, ``exp_avg``, ``exp_avg_sq``; empty before the first update)."""
+        self._engine.synchronize()
+        dev = self._engine.device_optimizer
+        return [(name, p, m.detach(), dev.state_of(i))
+                for i, (name, p, m) in enumerate(zip(self.head_tail_names, dev.params, dev.masters))]
+
+    @torch.no_grad()
+    def write_head_tail(self, index: int, master: torch.Tensor | None = None, state: dict | None = None) -> None:
+        """Overwrite head/tail parameter ``index``'s value (and its compute copy) and/or AdamW state
+        (``{}`` clears it)."""
+        self._writable()
+        dev = self._engine.device_optimizer
+        p, m = dev.params[index], dev.masters[index]
+        if master is not None:
+            if tuple(master.shape) != tuple(m.shape):
+                raise ValueError(f"write_head_tail: {self.head_tail_names[index]} must have shape "
+                                 f"{tuple(m.shape)}, got {tuple(master.shape)}")
+            m.copy_(master)
+            if m is not p:
+                p.copy_(m)
+        if state is not None:
+            dev.load_state(index, state)
+
+    def master_parameters(self) -> dict[str, torch.Tensor]:
+        """fp32 value of every parameter by its model name (host store for blocks)."""
+        out = {}
+        for b in range(len(self.block_names)):
+            out.update(self.read_block(b, ("master",))["master"])
+        for name, _, m, _ in self.head_tail():
+            out[name] = m
+        return out
+
+
+# ---- model.state_dict() / load_state_dict()
+
+
+def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleList) -> None:
+    """Make ``state_dict()`` of ``model`` (or of any module containing blocks) return every block's
+    trained values from the store, in the model's dtype, and ``load_state_dict()`` write them there."""
+    for b, block in enumerate(blocks):
+        _hook_block(engine, b, block)
+    dev = engine.device_optimizer
+    separate = {id(p): i for i, (p, m) in enumerate(zip(dev.params, dev.masters)) if m is not p}
+    if separate:  # bf16/fp16: head/tail fp32 masters are copies; a load must reach them too
+        block_modules = {id(m) for block in blocks for m in block.modules()}
+        for module in model.modules():
+            own = {name: separate[id(p)] for name, p in module.named_parameters(recurse=False)
+                   if id(p) in separate}
+            if own and id(module) not in block_modules:
+                module.register_load_state_dict_pre_hook(_master_loader(engine, own))
+
+
+def _master_loader(engine, own: dict[str, int]):
+    def load_masters(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        for name, index in own.items():
+            value = state_dict.get(prefix + name)
+            if value is not None and tuple(value.shape) == tuple(engine.device_optimizer.masters[index].shape):
+                engine.states.write_head_tail(index, master=value)
+
+    return load_masters
+
+
+def _hook_block(engine, b: int, block: torch.nn.Module) -> None:
+    spans = engine.store.layouts[b].spans
+    params = engine.window.params[b]
+
+    def save(module, state_dict, prefix, local_metadata) -> None:
+        masters = engine.states.read_block(b, ("master",))["master"].values()
+        for span, value in zip(spans, masters):
+            key = prefix + span.name
+            if key in state_dict:
+                state_dict[key] = value.to(engine.dtype, copy=True)
+
+    def stage(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ValueError("load_state_dict(assign=True) is not supported on a wrapped model: its block "
+                             "parameters live in the store; load with assign=False")
+        engine.states._writable()
+        # NOTE: torch copies each value into the parameter; give it one block of fp32 staging
+        # tensors holding the current values (so keys missing under strict=False keep them).
+        masters = engine.states.read_block(b, ("master",))["master"].values()
+        for p, value in zip(params, masters):
+            p.data = value.clone()
+
+    def commit(module, incompatible_keys) -> None:
+        staged = [p.data for p in params]
+        engine.window.unbind(b)
+        engine.states.write_block(b, {"master": staged})
+
+    block.register_state_dict_post_hook(save)
+    block.register_load_state_dict_pre_hook(stage)
+    block.register_load_state_dict_post_hook(commit)
+
+
+# ---- engine.optimizer.state_dict() / load_state_dict(): torch AdamW's format
+
+
+def optimizer_state_dict(engine) -> dict:
+    """``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [group]}`` as
+    ``torch.optim.AdamW(model.parameters()).state_dict()`` has it; tensors are copies."""
+    params = engine.optimizer.param_groups[0]["params"]
+    index = {id(p): i for i, p in enumerate(params)}
+    state: dict[int, dict] = {}
+    states = engine.states
+    if engine.steps > 0:  # every block parameter is updated at every step
+        for b in range(engine.n_blocks):
+            moments = states.read_block(b, MOMENTS)
+            for k, p in enumerate(engine.window.params[b]):
+                name = states.block_names[b][k]
+                state[index[id(p)]] = {"step": torch.tensor(float(engine.steps)),
+                                       **{m: moments[m][name].clone() for m in MOMENTS}}
+    for _, p, _, st in states.head_tail():
+        if st:
+            state[index[id(p)]] = {k: v.detach().clone() for k, v in st.items()}
+    group = {k: v for k, v in engine.optimizer.param_groups[0].items() if k != "params"}
+    for key, value in _TORCH_ONLY_DEFAULTS.items():
+        group.setdefault(key, value)
+    group["params"] = list(range(len(params)))
+    return {"state": dict(sorted(state.items())), "param_groups": [group]}
+
+
+def _check_group(group: dict) -> None:
+    for key, value in _TORCH_ONLY_DEFAULTS.items():
+        if key in ("foreach", "fused", "decoupled_weight_decay"):
+            continue
+        if group.get(key, value) != value:
+            raise ValueError(f"optimizer.load_state_dict: {key}={group[key]!r} is not supported (only {value!r})")
+    if not group.get("decoupled_weight_decay", True) and group.get("weight_decay", 0):
+        raise ValueError("optimizer.load_state_dict: a torch.optim.Adam state (L2 weight decay) cannot "
+                         "load into AdamW (decoupled weight decay)")
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        if key not in group:
+            raise ValueError(f"optimizer.load_state_dict: the param group has no {key!r}")
+
+
+@torch.no_grad()
+def load_optimizer_state_dict(engine, state_dict: dict) -> None:
+    """Load a ``torch.optim.AdamW`` state dict (or one from ``optimizer_state_dict``) made over the
+    same ``model.parameters()``, in one param group. Everything is checked before anything changes."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list) or len(groups) != 1:
+        raise ValueError("optimizer.load_state_dict: expected one param group (the engine's optimizer has "
+                         f"one), got {len(groups) if isinstance(groups, list) else 'no param_groups'}")
+    group = groups[0]
+    _check_group(group)
+    params = engine.optimizer.param_groups[0]["params"]
+    if len(group["params"]) != len(params):
+        raise ValueError(f"optimizer.load_state_dict: the state dict has {len(group['params'])} parameters, "
+                         f"the model {len(params)}")
+    by_saved = dict(zip(group["params"], params))
+    by_id = {id(p): None for p in params}
+    for saved, st in state_dict.get("state", {}).items():
+        if saved not in by_saved:
+            raise ValueError(f"optimizer.load_state_dict: state for parameter index {saved!r}, which is "
+                             "not in the param group")
+        by_id[id(by_saved[saved])] = st
+    states = engine.states
+    # ---- blocks: one step count for all (the engine updates every block parameter at every step)
+    block_moments, steps = [], set()
+    for b in range(engine.n_blocks):
+        spans = engine.store.layouts[b].spans
+        per_block = []
+        for name, p, span in zip(states.block_names[b], engine.window.params[b], spans):
+            st = by_id[id(p)]
+            if st:
+                _check_moments(name, st, span.shape)
+                steps.add(float(st["step"]))
+            per_block.append(st)
+        block_moments.append(per_block)
+    present = [st is not None and len(st) > 0 for per in block_moments for st in per]
+    if any(present) and not all(present) or len(steps) > 1:
+        raise ValueError(f"optimizer.load_state_dict: block parameters must all have AdamW state with one "
+                         f"step count (the engine keeps one for every block); got steps {sorted(steps)} "
+                         f"and {present.count(False)} of {len(present)} without state")
+    head_tail = states.head_tail()
+    for name, p, m, _ in head_tail:
+        if by_id[id(p)]:
+            _check_moments(name, by_id[id(p)], m.shape)
+    # ---- apply
+    states._writable()
+    for b, per_block in enumerate(block_moments):
+        shapes = [span.shape for span in engine.store.layouts[b].spans]
+        states.write_block(b, {m: [st[m] if st else torch.zeros(shape) for st, shape in zip(per_block, shapes)]
+                               for m in MOMENTS})
+    for i, (_, p, _, _) in enumerate(head_tail):
+        states.write_head_tail(i, state=by_id[id(p)] or {})
+    engine.steps = int(steps.pop()) if steps else 0
+    engine.optimizer.param_groups[0] = {**{k: v for k, v in group.items() if k != "params"}, "params": params}
+
+
+def _check_moments(name: str, st: dict, shape) -> None:
+    for key in ("step", *MOMENTS):
+        if key not in st:
+            raise ValueError(f"optimizer.load_state_dict: the state of {name} has no {key!r}")
+    for key in MOMENTS:
+        if tuple(st[key].shape) != tuple(shape):
+            raise ValueError(f"optimizer.load_state_dict: {key} of {name} has shape {tuple(st[key].shape)}, "
+                             f"the parameter {tuple(shape)}")

@@ -1,0 +1,228 @@
+"""``model.state_dict()`` / ``engine.optimizer.state_dict()`` of a wrapped model hold every trained
+value (blocks from the store), load back, and are interchangeable with plain PyTorch + AdamW."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import pystronghold as ph
+from runtime_models import HYPER, gpt_batches, one_torch_thread, tiny_gpt
+
+_threads = pytest.fixture(autouse=True)(one_torch_thread)
+
+FIRST, THEN = 3, 4
+
+
+def wrapped(model, **options):
+    return ph.wrap(model, window=2, optimizer=ph.AdamW(**HYPER, bitwise_torch=True), **options)
+
+
+def engine_steps(engine, batches, loss_of=lambda engine, x, y: engine(x, y)):
+    losses = []
+    for x, y in batches:
+        loss = loss_of(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def plain_steps(model, opt, batches):
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_params(got: dict, want: dict, exact: bool) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        if exact:
+            assert torch.equal(got[name], value), name
+        else:
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_state_dict_holds_every_trained_block_weight_in_the_model_dtype():
+    model = tiny_gpt(layers=4)
+    names = list(model.state_dict())
+    engine = wrapped(model)
+    engine_steps(engine, gpt_batches(FIRST))
+    state = model.state_dict()
+    assert list(state) == names
+    masters = engine.master_parameters()
+    for name, value in masters.items():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
+    blocks = model.blocks[1].state_dict()  # a block alone: names relative to it
+    assert torch.equal(blocks["mlp.fc1.weight"], masters["blocks.1.mlp.fc1.weight"])
+    engine.close()
+
+
+def test_bf16_state_dict_is_in_bf16_and_load_sets_the_fp32_masters():
+    model = tiny_gpt(layers=3)
+    fp32_values = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = wrapped(model, precision="bf16")
+    state = model.state_dict()
+    for name in engine.states.block_names[0]:
+        assert state[name].dtype == torch.bfloat16
+        assert torch.equal(state[name], fp32_values[name].bfloat16()), name
+    shifted = {k: v + 0.001 for k, v in fp32_values.items()}
+    model.load_state_dict(shifted)
+    masters = engine.master_parameters()
+    for name, value in masters.items():  # fp32 masters take the fp32 values, head/tail included
+        assert torch.equal(value, shifted[name]), name
+    engine.close()
+
+
+@pytest.mark.parametrize("case", ["window", "clip", "disk", "hf-gpt2"])
+def test_save_and_restore_the_usual_way_continues_bit_for_bit(case, tmp_path):
+    """torch.save(model.state_dict()) and torch.save(engine.optimizer.state_dict()) after 3 steps;
+    a fresh model and engine load both and continue: the losses and weights of an uninterrupted run."""
+    options = {"clip": dict(clip_grad_norm=0.5), "disk": dict(nvme_dir=str(tmp_path), nvme_states="all")}
+    options = options.get(case, {})
+    if case == "hf-gpt2":
+        transformers = pytest.importorskip("transformers")
+
+        def make():  # default config (dropout on, cache on); tied embeddings
+            cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=97, n_positions=32)
+            return transformers.GPT2LMHeadModel(cfg)
+
+        def loss_of(engine, x, y):
+            return engine(input_ids=x, labels=y).loss
+    else:
+        def make():
+            return tiny_gpt(layers=4)
+
+        def loss_of(engine, x, y):
+            return engine(x, y)
+
+    batches = gpt_batches(FIRST + THEN)
+    torch.manual_seed(7)
+    model = make()
+    start = copy.deepcopy(model.state_dict())
+    engine = wrapped(model, **options)
+    engine_steps(engine, batches[:FIRST], loss_of)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    torch.save(engine.optimizer.state_dict(), tmp_path / "optim.pt")
+    rng = torch.get_rng_state()  # dropout masks of the steps to come
+    want = engine_steps(engine, batches[FIRST:], loss_of)
+    want_params = {k: v.clone() for k, v in engine.master_parameters().items()}
+    engine.close()
+
+    fresh = make()
+    with torch.no_grad():  # other values: everything must come from the files
+        for p in fresh.parameters():
+            p.add_(0.5)
+    assert not any(torch.equal(v, start[k]) for k, v in fresh.state_dict().items() if v.is_floating_point())
+    engine = wrapped(fresh, **options)
+    fresh.load_state_dict(torch.load(tmp_path / "model.pt"))
+    engine.optimizer.load_state_dict(torch.load(tmp_path / "optim.pt"))
+    torch.set_rng_state(rng)
+    got = engine_steps(engine, batches[FIRST:], loss_of)
+    assert got == want
+    assert_params(engine.master_parameters(), want_params, exact=True)
+    engine.close()
+
+
+def test_plain_pytorch_state_loads_into_the_engine_and_the_reverse():
+    batches = gpt_batches(FIRST + THEN)
+    model = tiny_gpt(layers=4)
+    # plain PyTorch, uninterrupted: the reference for both directions
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    want = plain_steps(ref, ref_opt, batches)
+    want_params = {k: v.detach().clone() for k, v in ref.named_parameters()}
+
+    # plain for 3 steps -> the engine continues
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(plain.parameters(), **HYPER)
+    first = plain_steps(plain, opt, batches[:FIRST])
+    fresh = tiny_gpt(layers=4)
+    engine = wrapped(fresh)
+    fresh.load_state_dict(plain.state_dict())
+    engine.optimizer.load_state_dict(opt.state_dict())
+    assert engine.steps == FIRST
+    got = first + engine_steps(engine, batches[FIRST:])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0)
+    assert_params(engine.master_parameters(), want_params, exact=False)
+    engine.close()
+
+    # the engine for 3 steps -> plain PyTorch continues
+    trained = copy.deepcopy(model)
+    engine = wrapped(trained)
+    first = engine_steps(engine, batches[:FIRST])
+    plain = tiny_gpt(layers=4)
+    plain.load_state_dict(trained.state_dict())
+    opt = torch.optim.AdamW(plain.parameters(), **HYPER)
+    opt.load_state_dict(engine.optimizer.state_dict())
+    engine.close()
+    got = first + plain_steps(plain, opt, batches[FIRST:])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0)
+    assert_params({k: v.detach() for k, v in plain.named_parameters()}, want_params, exact=False)
+
+
+def test_optimizer_state_dict_has_torch_adamws_format():
+    model = tiny_gpt(layers=3)
+    plain = copy.deepcopy(model)
+    engine = wrapped(model)
+    assert engine.optimizer.state_dict()["state"] == {}  # as torch: no state before the first step
+    engine_steps(engine, gpt_batches(1))
+    opt = torch.optim.AdamW(plain.parameters(), **HYPER)
+    plain_steps(plain, opt, gpt_batches(1))
+    got, want = engine.optimizer.state_dict(), opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for i, st in want["state"].items():
+        assert got["state"][i].keys() == st.keys()
+        assert got["state"][i]["step"].dtype == st["step"].dtype and float(got["state"][i]["step"]) == 1.0
+    engine.close()
+
+
+def test_keys_missing_under_strict_false_keep_their_trained_values():
+    model = tiny_gpt(layers=3)
+    engine = wrapped(model)
+    engine_steps(engine, gpt_batches(2))
+    before = {k: v.clone() for k, v in engine.master_parameters().items()}
+    partial = {"blocks.1.mlp.fc1.weight": torch.zeros_like(before["blocks.1.mlp.fc1.weight"])}
+    result = model.load_state_dict(partial, strict=False)
+    assert "blocks.1.mlp.fc2.weight" in result.missing_keys
+    after = engine.master_parameters()
+    for name, value in before.items():
+        want = partial.get(name, value)
+        assert torch.equal(after[name], want), name
+    engine.close()
+
+
+def test_bad_state_dicts_are_refused_with_one_line_errors():
+    model = tiny_gpt(layers=3)
+    engine = wrapped(model)
+    engine_steps(engine, gpt_batches(1))
+    state = engine.optimizer.state_dict()
+    two_groups = {"state": {}, "param_groups": [dict(state["param_groups"][0]), dict(state["param_groups"][0])]}
+    with pytest.raises(ValueError, match="one param group"):
+        engine.optimizer.load_state_dict(two_groups)
+    wrong = copy.deepcopy(state)
+    index = next(iter(wrong["state"]))
+    wrong["state"][index]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="exp_avg of .* has shape"):
+        engine.optimizer.load_state_dict(wrong)
+    uneven = copy.deepcopy(state)
+    block_index = [i for i, (name, _) in enumerate(model.named_parameters()) if name.startswith("blocks.")][0]
+    uneven["state"][block_index]["step"] = torch.tensor(5.0)
+    with pytest.raises(ValueError, match="one step count"):
+        engine.optimizer.load_state_dict(uneven)
+    amsgrad = copy.deepcopy(state)
+    amsgrad["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad"):
+        engine.optimizer.load_state_dict(amsgrad)
+    with pytest.raises(ValueError, match="assign=True"):
+        model.load_state_dict(model.state_dict(), assign=True)
+    engine.close()
