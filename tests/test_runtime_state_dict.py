@@ -61,6 +61,9 @@ def test_state_dict_holds_every_trained_block_weight_in_the_model_dtype():
     masters = engine.master_parameters()
     for name, value in masters.items():
         assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
+    store_master = engine.store.read_state(0, "master").untyped_storage().data_ptr()
+    name = engine.states.block_names[0][0]  # fp32 in host memory: a view into the store, as PyTorch aliases
+    assert state[name].untyped_storage().data_ptr() == store_master
     blocks = model.blocks[1].state_dict()  # a block alone: names relative to it
     assert torch.equal(blocks["mlp.fc1.weight"], masters["blocks.1.mlp.fc1.weight"])
     engine.close()
@@ -183,6 +186,23 @@ def test_optimizer_state_dict_has_torch_adamws_format():
     for i, st in want["state"].items():
         assert got["state"][i].keys() == st.keys()
         assert got["state"][i]["step"].dtype == st["step"].dtype and float(got["state"][i]["step"]) == 1.0
+    engine.close()
+
+
+def test_a_state_dict_loads_back_into_its_own_engine():
+    """Its tensors are views of the store being written: loading must not clobber them first."""
+    model = tiny_gpt(layers=3)
+    engine = wrapped(model)
+    engine_steps(engine, gpt_batches(2))
+    masters = {k: v.clone() for k, v in engine.master_parameters().items()}
+    optim = copy.deepcopy(engine.optimizer.state_dict())
+    model.load_state_dict(model.state_dict())
+    engine.optimizer.load_state_dict(engine.optimizer.state_dict())
+    assert_params(engine.master_parameters(), masters, exact=True)
+    after = engine.optimizer.state_dict()
+    for i, st in optim["state"].items():
+        for key, value in st.items():
+            assert torch.equal(after["state"][i][key], value), (i, key)
     engine.close()
 
 

@@ -74,7 +74,8 @@ class WindowOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch.optim.AdamW's format for every parameter (block or head/tail), by index in
-        ``model.parameters()``: ``step``, ``exp_avg``, ``exp_avg_sq`` (copies), plus ``param_groups``."""
+        ``model.parameters()``: ``step``, ``exp_avg``, ``exp_avg_sq`` (the live tensors, as torch's),
+        plus ``param_groups``."""
         from pystronghold.runtime.state_dict import optimizer_state_dict
 
         return optimizer_state_dict(self._engine)

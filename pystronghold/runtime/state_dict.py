@@ -7,9 +7,11 @@ reads and writes them one block at a time, by full parameter name; ``install_mod
 ``model.state_dict()`` / ``model.load_state_dict()`` go through it, and ``optimizer_state_dict`` /
 ``load_optimizer_state_dict`` give ``engine.optimizer`` torch AdamW's format.
 
-Memory: ``model.state_dict()`` holds one compact copy of each block parameter in the model's
-dtype (the model once; a disk block is read one at a time); ``load_state_dict`` stages one block
-at a time. The checkpoint writer (``pystronghold.train.checkpoint``) streams block by block through
+Memory: as in PyTorch, state dicts alias the live values rather than copy them: in fp32 a block
+entry of ``model.state_dict()`` and the moments of ``engine.optimizer.state_dict()`` are views
+into the host store (nothing is doubled; copy them to keep a snapshot while training goes on).
+A state on disk is read one block at a time into a copy, and bf16/fp16 values are cast copies
+(the model once). ``load_state_dict`` stages one block at a time. The checkpoint writer (``pystronghold.train.checkpoint``) streams block by block through
 ``read_block`` / ``write_block``.
 """
 
@@ -148,7 +150,7 @@ def _hook_block(engine, b: int, block: torch.nn.Module) -> None:
         for span, value in zip(spans, masters):
             key = prefix + span.name
             if key in state_dict:
-                state_dict[key] = value.to(engine.dtype, copy=True)
+                state_dict[key] = value.to(engine.dtype)  # fp32: the store's view itself
 
     def stage(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
         if local_metadata.get("assign_to_params_buffers", False):
@@ -176,7 +178,8 @@ def _hook_block(engine, b: int, block: torch.nn.Module) -> None:
 
 def optimizer_state_dict(engine) -> dict:
     """``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [group]}`` as
-    ``torch.optim.AdamW(model.parameters()).state_dict()`` has it; tensors are copies."""
+    ``torch.optim.AdamW(model.parameters()).state_dict()`` has it; the moments are the live tensors
+    (views into the store, or copies of a block on disk), as torch's are."""
     params = engine.optimizer.param_groups[0]["params"]
     index = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict] = {}
@@ -187,10 +190,10 @@ def optimizer_state_dict(engine) -> dict:
             for k, p in enumerate(engine.window.params[b]):
                 name = states.block_names[b][k]
                 state[index[id(p)]] = {"step": torch.tensor(float(engine.steps)),
-                                       **{m: moments[m][name].clone() for m in MOMENTS}}
+                                       **{m: moments[m][name] for m in MOMENTS}}
     for _, p, _, st in states.head_tail():
         if st:
-            state[index[id(p)]] = {k: v.detach().clone() for k, v in st.items()}
+            state[index[id(p)]] = dict(st)
     group = {k: v for k, v in engine.optimizer.param_groups[0].items() if k != "params"}
     for key, value in _TORCH_ONLY_DEFAULTS.items():
         group.setdefault(key, value)

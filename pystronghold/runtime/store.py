@@ -219,9 +219,11 @@ class HostStore:
         """Overwrite ``state`` of ``block`` with one tensor per parameter (gaps stay zero)."""
         lease = self.acquire(block, [state], fresh=[state])
         flat = lease.tensors[state]
-        flat.zero_()
+        # NOTE: values may be views of this very buffer (a state dict loaded back): copy, then zero
+        # only the gaps
         for view, v in zip(self.layouts[block].views(flat), values):
             view.copy_(v)
+        self.layouts[block].zero_gaps(flat)
         self.release(lease, dirty=[state])
 
     def master_views(self, block: int) -> list[torch.Tensor]:
