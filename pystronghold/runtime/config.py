@@ -37,7 +37,8 @@ class RuntimeConfig:
     "forward" (after backward, block 0, 1, ... ahead of the next forward's loads), "none" (inside
     ``step()``), or "auto": backward unless clipping or fp16 needs the whole gradient first."""
     strict: bool = False
-    """Poison released slots with NaN, so a missing wait shows up as wrong numbers."""
+    """Poison released slots with NaN, so a missing wait shows up as wrong numbers; and compare each
+    recomputed block output with a checksum of its forward output (raises with the block index)."""
     trace: bool = False
     """Record every action in ``engine.trace`` (a pystronghold.trace.Tracer)."""
     host_memory_bytes: int | None = None
