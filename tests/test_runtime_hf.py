@@ -190,3 +190,20 @@ def test_strict_mode_catches_a_recompute_that_differs_with_the_block_index(stric
         engine.backward(loss)  # the silent difference strict mode exists to catch
         engine.step()
     engine.close()
+
+
+def test_argument_fingerprint_sees_rebinding_appending_and_in_place_writes():
+    from pystronghold.runtime.purity import fingerprint
+
+    notes = Notes()
+    notes.scale, notes.buf = float("nan"), torch.zeros(3)
+    before = fingerprint(notes)
+    assert fingerprint(notes) == before  # unchanged (a NaN attribute included)
+    notes.buf.add_(1)  # in-place write into a tensor attribute
+    assert fingerprint(notes) != before
+    before = fingerprint(notes)
+    notes.seen.append(1)
+    assert fingerprint(notes) != before
+    before = fingerprint(notes)
+    notes.buf = torch.zeros(3)  # rebinding
+    assert fingerprint(notes) != before

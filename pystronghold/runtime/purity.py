@@ -78,6 +78,8 @@ def fingerprint(value):
 
     def visit(v, depth):
         budget[0] -= 1
+        if isinstance(v, (float, complex)) and v != v:
+            return "nan"  # NOTE: NaN != NaN would read as a change
         if isinstance(v, _ATOMS):
             return v
         if isinstance(v, torch.Tensor):
