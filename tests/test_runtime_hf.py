@@ -87,7 +87,7 @@ def test_hf_models_with_default_configs_train_to_plain_pytorch_losses(kind, wind
     assert "use_cache=False" in caplog.text
     stack = model.transformer.h if kind == "gpt2" else model.model.layers
     assert got[2].n_blocks == len(stack)  # found automatically
-    assert_same_training(ref, got, rtol=1e-6, atol=1e-6)
+    assert_same_training(ref, got)  # measured: bit for bit (0 difference) on this CPU
 
 
 def test_inference_keeps_the_cache_and_explicit_cache_in_training_is_refused():
