@@ -207,3 +207,33 @@ def test_argument_fingerprint_sees_rebinding_appending_and_in_place_writes():
     before = fingerprint(notes)
     notes.buf = torch.zeros(3)  # rebinding
     assert fingerprint(notes) != before
+
+
+class TupleBlock(nn.Module):
+    """Returns ``(hidden, None, None)`` as Hugging Face blocks of transformers 4.x did."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x, layer_past=None, use_cache=False):
+        return x + torch.tanh(self.lin(x)), None, None
+
+
+class TupleModel(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.head, self.tail = nn.Linear(10, d), nn.Linear(d, 3)
+        self.blocks = nn.ModuleList([TupleBlock(d) for _ in range(3)])
+
+    def forward(self, x, y):
+        h = self.head(x)
+        for block in self.blocks:
+            h, present, attn = block(h, None, use_cache=False)
+            assert present is None and attn is None
+        return nn.functional.mse_loss(self.tail(h), y)
+
+
+def test_block_outputs_as_tuples_with_none_go_through():
+    ref, got = run_both(TupleModel, het_batches(5), window=2, strict=True)
+    assert_same_training(ref, got)
