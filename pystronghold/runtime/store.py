@@ -226,11 +226,6 @@ class HostStore:
         self.layouts[block].zero_gaps(flat)
         self.release(lease, dirty=[state])
 
-    def master_views(self, block: int) -> list[torch.Tensor]:
-        """fp32 master value of each parameter of ``block`` (views into the store, or into a copy
-        when the master is on disk)."""
-        return self.layouts[block].views(self.read_state(block, "master"))
-
     # ---- the file tier as a whole
 
     def synchronize(self) -> None:
