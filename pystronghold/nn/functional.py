@@ -37,7 +37,7 @@ _log = logging.getLogger(__name__)
 _warned = False
 
 __all__ = ["attention", "layer_norm", "rms_norm", "bias_gelu", "bias_dropout_add",
-           "vocab_parallel_cross_entropy", "triton_available", "chosen_path"]
+           "vocab_parallel_cross_entropy", "triton_available"]
 
 
 def triton_available(t: torch.Tensor) -> bool:
@@ -50,7 +50,7 @@ def triton_available(t: torch.Tensor) -> bool:
         if not _warned:
             _warned = True
             warnings.warn("triton is not installed: pystronghold.nn.functional uses the torch reference ops",
-                          RuntimeWarning, stacklevel=5)
+                          RuntimeWarning, stacklevel=4)
             _log.warning("triton is not installed; falling back to the torch reference ops")
         return False
     return True
@@ -70,21 +70,16 @@ def _rows(x: torch.Tensor) -> int:
     return dispatch.size_bucket(x.numel() // max(1, x.shape[-1])) if x.dim() else 1
 
 
-def chosen_path(op: str, t: torch.Tensor, key: tuple = (), candidates=None, args=(), kwargs=None) -> str:
-    """"triton" or "torch": the path `op` takes for inputs like `t` (see the module docstring).
+def _run(op: str, key: tuple, triton_fn, torch_fn, *args, **kwargs):
+    """Run `op` on the path the dispatch picks for `args` (shape class `key`; see the module docstring).
 
-    `key` is the op's shape class and `candidates` ({path: fn}) with `args`/`kwargs` let an "auto"
-    choice on CUDA measure both paths on first use. PYSTRONGHOLD_KERNELS is validated at every call.
+    PYSTRONGHOLD_KERNELS is validated at every call, on every device.
     """
     mode = dispatch.parse_modes(os.environ.get(dispatch.ENV, ""))[op]
-    if not triton_available(t):
-        return "torch"
-    return dispatch.DISPATCHER.path(op, mode, t.device, key, candidates or {}, args, kwargs or {})
-
-
-def _run(op: str, key: tuple, triton_fn, torch_fn, *args, **kwargs):
     candidates = {"triton": triton_fn, "torch": torch_fn}
-    path = chosen_path(op, args[0], key, candidates, args, kwargs)
+    path = "torch"
+    if triton_available(args[0]):
+        path = dispatch.DISPATCHER.path(op, mode, args[0].device, key, candidates, args, kwargs)
     return candidates[path](*args, **kwargs)
 
 
