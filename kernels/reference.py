@@ -1,4 +1,5 @@
-"""Pure-torch references of the fused ops: the CPU path of `pystronghold.nn.functional`.
+"""Pure-torch references of the fused ops: the CPU path of `pystronghold.nn.functional`, and torch's side
+of its dispatch on CUDA (`pystronghold.nn.dispatch`).
 
 NOTE: these live apart from the Triton op files (which re-export them) so that the CPU path never
 imports triton and never decorates a kernel: importing a kernel module freezes Triton's choice
