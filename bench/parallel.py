@@ -16,7 +16,8 @@ Computed, per rank per step (fp32, b = global_batch / dp sequences of T tokens, 
 padded vocabulary V, checkpointing on so each block's forward runs twice):
   TP: 4 * b*T*C * (6 L + 2)  [per block 2 all_reduces forward, 2 again in the recompute, 2 in the
       backward of the column-parallel inputs; head 1 (embedding), tail 1 (LM head input grad)]
-      + 4 * b*T*V/tp  [the all_gather of this rank's logits shard] + 8 (clipping norm, float64)
+      + 16 * b*T  [the vocab-parallel cross-entropy's two all_reduces of per-row fp32 stats: the max,
+      then sum-exp, target logit and logit sum] + 8 (clipping norm, float64)
   DP: 4 * (this rank's parameters)  [every gradient averaged once]
 The measured DP figure is larger when a block's flat buffer carries alignment padding (store.py:
 parameters start at multiples of 16 elements; the default shapes here need none).
@@ -156,7 +157,7 @@ def run_config(args: dict, tp: int, dp: int) -> dict:
 def computed_bytes(args: dict, tp: int, dp: int, rec: dict) -> dict:
     """Bytes per rank per step from the formulas in the module docstring."""
     b, T, C, L = args["batch"] // dp, args["seq"], args["hidden"], args["layers"]
-    tp_bytes = 4 * b * T * C * (6 * L + 2) + 4 * b * T * rec["padded_vocab"] // tp + 8 if tp > 1 else 0
+    tp_bytes = 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8 if tp > 1 else 0
     dp_bytes = 4 * rec["n_local"] if dp > 1 else 0
     return {"tp": tp_bytes, "dp": dp_bytes}
 

@@ -10,6 +10,8 @@ Rank r of the tensor-parallel group holds logits[:, r*V/tp : (r+1)*V/tp] (T rows
           without materialising the softmax.
 The gradient is written during the forward into a new (T, V/tp) buffer (not in place of the logits);
 backward only scales it by the incoming gradient. With one rank this is a fused cross-entropy.
+Columns of global id >= vocab_size (padding, GPTConfig.vocab_pad_multiple) are masked: -inf in pass 1,
+zero gradient in pass 2 (a shard of padding only is fine: its local max stays -inf, its sum 0).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import triton
 import triton.language as tl
 
 from . import _config
-from .reference import combine_stats, reduce_loss, vocab_parallel_cross_entropy_reference, world  # noqa: F401
+from .reference import (check_vocab_size, combine_stats, reduce_loss,  # noqa: F401
+                        vocab_parallel_cross_entropy_reference, world)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -27,7 +30,7 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 @triton.jit
-def _ce_stats_kernel(X, T, M, S, TGT, SUMX, stride_x, n_cols, vocab_start, ignore_index,
+def _ce_stats_kernel(X, T, M, S, TGT, SUMX, stride_x, n_cols, vocab_start, vocab, ignore_index,
                      BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
@@ -37,10 +40,11 @@ def _ce_stats_kernel(X, T, M, S, TGT, SUMX, stride_x, n_cols, vocab_start, ignor
     sum_x = tl.zeros([], tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
+        mask = (cols < n_cols) & (vocab_start + cols < vocab)  # padding columns count as -inf
         x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding so far: exp(-inf - 0) = 0, no NaN
+        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), axis=0)
         sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
         m = m_new
     local_t = t - vocab_start
@@ -70,6 +74,7 @@ def _ce_loss_grad_kernel(X, T, LSE, TGT, SUMX, SCALE, LOSS, DX, stride_x, stride
             x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
             g = tl.exp(x - lse) - eps / vocab
             g = tl.where(cols == local_t, g - (1.0 - eps), g)
+            g = tl.where(vocab_start + cols < vocab, g, 0.0)  # padding columns: no gradient
             tl.store(DX + row * stride_dx + cols, (g * scale).to(DX.dtype.element_ty), mask=mask)
 
 
@@ -82,10 +87,11 @@ def _block_v(n_cols: int, device: torch.device) -> int:
 
 
 def ce_fwd(logits, target, group, ignore_index: int, label_smoothing: float, reduction: str, write_grad: bool,
-           grad=None):
+           grad=None, vocab_size: int | None = None):
     """Both passes and the all_reduce; returns (loss rows (T,) fp32, valid rows, gradient or None).
 
-    The gradient is written into contiguous `grad` when given.
+    The gradient is written into contiguous `grad` when given. Columns of global id >= `vocab_size`
+    (None: every column is real) are padding: no probability, zero gradient.
     """
     _config.check_dtype("logits_shard", logits)
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
@@ -97,6 +103,7 @@ def ce_fwd(logits, target, group, ignore_index: int, label_smoothing: float, red
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
     _config.check_runnable(logits.device, _ce_stats_kernel)
     rank, tp = world(group)
+    vocab_size = check_vocab_size(vocab_size, logits.shape[1] * tp)
     logits = logits.contiguous()
     target = target.contiguous()
     n_rows, n_cols = logits.shape
@@ -105,7 +112,7 @@ def ce_fwd(logits, target, group, ignore_index: int, label_smoothing: float, red
     block_v = _block_v(n_cols, logits.device)
     if n_rows:
         _ce_stats_kernel[(n_rows,)](logits, target, m, s, tgt, sum_x, logits.stride(0), n_cols,
-                                    rank * n_cols, ignore_index, BLOCK_V=block_v, num_warps=8)
+                                    rank * n_cols, vocab_size, ignore_index, BLOCK_V=block_v, num_warps=8)
     lse, tgt, sum_x = combine_stats(m, s, tgt, sum_x, group)
     valid = target != ignore_index
     n_valid = valid.sum()
@@ -117,7 +124,7 @@ def ce_fwd(logits, target, group, ignore_index: int, label_smoothing: float, red
         _ce_loss_grad_kernel[(n_rows,)](logits, target, lse, tgt, sum_x, scale, loss,
                                         grad if write_grad else logits, logits.stride(0),
                                         grad.stride(0) if write_grad else 0, n_cols, rank * n_cols,
-                                        n_cols * tp, ignore_index, label_smoothing, WRITE_GRAD=write_grad,
+                                        vocab_size, ignore_index, label_smoothing, WRITE_GRAD=write_grad,
                                         BLOCK_V=block_v, num_warps=8)
     return loss, valid, grad
 
@@ -127,12 +134,12 @@ def ce_fwd(logits, target, group, ignore_index: int, label_smoothing: float, red
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, label_smoothing, reduction):
+    def forward(ctx, logits, target, group, ignore_index, label_smoothing, reduction, vocab_size, loss_dtype):
         loss_rows, valid, grad = ce_fwd(logits, target, group, ignore_index, label_smoothing, reduction,
-                                        write_grad=logits.requires_grad)
+                                        write_grad=logits.requires_grad, vocab_size=vocab_size)
         ctx.save_for_backward(grad)
         ctx.reduction = reduction
-        return reduce_loss(loss_rows, valid, reduction).to(logits.dtype)
+        return reduce_loss(loss_rows, valid, reduction).to(loss_dtype or logits.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -141,18 +148,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             dx = grad * grad_out.unsqueeze(1).to(grad.dtype)
         else:
             dx = grad * grad_out.to(grad.dtype)
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None
 
 
 # ---- public
 
 
 def vocab_parallel_cross_entropy(logits_shard, target, *, group=None, ignore_index: int = -100,
-                                 label_smoothing: float = 0.0, reduction: str = "mean"):
+                                 label_smoothing: float = 0.0, reduction: str = "mean",
+                                 vocab_size: int | None = None, loss_dtype: torch.dtype | None = None):
     """Triton cross-entropy of vocabulary-sharded logits: logits_shard (T, V/tp), target (T,) global ids.
 
-    Rank r of `group` holds vocabulary ids [r*V/tp, (r+1)*V/tp) (equal shards: V divisible by tp). Returns the loss (a scalar, or (T,)
-    for reduction="none") in the logits' dtype, equal on every rank; matches `F.cross_entropy` on the
-    full logits, including `ignore_index` and `label_smoothing`.
+    Rank r of `group` (None: one rank) holds vocabulary ids [r*V/tp, (r+1)*V/tp) (equal shards: V
+    divisible by tp); ids >= `vocab_size` (None: V) are padding columns, given no probability. Returns
+    the loss (a scalar, or (T,) for reduction="none") in `loss_dtype` (None: the logits' dtype), equal
+    on every rank; matches `F.cross_entropy` on the full logits' real columns, including
+    `ignore_index` and `label_smoothing`.
     """
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, ignore_index, label_smoothing, reduction)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, ignore_index, label_smoothing, reduction,
+                                            vocab_size, loss_dtype)

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel imports (kernels/_config.py)
 
 import pystronghold.nn.functional as PF  # noqa: E402
+from pystronghold.nn import dispatch  # noqa: E402
 from pystronghold.kernels import attention as attn  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,6 +29,7 @@ CASES = [(shape, causal, dtype) for shape, causal in [((1, 2, 128, 64), True), (
 @pytest.fixture(autouse=True)
 def triton_on_cpu(monkeypatch):
     monkeypatch.setenv(PF.FORCE_ENV, "1")
+    monkeypatch.setenv(dispatch.ENV, "triton")  # on a GPU too: these tests are the kernels' own
 
 
 def _qkv(shape, dtype):

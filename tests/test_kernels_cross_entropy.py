@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel imports (kernels/_config.py)
 
 import pystronghold.nn.functional as PF  # noqa: E402
+from pystronghold.nn import dispatch  # noqa: E402
 from pystronghold.kernels import cross_entropy as ce  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -23,6 +24,7 @@ CANARY = -77.0
 @pytest.fixture(autouse=True)
 def triton_on_cpu(monkeypatch):
     monkeypatch.setenv(PF.FORCE_ENV, "1")
+    monkeypatch.setenv(dispatch.ENV, "triton")  # on a GPU too: these tests are the kernels' own
 
 
 def _targets(vocab_local: int, generator=None):

@@ -106,4 +106,4 @@ def test_missing_triton_falls_back_with_one_warning(monkeypatch):
     with pytest.warns(RuntimeWarning, match="triton is not installed"):
         y = PF.layer_norm(x, torch.ones(8), torch.zeros(8))
     torch.testing.assert_close(y, F.layer_norm(x, (8,)))
-    assert PF._warned and not PF.uses_triton(x)
+    assert PF._warned and not PF.triton_available(x)

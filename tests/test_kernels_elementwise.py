@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel imports (kernels/_config.py)
 
 import pystronghold.nn.functional as PF  # noqa: E402
+from pystronghold.nn import dispatch  # noqa: E402
 from pystronghold.kernels import bias_dropout_add as bda  # noqa: E402
 from pystronghold.kernels import bias_gelu as bg  # noqa: E402
 
@@ -21,6 +22,7 @@ CANARY = -77.0
 @pytest.fixture(autouse=True)
 def triton_on_cpu(monkeypatch):
     monkeypatch.setenv(PF.FORCE_ENV, "1")
+    monkeypatch.setenv(dispatch.ENV, "triton")  # on a GPU too: these tests are the kernels' own
 
 
 # ---- bias + GeLU

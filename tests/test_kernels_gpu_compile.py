@@ -51,7 +51,7 @@ def _cases():
                   {**ptr("DY DX".split(), P16), "n_elements": "i64", "p": "fp32", "seed": "i64", "offset": "i64"},
                   dict(BLOCK=1024), dict(num_warps=4)))
     cases.append(("cross_entropy", "_ce_stats_kernel", {"X": PBF, "T": "*i64", **ptr("M S TGT SUMX".split(), P32),
-                                                        **ints("stride_x", "n_cols", "vocab_start", "ignore_index")},
+                                                        **ints("stride_x", "n_cols", "vocab_start", "vocab", "ignore_index")},
                   dict(BLOCK_V=4096), dict(num_warps=8)))
     cases.append(("cross_entropy", "_ce_loss_grad_kernel",
                   {"X": PBF, "T": "*i64", **ptr("LSE TGT SUMX SCALE LOSS".split(), P32), "DX": PBF,

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pystronghold.nn.functional as PF  # noqa: E402
+from pystronghold.nn import dispatch  # noqa: E402
 from pystronghold.kernels import norms  # noqa: E402
 from pystronghold.nn import LayerNorm, RMSNorm  # noqa: E402
 
@@ -24,6 +25,7 @@ CANARY = -77.0
 @pytest.fixture(autouse=True)
 def triton_on_cpu(monkeypatch):
     monkeypatch.setenv(PF.FORCE_ENV, "1")
+    monkeypatch.setenv(dispatch.ENV, "triton")  # on a GPU too: these tests are the kernels' own
 
 
 def _inputs(shape, dtype, bias=True):

@@ -7,7 +7,8 @@ import pytest
 from pystronghold.models import GPT, PRESETS, GPTConfig, block_param_count
 from pystronghold.planner.cost import (Workload, analytic_window, block_activation_bytes, block_costs,
                                        block_forward_flops, block_param_numels, block_params_per_rank,
-                                       head_tail_params_per_rank, host_bytes_per_param, slot_bytes)
+                                       head_tail_params_per_rank, host_bytes_per_param, slot_bytes,
+                                       tail_activation_bytes)
 from pystronghold.planner.hardware import GPU, GPUS, GiB, Hardware, gpu_preset
 
 
@@ -145,3 +146,12 @@ def test_activation_formula_matches_what_autograd_saves():
     measured = sum(n for ptr, n in saved.items() if ptr not in params)
     predicted = block_activation_bytes(cfg, Workload(batch=4, precision="fp32"), 128)
     assert predicted <= measured <= 1.02 * predicted
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_loss_holds_only_this_ranks_logits_in_compute_precision(tp):
+    # the vocab-parallel cross-entropy: logits shard, its gradient (written in forward), the scaled
+    # gradient; no gathered (B, T, V) logits, no fp32 copy (the old term was B*T*V*(s + 12))
+    cfg = GPTConfig(vocab_size=1000, vocab_pad_multiple=128, seq_len=64, layers=2, hidden=64, heads=4, tp_size=tp)
+    work = Workload(batch=3, precision="bf16")
+    assert tail_activation_bytes(cfg, work, 64) == 3 * 3 * 64 * (1024 // tp) * 2 + 2 * 3 * 64 * 64 * 2

@@ -135,16 +135,17 @@ def gather_logits(logits_shard: torch.Tensor, vocab_size: int,
 
 def lm_loss(logits_shard: torch.Tensor, targets: torch.Tensor, vocab_size: int,
             group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Mean cross-entropy of vocabulary-sharded logits (B, T, V_padded / tp) against targets (B, T);
-    targets of -100 are ignored.
+    """Mean cross-entropy (fp32) of vocabulary-sharded logits (B, T, V_padded / tp) against targets
+    (B, T); targets of -100 are ignored; padded vocabulary columns get no probability.
 
-    NOTE: the one place the loss is computed. For now the logits are gathered; the vocab-parallel
-    cross-entropy (pystronghold.nn.functional.vocab_parallel_cross_entropy), which never builds
-    the full (B, T, V) tensor, takes over here (padded columns must then be masked to -inf).
+    NOTE: the one place the loss is computed: the vocab-parallel cross-entropy
+    (pystronghold.nn.functional), so no rank builds the full (B, T, V) logits or an fp32 copy of
+    them (the Triton kernel reads the shard in its dtype; with one rank the torch path is today's
+    F.cross_entropy on the real columns in fp32).
     """
-    logits = gather_logits(logits_shard, vocab_size, group)  # (B, T, V)
-    return F.cross_entropy(logits.reshape(-1, vocab_size).float(), targets.reshape(-1),
-                           ignore_index=-100)
+    v_shard = logits_shard.shape[-1]
+    return PF.vocab_parallel_cross_entropy(logits_shard.reshape(-1, v_shard), targets.reshape(-1), group=group,
+                                           ignore_index=-100, vocab_size=vocab_size, loss_dtype=torch.float32)
 
 
 # ---- modules

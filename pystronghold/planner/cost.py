@@ -161,11 +161,18 @@ def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
 
 
 def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
-    """Peak bytes of the loss: the logits in compute precision (B*T*V*s), their fp32 copy and
-    log-softmax output and, in backward, the fp32 gradient (3 * B*T*V*4 at the peak), plus the
-    final norm's input and output (2*B*T*C*s). The full V: the loss gathers the vocabulary shards."""
-    B, V, C, s = work.batch, config.vocab_size, config.hidden, work.dtype_bytes
-    return B * seq * V * (s + 12) + 2 * B * seq * C * s
+    """Peak bytes of the loss on one rank: the logits shard in compute precision (B*T*V/t*s), the
+    gradient shard the fused cross-entropy writes during the forward (B*T*V/t*s) and the scaled copy
+    its backward hands to the LM head (B*T*V/t*s), plus the final norm's input and output
+    (2*B*T*C*s). V is the padded vocabulary (the LM head's rows).
+
+    NOTE: ``lm_loss`` is the vocab-parallel cross-entropy (Triton on CUDA), so no rank gathers the
+    full vocabulary and nothing is copied to fp32. The gathered ``F.cross_entropy`` it replaced held
+    the full logits, their fp32 copy, the fp32 log-softmax and its fp32 gradient: B*T*V*(s + 12).
+    The torch path of the cross-entropy (``PYSTRONGHOLD_KERNELS=vocab_parallel_cross_entropy:torch``,
+    or no triton) still holds fp32 copies of the shard, up to B*T*V/t*(s + 12): not budgeted here."""
+    B, V, C, s, t = work.batch, config.padded_vocab_size, config.hidden, work.dtype_bytes, config.tp_size
+    return 3 * B * seq * (V // t) * s + 2 * B * seq * C * s
 
 
 def host_bytes_per_param(precision: str) -> int:
