@@ -336,8 +336,7 @@ def main(argv=None) -> int:
     args, cfg = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"bench/gpu_train.py: no CUDA device here (torch {torch.__version__}); nothing measured "
-              "(--device cpu runs the CPU subset on a tiny model)")
+        print(f"bench/gpu_train.py: no CUDA device (torch {torch.__version__}); --device cpu: CPU subset")
         return 0
     logging.basicConfig(level=logging.WARNING)
     g = torch.Generator().manual_seed(0)
