@@ -16,8 +16,8 @@ cache emptied, peak counters reset), in one process:
 Losses come first: every configuration's loss at every step (warm-up included) must be within the
 precision's tolerance of plain's (LOSS_RTOL); a mismatch is printed in capitals and the exit status
 is 1. Then per configuration: median step time (20/80% quantiles), tokens/s, TFLOP/s, peak device
-memory (torch.cuda.max_memory_allocated) and the host's peak resident memory (VmHWM, reset per
-configuration through /proc/self/clear_refs).
+memory (torch.cuda.max_memory_allocated) and the host's peak resident memory (VmHWM, reset through
+/proc/self/clear_refs), both over the training steps (reset once the configuration is built).
 
 TFLOP/s counts model FLOPs (recompute is not credited), as Megatron-LM (Narayanan et al. 2021,
 eq. 3, without its recompute pass) and PaLM (Chowdhery et al. 2022, App. B) do:
@@ -26,7 +26,8 @@ N = the parameters that multiply activations (every block's + the LM head's V_pa
 embedding lookups do no multiplications), L layers, h hidden width, T sequence length.
 
 Without CUDA it prints one line and exits 0, unless given --device cpu, which runs the
-configurations that work on the CPU (plain, recompute, the W variants; fp32) on the tiny preset.
+configurations that work on the CPU (plain, recompute, the W variants; fp32) on the tiny preset
+(FSDP2 too when named in --configs: a check of its code path, offloading nowhere).
 
     python bench/gpu_train.py                                    # gpt3-1.3b, bf16, batch 4 x 2048
     python bench/gpu_train.py --model gpt3-350m --batch 8 --configs plain,W=2 --json out.json
@@ -36,6 +37,7 @@ configurations that work on the CPU (plain, recompute, the W variants; fp32) on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -56,8 +58,7 @@ from pystronghold.train.config import resolve_model  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CONFIGS = ("plain", "recompute", "W=all", "W=4", "W=2", "W=auto", "fsdp2-offload", "deepspeed-zero2")
-CUDA_ONLY = {"fsdp2-offload": "CPUOffloadPolicy offloads to the host from a GPU",
-             "deepspeed-zero2": "ZeRO-Offload keeps the model on a GPU"}
+DISTRIBUTED = ("fsdp2-offload", "deepspeed-zero2")  # need a (one-rank) process group
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 1e-2}
 """Relative tolerance of each step's loss against plain's. fp32: summation orders differ (fused
 device AdamW against the host's fused Adam; measured 6e-8 on an H100). bf16: plain's autocast keeps
@@ -87,7 +88,9 @@ class Plain:
         return m.tail(h, y)
 
     def step(self, x, y) -> float:
-        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32, enabled=self.dtype is not None):
+        autocast = (contextlib.nullcontext() if self.dtype is None
+                    else torch.autocast(self.device.type, dtype=self.dtype))
+        with autocast:
             loss = self._loss(x, y)
         loss.backward()
         self.opt.step()
@@ -138,7 +141,7 @@ class FSDP2Offload:
         mesh = init_device_mesh(device.type, (1,))
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-                       offload_policy=CPUOffloadPolicy(pin_memory=True))
+                       offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda"))
         for block in model.blocks:
             fully_shard(block, **options)
         fully_shard(model, **options)  # head and tail (the tied embedding) in the root's group
@@ -185,10 +188,13 @@ class DeepSpeedZero2:
             self.engine.destroy()
 
 
-def skip_reason(name: str, device: torch.device) -> str | None:
-    """Why ``name`` cannot run here, or None."""
-    if name in CUDA_ONLY and device.type != "cuda":
-        return f"needs CUDA ({CUDA_ONLY[name]})"
+def skip_reason(name: str, device: torch.device, named: bool) -> str | None:
+    """Why ``name`` does not run here, or None; ``named``: the user listed it in --configs."""
+    if name == "fsdp2-offload" and device.type != "cuda" and not named:
+        return ("offloading from the CPU to the CPU measures nothing (name it in --configs to run it "
+                "as a check of the code path)")
+    if name == "deepspeed-zero2" and device.type != "cuda":
+        return "needs CUDA (ZeRO-Offload keeps the model on a GPU)"
     if name == "deepspeed-zero2":
         try:
             import deepspeed  # noqa: F401
@@ -250,10 +256,15 @@ def fresh_state(device: torch.device) -> None:
 
 
 def run_config(name: str, cfg, batches, args, device) -> dict:
-    """Train ``cfg`` from seed 0 on ``batches`` the ``name`` way; losses, step seconds, peaks."""
+    """Train ``cfg`` from seed 0 on ``batches`` the ``name`` way; losses, step seconds, and the
+    device and host peaks while training (what stays allocated from construction counts, its
+    transients do not: FSDP2 moves the whole fp32 model through the device once while sharding)."""
     fresh_state(device)
-    host_reset = reset_host_peak()
     trainer = make_trainer(name, GPT(cfg, seed=0), args, device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    host_reset = reset_host_peak()
     losses, seconds = [], []
     try:
         for x, y in batches:
@@ -283,6 +294,8 @@ def init_single_rank(device: torch.device) -> None:
 
     if dist.is_initialized():
         return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's one rank uses this device
     for key in ("RANK", "LOCAL_RANK"):  # DeepSpeed reads them
         os.environ.setdefault(key, "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -304,7 +317,8 @@ def parse_args(argv):
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (their losses are checked)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    parser.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)} "
+                        "(default: all; plain always runs, as the reference)")
     parser.add_argument("--quick", action="store_true", help="gpt3-125m, batch 4 x 1024, 5 steps after 2")
     parser.add_argument("--json", default=None, help="write the records here")
     args = parser.parse_args(argv)
@@ -320,7 +334,8 @@ def parse_args(argv):
     except ValueError as err:
         parser.error(str(err))
     args.seq = args.seq or cfg.seq_len
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    args.named_configs = args.configs is not None
+    configs = [c.strip() for c in (args.configs or ",".join(CONFIGS)).split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         parser.error(f"--configs: unknown {unknown}; choose from {','.join(CONFIGS)}")
@@ -344,12 +359,12 @@ def main(argv=None) -> int:
                      for _ in range(2)) for _ in range(args.warmup + args.steps)]
     runs, skipped = {}, {}
     for name in args.configs:
-        reason = skip_reason(name, device)
+        reason = skip_reason(name, device, named=args.named_configs)
         if reason is not None:
             skipped[name] = reason
             print(f"{name}: skipped: {reason}")
             continue
-        if name in CUDA_ONLY:
+        if name in DISTRIBUTED:
             init_single_rank(device)
         print(f"{name}: {args.warmup} + {args.steps} steps ...", flush=True)
         runs[name] = run_config(name, cfg, batches, args, device)

@@ -44,6 +44,16 @@ def test_cpu_subset_records_equal_losses(tmp_path):
     assert "LOSS MISMATCH" not in proc.stdout
 
 
+def test_fsdp2_code_path_named_on_cpu_gives_plain_losses(tmp_path):
+    out = tmp_path / "fsdp.json"
+    proc = run("--device", "cpu", "--steps", "2", "--warmup", "1", "--configs", "fsdp2-offload", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = {r["config"]: r for r in json.loads(out.read_text())["records"]}
+    assert list(records) == ["plain", "fsdp2-offload"]
+    torch.testing.assert_close(torch.tensor(records["fsdp2-offload"]["losses"]),
+                               torch.tensor(records["plain"]["losses"]), rtol=1e-5, atol=0)
+
+
 def test_bad_config_name_is_one_line_error():
     proc = run("--device", "cpu", "--configs", "plain,W=3")
     assert proc.returncode == 2 and "--configs" in proc.stderr and "W=3" in proc.stderr
