@@ -281,7 +281,7 @@ def run_config(name: str, cfg, batches, args, device) -> dict:
             "host_peak_bytes": host_peak_bytes(), "host_peak_is_per_config": host_reset}
 
 
-def check_losses(runs: dict, rtol: float) -> dict[str, float]:
+def check_losses(runs: dict) -> dict[str, float]:
     """Largest relative difference of each run's losses from plain's (plain must be among them)."""
     ref = torch.tensor(runs["plain"]["losses"], dtype=torch.float64)
     return {name: float(((torch.tensor(r["losses"], dtype=torch.float64) - ref).abs() / ref.abs()).max())
@@ -345,6 +345,40 @@ def parse_args(argv):
     return args, cfg
 
 
+# ---- the report
+
+def report_losses(runs: dict, diffs: dict, rtol: float, precision: str) -> list[str]:
+    """Print every configuration's losses against plain's; return the names that differ (loudly)."""
+    bad = [name for name, d in diffs.items() if not d <= rtol]
+    steps = len(runs["plain"]["losses"])
+    print_table([{"config": n, "first_loss": r["losses"][0], "last_loss": r["losses"][-1],
+                  "max_rel_diff": f"{diffs[n]:.2e}", "status": "LOSS MISMATCH" if n in bad else "ok"}
+                 for n, r in runs.items()],
+                ["config", "first_loss", "last_loss", "max_rel_diff", "status"],
+                f"losses at each of {steps} steps against plain's (tolerance {rtol:g} relative, {precision})")
+    for name in bad:
+        print(f"!!! {name}: LOSSES DIFFER FROM PLAIN PYTORCH by {diffs[name]:.2e} relative (> {rtol:g}); "
+              "its figures below do not count")
+    return bad
+
+
+def timing_rows(runs: dict, diffs: dict, bad: list[str], cfg, args) -> list[dict]:
+    """One record per configuration: step time, throughput, peaks, and its losses."""
+    flops, tokens = model_flops_per_step(cfg, args.batch, args.seq), args.batch * args.seq
+    t_plain = timing(runs["plain"]["seconds"]).median_s
+    rows = []
+    for name, r in runs.items():
+        t = timing(r["seconds"])
+        dev = r["device_peak_bytes"]
+        rows.append({"config": name, "W": r["window"] or "-", "step_ms": 1e3 * t.median_s,
+                     "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s, "vs_plain": t.median_s / t_plain,
+                     "tokens_per_s": tokens / t.median_s, "tflops": flops / t.median_s / 1e12,
+                     "device_peak_GiB": "-" if dev is None else dev / 2**30,
+                     "host_peak_GiB": r["host_peak_bytes"] / 2**30,
+                     "losses_ok": name not in bad, "max_rel_loss_diff": diffs[name], "losses": r["losses"]})
+    return rows
+
+
 # ---- the run
 
 def main(argv=None) -> int:
@@ -357,7 +391,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     batches = [tuple(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
                      for _ in range(2)) for _ in range(args.warmup + args.steps)]
-    runs, skipped = {}, {}
+    runs, skipped, failed = {}, {}, {}
     for name in args.configs:
         reason = skip_reason(name, device, named=args.named_configs)
         if reason is not None:
@@ -367,33 +401,19 @@ def main(argv=None) -> int:
         if name in DISTRIBUTED:
             init_single_rank(device)
         print(f"{name}: {args.warmup} + {args.steps} steps ...", flush=True)
-        runs[name] = run_config(name, cfg, batches, args, device)
+        try:
+            runs[name] = run_config(name, cfg, batches, args, device)
+        except Exception as err:  # noqa: BLE001 - one configuration failing (e.g. out of memory) must
+            # not cost the others their figures on a GPU lent for minutes; it is reported and fails the run
+            if name == "plain":
+                raise
+            failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+            print(f"!!! {name}: FAILED: {failed[name]}", flush=True)
 
-    # correctness first
     rtol = LOSS_RTOL[args.precision]
-    diffs = check_losses(runs, rtol)
-    bad = [name for name, d in diffs.items() if not d <= rtol]
-    print_table([{"config": n, "first_loss": r["losses"][0], "last_loss": r["losses"][-1],
-                  "max_rel_diff": f"{diffs[n]:.2e}", "status": "LOSS MISMATCH" if n in bad else "ok"}
-                 for n, r in runs.items()],
-                ["config", "first_loss", "last_loss", "max_rel_diff", "status"],
-                f"losses at each of {len(batches)} steps against plain's (tolerance {rtol:g} relative, {args.precision})")
-    for name in bad:
-        print(f"!!! {name}: LOSSES DIFFER FROM PLAIN PYTORCH by {diffs[name]:.2e} relative (> {rtol:g}); "
-              "its figures below do not count")
-
-    flops, tokens = model_flops_per_step(cfg, args.batch, args.seq), args.batch * args.seq
-    t_plain = timing(runs["plain"]["seconds"]).median_s
-    rows = []
-    for name, r in runs.items():
-        t = timing(r["seconds"])
-        dev = r["device_peak_bytes"]
-        rows.append({"config": name, "W": r["window"] or "-", "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s,
-                     "vs_plain": t.median_s / t_plain, "tokens_per_s": tokens / t.median_s,
-                     "tflops": flops / t.median_s / 1e12,
-                     "device_peak_GiB": "-" if dev is None else dev / 2**30,
-                     "host_peak_GiB": r["host_peak_bytes"] / 2**30,
-                     "losses_ok": name not in bad, "max_rel_loss_diff": diffs[name], "losses": r["losses"]})
+    diffs = check_losses(runs)
+    bad = report_losses(runs, diffs, rtol, args.precision)  # correctness first
+    rows = timing_rows(runs, diffs, bad, cfg, args)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU backend"
     title = (f"{args.model} ({param_count(cfg) / 1e6:,.1f}M params), {args.precision}, batch {args.batch} x "
              f"{args.seq}, {args.steps} timed steps after {args.warmup}, {where}; TFLOP/s = tokens * (6 N + "
@@ -404,14 +424,17 @@ def main(argv=None) -> int:
         print("note: /proc/self/clear_refs refused a reset: host peaks are the process's peak so far")
     for name, reason in skipped.items():
         print(f"note: {name} skipped: {reason}")
+    for name, error in failed.items():
+        print(f"!!! {name} FAILED: {error}")
     write_json(args.json, "gpu_train", rows, {
-        "args": vars(args), "device": where, "flops_per_step": flops, "loss_rtol": rtol, "skipped": skipped,
+        "args": vars(args), "device": where, "loss_rtol": rtol, "skipped": skipped, "failed": failed,
+        "flops_per_step": model_flops_per_step(cfg, args.batch, args.seq),
         "flops_formula": "tokens * (6 * (layers * block_params + padded_vocab * hidden) + 12 * layers * hidden * seq)"})
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    return 1 if bad else 0
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":

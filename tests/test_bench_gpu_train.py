@@ -64,3 +64,25 @@ def test_without_cuda_one_clear_line():
     proc = run("--steps", "1")
     assert proc.returncode == 0
     assert proc.stdout.strip().splitlines() == [proc.stdout.strip()] and "no CUDA device" in proc.stdout
+
+
+def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(bench_dir()))
+    spec = importlib.util.spec_from_file_location("gpu_train_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def out_of_memory(model, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(bench, "auto_window", out_of_memory)
+    out = tmp_path / "partial.json"
+    code = bench.main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--configs", "W=auto,W=2",
+                       "--json", str(out)])
+    assert code == 1
+    payload = json.loads(out.read_text())
+    assert [r["config"] for r in payload["records"]] == ["plain", "W=2"]
+    assert payload["failed"] == {"W=auto": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert "!!! W=auto FAILED" in capsys.readouterr().out
