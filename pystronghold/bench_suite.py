@@ -44,6 +44,17 @@ def _window(records: list[dict]) -> tuple[str, float, str]:
             1.0 / r["vs_plain"], "plain PyTorch, all resident")
 
 
+def _gpu_train(records: list[dict]) -> tuple[str, float, str]:
+    plain = next(r for r in records if r["config"] == "plain")
+    windowed = [r for r in records if r["config"].startswith("W=") and r["config"] not in ("W=all", "W=auto")
+                and r["losses_ok"]]
+    r = min(windowed, key=lambda r: int(r["config"][2:]))
+    share = (f", {100 * r['device_peak_GiB'] / plain['device_peak_GiB']:.0f}% of its peak device memory"
+             if isinstance(r["device_peak_GiB"], float) and isinstance(plain["device_peak_GiB"], float) else "")
+    return (f"GPU training, pystronghold {r['config']} step time ({r['tflops']:.0f} TFLOP/s{share})",
+            1.0 / r["vs_plain"], "plain PyTorch resident (autocast, fused AdamW)")
+
+
 def _kernels(records: list[dict]) -> tuple[str, float, str]:
     if any(r.get("impl") == "reference" for r in records):
         ref = [r["speedup"] for r in records if r.get("impl") == "reference"]
@@ -69,7 +80,7 @@ def _nvme(records: list[dict]) -> tuple[str, float, str]:
             f"raw read)", 1.0 / step["ratio"], "states in host memory")
 
 
-HEADLINES = {"adam": _adam, "copy_engine": _copy, "window": _window, "kernels": _kernels,
+HEADLINES = {"adam": _adam, "copy_engine": _copy, "window": _window, "gpu_train": _gpu_train, "kernels": _kernels,
              "parallel": _parallel, "nvme": _nvme}
 """name -> records -> (what, speed-up over the baseline (>1: faster), baseline)."""
 
@@ -80,7 +91,8 @@ def _kernel_args() -> list[str]:
     return [] if torch.cuda.is_available() else ["--cpu-reference", "--threads", "1"]
 
 
-BENCHES = {"adam": lambda: [], "copy_engine": lambda: [], "window": lambda: [], "kernels": _kernel_args,
+BENCHES = {"adam": lambda: [], "copy_engine": lambda: [], "window": lambda: [], "gpu_train": lambda: [],
+           "kernels": _kernel_args,
            "parallel": lambda: [], "nvme": lambda: []}
 """Script names in run order and the extra arguments each gets on this machine."""
 

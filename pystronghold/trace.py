@@ -19,6 +19,11 @@ wait (compute waiting on a copy: a stall)     stall
 ============================================  ===========
 
 Any other kind is accepted and gets a lane of its own name unless ``lane=`` says otherwise.
+
+Times are host seconds. Actions the host timed itself are recorded at once (``record``); actions
+timed on a device (CUDA events, see ``pystronghold.runtime.timing``) are held by ``defer`` until
+their events have happened and ``resolve`` places them on the host clock with one calibration, so
+durations are the device's, not the host's view of them.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from pystronghold.runtime.timing import Calibration, is_host_mark, mark_done, to_host_s
 
 __all__ = ["Tracer", "TraceEvent", "TraceSummary", "COMPUTE_KINDS", "BACKGROUND_KINDS",
            "TRANSFER_KINDS", "LANE_OF_KIND"]
@@ -119,6 +126,7 @@ class Tracer:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._events: list[TraceEvent] = []
+        self._pending: list[tuple] = []  # (kind, block, start mark, end mark, nbytes, lane)
         self._lock = threading.Lock()
 
     # ---- recording
@@ -143,20 +151,60 @@ class Tracer:
         with self._lock:
             self._events.append(event)
 
+    def defer(self, kind: str, block: int | None, start, end, nbytes: int = 0,
+              lane: str | None = None) -> None:
+        """Record an action timed by two marks (``pystronghold.runtime.timing``): host readings
+        (float seconds) are recorded at once; device events wait for ``resolve``."""
+        if not self.enabled:
+            return
+        if is_host_mark(start) and is_host_mark(end):
+            self.record(kind, block, start, end, nbytes, lane)
+            return
+        with self._lock:
+            self._pending.append((kind, block, start, end, nbytes, lane))
+
+    def resolve(self, calibrate: Callable[[], Calibration | None]) -> int:
+        """Record the deferred actions whose marks have all happened, placed on the host clock by
+        one ``calibrate()`` taken after checking them (so it follows every mark it places); the
+        others stay deferred. Returns how many were recorded."""
+        with self._lock:
+            ready, waiting = [], []
+            for p in self._pending:
+                (ready if mark_done(p[2]) and mark_done(p[3]) else waiting).append(p)
+            if not ready:
+                return 0
+            self._pending = waiting
+        calibration = calibrate()
+        for kind, block, start, end, nbytes, lane in ready:
+            start_s = to_host_s(start, calibration)
+            self.record(kind, block, start_s, max(to_host_s(end, calibration), start_s), nbytes, lane)
+        return len(ready)
+
+    def pending(self) -> int:
+        """Deferred actions not resolved yet."""
+        with self._lock:
+            return len(self._pending)
+
     @contextlib.contextmanager
     def span(self, kind: str, block: int | None = None, nbytes: int = 0,
-             lane: str | None = None) -> Iterator[None]:
-        """Time the ``with`` body as one event; also a ``torch.profiler.record_function`` range."""
+             lane: str | None = None, clock=None) -> Iterator[None]:
+        """Time the ``with`` body as one event; also a ``torch.profiler.record_function`` range.
+
+        ``clock`` (a ``timing.HostClock`` or ``timing.EventClock``) makes the marks; by default
+        the host clock (work the host itself does). With an ``EventClock`` the span is the time the
+        device's stream took over the work issued in the body, resolved later (``resolve``).
+        """
         if not self.enabled:
             yield
             return
         label = f"pystronghold::{kind}" + ("" if block is None else f"[{block}]")
         with torch.profiler.record_function(label):
-            start = time.monotonic()
+            start = time.monotonic() if clock is None else clock.mark()
             try:
                 yield
             finally:
-                self.record(kind, block, start, time.monotonic(), nbytes, lane)
+                end = time.monotonic() if clock is None else clock.mark()
+                self.defer(kind, block, start, end, nbytes, lane)
 
     def events(self) -> list[TraceEvent]:
         """A copy of the events recorded so far, in recording order."""
@@ -164,9 +212,10 @@ class Tracer:
             return list(self._events)
 
     def clear(self) -> None:
-        """Forget all events."""
+        """Forget all events, deferred ones included."""
         with self._lock:
             self._events.clear()
+            self._pending.clear()
 
     # ---- export
 

@@ -30,8 +30,8 @@ def test_every_headline_reads_its_scripts_records():
     sources = {name: (bench_dir() / f"{name}.py").read_text() for name in HEADLINES}
     for name, fields in {"adam": ["x_torch_fused", "params_m", "tensors"], "copy_engine": ["ratio", "size_mib"],
                          "window": ["vs_plain", "bytes_vs_plain"], "kernels": ["speedup", "fwdbwd_ms"],
-                         "parallel": ["vs_1x1", "procs"], "nvme": ["step time, states on disk", "kind", "ratio"]
-                         }.items():
+                         "parallel": ["vs_1x1", "procs"], "nvme": ["step time, states on disk", "kind", "ratio"],
+                         "gpu_train": ["vs_plain", "device_peak_GiB", "losses_ok", "tflops"]}.items():
         for f in fields:
             assert f in sources[name], (name, f)
     assert HEADLINES["adam"]([{"case": "ours", "tensors": 1, "params_m": 4.0, "x_torch_fused": 1.5},
@@ -43,5 +43,11 @@ def test_every_headline_reads_its_scripts_records():
             {"what": "tier read during training", "kind": "tier", "ratio": 0.7},
             {"what": "step time, states on disk", "kind": "step", "ratio": 1.25}]
     assert HEADLINES["nvme"](nvme)[1] == 0.8
+    gpu = [{"config": "plain", "vs_plain": 1.0, "device_peak_GiB": 36.0, "tflops": 390.0, "losses_ok": True},
+           {"config": "W=4", "vs_plain": 1.8, "device_peak_GiB": 12.0, "tflops": 210.0, "losses_ok": True},
+           {"config": "W=2", "vs_plain": 2.0, "device_peak_GiB": 9.0, "tflops": 190.0, "losses_ok": True},
+           {"config": "W=auto", "vs_plain": 1.9, "device_peak_GiB": 9.0, "tflops": 200.0, "losses_ok": True}]
+    what, ratio, _ = HEADLINES["gpu_train"](gpu)
+    assert ratio == 0.5 and "W=2" in what and "25% of its peak" in what
     assert HEADLINES["parallel"]([{"tp": 1, "dp": 1, "procs": 1, "vs_1x1": 1.0},
                                   {"tp": 2, "dp": 2, "procs": 4, "vs_1x1": 2.0}])[1] == 0.5

@@ -6,8 +6,11 @@ The engine never copies or synchronises by itself: it asks its backend. A backen
 - ``device_buffer(name, numel, dtype)``: a flat tensor carved from the budgeted device arena;
 - ``host_arena(capacity_bytes)``: a host arena for one store tier (pinned where that helps);
 - ``h2d(dst, src, after)`` / ``d2h(dst, src, after)``: an asynchronous copy that starts after the
-  handles in ``after`` and returns a handle with ``wait()``, ``done()``, ``nbytes``, ``start_s``,
-  ``end_s`` (seconds, ``time.monotonic()``);
+  handles in ``after`` and returns a handle with ``wait()``, ``done()``, ``nbytes`` and, once done,
+  its start and end marks (``runtime.timing.copy_marks``: host stamps on the CPU, events on CUDA);
+- ``clock``: makes the trace's marks (``HostClock`` on the CPU, ``EventClock`` on CUDA: timing
+  events on the compute stream) and the per-step calibration that places device marks on the host
+  clock (``runtime/timing.py``);
 - ``compute_wait(handle)``: make the following compute wait for a copy (CPU: block on the handle;
   CUDA: the compute stream waits on the copy's event, the host does not block);
 - ``compute_marker()``: a handle that completes when the compute issued so far has finished

@@ -15,6 +15,7 @@ import math
 import torch
 
 from pystronghold.io import CopyEngine, HostArena
+from pystronghold.runtime.timing import HostClock
 
 __all__ = ["CPUBackend"]
 
@@ -35,6 +36,7 @@ class CPUBackend:
         # file reads and writes (NVMe tier) get queues of their own, so a long disk read never
         # holds back a load queued behind it, and a load can name a read in after=
         self.copies = CopyEngine(threads=copy_threads, queues=4, chunk_bytes=chunk_bytes)
+        self.clock = HostClock()  # compute runs on this thread; copy requests carry their own stamps
 
     # ---- memory
 

@@ -7,8 +7,10 @@
   (``compute_marker``) and after its gradient copy-out's event: both are in the load's ``after``.
 - The store's arenas are pinned (HostArena ``pin="auto"`` registers them with CUDA), so the copies
   are truly asynchronous DMA.
-- Handle times: ``start_s`` is when the copy was issued and ``end_s`` when the host first saw it
-  finished (CUDA events do not carry host clock times); the device-side duration is ``elapsed_s``.
+- Times: each copy is bracketed by two timing events on its stream (the handle's ``start_mark``
+  and ``end_mark``); compute spans by events on the compute stream (``clock.mark()``). The trace
+  takes durations from ``Event.elapsed_time`` and places them on the host clock by one calibration
+  per step (``runtime/timing.py``), never from when the host issued a copy or saw it done.
 
 Importable without CUDA; constructing it without a GPU raises RuntimeError.
 """
@@ -16,11 +18,11 @@ Importable without CUDA; constructing it without a GPU raises RuntimeError.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from pystronghold.io import HostArena
+from pystronghold.runtime.timing import EventClock
 
 __all__ = ["CUDABackend", "EventHandle"]
 
@@ -28,40 +30,30 @@ _DEVICE_ALIGN = 256  # bytes; cudaMalloc's own alignment
 
 
 class EventHandle:
-    """A copy (or compute point) on a CUDA stream: complete when its end event has fired."""
+    """A copy (or a compute point) on a CUDA stream: complete when its ``event`` has fired.
 
-    def __init__(self, stream, nbytes: int, keepalive=(), start_event=None) -> None:
+    A copy's handle carries its device marks, ``start_mark`` and ``end_mark`` (timing events
+    recorded on the copy's stream just before and after it); a compute marker has none (None).
+    """
+
+    def __init__(self, event, nbytes: int, keepalive=(), start_mark=None) -> None:
+        self.event = event
         self.nbytes = nbytes
-        self.start_s = time.monotonic()
-        self._end_s: float | None = None
-        self._start_event = start_event
-        self.event = torch.cuda.Event(enable_timing=start_event is not None)
-        self.event.record(stream)
+        self.start_mark = start_mark
+        self.end_mark = event if start_mark is not None else None
         self._keepalive = keepalive  # tensors must outlive the copy
+        self._done = False
 
     def done(self) -> bool:
-        if self._end_s is None and self.event.query():
-            self._end_s = time.monotonic()
+        if not self._done and self.event.query():
+            self._done = True
             self._keepalive = ()
-        return self._end_s is not None
+        return self._done
 
     def wait(self, timeout_s: float | None = None) -> None:
         # NOTE: CUDA events have no timed wait; timeout_s is accepted for interface parity.
         self.event.synchronize()
         self.done()
-
-    @property
-    def end_s(self) -> float:
-        self.wait()
-        return self._end_s
-
-    @property
-    def elapsed_s(self) -> float | None:
-        """Device-side duration in seconds (copies only)."""
-        if self._start_event is None:
-            return None
-        self.wait()
-        return self._start_event.elapsed_time(self.event) / 1e3
 
 
 class CUDABackend:
@@ -80,6 +72,9 @@ class CUDABackend:
         self._used = 0
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
+        # marks for the trace: timing events, on the compute stream unless a stream is named
+        self.clock = EventClock(lambda: torch.cuda.Event(enable_timing=True),
+                                lambda: torch.cuda.current_stream(self.device))
         self._file_engine = None
 
     # ---- memory
@@ -126,10 +121,10 @@ class CUDABackend:
             else:  # a host-side request (a file read): the host waits before issuing the copy
                 h.wait()
         with torch.cuda.stream(stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
+            start = self.clock.mark(stream)
             dst.copy_(src, non_blocking=True)
-            return EventHandle(stream, dst.numel() * dst.element_size(), (dst, src), start)
+            end = self.clock.mark(stream)
+        return EventHandle(end, dst.numel() * dst.element_size(), (dst, src), start_mark=start)
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after=()) -> EventHandle:
         """Store -> device copy on the load stream, after the events of ``after``."""
@@ -145,7 +140,9 @@ class CUDABackend:
 
     def compute_marker(self) -> EventHandle:
         """An event after everything issued so far on the compute stream."""
-        return EventHandle(torch.cuda.current_stream(self.device), 0)
+        event = torch.cuda.Event()  # ordering only: no timing
+        event.record(torch.cuda.current_stream(self.device))
+        return EventHandle(event, 0)
 
     def poison(self, tensor: torch.Tensor) -> None:
         """NaN-fill on the compute stream (ordered after the compute that used the slot)."""

@@ -30,6 +30,7 @@ from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, move_to_device, slot_bytes,
                                           split_parameters)
 from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
+from pystronghold.runtime.timing import copy_marks
 from pystronghold.runtime.updates import HostUpdates
 from pystronghold.runtime.window import Window
 from pystronghold.trace import Tracer
@@ -160,7 +161,7 @@ class Engine:
             h.wait()
         self.backend.synchronize()
         self.store.synchronize()
-        self._flush_copies()
+        self._flush_copies(calibrate=True)
 
     def in_flight(self) -> int:
         """Copies and host jobs not finished yet."""
@@ -193,8 +194,12 @@ class Engine:
             if self.scratch is not None:
                 self.scratch.close()
 
-    def span(self, kind: str, block: int | None):
-        return self.trace.span(kind, block) if self.trace.enabled else contextlib.nullcontext()
+    def span(self, kind: str, block: int | None, *, host: bool = False):
+        """Trace ``kind``: timed by the backend's clock (CUDA: events on the compute stream), or by
+        the host's when ``host`` (work the host itself waits for)."""
+        if not self.trace.enabled:
+            return contextlib.nullcontext()
+        return self.trace.span(kind, block, clock=None if host else self.backend.clock)
 
     # ---- the schedule, driven by block_fn.BlockFunction
 
@@ -210,7 +215,7 @@ class Engine:
                 "runtime needs each block called once per forward, in order 0..N-1")
         self._pump()
         if block in self._pending:
-            with self.span("wait", block):
+            with self.span("wait", block, host=True):
                 self.updates.updates[block].result()
             self._pending.remove(block)
             self._issue(block)
@@ -410,7 +415,7 @@ class Engine:
     def _end_step(self) -> None:
         self.micro_batches = 0
         self._grad_valid = [False] * self.n_blocks
-        self._flush_copies()
+        self._flush_copies(calibrate=True)
 
     def _zero_grad(self) -> None:
         self.device_optimizer.zero_grad()
@@ -418,13 +423,18 @@ class Engine:
             self.micro_batches = 0
             self._grad_valid = [False] * self.n_blocks
 
-    def _flush_copies(self) -> None:
+    def _flush_copies(self, calibrate: bool = False) -> None:
+        """Finished copies go to the trace and are dropped; with ``calibrate`` (step end, sync) the
+        trace's device-timed spans are placed on the host clock (runtime/timing.py)."""
         self._copies.extend(self.store.take_events())
         keep = []
         for kind, block, h in self._copies:
             if h.done():
                 if self.trace.enabled:
-                    self.trace.record(kind, block, h.start_s, max(h.end_s, h.start_s), h.nbytes)
+                    start, end = copy_marks(h)
+                    self.trace.defer(kind, block, start, end, h.nbytes)
             else:
                 keep.append((kind, block, h))
         self._copies = keep
+        if calibrate and self.trace.pending():
+            self.trace.resolve(self.backend.clock.calibrate)

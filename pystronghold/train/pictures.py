@@ -12,8 +12,10 @@ __all__ = ["write_outputs", "write_loss_png", "write_timeline_png"]
 
 def write_timeline_png(path: Path, tracer: Tracer, title: str) -> Path:
     """One row per lane (compute, h2d, d2h, optimizer, file_io, stall), milliseconds from the first
-    event. NOTE: unlike ``Tracer.write_png``, every event is drawn at least 0.1% of the span wide: a
-    block's copy takes microseconds next to steps of hundreds of milliseconds and would vanish."""
+    event. NOTE: unlike ``Tracer.write_png``, every event but a stall is drawn at least 0.1% of the
+    span wide: a block's copy takes microseconds next to steps of hundreds of milliseconds and would
+    vanish. Stalls keep their true width: on CUDA every compute-waits-for-copy is a span, most of
+    them zero long (the copy had finished), and widening them would draw stalls that did not happen."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -27,7 +29,8 @@ def write_timeline_png(path: Path, tracer: Tracer, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(12, 0.6 * max(len(lanes), 1) + 1.4))
     for row, lane in enumerate(lanes):
         mine = [e for e in events if e.lane == lane]
-        spans = [((e.start_s - t0) * 1e3, max(e.duration_s * 1e3, span_ms / 1000)) for e in mine]
+        least_ms = 0.0 if lane == "stall" else span_ms / 1000
+        spans = [((e.start_s - t0) * 1e3, max(e.duration_s * 1e3, least_ms)) for e in mine]
         ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors(row % 10), alpha=0.85)
         busy = sum(e.duration_s for e in mine) * 1e3
         ax.text(span_ms * 1.005, row, f"{len(mine)} events, {busy:.1f} ms", va="center", fontsize=8)

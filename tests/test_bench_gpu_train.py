@@ -1,0 +1,88 @@
+"""bench/gpu_train.py: the CPU subset trains one tiny GPT every way the CPU allows, with the same
+losses; without CUDA the GPU run says so in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pystronghold.bench_suite import bench_dir
+
+SCRIPT = str(bench_dir() / "gpu_train.py")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600,
+                          cwd=bench_dir().parent)
+
+
+def test_cpu_subset_records_equal_losses(tmp_path):
+    out = tmp_path / "gpu_train.json"
+    proc = run("--device", "cpu", "--model", "tiny", "--steps", "2", "--warmup", "0", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    payload = json.loads(out.read_text())
+    records = {r["config"]: r for r in payload["records"]}
+    assert list(records) == ["plain", "recompute", "W=all", "W=4", "W=2", "W=auto"]
+    assert set(payload["skipped"]) == {"fsdp2-offload", "deepspeed-zero2"}
+    plain = torch.tensor(records["plain"]["losses"])
+    assert len(plain) == 2 and torch.isfinite(plain).all()
+    for name, r in records.items():
+        # fp32 on the CPU: every way computes the same training (tolerance: summation order of the
+        # fused CPU Adam against torch's)
+        torch.testing.assert_close(torch.tensor(r["losses"]), plain, rtol=1e-5, atol=0, msg=name)
+        assert r["losses_ok"] and r["max_rel_loss_diff"] <= payload["loss_rtol"]
+        assert r["step_ms"] > 0 and r["tflops"] > 0 and r["host_peak_GiB"] > 0
+    assert records["W=2"]["W"] == 2 and records["W=all"]["W"] == 4 and 1 <= records["W=auto"]["W"] <= 4
+    # tokens * (6 N + 12 L h T) for the tiny preset (hidden 64, MLP 256, vocabulary 256, 4 blocks):
+    # a block is 2 norms (256) + qkv (12,480) + proj (4,096) + fc1 (16,640) + fc2 (16,384) + 2 biases (128)
+    n = 4 * 49_984 + 256 * 64
+    assert payload["flops_per_step"] == 2 * 64 * (6 * n + 12 * 4 * 64 * 64)
+    assert "LOSS MISMATCH" not in proc.stdout
+
+
+def test_fsdp2_code_path_named_on_cpu_gives_plain_losses(tmp_path):
+    out = tmp_path / "fsdp.json"
+    proc = run("--device", "cpu", "--steps", "2", "--warmup", "1", "--configs", "fsdp2-offload", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = {r["config"]: r for r in json.loads(out.read_text())["records"]}
+    assert list(records) == ["plain", "fsdp2-offload"]
+    torch.testing.assert_close(torch.tensor(records["fsdp2-offload"]["losses"]),
+                               torch.tensor(records["plain"]["losses"]), rtol=1e-5, atol=0)
+
+
+def test_bad_config_name_is_one_line_error():
+    proc = run("--device", "cpu", "--configs", "plain,W=3")
+    assert proc.returncode == 2 and "--configs" in proc.stderr and "W=3" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_without_cuda_one_clear_line():
+    proc = run("--steps", "1")
+    assert proc.returncode == 0
+    assert proc.stdout.strip().splitlines() == [proc.stdout.strip()] and "no CUDA device" in proc.stdout
+
+
+def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(bench_dir()))
+    spec = importlib.util.spec_from_file_location("gpu_train_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def out_of_memory(model, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(bench, "auto_window", out_of_memory)
+    out = tmp_path / "partial.json"
+    code = bench.main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--configs", "W=auto,W=2",
+                       "--json", str(out)])
+    assert code == 1
+    payload = json.loads(out.read_text())
+    assert [r["config"] for r in payload["records"]] == ["plain", "W=2"]
+    assert payload["failed"] == {"W=auto": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert "!!! W=auto FAILED" in capsys.readouterr().out
