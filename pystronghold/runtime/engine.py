@@ -25,6 +25,7 @@ from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.schedule import Load, Release, build_plan
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
+from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, move_to_device, slot_bytes,
                                           split_parameters)
@@ -111,6 +112,7 @@ class Engine:
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
         self._names = {id(p): name for name, p in model.named_parameters()}
+        self._forward_signature = forward_signature(model)
         self._block_param_names = [[self._names[id(p)] for p in ps] for ps in block_params]
         # pass state
         self._plan = None  # the plan of the pass in progress
@@ -132,7 +134,9 @@ class Engine:
     # ---- user API
 
     def __call__(self, *args, **kwargs):
-        """Run the model's own forward."""
+        """Run the model's own forward, with host tensors among the arguments moved to the device
+        (``pystronghold.runtime.inputs.move_inputs``; a tensor on another device: ValueError)."""
+        args, kwargs = move_inputs(args, kwargs, self.device, self._forward_signature)
         return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
