@@ -80,6 +80,7 @@ class Engine:
         if self.placement.spilled:
             self.scratch = open_scratch(config.nvme_dir, disk_tier_bytes(self.placement, numels, self.dtype),
                                         preallocate=config.nvme_preallocate)
+        self.store = None
         try:
             self.backend = make_backend(config.device, self.planned_arena_bytes, copy_threads=config.copy_threads)
             self.device = self.backend.device
@@ -90,13 +91,17 @@ class Engine:
                                 read_queue=read_q, write_queue=write_q, arena_factory=self.backend.host_arena,
                                 preallocate=config.nvme_preallocate)
 
+            # NOTE: arenas made (pinned, zeroed) by a builder thread while the fill runs
             self.store = HostStore(layouts, self.dtype, self.backend.host_arena, placement=self.placement,
-                                   disk_factory=disk_factory)
+                                   disk_factory=disk_factory, background=True)
+            self.fill_times = fill_store(self.store, model, blocks, block_named, block_params, materialize,
+                                         threads=config.init_threads)
         except BaseException:
+            if self.store is not None:
+                self.store.close()
             if self.scratch is not None:
                 self.scratch.close()
             raise
-        fill_store(self.store, model, blocks, block_named, block_params, materialize)
         # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
         head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
         move_to_device(model, blocks, self.device, self.dtype)
