@@ -151,3 +151,21 @@ def test_init_threads_default_and_memory_cap():
 def test_bad_init_threads_is_refused(bad):
     with pytest.raises(ValueError, match="RuntimeConfig.init_threads must be an int >= 0"):
         RuntimeConfig(init_threads=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_store_arenas_are_pinned_in_chunks_and_hold_the_eager_values(monkeypatch):
+    """On CUDA the builder thread pins every chunk (cudaHostRegister); the values are the eager model's."""
+    eager = _wrapped(False)
+    want = _store_values(eager)
+    eager.close()
+    monkeypatch.setattr(store_mod, "DEFAULT_CHUNK_BYTES", 20_000)
+    engine = _wrapped(True, device="cuda", init_threads=3)
+    try:
+        assert engine.store.pinned and engine.store.arena_count == 4 * CFG.layers
+        got = _store_values(engine)
+    finally:
+        engine.close()
+    for g, w in zip(got, want):
+        for state in w:
+            assert torch.equal(g[state], w[state])
