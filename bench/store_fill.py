@@ -74,7 +74,8 @@ def main() -> None:
             if reference is None:
                 reference = fp
             if fp != reference:
-                raise SystemExit(f"init_threads={t}: the store differs from the first run's: {fp} != {reference}")
+                raise SystemExit(f"init_threads={t}: the store differs from the first run's: "
+                                 f"{fp} != {reference}")
             samples[t].append(times)
     base = statistics.median(s["total"] for s in samples[args.threads[0]])
     rows = []

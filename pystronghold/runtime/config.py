@@ -107,7 +107,7 @@ class RuntimeConfig:
                              f"got {self.host_memory_bytes!r}")
         if self.nvme_dir is not None:
             self.nvme_dir = str(self.nvme_dir)
-        if not isinstance(self.init_threads, int) or isinstance(self.init_threads, bool) or self.init_threads < 0:
+        if type(self.init_threads) is not int or self.init_threads < 0:
             raise ValueError(f"RuntimeConfig.init_threads must be an int >= 0, got {self.init_threads!r}")
         if self.copy_threads < 1:
             raise ValueError(f"RuntimeConfig.copy_threads must be >= 1, got {self.copy_threads}")

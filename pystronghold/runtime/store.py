@@ -129,10 +129,10 @@ class _Chunk:
 class HostStore:
     """Owns every block's states: host buffers per tier and, per ``placement``, the file tier.
 
-    Host-memory states are flat buffers carved from arenas of at most ``chunk_bytes`` each (default
-    ``DEFAULT_CHUNK_BYTES``; ``tiers[state][block]``; None for a block whose state is on disk). Every user goes through
-    ``acquire``/``release`` leases, which hand out the host buffer directly or stage a disk state in
-    the tier's cache (``pystronghold.runtime.disk_tier``). ``arena_factory(capacity_bytes)`` makes
+    Host-memory states are flat buffers carved from arenas of at most ``chunk_bytes`` each
+    (default ``DEFAULT_CHUNK_BYTES``; ``tiers[state][block]``; None for a block whose state is on
+    disk). Every user goes through ``acquire``/``release`` leases, which hand out the host buffer
+    directly or stage a disk state in the tier's cache (``pystronghold.runtime.disk_tier``). ``arena_factory(capacity_bytes)`` makes
     a HostArena (pinned on CUDA). The caller planned the placement against its budget first: this
     class allocates. With ``background=True`` the arenas are made (pinned, zeroed) by a builder
     thread in block order, so filling block i overlaps making the arenas of later blocks; a lease on
@@ -190,9 +190,12 @@ class HostStore:
         else:
             self._build_all()
             if self._build_error is not None:
+                if self.disk is not None:
+                    self.disk.close()
                 raise self._build_error
         log.info("host store: %d blocks, %.1f MiB in host memory over %d arenas; %s", len(layouts),
-                 self.nbytes / 2**20, len(self._chunks) + (self.disk is not None), placement.describe(len(layouts)))
+                 self.nbytes / 2**20, len(self._chunks) + (self.disk is not None),
+                 placement.describe(len(layouts)))
 
     # ---- building the arenas
 

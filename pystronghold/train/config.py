@@ -28,7 +28,8 @@ about 6x the window's bytes."""
 
 
 def _read_model_file(name: str) -> dict:
-    """The JSON object of a model file (GPTConfig fields and an optional ``"lr"``); ValueError naming --model."""
+    """The JSON object of a model file (GPTConfig fields and an optional ``"lr"``); ValueError
+    naming --model."""
     try:
         with open(name) as f:
             spec = json.load(f)
