@@ -160,3 +160,18 @@ def _all_layers(rank: int, world: int) -> None:
 
 def test_tp2_layers_equal_single_process():
     run_ranks(_all_layers, 2)
+
+
+@pytest.mark.parametrize("shape", [(7,), (17, 3), (1023, 5), (64, 48)])
+def test_init_normal_in_place_draw_equals_the_general_path(shape):
+    """A contiguous fp32 parameter is drawn in place; a non-contiguous one of the same shape takes the
+    general path (draw a temporary, scale, copy): the values must be the same, bit for bit."""
+    from pystronghold.parallel import init_normal_
+
+    fast = torch.nn.Parameter(torch.empty(shape))  # a leaf that requires grad, as in a model
+    general = torch.empty(tuple(reversed(shape))).t() if len(shape) == 2 else torch.empty(shape[0] * 2)[::2]
+    assert not general.is_contiguous()
+    with torch.no_grad():
+        init_normal_(fast, 0.02, 5, "blocks.0.mlp.fc1.weight")
+    init_normal_(general, 0.02, 5, "blocks.0.mlp.fc1.weight")
+    assert torch.equal(fast, general)

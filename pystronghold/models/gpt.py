@@ -265,6 +265,10 @@ class GPT(nn.Module):
     memory in fp32 (3B parameters are 12 GB) can so be built and handed over one block at a time.
     """
 
+    materialize_block_thread_safe = True
+    """``materialize_block_`` may run for different blocks in parallel threads (``wrap`` does):
+    each parameter draws from its own generator seeded by (seed, name), whatever the scheduling."""
+
     def __init__(self, config: GPTConfig, *, seed: int = 0,
                  tp_group: dist.ProcessGroup | None = None, materialize_blocks: bool = True) -> None:
         super().__init__()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pystronghold.models.gpt import GPTConfig
 
-__all__ = ["PRESETS", "param_count", "block_param_count", "embedding_param_count"]
+__all__ = ["PRESETS", "PRESET_LR", "SMALL_MODEL_LR", "recommended_lr", "param_count", "block_param_count",
+           "embedding_param_count"]
 
 _GPT2_VOCAB = 50257
 
@@ -41,6 +42,29 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt3-175b": _gpt3(96, 12288, 96),
 }
 
+SMALL_MODEL_LR = 2e-3
+"""Peak AdamW learning rate of the test-size presets (tiny, mini, small) and of the demo: these
+models of at most a few tens of millions of parameters train stably and fast at it."""
+
+PRESET_LR: dict[str, float] = {
+    "tiny": SMALL_MODEL_LR,
+    "mini": SMALL_MODEL_LR,
+    "small": SMALL_MODEL_LR,
+    # GPT-2 small: the value nanoGPT and GPT-3 Small (same shape) use; GPT-2's paper gives none
+    "gpt2-124m": 6.0e-4,
+    # Brown et al. 2020, Table 2.1 ("Learning Rate" column)
+    "gpt3-125m": 6.0e-4,
+    "gpt3-350m": 3.0e-4,
+    "gpt3-760m": 2.5e-4,
+    "gpt3-1.3b": 2.0e-4,
+    "gpt3-2.7b": 1.6e-4,
+    "gpt3-6.7b": 1.2e-4,
+    "gpt3-13b": 1.0e-4,
+    "gpt3-175b": 0.6e-4,
+}
+"""Published peak learning rate of every preset (AdamW, batch sizes of the paper); what
+``pystronghold train --lr`` defaults to."""
+
 
 def block_param_count(config: GPTConfig, *, per_tp_rank: bool = False) -> int:
     """Parameters of one transformer block: all tensor-parallel ranks together, or with
@@ -64,3 +88,15 @@ def param_count(config: GPTConfig) -> int:
     C, b = config.hidden, int(config.bias)
     tail = C + b * C + (0 if config.tie_embeddings else config.padded_vocab_size * C)
     return embedding_param_count(config) + config.layers * block_param_count(config) + tail
+
+
+def recommended_lr(config: GPTConfig) -> float:
+    """Peak learning rate for a model that is not a preset (a JSON file without ``"lr"``): the
+    GPT-3 preset lr of the largest GPT-3 size (Table 2.1) whose parameter count ``config`` reaches,
+    and ``SMALL_MODEL_LR`` below GPT-3 Small (125M): larger models need smaller steps."""
+    n = param_count(config)
+    lr = SMALL_MODEL_LR
+    for name in sorted((k for k in PRESET_LR if k.startswith("gpt3-")), key=lambda k: param_count(PRESETS[k])):
+        if n >= param_count(PRESETS[name]):
+            lr = PRESET_LR[name]
+    return lr

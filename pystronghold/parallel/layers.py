@@ -48,6 +48,13 @@ def init_normal_(param: torch.Tensor, std: float, seed: int, name: str) -> torch
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     shape = list(param.shape)
     dim, rank, size = getattr(param, "tp_split", (0, 0, 1))
+    if size == 1 and param.dtype == torch.float32 and param.is_contiguous():
+        # NOTE: drawn in place: the same values as the general path below, bit for bit (same
+        # generator, same contiguous fill, the same multiply), without two temporaries of the
+        # parameter's size, each page-faulted in and written once more. out= refuses a leaf that
+        # requires grad, hence detach() (same storage).
+        torch.randn(shape, generator=gen, dtype=torch.float32, out=param.detach())
+        return param.mul_(std)
     shape[dim] *= size
     full = torch.randn(shape, generator=gen, dtype=torch.float32) * std  # (full shape)
     param.copy_(full.narrow(dim, rank * param.shape[dim], param.shape[dim]))

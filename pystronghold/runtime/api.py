@@ -23,7 +23,9 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
     nvme_dir, parallel, ...). With ``nvme_dir``, the block states the host budget cannot hold live
     on disk there (the file tier), staged through a bounded host cache. Blocks may be built on the
     ``meta`` device (a model larger than host memory): ``materialize(i)`` (default: the model's
-    ``materialize_block_``) then gives block i real parameters, one block at a time. With ``parallel=init_parallel(tp, dp)`` every rank calls ``wrap`` on its own
+    ``materialize_block_``) then gives block i real parameters, one block at a time (in
+    ``init_threads`` parallel threads when the model declares its ``materialize_block_``
+    thread-safe). With ``parallel=init_parallel(tp, dp)`` every rank calls ``wrap`` on its own
     replica (its TP shard) and feeds it its own slice of the batch. Returns an :class:`~pystronghold.runtime.engine.Engine`::
 
         engine = pystronghold.wrap(model, blocks=model.blocks, window=4,

@@ -90,8 +90,11 @@ class CUDABackend:
         return self._arena[start:start + nbytes].view(dtype)
 
     def host_arena(self, capacity_bytes: int) -> HostArena:
-        """A pinned host arena for one store tier."""
-        return HostArena(int(capacity_bytes), alignment=4096, pin="auto")
+        """A pinned host arena for one store tier (or one chunk of it). Callable from any thread:
+        the store's builder thread pins with this backend's device current, so no other device
+        gets a CUDA context (the registration is portable to every device anyway)."""
+        with torch.cuda.device(self.device):
+            return HostArena(int(capacity_bytes), alignment=4096, pin="auto")
 
     @property
     def arena_capacity_bytes(self) -> int:

@@ -58,6 +58,11 @@ class RuntimeConfig:
     """Reserve the tier's disk space at start (a full disk then fails before the first step)."""
     copy_threads: int = 2
     """Worker threads of the copy engine."""
+    init_threads: int = 0
+    """Threads that materialize meta blocks (``materialize``) ahead of the store's fill. 0: one per
+    core when the model declares its ``materialize_block_`` thread-safe (``GPT`` does: every
+    parameter draws from its own generator, so the values do not depend on scheduling), else 1.
+    A ``materialize=`` function runs in parallel only when this asks for it (> 1)."""
     parallel: ParallelGroups | None = None
     """Tensor/data-parallel layout (``pystronghold.parallel.init_parallel``). Each block's gradient
     is averaged over ``dp_group`` before its update (head and tail too), the clipping norm sums
@@ -103,6 +108,8 @@ class RuntimeConfig:
                              f"got {self.host_memory_bytes!r}")
         if self.nvme_dir is not None:
             self.nvme_dir = str(self.nvme_dir)
+        if type(self.init_threads) is not int or self.init_threads < 0:
+            raise ValueError(f"RuntimeConfig.init_threads must be an int >= 0, got {self.init_threads!r}")
         if self.copy_threads < 1:
             raise ValueError(f"RuntimeConfig.copy_threads must be >= 1, got {self.copy_threads}")
 

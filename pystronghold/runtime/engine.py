@@ -26,6 +26,7 @@ from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.schedule import Load, Release, build_plan
 from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
+from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, move_to_device, slot_bytes,
                                           split_parameters)
@@ -81,6 +82,7 @@ class Engine:
         if self.placement.spilled:
             self.scratch = open_scratch(config.nvme_dir, disk_tier_bytes(self.placement, numels, self.dtype),
                                         preallocate=config.nvme_preallocate)
+        self.store = None
         try:
             self.backend = make_backend(config.device, self.planned_arena_bytes, copy_threads=config.copy_threads)
             self.device = self.backend.device
@@ -91,13 +93,17 @@ class Engine:
                                 read_queue=read_q, write_queue=write_q, arena_factory=self.backend.host_arena,
                                 preallocate=config.nvme_preallocate)
 
+            # NOTE: arenas made (pinned, zeroed) by a builder thread while the fill runs
             self.store = HostStore(layouts, self.dtype, self.backend.host_arena, placement=self.placement,
-                                   disk_factory=disk_factory)
+                                   disk_factory=disk_factory, background=True)
+            self.fill_times = fill_store(self.store, model, blocks, block_named, block_params, materialize,
+                                         threads=config.init_threads)
         except BaseException:
+            if self.store is not None:
+                self.store.close()
             if self.scratch is not None:
                 self.scratch.close()
             raise
-        fill_store(self.store, model, blocks, block_named, block_params, materialize)
         # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
         head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
         move_to_device(model, blocks, self.device, self.dtype)
@@ -116,6 +122,7 @@ class Engine:
         self.states = EngineStates(self, [[names[id(p)] for p in ps] for ps in block_params],
                                    [names[id(p)] for p in self.head_tail_params])
         install_model_hooks(self, model, blocks)  # model.state_dict() / load_state_dict() via the store
+        self._forward_signature = forward_signature(model)
         # pass state
         self._plan = None  # the plan of the pass in progress
         self._pos = 0  # index of the next use in the plan
@@ -136,7 +143,9 @@ class Engine:
     # ---- user API
 
     def __call__(self, *args, **kwargs):
-        """Run the model's own forward."""
+        """Run the model's own forward, with host tensors among the arguments moved to the device
+        (``pystronghold.runtime.inputs.move_inputs``; a tensor on another device: ValueError)."""
+        args, kwargs = move_inputs(args, kwargs, self.device, self._forward_signature)
         return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:

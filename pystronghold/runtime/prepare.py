@@ -4,12 +4,16 @@ placement, memory budgets. Every refusal here happens before anything is allocat
 from __future__ import annotations
 
 import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pystronghold.runtime.store import BlockLayout
+from pystronghold.runtime.store import BlockLayout, available_host_bytes
 
-__all__ = ["split_parameters", "move_to_device", "fill_store", "slot_bytes", "head_tail_bytes"]
+__all__ = ["split_parameters", "move_to_device", "fill_store", "init_threads_for", "INIT_BYTES_IN_FLIGHT",
+           "slot_bytes", "head_tail_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -84,41 +88,108 @@ def move_to_device(model: torch.nn.Module, blocks: torch.nn.ModuleList, device: 
                 module._buffers[key] = buf.to(device=device, dtype=dtype if buf.is_floating_point() else None)
 
 
+INIT_BYTES_IN_FLIGHT = 8 << 30
+"""Most bytes of materialized fp32 blocks (counted twice: a parameter's draw is a temporary of its
+size) that parallel initialisation keeps ahead of the fill, so a model larger than host memory
+still never needs more than this beside the store; lowered to 1/16 of the host's available memory
+(the store's default budget leaves 15% of it free)."""
+
+
 def _materializer(model, block_params, materialize):
-    """The function that builds block i's meta parameters (``materialize`` or the model's
-    ``materialize_block_``); None when no block is on the meta device."""
+    """(the function that builds block i's meta parameters, whether calls for different blocks may
+    run in parallel threads); (None, False) when no block is on the meta device. ``materialize`` or
+    the model's ``materialize_block_``, parallel only when the model declares it thread-safe
+    (``materialize_block_thread_safe``: each block's values independent of thread scheduling)."""
     if not any(p.is_meta for ps in block_params for p in ps):
-        return None
-    if materialize is None:
-        materialize = getattr(model, "materialize_block_", None)
+        return None, False
+    if materialize is not None:
+        return materialize, False
+    materialize = getattr(model, "materialize_block_", None)
     if materialize is None:
         raise ValueError("wrap: some block parameters are on the meta device; pass materialize=fn "
                          "(fn(i) gives block i real, initialised parameters on the host)")
-    return materialize
+    return materialize, bool(getattr(model, "materialize_block_thread_safe", False))
+
+
+def init_threads_for(requested: int, thread_safe: bool, block_numel: int,
+                     bytes_in_flight: int = INIT_BYTES_IN_FLIGHT) -> int:
+    """Threads that materialize blocks: ``requested`` (0: one per core when ``thread_safe``, else 1),
+    at most as many as ``bytes_in_flight`` holds blocks of ``block_numel`` fp32 elements (each
+    counted twice), and at least 1."""
+    threads = requested or ((os.cpu_count() or 1) if thread_safe else 1)
+    return max(1, min(threads, bytes_in_flight // max(1, 2 * 4 * block_numel)))
 
 
 def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block_named, block_params,
-               materialize=None) -> None:
-    """Copy every block's initial values into ``store``, one block at a time: a meta block is
-    materialized first (``materialize(i)``), and each block's own storage is dropped once the store
-    has it, so the whole model never needs to fit in host memory. ``block_params[i]`` is updated
-    in place to the block's Parameter objects (materializing may make new ones)."""
-    materialize = _materializer(model, block_params, materialize)
-    placeholder = torch.empty(0)
+               materialize=None, threads: int = 0) -> dict:
+    """Copy every block's initial values into ``store``, in block order: a meta block is
+    materialized first (``materialize(i)``, by ``threads`` worker threads ahead of the copy; see
+    ``init_threads_for``), and each block's own storage is dropped once the store has it, so the
+    whole model never needs to fit in host memory. ``block_params[i]`` is updated in place to the
+    block's Parameter objects (materializing may make new ones). Logs one line with the phases and
+    returns them in seconds: ``total``, ``init`` (materializing, summed over threads), ``init_wait``
+    (the fill waiting for it), ``arenas`` (making, pinning and zeroing the store's arenas, overlapped
+    with the fill when the store builds them in the background), ``arena_wait``, ``copy``; and
+    ``threads``."""
+    t_start = time.perf_counter()
+    materialize, thread_safe = _materializer(model, block_params, materialize)
     n = len(block_params)
-    for b, params in enumerate(block_params):
-        if materialize is not None and any(p.is_meta for p in params):
-            materialize(b)
-            # materializing may make new Parameter objects (to_empty): take the block's own
-            own = dict(blocks[b].named_parameters())
-            params[:] = [own[name] for name, _ in block_named[b]]
-            if any(p.is_meta for p in params):
-                raise ValueError(f"wrap: materialize({b}) left block {b} parameters on the meta device")
-        store.fill_from(b, params)
-        for p in params:
-            p.data = placeholder
-        if (b + 1) % 8 == 0 or b + 1 == n:
-            log.info("store filled: %d/%d blocks", b + 1, n)
+    lazy = [materialize is not None and any(p.is_meta for p in ps) for ps in block_params]
+    largest = max((sum(p.numel() for p in ps) for ps in block_params), default=0)
+    workers = 0
+    if any(lazy):
+        in_flight = min(INIT_BYTES_IN_FLIGHT, available_host_bytes() // 16)
+        workers = init_threads_for(threads, thread_safe, largest, in_flight)
+    times = dict(init=0.0, init_wait=0.0, arena_wait=0.0, copy=0.0)
+
+    def build(b: int) -> float:
+        t = time.perf_counter()
+        materialize(b)
+        return time.perf_counter() - t
+
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="pystronghold-init") if workers > 1 else None
+    pending: dict[int, Future] = {}
+    ahead = 0  # next block to hand to the pool
+    placeholder = torch.empty(0)
+    try:
+        for b, params in enumerate(block_params):
+            while pool is not None and ahead < n and ahead < b + workers:
+                if lazy[ahead]:
+                    pending[ahead] = pool.submit(build, ahead)
+                ahead += 1
+            if lazy[b]:
+                t = time.perf_counter()
+                times["init"] += pending.pop(b).result() if pool is not None else build(b)
+                times["init_wait"] += time.perf_counter() - t
+                # materializing may make new Parameter objects (to_empty): take the block's own
+                own = dict(blocks[b].named_parameters())
+                params[:] = [own[name] for name, _ in block_named[b]]
+                if any(p.is_meta for p in params):
+                    raise ValueError(f"wrap: materialize({b}) left block {b} parameters on the meta device")
+            t = time.perf_counter()
+            store.wait_built(b)
+            t_copy = time.perf_counter()
+            times["arena_wait"] += t_copy - t
+            store.fill_from(b, params)
+            times["copy"] += time.perf_counter() - t_copy
+            for p in params:
+                p.data = placeholder
+            if (b + 1) % 8 == 0 or b + 1 == n:
+                log.debug("store filled: %d/%d blocks", b + 1, n)
+        t = time.perf_counter()
+        store.wait_built()  # arenas of blocks whose states are all on disk
+        times["arena_wait"] += time.perf_counter() - t
+    finally:
+        if pool is not None:
+            for f in pending.values():
+                f.cancel()
+            pool.shutdown(wait=True)
+    times.update(total=time.perf_counter() - t_start, arenas=store.build_s, threads=max(workers, 1))
+    log.info("store ready in %.1f s: init %.1f s on %d thread%s (waited %.1f s), arenas %.1f s%s in %d "
+             "chunks (waited %.1f s), copy %.1f s", times["total"], times["init"], times["threads"],
+             "s" if times["threads"] > 1 else "", times["init_wait"], times["arenas"],
+             " pinned" if store.pinned else "", store.arena_count, times["arena_wait"], times["copy"])
+    return times
 
 
 def head_tail_bytes(params: list[torch.Tensor], dtype: torch.dtype) -> int:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +33,8 @@ import torch
 from pystronghold.runtime.disk_tier import DiskTier, Lease
 from pystronghold.runtime.placement import Placement, buffer_bytes, plan_placement, state_dtype
 
-__all__ = ["ALIGN_ELEMS", "ParamSpan", "BlockLayout", "HostStore", "Lease", "available_host_bytes",
-           "default_host_budget_bytes"]
+__all__ = ["ALIGN_ELEMS", "DEFAULT_CHUNK_BYTES", "ParamSpan", "BlockLayout", "HostStore", "Lease",
+           "available_host_bytes", "default_host_budget_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -109,44 +111,147 @@ def default_host_budget_bytes() -> int:
     return int(available_host_bytes() * DEFAULT_HOST_FRACTION)
 
 
+DEFAULT_CHUNK_BYTES = 1 << 30
+"""Most bytes of one host arena of the store (a block's buffer larger than this gets an arena of its
+own). Smaller arenas let the pinning (``cudaHostRegister``, which faults in and locks every page)
+proceed chunk by chunk while earlier chunks are already being filled."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """One arena of one state: the consecutive blocks it holds and its capacity in bytes."""
+
+    state: str
+    blocks: tuple[int, ...]
+    capacity: int
+
+
 class HostStore:
     """Owns every block's states: host buffers per tier and, per ``placement``, the file tier.
 
-    Host-memory states are flat buffers from one arena per state (``tiers[state][block]``; None for
-    a block whose state is on disk). Every user goes through ``acquire``/``release`` leases, which
-    hand out the host buffer directly or stage a disk state in the tier's cache
-    (``pystronghold.runtime.disk_tier``). ``arena_factory(capacity_bytes)`` makes a HostArena.
-    The caller planned the placement against its budget first: this class allocates.
+    Host-memory states are flat buffers carved from arenas of at most ``chunk_bytes`` each
+    (default ``DEFAULT_CHUNK_BYTES``; ``tiers[state][block]``; None for a block whose state is on
+    disk). Every user goes through ``acquire``/``release`` leases, which hand out the host buffer
+    directly or stage a disk state in the tier's cache (``pystronghold.runtime.disk_tier``). ``arena_factory(capacity_bytes)`` makes
+    a HostArena (pinned on CUDA). The caller planned the placement against its budget first: this
+    class allocates. With ``background=True`` the arenas are made (pinned, zeroed) by a builder
+    thread in block order, so filling block i overlaps making the arenas of later blocks; a lease on
+    a block waits for its buffers (``wait_built``) and raises the builder's error if it failed.
     """
 
     def __init__(self, layouts: list[BlockLayout], compute_dtype: torch.dtype, arena_factory, *,
-                 placement: Placement | None = None, disk_factory=None) -> None:
+                 placement: Placement | None = None, disk_factory=None,
+                 chunk_bytes: int | None = None, background: bool = False) -> None:
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         numels = [lay.numel for lay in layouts]
         if placement is None:
             placement = plan_placement(numels, compute_dtype, budget_bytes=2**62)
         self.placement = placement
-        self.arenas = {}
-        self.tiers: dict[str, list[torch.Tensor | None]] = {}
+        self._arena_factory = arena_factory
+        self.arenas: dict[str, list] = {state: [] for state in placement.states}
+        self.tiers: dict[str, list[torch.Tensor | None]] = {s: [None] * len(layouts) for s in placement.states}
+        chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        chunks = []
         for state in placement.states:
-            in_ram = [b for b in range(len(layouts)) if not placement.on_disk(state, b)]
-            bufs: list[torch.Tensor | None] = [None] * len(layouts)
-            if in_ram:
-                arena = arena_factory(sum(buffer_bytes(numels[b], state, compute_dtype) for b in in_ram)
-                                      + _ARENA_ALIGN)
-                self.arenas[state] = arena
-                for b in in_ram:
-                    bufs[b] = arena.allocate(f"{state}.{b}", (numels[b],), state_dtype(state, compute_dtype))
-                    bufs[b].zero_()
-            self.tiers[state] = bufs
-        # NOTE: the tier is built last, so a failure above leaves no files behind
+            group, group_bytes = [], 0
+            for b in range(len(layouts)):
+                if placement.on_disk(state, b):
+                    continue
+                nbytes = buffer_bytes(numels[b], state, compute_dtype)
+                if group and group_bytes + nbytes > chunk_bytes:
+                    chunks.append(_Chunk(state, tuple(group), group_bytes + _ARENA_ALIGN))
+                    group, group_bytes = [], 0
+                group.append(b)
+                group_bytes += nbytes
+            if group:
+                chunks.append(_Chunk(state, tuple(group), group_bytes + _ARENA_ALIGN))
+        # block order (all states of block 0's chunks first): the order the fill needs them in
+        self._chunks = sorted(chunks, key=lambda c: c.blocks[0])
+        self._needed = [0] * len(layouts)  # block -> chunks that must be built before it is usable
+        for i, chunk in enumerate(self._chunks):
+            for b in chunk.blocks:
+                self._needed[b] = i + 1
+        self._cond = threading.Condition()
+        self._built = 0  # chunks built so far, in order
+        self._build_error: BaseException | None = None
+        self._stop = False
+        self.build_s = 0.0  # seconds the builder spent making arenas (mmap, pinning, zeroing)
+        # NOTE: the tier is built before the arenas, so a failure in either leaves no files once
+        # close() ran (the engine closes the store and the scratch directory on any failure)
         self.disk: DiskTier | None = disk_factory(placement, numels) if placement.spilled else None
-        if self.disk is not None:
-            self.arenas["cache"] = self.disk.arena
-        self.nbytes = sum(a.capacity_bytes for a in self.arenas.values())
+        self.nbytes = (sum(c.capacity for c in self._chunks)
+                       + (self.disk.arena.capacity_bytes if self.disk is not None else 0))
+        self._builder = None
+        if background and self._chunks:
+            self._builder = threading.Thread(target=self._build_all, name="pystronghold-store-arenas",
+                                             daemon=True)
+            self._builder.start()
+        else:
+            self._build_all()
+            if self._build_error is not None:
+                if self.disk is not None:
+                    self.disk.close()
+                raise self._build_error
         log.info("host store: %d blocks, %.1f MiB in host memory over %d arenas; %s", len(layouts),
-                 self.nbytes / 2**20, len(self.arenas), placement.describe(len(layouts)))
+                 self.nbytes / 2**20, len(self._chunks) + (self.disk is not None),
+                 placement.describe(len(layouts)))
+
+    # ---- building the arenas
+
+    def _build_all(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for chunk in self._chunks:
+                if self._stop:
+                    raise RuntimeError("the store was closed while its arenas were being made")
+                arena = self._arena_factory(chunk.capacity)
+                dtype = state_dtype(chunk.state, self.compute_dtype)
+                for b in chunk.blocks:
+                    buf = arena.allocate(f"{chunk.state}.{b}", (self.layouts[b].numel,), dtype)
+                    buf.zero_()
+                    self.tiers[chunk.state][b] = buf
+                with self._cond:
+                    self.arenas[chunk.state].append(arena)
+                    self._built += 1
+                    self.build_s = time.perf_counter() - t0  # set before a waiter can see the last chunk
+                    self._cond.notify_all()
+        except BaseException as e:  # handed to whoever waits for a buffer
+            with self._cond:
+                self._build_error = e
+                self._cond.notify_all()
+
+    def wait_built(self, block: int | None = None) -> None:
+        """Wait until the host buffers of ``block`` (None: of every block) exist; re-raises the
+        builder's error (e.g. a failed pinning, or less host memory than planned)."""
+        need = len(self._chunks) if block is None else self._needed[block]
+        if self._built >= need:
+            return
+        with self._cond:
+            while self._built < need and self._build_error is None:
+                self._cond.wait()
+        if self._build_error is not None:
+            raise self._build_error
+
+    @property
+    def pinned(self) -> bool:
+        """True when every host arena built so far is pinned (registered with CUDA)."""
+        arenas = [a for per_state in self.arenas.values() for a in per_state]
+        return bool(arenas) and all(a.pinned for a in arenas)
+
+    @property
+    def arena_count(self) -> int:
+        """Host arenas of the block states (the file tier's cache not counted)."""
+        return len(self._chunks)
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Host bytes per state (and ``cache``, the file tier's staging cache), as allocated."""
+        out = {state: sum(c.capacity for c in self._chunks if c.state == state)
+               for state in self.placement.states}
+        out = {state: n for state, n in out.items() if n}
+        if self.disk is not None:
+            out["cache"] = self.disk.arena.capacity_bytes
+        return out
 
     @property
     def has_shadow(self) -> bool:
@@ -167,6 +272,8 @@ class HostStore:
     def acquire(self, block: int, states, *, fresh=(), modify=()) -> Lease:
         """Buffers of ``states`` of ``block`` (see ``DiskTier.acquire``): host buffers directly,
         disk states staged in the cache (call ``lease.wait()`` before reading them)."""
+        if self._built < self._needed[block]:
+            self.wait_built(block)
         ram = {s: self.tiers[s][block] for s in states if self.tiers[s][block] is not None}
         disk = [s for s in states if s not in ram]
         if not disk:
@@ -184,7 +291,9 @@ class HostStore:
                               drop=[s for s in drop if s in lease.disk_states])
 
     def prefetch(self, block: int, states) -> None:
-        """Start reading the disk states among ``states`` of ``block`` (never blocks)."""
+        """Start reading the disk states among ``states`` of ``block`` (never blocks once built)."""
+        if self._built < self._needed[block]:
+            self.wait_built(block)
         disk = [s for s in states if self.tiers[s][block] is None]
         if disk:
             self.disk.prefetch(block, disk)
@@ -197,7 +306,7 @@ class HostStore:
         states = ["master", "shadow"] if self.has_shadow else ["master"]
         lease = self.acquire(block, states, fresh=states)
         master = lease.tensors["master"]
-        master.zero_()
+        self.layouts[block].zero_gaps(master)  # every other element is written below
         for view, p in zip(self.layouts[block].views(master), params):
             view.copy_(p.detach())
         if self.has_shadow:
@@ -242,6 +351,9 @@ class HostStore:
         return self.disk.stats() if self.disk is not None else None
 
     def close(self) -> None:
-        """Finish the file tier's I/O and close its files."""
+        """Stop making arenas (if still at it), finish the file tier's I/O and close its files."""
+        self._stop = True
+        if self._builder is not None:
+            self._builder.join()
         if self.disk is not None:
             self.disk.close()

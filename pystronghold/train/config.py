@@ -15,10 +15,11 @@ import os
 from dataclasses import dataclass, field, fields
 
 from pystronghold.models import GPTConfig
-from pystronghold.models.presets import PRESETS
+from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, recommended_lr
 
 __all__ = ["DEMO_MODEL", "ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "MemoryOptions",
-           "RunOptions", "parse_bytes", "CheckpointOptions", "ParallelOptions", "TrainConfig", "resolve_model"]
+           "RunOptions", "parse_bytes", "CheckpointOptions", "ParallelOptions", "TrainConfig", "resolve_model",
+           "model_lr"]
 
 DEMO_MODEL = GPTConfig(vocab_size=256, seq_len=128, layers=12, hidden=128, heads=4)
 """The demo GPT: 12 blocks of 198k parameters (2.4M in blocks), byte vocabulary. With W=2 the
@@ -26,23 +27,41 @@ device holds 2 of the 12 blocks; the resident model (weights, gradients, Adam st
 about 6x the window's bytes."""
 
 
+def _read_model_file(name: str) -> dict:
+    """The JSON object of a model file (GPTConfig fields and an optional ``"lr"``); ValueError
+    naming --model."""
+    try:
+        with open(name) as f:
+            spec = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--model: cannot read {name}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model: {name} is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--model: {name} must hold a JSON object of GPTConfig fields")
+    lr = spec.get("lr", 1.0)
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
+        raise ValueError(f"--model: {name}: \"lr\" must be a number > 0, got {lr!r}")
+    return spec
+
+
+def _is_model_file(name: str) -> bool:
+    return name.endswith(".json") or os.path.sep in name
+
+
 def resolve_model(name: str) -> GPTConfig:
-    """``"demo"``, a preset name (``pystronghold.models.PRESETS``) or a JSON file of GPTConfig fields."""
+    """``"demo"``, a preset name (``pystronghold.models.PRESETS``) or a JSON file of GPTConfig fields
+    (plus, optionally, ``"lr"``: the model's peak learning rate)."""
     if name == "demo":
         return DEMO_MODEL
     if name in PRESETS:
         return PRESETS[name]
-    if name.endswith(".json") or os.path.sep in name:
-        try:
-            with open(name) as f:
-                spec = json.load(f)
-        except OSError as e:
-            raise ValueError(f"--model: cannot read {name}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--model: {name} is not valid JSON: {e}") from None
+    if _is_model_file(name):
+        spec = _read_model_file(name)
+        spec.pop("lr", None)
         known = {f.name for f in fields(GPTConfig)}
         unknown = sorted(set(spec) - known)
-        if not isinstance(spec, dict) or unknown:
+        if unknown:
             raise ValueError(f"--model: {name} has unknown GPTConfig fields {unknown}")
         try:
             return GPTConfig(**spec)
@@ -50,6 +69,21 @@ def resolve_model(name: str) -> GPTConfig:
             raise ValueError(f"--model: {name}: {e}") from None
     raise ValueError(f"--model: unknown preset {name!r}; choose 'demo', one of {', '.join(PRESETS)}, "
                      "or a JSON file of GPTConfig fields")
+
+
+def model_lr(name: str) -> float:
+    """The peak learning rate ``--lr`` defaults to for ``--model name``: the demo's
+    ``SMALL_MODEL_LR``, a preset's ``PRESET_LR`` entry (published values), a JSON file's ``"lr"``,
+    else ``recommended_lr`` of its shape (the GPT-3 lr of its size class)."""
+    if name == "demo":
+        return SMALL_MODEL_LR
+    if name in PRESET_LR:
+        return PRESET_LR[name]
+    if _is_model_file(name):
+        lr = _read_model_file(name).get("lr")
+        if lr is not None:
+            return float(lr)
+    return recommended_lr(resolve_model(name))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,8 +131,11 @@ class DataOptions:
 class OptimOptions:
     """AdamW, its learning-rate schedule, clipping and accumulation."""
 
-    lr: float = 2e-3
-    """Peak learning rate."""
+    lr: float | None = None
+    """Peak learning rate; default: the model's own. GPT-3 presets: Brown et al. 2020, Table 2.1
+    (gpt3-125m 6e-4 ... gpt3-6.7b 1.2e-4, gpt3-175b 6e-5); gpt2-124m: 6e-4 (as nanoGPT and GPT-3
+    Small); demo, tiny, mini, small: 2e-3; a JSON model: its "lr" key, else the GPT-3 value of the
+    largest GPT-3 size it reaches (2e-3 below 125M parameters)."""
     warmup: int = 20
     """Steps of linear warm-up to the peak."""
     min_lr_ratio: float = 0.1
@@ -113,7 +150,7 @@ class OptimOptions:
     """Micro-batches per optimizer step."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
@@ -362,6 +399,11 @@ class TrainConfig:
         """The model's GPTConfig (``tp_size`` = --tp)."""
         cfg = resolve_model(self.model.model)
         return dataclasses.replace(cfg, tp_size=self.parallel.tp) if self.parallel.tp > 1 else cfg
+
+    @property
+    def lr(self) -> float:
+        """Peak learning rate in effect: --lr, or the model's (``model_lr``)."""
+        return self.optim.lr if self.optim.lr is not None else model_lr(self.model.model)
 
     @property
     def seq(self) -> int:

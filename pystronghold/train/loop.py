@@ -89,16 +89,16 @@ class Trainer:
         from pystronghold.models.presets import param_count
         from pystronghold.runtime.store import available_host_bytes
 
-        # NOTE: the GPT is built in fp32 on the host before wrap() moves its blocks into the store,
-        # so both exist for a moment; refuse before allocating rather than be killed by the OOM killer.
-        # With --nvme the blocks are built one at a time by wrap() (materialize_blocks=False), and
-        # the store's placement checks the host budget itself.
-        lazy = config.memory.nvme is not None
-        need, avail = param_count(cfg) * (4 + 16), available_host_bytes()
-        if need > avail and not lazy:
+        # NOTE: the blocks are built by wrap() (materialize_blocks=False: in parallel threads, each
+        # block dropped once the store holds it), so the fp32 model never exists whole; the store
+        # does. Without --nvme it must fit in host memory: refuse before allocating rather than be
+        # killed by the OOM killer (with --nvme the store's placement checks the budget itself).
+        need, avail = param_count(cfg) * 16, available_host_bytes()
+        if need > avail and config.memory.nvme is None:
             raise MemoryError(f"--model: {param_count(cfg) / 1e6:,.0f}M parameters need about "
-                              f"{need / 2**30:.1f} GiB of host memory (fp32 weights + the host store), "
-                              f"{avail / 2**30:.1f} GiB available; give --nvme DIR to keep states on disk")
+                              f"{need / 2**30:.1f} GiB of host memory (the host store: fp32 weights and "
+                              f"Adam moments, gradients), {avail / 2**30:.1f} GiB available; give --nvme "
+                              "DIR to keep states on disk")
         # Several processes (torchrun): the TP x DP groups first (sizes were checked by TrainConfig on
         # every rank). Every rank seeds alike, so all draw the same global batches and build the
         # single-process weights (each TP rank keeps its shard); DP rank r trains on slice r.
@@ -124,7 +124,7 @@ class Trainer:
         self.dp_size = self.groups.dp_size if self.groups is not None else 1
         self.dp_rank = self.groups.dp_rank if self.groups is not None else 0
         self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
-                         materialize_blocks=not lazy)
+                         materialize_blocks=False)
         window = config.window.window_value
         self.auto_window = None
         if window == "auto":
@@ -140,7 +140,7 @@ class Trainer:
             host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,
             nvme_states=config.memory.nvme_states, nvme_cache_blocks=config.memory.nvme_cache_blocks,
             nvme_preallocate=not config.memory.nvme_sparse,
-            optimizer=pystronghold.AdamW(lr=o.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay))
+            optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay))
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0

@@ -135,7 +135,7 @@ def memory_report(engine) -> MemoryReport:
     ht_numel = sum(p.numel() for p in engine.head_tail_params)
     head_tail = head_tail_bytes(engine.head_tail_params, engine.dtype)
     block_numel = sum(lay.numel for lay in engine.store.layouts)
-    tiers = {tier: arena.capacity_bytes for tier, arena in engine.store.arenas.items()}
+    tiers = engine.store.tier_bytes()
     disk = None
     st = engine.store.disk_stats()
     if st is not None:
