@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from pystronghold.models import GPTConfig
+from pystronghold.models.hf import HF_PREFIX, HFModelConfig, read_hf_config
 from pystronghold.models.presets import PRESETS
 
 __all__ = ["DEMO_MODEL", "ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "MemoryOptions",
@@ -26,8 +27,15 @@ device holds 2 of the 12 blocks; the resident model (weights, gradients, Adam st
 about 6x the window's bytes."""
 
 
-def resolve_model(name: str) -> GPTConfig:
-    """``"demo"``, a preset name (``pystronghold.models.PRESETS``) or a JSON file of GPTConfig fields."""
+HF_DEFAULT_SEQ = 512
+"""Tokens per sequence of a ``--model hf:DIR`` run without --seq (at most the model's positions)."""
+
+
+def resolve_model(name: str) -> GPTConfig | HFModelConfig:
+    """``"demo"``, a preset name (``pystronghold.models.PRESETS``), a JSON file of GPTConfig fields,
+    or ``hf:DIR``, a Hugging Face model directory (its ``HFModelConfig``)."""
+    if name.startswith(HF_PREFIX):
+        return read_hf_config(name[len(HF_PREFIX):])
     if name == "demo":
         return DEMO_MODEL
     if name in PRESETS:
@@ -57,8 +65,9 @@ class ModelOptions:
     """Which GPT is trained."""
 
     model: str = "demo"
-    """'demo' (the embedded default), a preset name (see `pystronghold plan --help`) or a JSON file
-    of GPTConfig fields."""
+    """'demo' (the embedded default), a preset name (see `pystronghold plan --help`), a JSON file
+    of GPTConfig fields, or hf:DIR: fine-tune the Hugging Face causal LM saved in local directory DIR
+    (config.json, safetensors weights, tokenizer; GPT-2, Llama, Mistral, Qwen2)."""
 
     def __post_init__(self) -> None:
         resolve_model(self.model)  # raises ValueError naming --model
@@ -77,7 +86,7 @@ class DataOptions:
     batch: int = 8
     """Sequences per micro-batch (B)."""
     seq: int = 0
-    """Tokens per sequence (T); 0: the model's seq_len."""
+    """Tokens per sequence (T); 0: the model's seq_len (hf: models: at most 512)."""
 
     def __post_init__(self) -> None:
         for p in self.data:
@@ -340,6 +349,10 @@ class TrainConfig:
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
         par = self.parallel
         tp, dp, world = par.tp, par.dp_size, par.world_size
+        if isinstance(cfg, HFModelConfig) and tp > 1:
+            raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
+        if isinstance(cfg, HFModelConfig) and self.window.window == "auto":
+            raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
         if world == 1 and tp * dp > 1:
             raise ValueError(f"--tp {tp} x --dp {dp} needs {tp * dp} processes; launch with "
                              f"torchrun --nproc-per-node {tp * dp} -m pystronghold train ...")
@@ -358,15 +371,18 @@ class TrainConfig:
             raise ValueError("--window auto is not supported with several processes yet; give --window N")
 
     @property
-    def gpt(self) -> GPTConfig:
-        """The model's GPTConfig (``tp_size`` = --tp)."""
+    def gpt(self) -> GPTConfig | HFModelConfig:
+        """The model's GPTConfig (``tp_size`` = --tp), or the HFModelConfig of --model hf:DIR."""
         cfg = resolve_model(self.model.model)
         return dataclasses.replace(cfg, tp_size=self.parallel.tp) if self.parallel.tp > 1 else cfg
 
     @property
     def seq(self) -> int:
         """Tokens per sequence in effect."""
-        return self.data.seq or self.gpt.seq_len
+        cfg = self.gpt
+        if isinstance(cfg, HFModelConfig):
+            return self.data.seq or min(cfg.seq_len, HF_DEFAULT_SEQ)
+        return self.data.seq or cfg.seq_len
 
 
 COMPONENTS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "window": WindowOptions,
