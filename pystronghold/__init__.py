@@ -3,7 +3,8 @@
 Only a working window of transformer blocks lives on the accelerator; the rest sits in host memory
 (and on NVMe); a fused CPU Adam updates each block while the accelerator runs backward.
 
-``pystronghold.wrap`` and ``pystronghold.AdamW`` are imported lazily, so ``import pystronghold``
+``pystronghold.wrap``, ``pystronghold.AdamW`` and ``pystronghold.from_pretrained`` (fine-tune a
+Hugging Face model from a local directory) are imported lazily, so ``import pystronghold``
 stays cheap (no torch import).
 """
 
@@ -16,7 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "AdamW", "__version__"]
+__all__ = ["wrap", "AdamW", "from_pretrained", "__version__"]
 
 
 def __getattr__(name: str):
@@ -28,4 +29,8 @@ def __getattr__(name: str):
         from pystronghold.runtime.optimizer import AdamW
 
         return AdamW
+    if name == "from_pretrained":
+        from pystronghold.models.hf import from_pretrained
+
+        return from_pretrained
     raise AttributeError(f"module 'pystronghold' has no attribute {name!r}")
