@@ -38,8 +38,10 @@ def load_tokenizer(directory: str | os.PathLike):
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{path}: no tokenizer in the model directory (none of {', '.join(TOKENIZER_FILES)}); "
                          "save one there with tokenizer.save_pretrained(DIR)")
-    from transformers import AutoTokenizer
-
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(f"{path}: reading its tokenizer needs transformers (pip install 'pystronghold[hf]')") from None
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:

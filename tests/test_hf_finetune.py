@@ -12,14 +12,12 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
-import pystronghold as ph  # noqa: E402
-from pystronghold.cli import main  # noqa: E402
-from pystronghold.train import Trainer  # noqa: E402
-from pystronghold.train.config import (CheckpointOptions, DataOptions, ModelOptions, OptimOptions,  # noqa: E402
+import pystronghold as ph
+from pystronghold.cli import main
+from pystronghold.train import Trainer
+from pystronghold.train.config import (CheckpointOptions, DataOptions, ModelOptions, OptimOptions,
                                        RunOptions, TrainConfig, WindowOptions)
-from hf_models import ARCHS, TEXT, VOCAB, engine_logits, hf_logits, save_tiny  # noqa: E402
+from hf_models import ARCHS, TEXT, VOCAB, engine_logits, hf_logits, save_tiny
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -165,7 +165,11 @@ def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
     Checks every tensor (present, shape as config.json makes it, float dtype) before loading any.
     """
     spec = read_hf_config(directory)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ValueError(f"{HF_PREFIX}{directory}: loading Hugging Face models needs transformers "
+                         "(pip install 'pystronghold[hf]')") from None
 
     config = AutoConfig.from_pretrained(spec.source, local_files_only=True)
     config.use_cache = False  # NOTE: a training forward must not append to a KV cache

@@ -118,9 +118,11 @@ class Trainer:
                                         timeout_s=par.dist_timeout)
         self.rank = self.groups.rank if self.groups is not None else 0
         seed_everything(run.seed)
-        if self.hf:
+        if self.hf:  # the model's files are checked (headers only) before the text is tokenized
+            from pystronghold.models.hf import load_lazy
             from pystronghold.tokenized import load_tokenizer, tokenized_corpus
 
+            hf_model = load_lazy(cfg.source)
             self.corpus = tokenized_corpus(list(config.data.data), load_tokenizer(cfg.source),
                                            max_bytes=config.data.max_bytes, val_fraction=config.data.val_fraction,
                                            vocab_size=cfg.vocab_size)
@@ -134,9 +136,6 @@ class Trainer:
         self.dp_rank = self.groups.dp_rank if self.groups is not None else 0
         materialize = None
         if self.hf:  # blocks always built one at a time from the shards (a model larger than the host)
-            from pystronghold.models.hf import load_lazy
-
-            hf_model = load_lazy(cfg.source)
             self.model, blocks, materialize = hf_model.model, hf_model.blocks, hf_model.materialize
         else:
             self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
