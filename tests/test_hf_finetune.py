@@ -8,6 +8,7 @@ the same fp32 weights as transformers, and the export writes the fp32 masters, s
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -40,6 +41,25 @@ def test_loaded_model_gives_transformers_own_logits(tmp_path, arch):
         torch.testing.assert_close(engine_logits(engine, x), hf_logits(directory, x), rtol=0, atol=0)
     finally:
         engine.close()
+
+
+def test_blocks_are_read_from_the_shards_one_at_a_time(tmp_path):
+    """Head and tail are loaded, the blocks stay on meta, and when wrap() materializes block i no
+    other block holds real weights outside the store (earlier ones are placeholders, later ones meta)."""
+    from pystronghold.models.hf import load_lazy
+
+    lazy = load_lazy(save_tiny(tmp_path, "llama", tokenizer=False))
+    assert all(p.is_meta for p in lazy.blocks.parameters())
+    assert not any(p.is_meta for n, p in lazy.model.named_parameters() if not n.startswith("model.layers."))
+    real_blocks_at_call = []
+
+    def materialize(i):
+        real_blocks_at_call.append([j for j, b in enumerate(lazy.blocks)
+                                    if any(p.numel() and not p.is_meta for p in b.parameters())])
+        return lazy.materialize(i)
+
+    ph.wrap(lazy.model, blocks=lazy.blocks, materialize=materialize, window=2).close()
+    assert real_blocks_at_call == [[], [], []]
 
 
 def test_single_file_weights_through_the_nvme_tier(tmp_path):
@@ -89,14 +109,14 @@ def test_python_fine_tune_matches_plain_pytorch(tmp_path, arch):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-6, atol=0)
 
 
-def _train_config(directory, data, ckpt, *, steps=5, resume=False) -> TrainConfig:
+def _train_config(directory, data, ckpt, *, steps=5, every=0, resume=False) -> TrainConfig:
     return TrainConfig(
         model=ModelOptions(model=f"hf:{directory}"),
         data=DataOptions(data=[str(data)], max_bytes=1 << 14, batch=2, seq=16),
         optim=OptimOptions(lr=3e-3, warmup=2),
         window=WindowOptions(window="2"),
         run=RunOptions(steps=steps, log_every=5, eval_every=0, eval_batches=1, quiet=True),
-        checkpoint=CheckpointOptions(checkpoint_dir=str(ckpt), resume=resume))
+        checkpoint=CheckpointOptions(checkpoint_dir=str(ckpt), checkpoint_every=every, resume=resume))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
@@ -124,6 +144,26 @@ def test_cli_train_export_hf_reload_gives_the_engine_logits(tmp_path, arch):
         trainer.close()
     torch.testing.assert_close(hf_logits(out, x), trained, rtol=0, atol=0)
     assert not torch.equal(trained, hf_logits(directory, x))  # training changed the weights
+
+
+def test_resumed_hf_run_gives_the_uninterrupted_losses(tmp_path):
+    """A run killed after its step-3 checkpoint and resumed: steps 4 and 5 give the losses of the
+    uninterrupted run (fp32, bit for bit; token data position and model restored)."""
+    directory = save_tiny(tmp_path, "llama")
+    text = tmp_path / "text.txt"
+    text.write_text("".join(TEXT * 6))
+
+    def run(ck, every=0, resume=False):
+        trainer = Trainer(_train_config(directory, text, ck, every=every, resume=resume))
+        try:
+            return [loss for _, loss in trainer.train().losses]
+        finally:
+            trainer.close()
+
+    whole = run(tmp_path / "a")
+    run(tmp_path / "b", every=3)
+    shutil.rmtree(tmp_path / "b" / "step-00000005")  # as if the run had been killed after step 3
+    assert run(tmp_path / "b", resume=True) == whole[3:]
 
 
 _ARCH_NAMES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
