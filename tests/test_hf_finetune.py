@@ -76,9 +76,10 @@ def test_single_file_weights_through_the_nvme_tier(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_python_fine_tune_matches_plain_pytorch(tmp_path, arch):
+def test_python_fine_tune_matches_plain_pytorch_and_saves_back(tmp_path, arch):
     """5 steps through the window give plain transformers + torch.optim.AdamW's losses (GPT-2 with
-    its default dropout 0.1: the engine replays the RNG in the recompute)."""
+    its default dropout 0.1: the engine replays the RNG in the recompute); save_pretrained writes a
+    directory transformers loads with the trained engine's logits."""
     from transformers import AutoModelForCausalLM
 
     directory = save_tiny(tmp_path, arch)
@@ -93,8 +94,14 @@ def test_python_fine_tune_matches_plain_pytorch(tmp_path, arch):
             engine.step()
             engine.zero_grad()
             got.append(loss.item())
+        x = batches(1, seed=3)[0]
+        trained = engine_logits(engine, x)
+        ph.save_pretrained(engine, tmp_path / "tuned", max_shard_bytes=30_000, tokenizer_dir=directory)
     finally:
         engine.close()
+    assert (tmp_path / "tuned" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "tuned" / "tokenizer.json").is_file()
+    torch.testing.assert_close(hf_logits(tmp_path / "tuned", x), trained, rtol=0, atol=0)
     ref = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch.float32)
     ref.train()
     opt = torch.optim.AdamW(ref.parameters(), **HYPER)

@@ -10,6 +10,9 @@ copies the tokenizer and generation files of the source directory when it still 
 checkpoint is read one block file at a time, so at most one shard plus one block is in memory.
 Everything goes to a temporary sibling directory first, renamed to OUTDIR when complete.
 
+``save_pretrained(engine, OUTDIR)`` does the same from a live engine (Python: the fp32 masters of
+``engine.master_parameters()``, the model's own config with ``use_cache`` back on).
+
 Checkpoints of pystronghold's own GPT are refused (export them with ``pystronghold export CKPT
 OUT.safetensors``): its layout is not one of the Hugging Face architectures.
 """
@@ -28,7 +31,7 @@ from safetensors.torch import save_file
 from pystronghold.models.hf import HFModelConfig
 from pystronghold.train.checkpoint import CheckpointError, checkpoint_weights, read_manifest
 
-__all__ = ["export_hf", "DEFAULT_SHARD_BYTES", "COPIED_FILES"]
+__all__ = ["export_hf", "save_pretrained", "DEFAULT_SHARD_BYTES", "COPIED_FILES"]
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +63,67 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     manifest = read_manifest(path)
     spec = _hf_spec(path, manifest)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        names = _write_shards(path, manifest, tmp, max_shard_bytes)
-        config = dict(spec.config, dtype="float32")
-        if "torch_dtype" in config:
-            config["torch_dtype"] = "float32"
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        copied = [n for n in COPIED_FILES if (Path(spec.source) / n).is_file()]
-        for name in copied:
-            shutil.copyfile(Path(spec.source) / name, tmp / name)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    names = _write_directory(out, checkpoint_weights(path, manifest), spec.config, max_shard_bytes,
+                             source=spec.source)
+    copied = [n for n in COPIED_FILES if (out / n).is_file()]
     log.info("export: %s (%s, step %d) -> %s: %d shard(s)%s", path, spec.architecture, manifest["step"], out,
              len(names), f", copied {', '.join(copied)}" if copied else "")
     return out
 
 
-def _write_shards(path: Path, manifest: dict, out: Path, max_shard_bytes: int) -> list[str]:
-    """Write the checkpoint's weights as ``model-0000i-of-0000n.safetensors`` (or one
+def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Write the Hugging Face model trained by ``engine`` (made by ``pystronghold.from_pretrained``)
+    as a directory ``out`` that ``AutoModelForCausalLM.from_pretrained`` loads: the fp32 masters
+    (blocks read from the store), ``engine.model.config`` with ``use_cache`` on and ``dtype``
+    float32, and the tokenizer files of ``tokenizer_dir`` when given. ``out`` must not exist or be
+    empty. Returns ``out``. NOTE: masters held on disk (the NVMe tier) are all read into host memory
+    here; for a model larger than host memory save a checkpoint and use ``export_hf`` (one block at
+    a time)."""
+    out = Path(out)
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not an empty directory")
+    model_config = getattr(engine.model, "config", None)
+    if model_config is None or not hasattr(model_config, "to_dict"):
+        raise TypeError(f"save_pretrained: engine.model is a {type(engine.model).__name__}, not a Hugging "
+                        "Face model (use pystronghold.from_pretrained)")
+    config = dict(model_config.to_dict(), use_cache=True, architectures=[type(engine.model).__name__])
+    weights = engine.master_parameters()  # views of the store: nothing is copied until written
+    names = _write_directory(out, [weights], config, max_shard_bytes, source=tokenizer_dir)
+    log.info("save_pretrained: %s -> %s: %d shard(s)", type(engine.model).__name__, out, len(names))
+    return out
+
+
+def _write_directory(out: Path, weight_dicts, config: dict, max_shard_bytes: int,
+                     source: str | os.PathLike | None = None) -> list[str]:
+    """Shards + index of ``weight_dicts``, config.json (fp32) and the tokenizer files of ``source``
+    (default: the config's recorded source) into a temporary sibling of ``out``, renamed into place."""
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        names = _write_shards(weight_dicts, tmp, max_shard_bytes)
+        config = dict(config, dtype="float32")
+        if "torch_dtype" in config:
+            config["torch_dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if source is not None:
+            for name in COPIED_FILES:
+                if (Path(source) / name).is_file():
+                    shutil.copyfile(Path(source) / name, tmp / name)
+        if out.exists():
+            out.rmdir()  # empty (checked by the caller)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return names
+
+
+def _write_shards(weight_dicts, out: Path, max_shard_bytes: int) -> list[str]:
+    """Write the weights (an iterable of name -> tensor dicts) as ``model-0000i-of-0000n.safetensors`` (or one
     ``model.safetensors``) plus the index; returns the shard file names."""
     shards: list[dict[str, torch.Tensor]] = []
     current: dict[str, torch.Tensor] = {}
@@ -99,12 +139,12 @@ def _write_shards(path: Path, manifest: dict, out: Path, max_shard_bytes: int) -
             shards.append({k: None for k in current})
             current, current_bytes = {}, 0
 
-    for weights in checkpoint_weights(path, manifest):
+    for weights in weight_dicts:
         for name, tensor in weights.items():
             size = tensor.numel() * tensor.element_size()
             if current and current_bytes + size > max_shard_bytes:
                 flush()
-            current[name] = tensor.contiguous()
+            current[name] = tensor.detach().float().cpu().contiguous()
             current_bytes += size
             total += size
     flush()
