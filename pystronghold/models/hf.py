@@ -104,8 +104,12 @@ def read_hf_config(directory: str | os.PathLike) -> HFModelConfig:
 
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Every parameter registered inside the block goes to the ``meta`` device (0 bytes, and its
-    initialisation is skipped); buffers stay real. The idea of accelerate's ``init_empty_weights``."""
+    """Every parameter registered inside the ``with`` goes to the ``meta`` device (0 bytes, and its
+    initialisation is a no-op); buffers stay real. The idea of accelerate's ``init_empty_weights``:
+    each parameter exists on the host only while its module's constructor runs, one at a time.
+    NOTE: patches ``nn.Module.register_parameter`` process-wide for the duration (build models in
+    one thread meanwhile), and writes the module's ``_parameters`` slot as ``register_parameter``
+    itself does."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -183,7 +187,7 @@ def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
     shards = SafetensorsShards(spec.source, strip_prefix=f"{prefix}." if prefix else "")
     block_modules = {id(m) for m in blocks.modules()}
     head_tail = _aliases(model, skip=block_modules)
-    for name, p in model.named_parameters():  # blocks and head/tail, each tensor once
+    for name, p in model.named_parameters():  # the blocks' tensors
         if id(p) not in head_tail:
             shards.check(name, p.shape)
     for aliases in head_tail.values():  # a tied weight may be stored under any of its names
@@ -192,7 +196,8 @@ def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
     with torch.no_grad():
         for aliases in head_tail.values():
             stored = next(name for name, _, _ in aliases if shards.key(name) is not None)
-            p = nn.Parameter(shards.read(stored), requires_grad=True)
+            old = model.get_parameter(aliases[0][0])
+            p = nn.Parameter(shards.read(stored), requires_grad=old.requires_grad)
             for _, module, attr in aliases:
                 setattr(module, attr, p)
     log.info("%s: %s, %d blocks at %s, head and tail loaded; blocks load one at a time",

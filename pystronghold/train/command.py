@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   pystronghold train --data notes.txt src/ --batch 4 --seq 64
   pystronghold train --checkpoint-dir ck --checkpoint-every 50  # then add --resume to continue
   pystronghold train --model gpt3-125m --device cuda --precision bf16 --window 4
+  pystronghold train --model hf:llama-dir --data notes.jsonl --checkpoint-dir ck   # then export ck out/ --hf
   torchrun --nproc-per-node 4 -m pystronghold train --model tiny --tp 2 --dp 2   # 4 processes
 """
 
