@@ -45,18 +45,22 @@ def test_loaded_model_gives_transformers_own_logits(tmp_path, arch):
 
 def test_blocks_are_read_from_the_shards_one_at_a_time(tmp_path):
     """Head and tail are loaded, the blocks stay on meta, and when wrap() materializes block i no
-    other block holds real weights outside the store (earlier ones are placeholders, later ones meta)."""
+    other block holds real weights outside the store (earlier ones are placeholders, later ones meta),
+    and no shard stays memory-mapped between blocks (its pages would stay resident)."""
     from pystronghold.models.hf import load_lazy
 
     lazy = load_lazy(save_tiny(tmp_path, "llama", tokenizer=False))
     assert all(p.is_meta for p in lazy.blocks.parameters())
+    assert lazy.shards.open_files == []
     assert not any(p.is_meta for n, p in lazy.model.named_parameters() if not n.startswith("model.layers."))
     real_blocks_at_call = []
 
     def materialize(i):
         real_blocks_at_call.append([j for j, b in enumerate(lazy.blocks)
                                     if any(p.numel() and not p.is_meta for p in b.parameters())])
-        return lazy.materialize(i)
+        block = lazy.materialize(i)
+        assert lazy.shards.open_files == []
+        return block
 
     ph.wrap(lazy.model, blocks=lazy.blocks, materialize=materialize, window=2).close()
     assert real_blocks_at_call == [[], [], []]

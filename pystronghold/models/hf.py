@@ -160,6 +160,7 @@ class LazyHFModel:
                 if p.is_meta:
                     full = prefix + (f"{mod_name}.{name}" if mod_name else name)
                     setattr(module, name, nn.Parameter(self.shards.read(full), requires_grad=p.requires_grad))
+        self.shards.close()  # unmap: the pages read would otherwise stay resident, block after block
         return block
 
 
@@ -200,6 +201,7 @@ def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
             p = nn.Parameter(shards.read(stored), requires_grad=old.requires_grad)
             for _, module, attr in aliases:
                 setattr(module, attr, p)
+    shards.close()
     log.info("%s: %s, %d blocks at %s, head and tail loaded; blocks load one at a time",
              spec.source, spec.architecture, len(blocks), blocks_name)
     return LazyHFModel(model=model, blocks=blocks, blocks_name=blocks_name, shards=shards, spec=spec)

@@ -6,6 +6,10 @@ A directory holds either one ``model.safetensors`` or shards named by ``model.sa
 single tensors on demand with ``safe_open``, so a block's weights can be loaded without touching the
 rest of the model. ``check`` validates a tensor's presence, shape and dtype from the header alone:
 the loader checks the whole model that way before it allocates anything.
+
+A shard is memory-mapped while its handle is open, and the pages read stay resident in the process
+until it is closed: ``close()`` after each block (the handles reopen on demand) keeps the resident
+size at one block's worth rather than growing with every block read.
 """
 
 from __future__ import annotations
@@ -55,12 +59,7 @@ class SafetensorsShards:
             if not (self.directory / name).is_file():
                 raise ValueError(f"{self.directory / name}: shard missing (named by {INDEX_NAME})")
         self._handles = {}
-        for name in files:
-            try:
-                self._handles[name] = safe_open(str(self.directory / name), framework="pt")
-            except Exception as e:  # safetensors raises its own SafetensorError for a bad header
-                raise ValueError(f"{self.directory / name}: not a readable safetensors file ({e})") from None
-        held = {key: name for name, h in self._handles.items() for key in h.keys()}
+        held = {key: name for name in files for key in self._handle(name).keys()}
         if weight_map is None:
             weight_map = held
         for key, name in weight_map.items():
@@ -87,7 +86,7 @@ class SafetensorsShards:
             raise ValueError(f"{self.directory}: no tensor {name!r} in the safetensors files (the "
                              "checkpoint does not match config.json)")
         file = self.directory / self.weight_map[key]
-        sl = self._handles[self.weight_map[key]].get_slice(key)
+        sl = self._handle(self.weight_map[key]).get_slice(key)
         stored_shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
         if stored_shape != tuple(shape):
             raise ValueError(f"{file}: tensor {key!r} has shape {list(stored_shape)}, config.json makes "
@@ -101,8 +100,22 @@ class SafetensorsShards:
         key = self.key(name)
         if key is None:
             raise ValueError(f"{self.directory}: no tensor {name!r} in the safetensors files")
-        return self._handles[self.weight_map[key]].get_tensor(key).to(dtype)
+        return self._handle(self.weight_map[key]).get_tensor(key).to(dtype)
+
+    @property
+    def open_files(self) -> list[str]:
+        """Shards open (memory-mapped) now."""
+        return sorted(self._handles)
 
     def close(self) -> None:
-        """Drop the open shard handles."""
+        """Close the shards (unmapping them); a later ``check`` or ``read`` reopens what it needs."""
         self._handles.clear()
+
+    def _handle(self, name: str):
+        """The open ``safe_open`` handle of shard ``name`` (opened on first use)."""
+        if name not in self._handles:
+            try:
+                self._handles[name] = safe_open(str(self.directory / name), framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError for a bad header
+                raise ValueError(f"{self.directory / name}: not a readable safetensors file ({e})") from None
+        return self._handles[name]
