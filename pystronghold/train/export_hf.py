@@ -56,13 +56,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     docstring); ``out`` must not exist or be empty. Returns ``out``. CheckpointError for a checkpoint
     that is corrupt or was not made from a Hugging Face model; ValueError for a bad ``out``."""
     path, out = Path(checkpoint), Path(out)
-    if max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out}: exists and is not an empty directory")
+    _check_output(out, max_shard_bytes)
     manifest = read_manifest(path)
     spec = _hf_spec(path, manifest)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     names = _write_directory(out, checkpoint_weights(path, manifest), spec.config, max_shard_bytes,
                              source=spec.source)
     copied = [n for n in COPIED_FILES if (out / n).is_file()]
@@ -81,10 +77,7 @@ def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DE
     here; for a model larger than host memory save a checkpoint and use ``export_hf`` (one block at
     a time)."""
     out = Path(out)
-    if max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out}: exists and is not an empty directory")
+    _check_output(out, max_shard_bytes)
     model_config = getattr(engine.model, "config", None)
     if model_config is None or not hasattr(model_config, "to_dict"):
         raise TypeError(f"save_pretrained: engine.model is a {type(engine.model).__name__}, not a Hugging "
@@ -96,10 +89,17 @@ def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DE
     return out
 
 
+def _check_output(out: Path, max_shard_bytes: int) -> None:
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not an empty directory")
+
+
 def _write_directory(out: Path, weight_dicts, config: dict, max_shard_bytes: int,
                      source: str | os.PathLike | None = None) -> list[str]:
     """Shards + index of ``weight_dicts``, config.json (fp32) and the tokenizer files of ``source``
-    (default: the config's recorded source) into a temporary sibling of ``out``, renamed into place."""
+    (none when None) into a temporary sibling of ``out``, renamed into place."""
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

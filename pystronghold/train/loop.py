@@ -157,8 +157,6 @@ class Trainer:
             nvme_states=config.memory.nvme_states, nvme_cache_blocks=config.memory.nvme_cache_blocks,
             nvme_preallocate=not config.memory.nvme_sparse,
             optimizer=pystronghold.AdamW(lr=o.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay))
-        if self.hf:
-            hf_model.shards.close()  # every block is in the store now
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0
