@@ -204,7 +204,8 @@ def main():
         ext_modules=[] if os.environ.get("PYSTRONGHOLD_NO_EXTENSION") == "1" else extensions(),
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
         install_requires=["torch", "numpy", "tqdm"],
-        extras_require={"kernels": ["triton"], "plots": ["matplotlib"], "export": ["safetensors"]},
+        extras_require={"kernels": ["triton"], "plots": ["matplotlib"], "export": ["safetensors"],
+                        "hf": ["transformers", "tokenizers", "safetensors"]},
         entry_points={"console_scripts": ["pystronghold=pystronghold.cli:main"]},
         zip_safe=False,
     )

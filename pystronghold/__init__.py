@@ -3,7 +3,9 @@
 Only a working window of transformer blocks lives on the accelerator; the rest sits in host memory
 (and on NVMe); a fused CPU Adam updates each block while the accelerator runs backward.
 
-``pystronghold.wrap`` and ``pystronghold.AdamW`` are imported lazily, so ``import pystronghold``
+``pystronghold.wrap``, ``pystronghold.AdamW``, ``pystronghold.from_pretrained`` and
+``pystronghold.save_pretrained`` (fine-tune a Hugging Face model from a local directory and write it
+back) are imported lazily, so ``import pystronghold``
 stays cheap (no torch import).
 """
 
@@ -16,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "AdamW", "__version__"]
+__all__ = ["wrap", "AdamW", "from_pretrained", "save_pretrained", "__version__"]
 
 
 def __getattr__(name: str):
@@ -28,4 +30,12 @@ def __getattr__(name: str):
         from pystronghold.runtime.optimizer import AdamW
 
         return AdamW
+    if name == "from_pretrained":
+        from pystronghold.models.hf import from_pretrained
+
+        return from_pretrained
+    if name == "save_pretrained":
+        from pystronghold.train.export_hf import save_pretrained
+
+        return save_pretrained
     raise AttributeError(f"module 'pystronghold' has no attribute {name!r}")

@@ -159,11 +159,13 @@ def load_corpus(config: DataConfig) -> Corpus:
 
 
 class BatchSampler:
-    """Deterministic, resumable (B, T) batches of next-byte prediction from a uint8 stream."""
+    """Deterministic, resumable (B, T) batches of next-token prediction from a uint8 stream of bytes
+    (or an int64 stream of token ids, ``pystronghold.tokenized``)."""
 
     def __init__(self, data: torch.Tensor, batch: int, seq: int, seed: int = 0) -> None:
-        if data.dim() != 1 or data.dtype != torch.uint8:
-            raise ValueError(f"BatchSampler: data must be a 1-D uint8 tensor, got {data.dtype} {tuple(data.shape)}")
+        if data.dim() != 1 or data.dtype not in (torch.uint8, torch.int64):
+            raise ValueError(f"BatchSampler: data must be a 1-D uint8 (bytes) or int64 (token ids) tensor, "
+                             f"got {data.dtype} {tuple(data.shape)}")
         if batch < 1 or seq < 1:
             raise ValueError(f"BatchSampler: batch and seq must be >= 1, got {batch}, {seq}")
         if len(data) < 2 * (seq + 1):

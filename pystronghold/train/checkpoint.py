@@ -39,7 +39,7 @@ from safetensors.torch import load as st_load, save as st_save
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "read_manifest", "export_weights"]
+           "latest_checkpoint", "read_manifest", "checkpoint_weights", "export_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,17 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
 
 # ---- export
 
+def checkpoint_weights(path: str | os.PathLike, manifest: dict):
+    """The fp32 weights of checkpoint ``path`` (its ``manifest``, from ``read_manifest``), one file at
+    a time: yields ``{model parameter name: tensor}`` per block file, then the head/tail file
+    (optimizer moments left out), so a caller holds one block's weights at a time."""
+    path = Path(path)
+    for rel, meta in manifest["files"].items():
+        if rel.endswith(".safetensors"):
+            yield {k: v for k, v in _load_file(path, rel, meta).items()
+                   if not k.endswith((".exp_avg", ".exp_avg_sq", ".step"))}
+
+
 def export_weights(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write checkpoint ``path``'s fp32 weights as one plain safetensors state dict (``GPT.state_dict()``
     keys; tied weights under both names) with the model config as JSON metadata; or a ``torch.save``
@@ -332,11 +343,8 @@ def export_weights(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     path, out = Path(path), Path(out)
     manifest = read_manifest(path)
     weights: dict[str, torch.Tensor] = {}
-    for rel, meta in manifest["files"].items():
-        if rel.endswith(".safetensors"):
-            for k, v in _load_file(path, rel, meta).items():
-                if not k.endswith((".exp_avg", ".exp_avg_sq", ".step")):
-                    weights[k] = v
+    for part in checkpoint_weights(path, manifest):
+        weights.update(part)
     if manifest["model"].get("tie_embeddings") and "tail.lm_head.weight" not in weights:
         weights["tail.lm_head.weight"] = weights["head.tok.weight"].clone()
     out.parent.mkdir(parents=True, exist_ok=True)

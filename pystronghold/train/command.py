@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   pystronghold train --data notes.txt src/ --batch 4 --seq 64
   pystronghold train --checkpoint-dir ck --checkpoint-every 50  # then add --resume to continue
   pystronghold train --model gpt3-125m --device cuda --precision bf16 --window 4
+  pystronghold train --model hf:llama-dir --data notes.jsonl --checkpoint-dir ck   # then export ck out/ --hf
   torchrun --nproc-per-node 4 -m pystronghold train --model tiny --tp 2 --dp 2   # 4 processes
 """
 
@@ -126,6 +127,7 @@ def run_train(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     """Run ``pystronghold export``: 0 on success, 2 for a missing/corrupt checkpoint."""
     from pystronghold.train.checkpoint import CheckpointError, export_weights, latest_checkpoint
+    from pystronghold.train.config import parse_bytes
 
     from pathlib import Path
 
@@ -133,8 +135,13 @@ def run_export(args: argparse.Namespace) -> int:
     if not (path / "manifest.json").exists():
         path = latest_checkpoint(path) or path
     try:
-        out = export_weights(path, args.output)
-    except (CheckpointError, OSError) as e:
+        if args.hf:
+            from pystronghold.train.export_hf import export_hf
+
+            out = export_hf(path, args.output, max_shard_bytes=parse_bytes(args.max_shard_size, "--max-shard-size"))
+        else:
+            out = export_weights(path, args.output)
+    except (CheckpointError, OSError, ValueError) as e:
         print(f"pystronghold export: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out} (weights of {path})")
@@ -160,11 +167,20 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
 def add_export_command(subparsers) -> argparse.ArgumentParser:
     """Add ``export`` (checkpoint -> plain safetensors / PyTorch state dict)."""
     parser = subparsers.add_parser(
-        "export", help="write a checkpoint's weights as a plain safetensors (or .pt) state dict",
-        epilog="example: pystronghold export ck/ model.safetensors   # the latest checkpoint in ck/",
+        "export", help="write a checkpoint's weights as a plain safetensors (or .pt) state dict, or "
+                       "(--hf) as a Hugging Face model directory",
+        epilog="examples:\n"
+               "  pystronghold export ck/ model.safetensors   # the latest checkpoint in ck/\n"
+               "  pystronghold export ck/ tuned/ --hf         # a --model hf:DIR run -> from_pretrained('tuned/')",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
-    parser.add_argument("output", help="output file: .safetensors, or .pt for torch.save")
+    parser.add_argument("output", help="output file: .safetensors, or .pt for torch.save; with --hf a new "
+                                       "(or empty) directory")
+    parser.add_argument("--hf", action="store_true",
+                        help="write a Hugging Face directory (config.json, safetensors shards, index, "
+                             "tokenizer) of a run trained with --model hf:DIR")
+    parser.add_argument("--max-shard-size", default="2GiB", metavar="BYTES",
+                        help="--hf: most bytes per safetensors shard, e.g. 2GiB, 500MB (default: 2GiB)")
     parser.error = _one_line_error("pystronghold export")
     parser.set_defaults(run=run_export)
     return parser

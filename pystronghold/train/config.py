@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from pystronghold.models import GPTConfig
+from pystronghold.models.hf import HF_PREFIX, HFModelConfig, read_hf_config
 from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, recommended_lr
 
 __all__ = ["DEMO_MODEL", "ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "MemoryOptions",
@@ -49,9 +50,20 @@ def _is_model_file(name: str) -> bool:
     return name.endswith(".json") or os.path.sep in name
 
 
-def resolve_model(name: str) -> GPTConfig:
-    """``"demo"``, a preset name (``pystronghold.models.PRESETS``) or a JSON file of GPTConfig fields
-    (plus, optionally, ``"lr"``: the model's peak learning rate)."""
+HF_FINETUNE_LR = 5e-5
+"""Peak learning rate of a ``--model hf:DIR`` fine-tune without --lr: Hugging Face Trainer's default
+(``TrainingArguments.learning_rate``); pre-training rates would wreck a trained model."""
+
+HF_DEFAULT_SEQ = 512
+"""Tokens per sequence of a ``--model hf:DIR`` run without --seq (at most the model's positions)."""
+
+
+def resolve_model(name: str) -> GPTConfig | HFModelConfig:
+    """``"demo"``, a preset name (``pystronghold.models.PRESETS``), a JSON file of GPTConfig fields,
+    or ``hf:DIR``, a Hugging Face model directory (its ``HFModelConfig``). A JSON file may also
+    hold ``"lr"``: the model's peak learning rate."""
+    if name.startswith(HF_PREFIX):
+        return read_hf_config(name[len(HF_PREFIX):])
     if name == "demo":
         return DEMO_MODEL
     if name in PRESETS:
@@ -74,9 +86,12 @@ def resolve_model(name: str) -> GPTConfig:
 def model_lr(name: str) -> float:
     """The peak learning rate ``--lr`` defaults to for ``--model name``: the demo's
     ``SMALL_MODEL_LR``, a preset's ``PRESET_LR`` entry (published values), a JSON file's ``"lr"``,
-    else ``recommended_lr`` of its shape (the GPT-3 lr of its size class)."""
+    else ``recommended_lr`` of its shape (the GPT-3 lr of its size class); ``hf:DIR``:
+    ``HF_FINETUNE_LR`` (fine-tuning a trained model)."""
     if name == "demo":
         return SMALL_MODEL_LR
+    if name.startswith(HF_PREFIX):
+        return HF_FINETUNE_LR
     if name in PRESET_LR:
         return PRESET_LR[name]
     if _is_model_file(name):
@@ -91,8 +106,9 @@ class ModelOptions:
     """Which GPT is trained."""
 
     model: str = "demo"
-    """'demo' (the embedded default), a preset name (see `pystronghold plan --help`) or a JSON file
-    of GPTConfig fields."""
+    """'demo' (the embedded default), a preset name (see `pystronghold plan --help`), a JSON file
+    of GPTConfig fields, or hf:DIR: fine-tune the Hugging Face causal LM saved in local directory DIR
+    (config.json, safetensors weights, tokenizer; GPT-2, Llama, Mistral, Qwen2)."""
 
     def __post_init__(self) -> None:
         resolve_model(self.model)  # raises ValueError naming --model
@@ -111,7 +127,7 @@ class DataOptions:
     batch: int = 8
     """Sequences per micro-batch (B)."""
     seq: int = 0
-    """Tokens per sequence (T); 0: the model's seq_len."""
+    """Tokens per sequence (T); 0: the model's seq_len (hf: models: at most 512)."""
 
     def __post_init__(self) -> None:
         for p in self.data:
@@ -135,7 +151,8 @@ class OptimOptions:
     """Peak learning rate; default: the model's own. GPT-3 presets: Brown et al. 2020, Table 2.1
     (gpt3-125m 6e-4 ... gpt3-6.7b 1.2e-4, gpt3-175b 6e-5); gpt2-124m: 6e-4 (as nanoGPT and GPT-3
     Small); demo, tiny, mini, small: 2e-3; a JSON model: its "lr" key, else the GPT-3 value of the
-    largest GPT-3 size it reaches (2e-3 below 125M parameters)."""
+    largest GPT-3 size it reaches (2e-3 below 125M parameters); hf:DIR: 5e-5 (Hugging Face
+    Trainer's default for fine-tuning)."""
     warmup: int = 20
     """Steps of linear warm-up to the peak."""
     min_lr_ratio: float = 0.1
@@ -377,6 +394,10 @@ class TrainConfig:
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
         par = self.parallel
         tp, dp, world = par.tp, par.dp_size, par.world_size
+        if isinstance(cfg, HFModelConfig) and tp > 1:
+            raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
+        if isinstance(cfg, HFModelConfig) and self.window.window == "auto":
+            raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
         if world == 1 and tp * dp > 1:
             raise ValueError(f"--tp {tp} x --dp {dp} needs {tp * dp} processes; launch with "
                              f"torchrun --nproc-per-node {tp * dp} -m pystronghold train ...")
@@ -395,8 +416,8 @@ class TrainConfig:
             raise ValueError("--window auto is not supported with several processes yet; give --window N")
 
     @property
-    def gpt(self) -> GPTConfig:
-        """The model's GPTConfig (``tp_size`` = --tp)."""
+    def gpt(self) -> GPTConfig | HFModelConfig:
+        """The model's GPTConfig (``tp_size`` = --tp), or the HFModelConfig of --model hf:DIR."""
         cfg = resolve_model(self.model.model)
         return dataclasses.replace(cfg, tp_size=self.parallel.tp) if self.parallel.tp > 1 else cfg
 
@@ -408,7 +429,10 @@ class TrainConfig:
     @property
     def seq(self) -> int:
         """Tokens per sequence in effect."""
-        return self.data.seq or self.gpt.seq_len
+        cfg = self.gpt
+        if isinstance(cfg, HFModelConfig):
+            return self.data.seq or min(cfg.seq_len, HF_DEFAULT_SEQ)
+        return self.data.seq or cfg.seq_len
 
 
 COMPONENTS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "window": WindowOptions,

@@ -21,6 +21,7 @@ import pystronghold
 from pystronghold.data import DataConfig, BatchSampler, load_corpus, validation_batches, VOCAB_SIZE
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
+from pystronghold.models.hf import HFModelConfig
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, TimeReport, device_peak_bytes,
                                         memory_report, summarize_events)
@@ -83,7 +84,8 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         cfg, run = config.gpt, config.run
-        if cfg.vocab_size < VOCAB_SIZE:
+        self.hf = isinstance(cfg, HFModelConfig)  # --model hf:DIR: its own tokenizer, loaded lazily
+        if not self.hf and cfg.vocab_size < VOCAB_SIZE:
             raise ValueError(f"--model: vocab_size {cfg.vocab_size} is smaller than the {VOCAB_SIZE} "
                              "byte values of the data")
         from pystronghold.models.presets import param_count
@@ -91,9 +93,10 @@ class Trainer:
 
         # NOTE: the blocks are built by wrap() (materialize_blocks=False: in parallel threads, each
         # block dropped once the store holds it), so the fp32 model never exists whole; the store
-        # does. Without --nvme it must fit in host memory: refuse before allocating rather than be
+        # does (a Hugging Face model's blocks are read from its shards the same way).
+        # Without --nvme it must fit in host memory: refuse before allocating rather than be
         # killed by the OOM killer (with --nvme the store's placement checks the budget itself).
-        need, avail = param_count(cfg) * 16, available_host_bytes()
+        need, avail = (0 if self.hf else param_count(cfg) * 16), available_host_bytes()
         if need > avail and config.memory.nvme is None:
             raise MemoryError(f"--model: {param_count(cfg) / 1e6:,.0f}M parameters need about "
                               f"{need / 2**30:.1f} GiB of host memory (the host store: fp32 weights and "
@@ -116,15 +119,29 @@ class Trainer:
                                         timeout_s=par.dist_timeout)
         self.rank = self.groups.rank if self.groups is not None else 0
         seed_everything(run.seed)
-        self.corpus = load_corpus(DataConfig(paths=list(config.data.data), max_bytes=config.data.max_bytes,
-                                             val_fraction=config.data.val_fraction))
+        if self.hf:  # the model's files are checked (headers only) before the text is tokenized
+            from pystronghold.models.hf import load_lazy
+            from pystronghold.tokenized import load_tokenizer, tokenized_corpus
+
+            hf_model = load_lazy(cfg.source)
+            self.corpus = tokenized_corpus(list(config.data.data), load_tokenizer(cfg.source),
+                                           max_bytes=config.data.max_bytes, val_fraction=config.data.val_fraction,
+                                           vocab_size=cfg.vocab_size)
+        else:
+            self.corpus = load_corpus(DataConfig(paths=list(config.data.data), max_bytes=config.data.max_bytes,
+                                                 val_fraction=config.data.val_fraction))
         self.seq, self.batch = config.seq, config.data.batch
         self.sampler = BatchSampler(self.corpus.train, self.batch, self.seq, seed=run.seed)
         self.val = validation_batches(self.corpus.val, self.batch, self.seq, run.eval_batches)
         self.dp_size = self.groups.dp_size if self.groups is not None else 1
         self.dp_rank = self.groups.dp_rank if self.groups is not None else 0
-        self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
-                         materialize_blocks=False)
+        materialize = None
+        if self.hf:  # blocks always built one at a time from the shards (a model larger than the host)
+            self.model, blocks, materialize = hf_model.model, hf_model.blocks, hf_model.materialize
+        else:
+            self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
+                             materialize_blocks=False)
+            blocks = self.model.blocks
         window = config.window.window_value
         self.auto_window = None
         if window == "auto":
@@ -134,7 +151,7 @@ class Trainer:
             window = self.auto_window.window
         o = config.optim
         self.engine = pystronghold.wrap(
-            self.model, blocks=self.model.blocks, window=window, device=config.window.device,
+            self.model, blocks=blocks, materialize=materialize, window=window, device=config.window.device,
             precision=config.window.precision, clip_grad_norm=o.clip or None,
             accumulation_steps=o.accumulation, trace=True, parallel=self.groups,
             host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,
@@ -157,6 +174,14 @@ class Trainer:
         self.result.start_step = self.step
 
     # ---- one step
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of inputs ``x`` against shifted targets ``y`` (B, T) through the engine."""
+        if self.hf:
+            from pystronghold.models.hf import causal_lm_loss
+
+            return causal_lm_loss(self.engine(input_ids=x).logits, y)
+        return self.engine(x, y)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """This DP rank's slice of a global batch, on the device."""
@@ -183,7 +208,7 @@ class Trainer:
         total = 0.0
         for _ in range(acc):
             x, y = self.sampler.next_batch()  # (B, T) int64 each
-            loss = self.engine(self._to_device(x), self._to_device(y))
+            loss = self.loss(self._to_device(x), self._to_device(y))
             self.engine.backward(loss / acc if acc > 1 else loss)
             total += float(loss.detach())
         self.engine.step()
@@ -194,8 +219,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches (the same value on every rank)."""
-        losses = [float(self.engine(self._to_device(x), self._to_device(y))) for x, y in self.val]
+        """Mean loss over the fixed validation batches (the same value on every rank), without dropout."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            losses = [float(self.loss(self._to_device(x), self._to_device(y))) for x, y in self.val]
+        finally:
+            self.model.train(was_training)
         return self._dp_mean(sum(losses) / len(losses))
 
     # ---- the run

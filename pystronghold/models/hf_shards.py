@@ -1,0 +1,121 @@
+"""Read a Hugging Face model directory's safetensors weights one tensor at a time.
+
+A directory holds either one ``model.safetensors`` or shards named by ``model.safetensors.index.json``
+(``{"weight_map": {tensor name: shard file}}``). ``SafetensorsShards`` opens every shard's header
+(no tensor data), checks that the shards the index names exist and hold what it says, and then reads
+single tensors on demand with ``safe_open``, so a block's weights can be loaded without touching the
+rest of the model. ``check`` validates a tensor's presence, shape and dtype from the header alone:
+the loader checks the whole model that way before it allocates anything.
+
+A shard is memory-mapped while its handle is open, and the pages read stay resident in the process
+until it is closed: ``close()`` after each block (the handles reopen on demand) keeps the resident
+size at one block's worth rather than growing with every block read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+__all__ = ["SafetensorsShards", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+"""safetensors dtype names of the weights we load (cast to fp32 for the fp32 masters); integer,
+boolean and fp8 tensors (quantized checkpoints) are refused."""
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class SafetensorsShards:
+    """The safetensors weights of directory ``directory``: names, shapes, dtypes, and single tensors.
+
+    ``strip_prefix``: a prefix the model's names carry that a checkpoint may omit (the base model's
+    ``transformer.`` of GPT-2: the original GPT-2 checkpoints store ``h.0.attn...``). Raises
+    ValueError (one line, naming the file) for a directory without weights, a missing shard, or an
+    index that names a tensor its shard does not hold.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, strip_prefix: str = "") -> None:
+        self.directory = Path(directory)
+        self.strip_prefix = strip_prefix
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{index}: not a safetensors index (no weight_map: {e})") from None
+            files = sorted(set(weight_map.values()))
+        elif (self.directory / SINGLE_NAME).is_file():
+            weight_map, files = None, [SINGLE_NAME]
+        else:
+            raise ValueError(f"{self.directory}: no {SINGLE_NAME} or {INDEX_NAME} (weights are read "
+                             "from safetensors files only)")
+        for name in files:
+            if not (self.directory / name).is_file():
+                raise ValueError(f"{self.directory / name}: shard missing (named by {INDEX_NAME})")
+        self._handles = {}
+        held = {key: name for name in files for key in self._handle(name).keys()}
+        if weight_map is None:
+            weight_map = held
+        for key, name in weight_map.items():
+            if held.get(key) != name:
+                raise ValueError(f"{self.directory / name}: has no tensor {key!r} (named by {INDEX_NAME})")
+        self.weight_map: dict[str, str] = dict(weight_map)
+        """Tensor name -> shard file name (relative to the directory)."""
+
+    def key(self, name: str) -> str | None:
+        """The name under which the model's tensor ``name`` is stored, or None when absent."""
+        if name in self.weight_map:
+            return name
+        if self.strip_prefix and name.startswith(self.strip_prefix):
+            short = name[len(self.strip_prefix):]
+            if short in self.weight_map:
+                return short
+        return None
+
+    def check(self, name: str, shape: torch.Size) -> None:
+        """Raise ValueError unless the model's tensor ``name`` is stored with ``shape`` and a float
+        dtype (from the shard's header; nothing is read)."""
+        key = self.key(name)
+        if key is None:
+            raise ValueError(f"{self.directory}: no tensor {name!r} in the safetensors files (the "
+                             "checkpoint does not match config.json)")
+        file = self.directory / self.weight_map[key]
+        sl = self._handle(self.weight_map[key]).get_slice(key)
+        stored_shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        if stored_shape != tuple(shape):
+            raise ValueError(f"{file}: tensor {key!r} has shape {list(stored_shape)}, config.json makes "
+                             f"it {list(shape)}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{file}: tensor {key!r} has dtype {dtype}; only {', '.join(FLOAT_DTYPES)} "
+                             "weights are loaded (quantized checkpoints are not supported)")
+
+    def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The model's tensor ``name`` from its shard, as a new host tensor in ``dtype``."""
+        key = self.key(name)
+        if key is None:
+            raise ValueError(f"{self.directory}: no tensor {name!r} in the safetensors files")
+        return self._handle(self.weight_map[key]).get_tensor(key).to(dtype)
+
+    @property
+    def open_files(self) -> list[str]:
+        """Shards open (memory-mapped) now."""
+        return sorted(self._handles)
+
+    def close(self) -> None:
+        """Close the shards (unmapping them); a later ``check`` or ``read`` reopens what it needs."""
+        self._handles.clear()
+
+    def _handle(self, name: str):
+        """The open ``safe_open`` handle of shard ``name`` (opened on first use)."""
+        if name not in self._handles:
+            try:
+                self._handles[name] = safe_open(str(self.directory / name), framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError for a bad header
+                raise ValueError(f"{self.directory / name}: not a readable safetensors file ({e})") from None
+        return self._handles[name]

@@ -1,0 +1,161 @@
+"""``pystronghold export CKPT OUTDIR --hf``: a checkpoint of a ``--model hf:DIR`` run, written back as a
+Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained(OUTDIR)`` loads.
+
+The checkpoint's manifest records the model as ``HFModelConfig`` (source directory, architecture,
+config.json). The export writes ``config.json`` (that config, ``dtype`` float32: the weights are the
+optimizer's fp32 masters, so the exported model gives the trained engine's fp32 logits), the weights
+as safetensors shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json`` (keys
+are the model's own parameter names, tied weights stored once, as ``save_pretrained`` does), and
+copies the tokenizer and generation files of the source directory when it still has them. The
+checkpoint is read one block file at a time, so at most one shard plus one block is in memory.
+Everything goes to a temporary sibling directory first, renamed to OUTDIR when complete.
+
+``save_pretrained(engine, OUTDIR)`` does the same from a live engine (Python: the fp32 masters of
+``engine.master_parameters()``, the model's own config with ``use_cache`` back on).
+
+Checkpoints of pystronghold's own GPT are refused (export them with ``pystronghold export CKPT
+OUT.safetensors``): its layout is not one of the Hugging Face architectures.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pystronghold.models.hf import HFModelConfig
+from pystronghold.train.checkpoint import CheckpointError, checkpoint_weights, read_manifest
+
+__all__ = ["export_hf", "save_pretrained", "DEFAULT_SHARD_BYTES", "COPIED_FILES"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_BYTES = 2 << 30
+"""Most bytes of tensor data per safetensors shard (2 GiB)."""
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+"""Files of the source directory copied beside the weights (when present)."""
+
+
+def _hf_spec(path: Path, manifest: dict) -> HFModelConfig:
+    model = manifest.get("model", {})
+    if not {"source", "architecture", "config"} <= set(model):
+        raise CheckpointError(f"checkpoint {path} holds pystronghold's own GPT, not a model loaded with "
+                              "--model hf:DIR; export it with `pystronghold export CKPT OUT.safetensors`")
+    return HFModelConfig(**{k: model[k] for k in ("source", "architecture", "config")})
+
+
+def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write checkpoint ``checkpoint`` as a Hugging Face model directory ``out`` (see the module
+    docstring); ``out`` must not exist or be empty. Returns ``out``. CheckpointError for a checkpoint
+    that is corrupt or was not made from a Hugging Face model; ValueError for a bad ``out``."""
+    path, out = Path(checkpoint), Path(out)
+    _check_output(out, max_shard_bytes)
+    manifest = read_manifest(path)
+    spec = _hf_spec(path, manifest)
+    names = _write_directory(out, checkpoint_weights(path, manifest), spec.config, max_shard_bytes,
+                             source=spec.source)
+    copied = [n for n in COPIED_FILES if (out / n).is_file()]
+    log.info("export: %s (%s, step %d) -> %s: %d shard(s)%s", path, spec.architecture, manifest["step"], out,
+             len(names), f", copied {', '.join(copied)}" if copied else "")
+    return out
+
+
+def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Write the Hugging Face model trained by ``engine`` (made by ``pystronghold.from_pretrained``)
+    as a directory ``out`` that ``AutoModelForCausalLM.from_pretrained`` loads: the fp32 masters
+    (blocks read from the store), ``engine.model.config`` with ``use_cache`` on and ``dtype``
+    float32, and the tokenizer files of ``tokenizer_dir`` when given. ``out`` must not exist or be
+    empty. Returns ``out``. NOTE: masters held on disk (the NVMe tier) are all read into host memory
+    here; for a model larger than host memory save a checkpoint and use ``export_hf`` (one block at
+    a time)."""
+    out = Path(out)
+    _check_output(out, max_shard_bytes)
+    model_config = getattr(engine.model, "config", None)
+    if model_config is None or not hasattr(model_config, "to_dict"):
+        raise TypeError(f"save_pretrained: engine.model is a {type(engine.model).__name__}, not a Hugging "
+                        "Face model (use pystronghold.from_pretrained)")
+    config = dict(model_config.to_dict(), use_cache=True, architectures=[type(engine.model).__name__])
+    weights = engine.master_parameters()  # views of the store: nothing is copied until written
+    names = _write_directory(out, [weights], config, max_shard_bytes, source=tokenizer_dir)
+    log.info("save_pretrained: %s -> %s: %d shard(s)", type(engine.model).__name__, out, len(names))
+    return out
+
+
+def _check_output(out: Path, max_shard_bytes: int) -> None:
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out}: exists and is not an empty directory")
+
+
+def _write_directory(out: Path, weight_dicts, config: dict, max_shard_bytes: int,
+                     source: str | os.PathLike | None = None) -> list[str]:
+    """Shards + index of ``weight_dicts``, config.json (fp32) and the tokenizer files of ``source``
+    (none when None) into a temporary sibling of ``out``, renamed into place."""
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        names = _write_shards(weight_dicts, tmp, max_shard_bytes)
+        config = dict(config, dtype="float32")
+        if "torch_dtype" in config:
+            config["torch_dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if source is not None:
+            for name in COPIED_FILES:
+                if (Path(source) / name).is_file():
+                    shutil.copyfile(Path(source) / name, tmp / name)
+        if out.exists():
+            out.rmdir()  # empty (checked by the caller)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return names
+
+
+def _write_shards(weight_dicts, out: Path, max_shard_bytes: int) -> list[str]:
+    """Write the weights (an iterable of name -> tensor dicts) as ``model-0000i-of-0000n.safetensors`` (or one
+    ``model.safetensors``) plus the index; returns the shard file names."""
+    shards: list[dict[str, torch.Tensor]] = []
+    current: dict[str, torch.Tensor] = {}
+    current_bytes = total = 0
+    written: list[str] = []
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if current:
+            name = f"part-{len(written):05d}.safetensors"
+            save_file(current, str(out / name), metadata={"format": "pt"})
+            written.append(name)
+            shards.append({k: None for k in current})
+            current, current_bytes = {}, 0
+
+    for weights in weight_dicts:
+        for name, tensor in weights.items():
+            size = tensor.numel() * tensor.element_size()
+            if current and current_bytes + size > max_shard_bytes:
+                flush()
+            current[name] = tensor.detach().float().cpu().contiguous()
+            current_bytes += size
+            total += size
+    flush()
+    if len(written) == 1:
+        os.replace(out / written[0], out / "model.safetensors")
+        return ["model.safetensors"]
+    final = [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
+    weight_map = {}
+    for tmp_name, name, keys in zip(written, final, shards):
+        os.replace(out / tmp_name, out / name)
+        weight_map.update({k: name for k in keys})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return final

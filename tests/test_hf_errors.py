@@ -1,0 +1,140 @@
+"""Bad Hugging Face directories, data and exports: one-line errors naming the file, tensor or
+architecture, raised before anything is trained (issue 14 part 3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import pystronghold as ph
+from pystronghold.cli import main
+from pystronghold.tokenized import tokenized_corpus
+from hf_models import save_tiny
+
+
+def _shard_of(directory, name: str):
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    return directory / index["weight_map"][name]
+
+
+def _rewrite(path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _cli_error(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_unsupported_architecture_is_named(tmp_path, capsys):
+    directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["BertForMaskedLM"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"architecture 'BertForMaskedLM' is not supported; supported: GPT2LMHeadModel"):
+        ph.from_pretrained(directory, window=2)
+    err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1"])
+    assert "BertForMaskedLM" in err and "config.json" in err
+
+
+def test_missing_shard_is_named(tmp_path, capsys):
+    directory = save_tiny(tmp_path, "llama")
+    shard = _shard_of(directory, "model.layers.1.mlp.up_proj.weight")
+    shard.unlink()
+    with pytest.raises(ValueError, match=rf"{shard.name}: shard missing"):
+        ph.from_pretrained(directory, window=2)
+    assert shard.name in _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
+
+
+def test_non_float_tensor_is_named_with_its_file_and_dtype(tmp_path):
+    directory = save_tiny(tmp_path, "llama", tokenizer=False)
+    name = "model.layers.2.self_attn.k_proj.weight"
+    shard = _shard_of(directory, name)
+    _rewrite(shard, lambda t: t.update({name: t[name].to(torch.int32)}))
+    with pytest.raises(ValueError, match=rf"{shard.name}: tensor '{name}' has dtype I32"):
+        ph.from_pretrained(directory, window=2)
+
+
+def test_tensor_shape_that_config_does_not_make_is_named(tmp_path):
+    directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
+    name = "transformer.h.1.mlp.c_fc.weight"
+    shard = _shard_of(directory, name)
+    _rewrite(shard, lambda t: t.update({name: t[name][:, :64].contiguous()}))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' has shape \[32, 64\], config.json makes it \[32, 128\]"):
+        ph.from_pretrained(directory, window=2)
+
+
+def test_tensor_missing_from_the_shards_is_named(tmp_path):
+    directory = save_tiny(tmp_path, "qwen2", tokenizer=False)
+    name = "model.layers.0.self_attn.q_proj.bias"
+    shard = _shard_of(directory, name)
+    _rewrite(shard, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=rf"{shard.name}: has no tensor '{name}'"):
+        ph.from_pretrained(directory, window=2)
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"][name]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"no tensor '{name}' in the safetensors files"):
+        ph.from_pretrained(directory, window=2)
+
+
+def test_missing_tokenizer_is_one_line(tmp_path, capsys):
+    directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
+    err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
+    assert "no tokenizer in the model directory" in err
+
+
+def test_bad_jsonl_line_and_foreign_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    directory = save_tiny(tmp_path, "gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "no text key"}\n')
+    with pytest.raises(ValueError, match=r'bad.jsonl line 2: expected an object with a "text" string'):
+        tokenized_corpus([str(bad)], tokenizer, max_bytes=4096, val_fraction=0.1, vocab_size=300)
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"def f{k}(x): return x"}) + "\n" for k in range(20)))
+    corpus = tokenized_corpus([str(good)], tokenizer, max_bytes=4096, val_fraction=0.1, vocab_size=300)
+    assert corpus.train.dtype == torch.int64 and int((corpus.train == tokenizer.eos_token_id).sum()) >= 17
+    with pytest.raises(ValueError, match=r"the model's vocabulary has 100 entries"):
+        tokenized_corpus([str(good)], tokenizer, max_bytes=4096, val_fraction=0.1, vocab_size=100)
+
+
+def test_export_hf_refuses_a_gpt_checkpoint_and_a_full_directory(tmp_path, capsys):
+    from pystronghold.train import Trainer
+    from pystronghold.train.checkpoint import latest_checkpoint
+    from train_helpers import tiny_config
+
+    ck = tmp_path / "ck"
+    trainer = Trainer(tiny_config(tmp_path, steps=1, ckpt=str(ck)))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    err = _cli_error(capsys, ["export", str(ck), str(tmp_path / "out"), "--hf"])
+    assert "holds pystronghold's own GPT" in err and str(latest_checkpoint(ck)) in err
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert "exists and is not an empty directory" in _cli_error(
+        capsys, ["export", str(ck), str(tmp_path / "full"), "--hf"])
+
+
+def test_tensor_parallel_and_auto_window_are_refused_for_hf_models(tmp_path, capsys):
+    directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
+    err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--tp", "2"])
+    assert "--tp 2: --model hf:DIR trains with --tp 1 only" in err
+    err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--window", "auto"])
+    assert "--window auto" in err and "give --window N" in err
+    assert "no such directory" in _cli_error(capsys, ["train", "--model", f"hf:{tmp_path / 'nope'}"])
