@@ -203,8 +203,14 @@ def main():
         package_dir={"pystronghold.kernels": "kernels"},
         ext_modules=[] if os.environ.get("PYSTRONGHOLD_NO_EXTENSION") == "1" else extensions(),
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-        install_requires=["torch", "numpy", "tqdm"],
-        extras_require={"kernels": ["triton"], "plots": ["matplotlib"], "export": ["safetensors"]},
+        # NOTE: what `pystronghold train` imports unconditionally; the extras are checked by the option
+        # that needs them (pystronghold/extras.py) with the pip line to run.
+        install_requires=["torch", "numpy", "safetensors", "tqdm"],
+        extras_require={
+            "plots": ["matplotlib"],   # --trace: timeline.png, loss.png
+            "kernels": ["triton"],     # the Triton kernels on CUDA (torch's CUDA wheels bring it)
+            "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja"],
+        },
         entry_points={"console_scripts": ["pystronghold=pystronghold.cli:main"]},
         zip_safe=False,
     )

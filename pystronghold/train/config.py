@@ -253,6 +253,13 @@ class RunOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.trace is not None:
+            from pystronghold.extras import require
+
+            try:
+                require("plots", "--trace (timeline.png, loss.png)")
+            except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
+                raise ValueError(str(e)) from None
 
 
 @dataclass(kw_only=True, slots=True)
