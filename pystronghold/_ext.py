@@ -47,6 +47,8 @@ def load_failure_cause(exc: ImportError) -> str:
     text = str(exc)
     if isinstance(exc, ModuleNotFoundError) and exc.name == "pystronghold._C":
         return f"pystronghold._C is not built; {REBUILD_HINT}"
+    if text.startswith("PYSTRONGHOLD_SIMD_FORCE="):  # the variable names a variant this CPU cannot run
+        return text.rstrip(".")
     if "cannot open shared object file" in text:
         library = text.split(":", 1)[0].strip()
         try:
