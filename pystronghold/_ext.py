@@ -47,6 +47,8 @@ def load_failure_cause(exc: ImportError) -> str:
     text = str(exc)
     if isinstance(exc, ModuleNotFoundError) and exc.name == "pystronghold._C":
         return f"pystronghold._C is not built; {REBUILD_HINT}"
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":
+        return f"pystronghold._C needs torch, which does not import here ({text}); install torch in this environment"
     if text.startswith("PYSTRONGHOLD_SIMD_FORCE="):  # the variable names a variant this CPU cannot run
         return text.rstrip(".")
     if "cannot open shared object file" in text:

@@ -70,6 +70,11 @@ def test_missing_torch_library_names_torch_not_a_rebuild(monkeypatch):
     assert "torch does not import" in cause and "install torch" in cause and "make build" not in cause
 
 
+def test_torch_missing_altogether_is_named():
+    cause = _ext.load_failure_cause(ModuleNotFoundError("No module named 'torch'", name="torch"))
+    assert "needs torch" in cause and "install torch" in cause and "make build" not in cause
+
+
 def test_undefined_symbol_names_a_torch_mismatch():
     cause = _ext.load_failure_cause(ImportError("_C.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"))
     assert "built against another torch" in cause and torch_version() in cause
