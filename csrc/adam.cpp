@@ -9,6 +9,8 @@
 //   bitwise_torch  MKL's vmsSqrt, as torch's CPU sqrt: bit-identical to torch, ~5x slower.
 // adam_step_multi updates many tensors in one OpenMP region: the tensors are laid end to end and
 // each thread takes one contiguous range of the whole, so threads never sync per tensor.
+// This file validates and computes the coefficients; the arithmetic runs in the SIMD variant the
+// CPU supports (simd_kernels.h, adam_kernel.h; chosen by simd_dispatch.cpp).
 //
 // Overflow skip: before anything is written, each thread scans its range of the grad (times
 // grad_scale) for inf/NaN; after a barrier, either every thread updates its range or none does.
@@ -20,103 +22,22 @@
 #include <vector>
 
 #include "adam.h"
-#include "adam_kernel.h"
 #include "bindings.h"
-#include "simd.h"
+#include "simd_dispatch.h"
 
 namespace pystronghold {
 namespace adam {
 namespace {
 
-// True when every grad[i] * scale in [begin, end) is finite. Stops early when `stop` is set.
-template <typename G>
-bool grad_finite(const G* grad, int64_t begin, int64_t end, float scale, const std::atomic<bool>& stop) {
-  constexpr int64_t kBlock = 1 << 14;
-  const sv::vf s = sv::set1(scale);
-  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
-    if (stop.load(std::memory_order_relaxed)) return true;  // another thread found one already
-    const int64_t b1 = std::min(end, b0 + kBlock);
-    sv::vf acc = sv::set1(0.0f);
-    float acc_tail = 0.0f;
-    int64_t i = b0;
-    for (; i + sv::kWidth <= b1; i += sv::kWidth) {
-      const sv::vf x = opaque(sv::mul(sv::load_as_float(grad + i), s));
-      acc = sv::add(acc, sv::sub(x, x));  // x - x is 0 when finite, NaN for inf/NaN; NaN sticks
-    }
-    for (; i < b1; ++i) {
-      const float x = opaque(sv::scalar_as_float(grad + i) * scale);
-      acc_tail += x - x;
-    }
-    if (!sv::all_finite(acc) || std::isnan(acc_tail)) return false;
+// The element type of a validated grad or shadow.
+simd::Elem elem(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return simd::Elem::f32;
+    case at::kBFloat16: return simd::Elem::bf16;
+    case at::kHalf: return simd::Elem::f16;
+    default: TORCH_INTERNAL_ASSERT(false, "dtype was validated before: ", t.scalar_type());
   }
-  return true;
-}
-
-// Calls f(buffers, local_begin, local_end) for each piece of the global range [begin, end) of the
-// tensors laid end to end (offsets[k] = first global index of tensor k, offsets.back() = total).
-template <typename F>
-inline void for_pieces(const std::vector<Buffers>& bufs, const std::vector<int64_t>& offsets, int64_t begin,
-                       int64_t end, F&& f) {
-  size_t k = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin()) - 1;
-  for (; k < bufs.size() && offsets[k] < end; ++k) {
-    const int64_t lo = std::max(begin, offsets[k]) - offsets[k];
-    const int64_t hi = std::min(end, offsets[k + 1]) - offsets[k];
-    if (lo < hi) f(bufs[k], lo, hi);
-  }
-}
-
-// One parallel region for all tensors: each thread takes one contiguous range of the tensors laid
-// end to end (static split, no per-tensor synchronisation). With check_finite, every thread scans
-// its range of the grads, then a barrier, then all update or none does.
-template <typename G, typename S, bool kL2, bool kDecay>
-bool run(const std::vector<Buffers>& bufs, const std::vector<int64_t>& offsets, const Coeffs& c,
-         bool check_finite, bool bitwise_torch) {
-  const int64_t n = offsets.back();
-  const int nth = threads_for(n);
-  std::atomic<bool> overflow{false};
-#pragma omp parallel num_threads(nth)
-  {
-    const int t = omp_get_thread_num();
-    const int team = omp_get_num_threads();
-    const int64_t begin = range_start(n, t, team), end = range_start(n, t + 1, team);
-    if (check_finite) {
-      bool finite = true;
-      for_pieces(bufs, offsets, begin, end, [&](const Buffers& b, int64_t lo, int64_t hi) {
-        finite = finite && grad_finite(static_cast<const G*>(b.grad), lo, hi, c.grad_scale, overflow);
-      });
-      if (!finite) overflow.store(true, std::memory_order_relaxed);
-#pragma omp barrier
-    }
-    if (!overflow.load(std::memory_order_relaxed)) {
-      for_pieces(bufs, offsets, begin, end, [&](const Buffers& b, int64_t lo, int64_t hi) {
-        if (bitwise_torch) {
-          update_range_torch<G, S, kL2, kDecay>(b, lo, hi, c);
-        } else {
-          update_range_ieee<G, S, kL2, kDecay>(b, lo, hi, c);
-        }
-      });
-    }
-  }
-  return !overflow.load();
-}
-
-struct Mode {
-  bool l2, decay, check_finite, bitwise_torch;
-};
-
-template <typename G, typename S>
-bool dispatch_mode(const std::vector<Buffers>& b, const std::vector<int64_t>& off, const Coeffs& c, Mode m) {
-  if (m.l2) return run<G, S, true, false>(b, off, c, m.check_finite, m.bitwise_torch);
-  if (m.decay) return run<G, S, false, true>(b, off, c, m.check_finite, m.bitwise_torch);
-  return run<G, S, false, false>(b, off, c, m.check_finite, m.bitwise_torch);
-}
-
-template <typename G>
-bool dispatch_shadow(const std::vector<Buffers>& b, const std::vector<int64_t>& off, const Coeffs& c,
-                     c10::optional<at::ScalarType> shadow, Mode m) {
-  if (!shadow) return dispatch_mode<G, void>(b, off, c, m);
-  if (*shadow == at::kBFloat16) return dispatch_mode<G, sv::BF16>(b, off, c, m);
-  return dispatch_mode<G, sv::F16>(b, off, c, m);
+  return simd::Elem::f32;
 }
 
 // Validates one tensor set (the k-th of a multi call when `k` >= 0) and returns its buffers.
@@ -235,16 +156,10 @@ bool adam_step_multi(const std::vector<at::Tensor>& params, const std::vector<at
   }
   if (!single) check_sets_disjoint(params, grads, exp_avgs, exp_avg_sqs, shadows, fn);
   if (offsets.back() == 0) return true;
-  const c10::optional<at::ScalarType> shadow_dtype =
-      shadows.has_value() && count > 0 ? c10::optional<at::ScalarType>((*shadows)[0].scalar_type()) : c10::nullopt;
   const Mode m{!adamw && weight_decay != 0.0, adamw && weight_decay != 0.0, check_finite, bitwise_torch};
-  switch (grads[0].scalar_type()) {
-    case at::kFloat: return dispatch_shadow<float>(bufs, offsets, c, shadow_dtype, m);
-    case at::kBFloat16: return dispatch_shadow<sv::BF16>(bufs, offsets, c, shadow_dtype, m);
-    case at::kHalf: return dispatch_shadow<sv::F16>(bufs, offsets, c, shadow_dtype, m);
-    default: TORCH_INTERNAL_ASSERT(false, "grad dtype was validated above");
-  }
-  return false;
+  const bool has_shadow = shadows.has_value() && count > 0;
+  return simd::active().adam_update(bufs.data(), offsets.data(), count, c, elem(grads[0]), has_shadow,
+                                    has_shadow ? elem((*shadows)[0]) : simd::Elem::bf16, m);
 }
 
 bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -283,8 +198,6 @@ PYSTRONGHOLD_BINDINGS(adam) {
         py::arg("grad_scale"), py::arg("check_finite"), py::arg("bitwise_torch"),
         py::call_guard<py::gil_scoped_release>(),
         "adam_step over lists of flat CPU buffers in one parallel region; all applied or none.");
-  m.def("simd_level", []() { return std::string(pystronghold::simd::kName); },
-        "The SIMD implementation csrc/simd.h compiled to (avx512, avx2, neon or scalar).");
   m.def("adam_torch_sqrt", []() { return std::string(::vmsSqrt ? "mkl-vml-ha" : "ieee"); },
         "The sqrt adam_step uses with bitwise_torch=True: MKL's vmsSqrt from libtorch_cpu (torch's CPU "
         "sqrt), or IEEE when torch has no MKL. The default path always uses the IEEE SIMD sqrt.");

@@ -1,7 +1,7 @@
-// The arithmetic of the fused CPU Adam over one range of one tensor set (adam.cpp runs it over
-// threads and tensors): the per-call coefficients, the buffers, and the two update paths, the
-// default one-pass kernel with the ISA's IEEE sqrt and the bitwise-torch kernel with MKL's
-// vmsSqrt (see adam.cpp's header comment for why there are two).
+// The arithmetic of the fused CPU Adam over one range of one tensor set (simd_kernels.h runs it
+// over threads and tensors): the two update paths, the default one-pass kernel with the ISA's IEEE
+// sqrt and the bitwise-torch kernel with MKL's vmsSqrt (see adam.cpp's header comment for why there
+// are two). Compiled once per SIMD variant (simd.h explains the BEGIN/END region).
 #pragma once
 
 #include <algorithm>
@@ -10,12 +10,13 @@
 #include <type_traits>
 
 #include "simd.h"
+#include "simd_dispatch.h"  // Coeffs, Buffers, vmsSqrt
 
-// MKL VML single-precision sqrt (LP64), exported by an MKL build of libtorch_cpu; null otherwise.
-extern "C" void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
+PYSTRONGHOLD_SIMD_BEGIN
 
 namespace pystronghold {
 namespace adam {
+inline namespace PYSTRONGHOLD_SIMD_NS {
 
 namespace sv = ::pystronghold::simd;
 
@@ -32,32 +33,10 @@ inline T opaque(T x) {
   return x;
 }
 
-// Per-call constants, computed in double exactly as torch computes its Python scalars, then
-// rounded to fp32 as torch's CPU kernels do with scalar arguments.
-struct Coeffs {
-  float grad_scale;  // grad multiplier (1/loss_scale * clip coefficient)
-  float decay;       // AdamW: 1 - lr*wd (param.mul_)
-  float l2;          // Adam: wd (grad.add(param, alpha=wd))
-  float w1;          // 1 - beta1 (exp_avg.lerp_(grad, w1))
-  float beta2;       // exp_avg_sq.mul_(beta2)
-  float c2;          // 1 - beta2 (addcmul_ value)
-  float bc2_sqrt;    // sqrt(1 - beta2^step)
-  float eps;
-  float neg_step;    // -lr / (1 - beta1^step) (addcdiv_ value)
-};
-
-struct Buffers {
-  float* param;
-  const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  void* shadow;  // nullptr: no shadow
-};
-
 // sqrt as torch computes it. torch's CPU sqrt of a contiguous fp32 tensor calls MKL's vmsSqrt
 // (VML_HA accuracy, not always correctly rounded: ~16% of results differ by 1 ulp from IEEE sqrt)
 // when torch is built with MKL. We call the same routine, found in libtorch_cpu at load time
-// (weak symbol, declared above), on each block; it is elementwise, so any block split gives
+// (weak symbol, declared in simd_dispatch.h), on each block; it is elementwise, so any block split gives
 // torch's results. Without it (non-MKL torch, e.g. aarch64) torch's sqrt is IEEE and so is ours.
 constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
 
@@ -177,5 +156,8 @@ void update_range_torch(const Buffers& b, int64_t begin, int64_t end, const Coef
   }
 }
 
+}  // inline namespace PYSTRONGHOLD_SIMD_NS
 }  // namespace adam
 }  // namespace pystronghold
+
+PYSTRONGHOLD_SIMD_END

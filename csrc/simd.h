@@ -1,7 +1,14 @@
 // The one SIMD header of pystronghold: a float vector `simd::vf` of `simd::kWidth` lanes with the
 // few operations the host kernels need (fp32 arithmetic without implicit FMA, bf16/fp16 loads and
-// round-to-nearest-even stores, a non-finite detector). One implementation per ISA, chosen by the
-// compiler flags setup.py passes (PYSTRONGHOLD_SIMD): AVX-512, AVX2+FMA+F16C, NEON, or scalar.
+// round-to-nearest-even stores, a non-finite detector). One implementation per ISA: AVX-512,
+// AVX2+FMA+F16C, NEON, or scalar.
+//
+// Included only by the variant sources csrc/simd_<isa>.cpp, each of which defines the macro of its
+// ISA (PYSTRONGHOLD_SIMD_AVX512, _AVX2, _NEON or _SCALAR) and is compiled with the baseline flags of
+// the whole library. Everything between PYSTRONGHOLD_SIMD_BEGIN and PYSTRONGHOLD_SIMD_END is
+// compiled for that ISA (a target pragma) and lives in the inline namespace PYSTRONGHOLD_SIMD_NS,
+// so the variants' functions never share a symbol. The standard headers are included before the
+// region: their inline functions keep the baseline ISA.
 //
 // The scalar functions at the bottom are the tails of every kernel and the reference the vector
 // paths must match bit for bit (tests check the vector and tail paths against torch).
@@ -11,19 +18,52 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#if defined(PYSTRONGHOLD_SIMD_AVX512) || defined(PYSTRONGHOLD_SIMD_AVX2)
+// NOTE: GCC 12's AVX-512 intrinsics read an undefined register on purpose (_mm512_undefined_*),
+// which -Wmaybe-uninitialized reports at their lines in avx512fintrin.h once they are inlined into
+// our kernels (~190 warnings). Silenced for the lines of that header only: ours keep the warning.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#define PYSTRONGHOLD_SIMD_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PYSTRONGHOLD_SIMD_AVX2 1
-#elif defined(__ARM_NEON) && defined(__aarch64__)
+#pragma GCC diagnostic pop
+#if defined(PYSTRONGHOLD_SIMD_AVX512)
+#define PYSTRONGHOLD_SIMD_NS avx512
+#define PYSTRONGHOLD_SIMD_ISA "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+#else
+#define PYSTRONGHOLD_SIMD_NS avx2
+#define PYSTRONGHOLD_SIMD_ISA "avx2,fma,f16c"
+#endif
+// NOTE: two levels, so PYSTRONGHOLD_SIMD_ISA expands (to a string literal) before it is stringified.
+#define PYSTRONGHOLD_SIMD_STR(x) #x
+#define PYSTRONGHOLD_SIMD_PRAGMA(x) _Pragma(PYSTRONGHOLD_SIMD_STR(x))
+#if defined(__clang__)
+#define PYSTRONGHOLD_SIMD_BEGIN \
+  PYSTRONGHOLD_SIMD_PRAGMA(clang attribute push(__attribute__((target(PYSTRONGHOLD_SIMD_ISA))), apply_to = function))
+#define PYSTRONGHOLD_SIMD_END _Pragma("clang attribute pop")
+#else
+#define PYSTRONGHOLD_SIMD_BEGIN _Pragma("GCC push_options") PYSTRONGHOLD_SIMD_PRAGMA(GCC target(PYSTRONGHOLD_SIMD_ISA))
+#define PYSTRONGHOLD_SIMD_END _Pragma("GCC pop_options")
+#endif
+#elif defined(PYSTRONGHOLD_SIMD_NEON)
+#if !defined(__aarch64__)
+#error "PYSTRONGHOLD_SIMD_NEON: NEON variant needs aarch64 (it is baseline there)"
+#endif
 #include <arm_neon.h>
-#define PYSTRONGHOLD_SIMD_NEON 1
+#define PYSTRONGHOLD_SIMD_NS neon
+#define PYSTRONGHOLD_SIMD_BEGIN
+#define PYSTRONGHOLD_SIMD_END
+#elif defined(PYSTRONGHOLD_SIMD_SCALAR)
+#define PYSTRONGHOLD_SIMD_NS scalar
+#define PYSTRONGHOLD_SIMD_BEGIN
+#define PYSTRONGHOLD_SIMD_END
+#else
+#error "simd.h: include it from a variant source (csrc/simd_<isa>.cpp) that defines its ISA macro"
 #endif
 
+PYSTRONGHOLD_SIMD_BEGIN
 namespace pystronghold {
 namespace simd {
+inline namespace PYSTRONGHOLD_SIMD_NS {
 
 // ---- scalar helpers (tails and reference)
 
@@ -249,5 +289,8 @@ inline void stream_from_float(F16* p, vf x) { stream_half(reinterpret_cast<uint1
 inline void scalar_from_float(BF16* p, float x) { p->bits = float_to_bf16(x); }
 inline void scalar_from_float(F16* p, float x) { p->bits = float_to_half(x); }
 
+}  // inline namespace PYSTRONGHOLD_SIMD_NS
 }  // namespace simd
 }  // namespace pystronghold
+
+PYSTRONGHOLD_SIMD_END

@@ -9,7 +9,9 @@ back) are imported lazily, so ``import pystronghold``
 stays cheap (no torch import).
 """
 
+import importlib.abc
 import os
+import sys
 
 # NOTE: must be set before torch loads OpenMP (import pystronghold before torch to benefit). The
 # host Adam runs an OpenMP team on the runtime's update thread beside torch's own team; with both
@@ -17,6 +19,26 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
+
+
+class _TorchBeforeExtension(importlib.abc.MetaPathFinder):
+    """Imports torch just before ``pystronghold._C`` loads, whoever imports it first.
+
+    NOTE: the extension links against torch's shared libraries (libc10.so, libtorch_cpu.so), which
+    carry no path the dynamic loader searches: they are found only once ``import torch`` has loaded
+    them. Importing torch here, rather than at the top of this file, keeps ``import pystronghold``
+    cheap while ``python -c "import pystronghold._C"`` works in a fresh process.
+    """
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == f"{__name__}._C":
+            import torch  # noqa: F401
+
+        return None  # the ordinary finders locate the extension itself
+
+
+if not any(isinstance(f, _TorchBeforeExtension) for f in sys.meta_path):
+    sys.meta_path.insert(0, _TorchBeforeExtension())
 
 __all__ = ["wrap", "AdamW", "from_pretrained", "save_pretrained", "__version__"]
 

@@ -1,7 +1,8 @@
 """Loading of the native extension `pystronghold._C`, with errors that say how to fix them.
 
 Every module that needs native code calls `native()` instead of importing `_C` directly, so a
-missing, broken or stale build is reported once, clearly, with the command that rebuilds it.
+missing, broken or stale build is reported once, clearly, with its cause and fix (the rebuild
+command, or the torch that is missing or mismatched).
 """
 
 from __future__ import annotations
@@ -36,15 +37,45 @@ def checkout_source_hash() -> str | None:
     return digest.hexdigest()[:16]
 
 
+def load_failure_cause(exc: ImportError) -> str:
+    """Why `pystronghold._C` did not load, and the fix, from the loader's error ``exc``.
+
+    NOTE: the extension links against torch's shared libraries and symbols. A library that cannot
+    be found means torch itself is missing or broken (rebuilding would not help); an undefined
+    symbol means the extension was built against another torch than the one installed.
+    """
+    text = str(exc)
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "pystronghold._C":
+        return f"pystronghold._C is not built; {REBUILD_HINT}"
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":
+        return f"pystronghold._C needs torch, which does not import here ({text}); install torch in this environment"
+    if text.startswith("PYSTRONGHOLD_SIMD_FORCE="):  # the variable names a variant this CPU cannot run
+        return text.rstrip(".")
+    if "cannot open shared object file" in text:
+        library = text.split(":", 1)[0].strip()
+        try:
+            import torch
+        except ImportError as torch_exc:
+            return (f"pystronghold._C failed to load: it needs torch's library {library}, and torch "
+                    f"does not import here ({torch_exc}); install torch in this environment")
+        return (f"pystronghold._C failed to load ({text}); torch {torch.__version__} imports from "
+                f"{Path(torch.__file__).parent} but does not provide it: the extension was built "
+                f"against another torch; {REBUILD_HINT}")
+    if "undefined symbol" in text:
+        import torch
+
+        return (f"pystronghold._C failed to load ({text}): it was built against another torch than "
+                f"the installed {torch.__version__}; {REBUILD_HINT}")
+    return f"pystronghold._C failed to load ({text}); {REBUILD_HINT}"
+
+
 @functools.cache
 def native() -> ModuleType:
     """Return the loaded `pystronghold._C`; raise ExtensionError naming the fix otherwise."""
     try:
         _C = importlib.import_module("pystronghold._C")
     except ImportError as exc:
-        missing = isinstance(exc, ModuleNotFoundError)
-        what = "is not built" if missing else f"failed to load ({exc})"
-        raise ExtensionError(f"pystronghold's native extension pystronghold._C {what}; {REBUILD_HINT}.") from exc
+        raise ExtensionError(load_failure_cause(exc) + ".") from exc
     built = _C.build_info()["source_hash"]
     current = checkout_source_hash()
     if current is not None and current != built:

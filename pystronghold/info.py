@@ -46,6 +46,7 @@ def collect() -> dict:
         "extension_with_cuda": build["with_cuda"],
         "compiler": build["compiler"],
         "simd": build["simd"],
+        "simd_built": ", ".join(native().simd_variants()),
         "build_type": build["build_type"],
         "openmp_threads": build["openmp_max_threads"],
         "source_hash": build["source_hash"],

@@ -253,12 +253,12 @@ class Tracer:
         Needs matplotlib (``pip install pystronghold[plots]``); raises ImportError naming it
         otherwise. The title defaults to the summary line. Returns the path written.
         """
-        try:
-            import matplotlib
-            matplotlib.use("Agg", force=False)
-            import matplotlib.pyplot as plt
-        except ImportError as err:
-            raise ImportError("Tracer.write_png needs matplotlib: pip install matplotlib") from err
+        from pystronghold.extras import require
+
+        require("plots", "Tracer.write_png")
+        import matplotlib
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
         events = self.events()
         t0 = min((e.start_s for e in events), default=0.0)
         lanes = _lanes(events)

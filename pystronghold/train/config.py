@@ -63,6 +63,12 @@ def resolve_model(name: str) -> GPTConfig | HFModelConfig:
     or ``hf:DIR``, a Hugging Face model directory (its ``HFModelConfig``). A JSON file may also
     hold ``"lr"``: the model's peak learning rate."""
     if name.startswith(HF_PREFIX):
+        from pystronghold.extras import require
+
+        try:
+            require("hf", "--model hf:DIR")
+        except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
+            raise ValueError(str(e)) from None
         return read_hf_config(name[len(HF_PREFIX):])
     if name == "demo":
         return DEMO_MODEL
@@ -307,6 +313,13 @@ class RunOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.trace is not None:
+            from pystronghold.extras import require
+
+            try:
+                require("plots", "--trace (timeline.png, loss.png)")
+            except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
+                raise ValueError(str(e)) from None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,3 @@
+// The avx2 variant of the SIMD kernels (csrc/simd_kernels.h; chosen at load by simd_dispatch.cpp).
+#define PYSTRONGHOLD_SIMD_AVX2 1
+#include "simd_kernels.h"

@@ -1,0 +1,3 @@
+// The avx512 variant of the SIMD kernels (csrc/simd_kernels.h; chosen at load by simd_dispatch.cpp).
+#define PYSTRONGHOLD_SIMD_AVX512 1
+#include "simd_kernels.h"
