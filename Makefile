@@ -8,7 +8,7 @@ DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.editable-stamp
 PYTEST_ARGS ?=
 
-.PHONY: build demo test bench cuda-check deepspeed clean
+.PHONY: build demo test bench cuda-check gpu-test deepspeed clean
 
 $(DEPS_STAMP): constraints.txt
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -50,7 +50,9 @@ deepspeed: $(DEPS_STAMP)
 # A separate venv holds the CUDA build of torch (../shared/CUDA_BUILD.md); _C is built with CUDA
 # forced on into build/cuda-check (its own objects and generated header: the CPU build's .so in
 # the tree is never touched), imported from a staged copy of the package, and a CUDA entry point
-# (pinning host memory) must raise a clear error without a device.
+# (pinning host memory) must raise a clear error without a device. It also constructs a HostArena,
+# a CopyEngine and a FileStore and runs file I/O error paths there: the CUDA build is compiled
+# with other flags and linked against another torch than the CPU build the tests use.
 CUDA_VENV ?= .venv-cuda
 CUDA_PY := $(CUDA_VENV)/bin/python
 CUDA_DEPS_STAMP := $(CUDA_VENV)/.deps-stamp
@@ -81,6 +83,47 @@ with CopyEngine() as engine:
     src, dst = torch.arange(1000.0), torch.empty(1000)
     engine.copy(dst, src).wait()
     assert torch.equal(src, dst)
+    # The file tier and its error paths in this build: a never-written record and a failing write
+    # (EFBIG under RLIMIT_FSIZE) must raise CopyError with the message, never crash
+    # (docs/DESIGN.md, "No iostreams in csrc/").
+    import resource, signal, tempfile
+    from pystronghold.io import CopyError, FileStore
+    with tempfile.TemporaryDirectory() as tmp:
+        open(tmp + "/file", "w").close()
+        try:
+            FileStore.create(tmp + "/file/s", num_blocks=1, record_bytes={"m": 4096}, engine=engine)
+        except (OSError, RuntimeError) as exc:
+            print(f"cuda-check: FileStore under a regular file -> {type(exc).__name__}")
+        else:
+            raise SystemExit("cuda-check: FileStore.create under a regular file succeeded")
+        store = FileStore.create(tmp + "/store", num_blocks=4, record_bytes={"m": 64 << 10}, engine=engine,
+                                 segment_bytes=4096, preallocate=False)
+        record = torch.arange(64 << 10, dtype=torch.int32).to(torch.uint8)
+        store.write(0, "m", record).wait()
+        back = torch.empty_like(record)
+        store.read(0, "m", back).wait()
+        assert torch.equal(back, record)
+        try:
+            store.read(3, "m", back).wait()
+        except CopyError as exc:
+            assert "was never written" in str(exc), exc
+            print(f"cuda-check: read of a never-written record -> CopyError: {exc}")
+        else:
+            raise SystemExit("cuda-check: reading a never-written record succeeded")
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+        limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, limits[1]))  # the header fits, record 3 not
+        error = None
+        try:
+            store.write(3, "m", record).wait()
+        except CopyError as exc:
+            error = exc
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)  # before any print: stdout may be a file
+        if error is None:
+            raise SystemExit("cuda-check: a write past RLIMIT_FSIZE succeeded")
+        assert error.errno != 0 and str(store.path("m")) in str(error), error
+        print(f"cuda-check: write past RLIMIT_FSIZE -> CopyError: {error}")
 print(f"cuda-check: ok (torch {torch.__version__}, CUDA runtime {info.get('cuda_runtime_version')})")
 endef
 export CUDA_CHECK_PY
@@ -92,6 +135,24 @@ cuda-check: $(CUDA_DEPS_STAMP)
 	cp -r pystronghold $(CUDA_CHECK_DIR)/pkg/ && rm -f $(CUDA_CHECK_DIR)/pkg/pystronghold/_C*.so
 	cp $(CUDA_CHECK_DIR)/lib/pystronghold/_C*.so $(CUDA_CHECK_DIR)/pkg/pystronghold/
 	cd $(CUDA_CHECK_DIR)/pkg && $(abspath $(CUDA_PY)) -c "$$CUDA_CHECK_PY"
+
+# ---- gpu-test: on a machine with a CUDA GPU, build _C with CUDA in place for that GPU's
+# architecture and run the whole suite, tests/gpu/ included (they skip without CUDA elsewhere).
+# GPU_PY: a Python whose torch is a CUDA build: .venv's when there is one, else python3 (a GPU
+# machine whose system venv already holds torch, ../shared/GPU.md); `make gpu-test GPU_PY=...`.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-test:
+	@$(GPU_PY) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else \
+	    f'make gpu-test: torch {torch.__version__} sees no CUDA device (use make test / make cuda-check here)')"
+	PYSTRONGHOLD_NO_EXTENSION=1 $(GPU_PY) -m pip install -q --disable-pip-version-check \
+	    --no-build-isolation --no-deps -e .
+	PYSTRONGHOLD_CUDA=1 MAX_JOBS=$${MAX_JOBS:-$$(nproc)} TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-$$($(GPU_PY) \
+	    -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}" \
+	    $(GPU_PY) setup.py -q build_ext --inplace
+	$(GPU_PY) -c "from pystronghold._ext import native; i = native().build_info(); \
+	    assert i['with_cuda'], f'_C was built without CUDA: {i}'; print('gpu-test: _C built with CUDA', i)"
+	$(GPU_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf build pystronghold/_C*.so *.egg-info

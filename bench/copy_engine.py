@@ -5,8 +5,15 @@ released) and torch.Tensor.copy_, at 64 MiB and 512 MiB.
 File tier: FileStore write/read of records of 16 MiB and 64 MiB against `dd` with
 oflag=direct / iflag=direct on the same directory (same bytes per repetition, block size = record
 size).
+With --device cuda (instead of the two above): host<->device at 64 MiB and 512 MiB, H2D and D2H,
+of the runtime's copies (CopyEngine from a pinned HostArena and from pageable memory, staged
+through its pinned buffer; the CUDA backend's window loads) against torch's own pinned copy
+(`dst.copy_(src_pinned, non_blocking=True)` + synchronize: the link's ceiling, same run), and what
+pinning costs: HostArena(pin="cuda") built and released (mmap + cudaHostRegister, which faults every
+page in) per GiB, against the same arena unpinned with every page touched once.
 
     .venv/bin/python bench/copy_engine.py [--dir /path/on/nvme] [--quick] [--json bench/results/copy.json]
+    .venv/bin/python bench/copy_engine.py --device cuda [--quick] [--json bench/results/copy_cuda.json]
 """
 
 from __future__ import annotations
@@ -63,6 +70,110 @@ def bench_host(sizes_mib: list[int], reps: int) -> list[dict]:
             eng.close()
         del src, dst
     return rows
+
+
+# ---- host <-> device (CUDA)
+
+def cuda_unavailable_reason() -> str | None:
+    """Why --device cuda cannot run here (one line), or None."""
+    if not torch.cuda.is_available():
+        return f"no usable CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"
+    if not native().build_info()["with_cuda"]:
+        return ("pystronghold._C was built without CUDA: rebuild with PYSTRONGHOLD_CUDA=1 "
+                "(make gpu-test does)")
+    return None
+
+
+def synced(fn):
+    """fn() then a device synchronize: wall time covers the copy, not just its issue."""
+    def run():
+        fn()
+        torch.cuda.synchronize()
+    return run
+
+
+def bench_device(sizes_mib: list[int], reps: int) -> list[dict]:
+    from pystronghold.runtime.backend_cuda import CUDABackend
+
+    rows = []
+    engine = CopyEngine(threads=2, queues=2)
+    for size_mib in sizes_mib:
+        n = size_mib * MiB
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        torch_pinned = torch.randint(0, 256, (n,), dtype=torch.uint8).pin_memory()
+        pinned_arena = HostArena(n, pin="cuda")
+        pinned = pinned_arena.allocate("buf", (n,), torch.uint8)
+        pageable = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        backend = CUDABackend("cuda", 256)
+        pinned.copy_(torch_pinned)
+        for direction in ("h2d", "d2h"):
+            def copy_between(host, direction=direction):
+                pair = (dev, host) if direction == "h2d" else (host, dev)
+                return lambda: engine.copy(*pair).wait()
+
+            def torch_copy(host, direction=direction):
+                def run():
+                    if direction == "h2d":
+                        dev.copy_(host, non_blocking=True)
+                    else:
+                        host.copy_(dev, non_blocking=True)
+                return run
+
+            backend_copy = (lambda: backend.h2d(dev, pinned).wait()) if direction == "h2d" else \
+                (lambda: backend.d2h(pinned, dev).wait())
+            window_name = ("CUDABackend.h2d (window load)" if direction == "h2d"
+                           else "CUDABackend.d2h (gradient copy-out)")
+            # name -> (copy, the host buffer it reads or writes)
+            candidates = {"CopyEngine, pinned HostArena": (copy_between(pinned), pinned),
+                          "CopyEngine, pageable (staged)": (copy_between(pageable), pageable),
+                          f"{window_name}, pinned HostArena": (backend_copy, pinned),
+                          "torch copy_, pageable": (torch_copy(pageable), pageable)}
+            base = time_call(synced(torch_copy(torch_pinned)), reps=reps)
+            rows.append(dict(kind=direction, size_mib=size_mib, method="torch copy_, pinned (baseline)",
+                             median_ms=base.median_s * 1e3, p20_ms=base.p20_s * 1e3, p80_ms=base.p80_s * 1e3,
+                             gb_s=gbps(n, base.median_s), ratio=1.0))
+            for name, (fn, host) in candidates.items():
+                if direction == "h2d":
+                    dev.fill_(7)
+                else:
+                    dev.copy_(torch_pinned)
+                    host.zero_()
+                synced(fn)()
+                assert torch.equal(dev.cpu(), host), name  # correct before timed
+                t = time_call(synced(fn), reps=reps)
+                rows.append(dict(kind=direction, size_mib=size_mib, method=name, median_ms=t.median_s * 1e3,
+                                 p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3, gb_s=gbps(n, t.median_s),
+                                 ratio=base.median_s / t.median_s))
+        backend.close()
+        del dev, torch_pinned, pinned, pinned_arena, pageable
+    engine.close()
+    return rows
+
+
+def bench_pinning(size_mib: int, reps: int) -> list[dict]:
+    """Seconds per GiB to build and release a pinned arena (mmap, cudaHostRegister, which faults every
+    page in; cudaHostUnregister, munmap), against an unpinned one whose pages are touched once."""
+    n = size_mib * MiB
+    gib = n / (1 << 30)
+
+    def pinned():
+        arena = HostArena(n, pin="cuda")
+        assert arena.pinned, arena.pin_warning
+        del arena  # cudaHostUnregister + munmap inside the sample, as the touched baseline's munmap
+
+    def touched():
+        arena = HostArena(n, pin="none")
+        arena.allocate("all", (n,), torch.uint8).fill_(0)
+        del arena
+
+    base = time_call(touched, warmup=1, reps=reps)
+    t = time_call(pinned, warmup=1, reps=reps)
+    return [dict(kind="pin", size_mib=size_mib, method="HostArena(pin='none') + touch every page (baseline)",
+                 median_ms=base.median_s * 1e3, p20_ms=base.p20_s * 1e3, p80_ms=base.p80_s * 1e3,
+                 s_per_gib=base.median_s / gib, ratio=1.0),
+            dict(kind="pin", size_mib=size_mib, method="HostArena(pin='cuda'): cudaHostRegister",
+                 median_ms=t.median_s * 1e3, p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3,
+                 s_per_gib=t.median_s / gib, ratio=base.median_s / t.median_s)]
 
 
 # ---- file tier against dd
@@ -127,8 +238,13 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="directory for the file tier (default: a temp dir)")
     parser.add_argument("--quick", action="store_true", help="64 MiB host copies and 16 MiB records, 5 reps")
     parser.add_argument("--json", default=None, help="write the records with the machine facts here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: host->host and file tier (default); cuda: host<->device and pinning")
     args = parser.parse_args()
     reps = 5 if args.quick else 20
+    if args.device == "cuda":
+        main_cuda(args, reps)
+        return
     host_rows = bench_host([64] if args.quick else [64, 512], reps)
     columns = ["kind", "size_mib", "method", "median_ms", "p20_ms", "p80_ms", "gb_s", "ratio"]
     print_table(host_rows, columns, "host to host (ratio = baseline time / method time)")
@@ -144,6 +260,21 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     write_json(args.json, "copy_engine", host_rows + file_rows, extra={"load_avg": load, "file_dir": str(directory)})
+
+
+def main_cuda(args: argparse.Namespace, reps: int) -> None:
+    why = cuda_unavailable_reason()
+    if why is not None:
+        sys.exit(f"bench/copy_engine.py --device cuda: {why}")
+    columns = ["kind", "size_mib", "method", "median_ms", "p20_ms", "p80_ms", "gb_s", "ratio"]
+    rows = bench_device([64] if args.quick else [64, 512], reps)
+    print(f"device: {torch.cuda.get_device_name()}")
+    print_table(rows, columns, "host <-> device (ratio = torch pinned copy time / method time)")
+    pin_rows = bench_pinning(256 if args.quick else 1024, 3 if args.quick else 5)
+    print_table(pin_rows, ["kind", "size_mib", "method", "median_ms", "p20_ms", "p80_ms", "s_per_gib", "ratio"],
+                "pinning cost (ratio = baseline time / method time)")
+    write_json(args.json, "copy_engine_cuda", rows + pin_rows,
+               extra={"device": torch.cuda.get_device_name(), "load_avg": os.getloadavg()})
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
+#include <string>
 
 namespace pystronghold {
 
@@ -28,10 +28,11 @@ double monotonic_s() {
 
 CopyFailure io_failure(const std::string& what, int err, const std::string& path, int64_t offset,
                        int64_t size) {
-  std::ostringstream msg;
-  msg << what << " " << path << " at offset " << offset << ", size " << size << " bytes";
-  if (err != 0) msg << ": " << std::strerror(err) << " (errno " << err << ")";
-  return CopyFailure{msg.str(), err, path, offset, size};
+  // NOTE: std::string and std::to_string, never a stream (docs/DESIGN.md, "No iostreams in csrc/").
+  std::string msg = what + " " + path + " at offset " + std::to_string(offset) + ", size " +
+                    std::to_string(size) + " bytes";
+  if (err != 0) msg += std::string(": ") + std::strerror(err) + " (errno " + std::to_string(err) + ")";
+  return CopyFailure{msg, err, path, offset, size};
 }
 
 // ---- worker scratch

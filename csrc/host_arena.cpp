@@ -5,11 +5,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <string>
 
 #include "bindings.h"
@@ -25,41 +25,54 @@ namespace py = pybind11;
 namespace pystronghold {
 
 // ---- how much memory the host can give this process
+// NOTE: plain stdio and strtoll, never iostreams: on the first GPU machine the `std::ifstream >>`
+// parsing of /proc/meminfo segfaulted inside libstdc++'s locale machinery (docs/DESIGN.md, "No
+// iostreams in csrc/"); tests/test_csrc_sources.py keeps them out.
 
-static int64_t meminfo_bytes(const std::string& key) {
-  std::ifstream in("/proc/meminfo");
-  std::string name, unit;
-  int64_t kib = 0;
-  while (in >> name >> kib) {
-    std::getline(in, unit);
-    if (name == key + ":") return kib * 1024;
+// The value of "<key>:" in /proc/meminfo in bytes, or -1 when the file or the key is missing.
+static int64_t meminfo_bytes(const char* key) {
+  FILE* in = std::fopen("/proc/meminfo", "r");
+  if (in == nullptr) return -1;
+  const size_t key_len = std::strlen(key);
+  char line[256];
+  int64_t bytes = -1;
+  while (std::fgets(line, sizeof line, in) != nullptr) {
+    if (std::strncmp(line, key, key_len) != 0 || line[key_len] != ':') continue;
+    char* end = nullptr;
+    errno = 0;
+    const long long kib = std::strtoll(line + key_len + 1, &end, 10);  // skips leading blanks
+    if (errno == 0 && end != line + key_len + 1 && kib >= 0) bytes = static_cast<int64_t>(kib) * 1024;
+    break;
   }
-  return -1;
+  std::fclose(in);
+  return bytes;
 }
 
-static int64_t read_cgroup_value(const std::string& path) {
-  std::ifstream in(path);
-  std::string text;
-  if (!(in >> text) || text == "max") return -1;
-  try {
-    return std::stoll(text);
-  } catch (const std::exception&) {
-    return -1;
-  }
+// A cgroup v2 file holding one integer ("max" or a missing file: no limit, -1).
+static int64_t read_cgroup_value(const char* path) {
+  FILE* in = std::fopen(path, "r");
+  if (in == nullptr) return -1;
+  char text[64];
+  const bool got = std::fgets(text, sizeof text, in) != nullptr;
+  std::fclose(in);
+  if (!got) return -1;
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(text, &end, 10);
+  if (errno != 0 || end == text || value < 0) return -1;  // "max\n" parses no digits
+  return static_cast<int64_t>(value);
 }
 
 // Bytes this process may still allocate: MemAvailable, lowered by a cgroup v2 limit if any.
 static int64_t host_available_bytes(std::string* how) {
   int64_t avail = meminfo_bytes("MemAvailable");
-  std::ostringstream why;
-  why << "MemAvailable " << avail << " bytes";
+  *how = "MemAvailable " + std::to_string(avail) + " bytes";
   const int64_t limit = read_cgroup_value("/sys/fs/cgroup/memory.max");
   const int64_t current = read_cgroup_value("/sys/fs/cgroup/memory.current");
   if (limit > 0 && current >= 0 && (avail < 0 || limit - current < avail)) {
     avail = limit - current;
-    why << ", cgroup memory.max " << limit << " - memory.current " << current;
+    *how += ", cgroup memory.max " + std::to_string(limit) + " - memory.current " + std::to_string(current);
   }
-  *how = why.str();
   return avail;
 }
 

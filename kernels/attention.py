@@ -8,7 +8,8 @@ the scale. Causal programs stop at their diagonal block.
 Backward (Delta = rowsum(dO * O), computed by torch): P = exp(S - LSE), dP = dO V^T,
 dS = P (dP - Delta); dV = P^T dO, dK = scale dS^T Q in one pass per key block, dQ = scale dS K in a
 second pass per query block (no atomics). Ragged edges (N, D not multiples of the blocks) are masked.
-All accumulation is fp32; fp32 inputs use TF32 `tl.dot` on a GPU.
+All accumulation is fp32. fp32 inputs use TF32 `tl.dot` on a GPU by default (about 1e-3 relative);
+`input_precision="ieee"` makes every product exact fp32 there (slower; the interpreter is always exact).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .reference import attention_math_reference, attention_reference  # noqa: F4
 
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+INPUT_PRECISIONS = ("tf32", "ieee")
 
 
 def _interpreter_blocks(configs, named_args):
@@ -39,7 +41,7 @@ def _configs(shapes):
 
 _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 2)])
 _BWD_CONFIGS = _configs([(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (32, 32, 4, 1)])
-_AUTOTUNE = dict(key=["n_ctx", "head_dim", "CAUSAL"],
+_AUTOTUNE = dict(key=["n_ctx", "head_dim", "CAUSAL", "PRECISION"],
                  prune_configs_by={"early_config_prune": _config.prune_to_one(_interpreter_blocks, "Q")})
 
 # ---- kernels
@@ -48,7 +50,7 @@ _AUTOTUNE = dict(key=["n_ctx", "head_dim", "CAUSAL"],
 @triton.autotune(configs=_FWD_CONFIGS, **_AUTOTUNE)
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, n_ctx, head_dim, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     base = bh * n_ctx * head_dim
@@ -73,7 +75,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, n_ctx, head_dim, CAUSAL: tl.cons
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale                      # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         valid = (cols < n_ctx)[None, :]
         if CAUSAL:
             valid = valid & (cols[None, :] <= rows[:, None])
@@ -82,7 +84,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, n_ctx, head_dim, CAUSAL: tl.cons
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(O + base + rows[:, None] * head_dim + offs_d[None, :], acc.to(O.dtype.element_ty), mask=q_mask)
@@ -90,22 +92,24 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, n_ctx, head_dim, CAUSAL: tl.cons
 
 
 @triton.jit
-def _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL: tl.constexpr):
+def _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """P and dS of one (query block, key block) tile; both (BLOCK_M, BLOCK_N) fp32."""
-    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None] * 1.4426950408889634)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
     valid = (rows < n_ctx)[:, None] & (cols < n_ctx)[None, :]
     if CAUSAL:
         valid = valid & (cols[None, :] <= rows[:, None])
     p = tl.where(valid, p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     return p, p * (dp - delta[:, None])
 
 
 @triton.autotune(configs=_BWD_CONFIGS, **_AUTOTUNE)
 @triton.jit
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, n_ctx, head_dim,
-                          CAUSAL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     base = bh * n_ctx * head_dim
@@ -133,9 +137,9 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, n
             do = do.to(tl.float32)
         lse = tl.load(LSE + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
         delta = tl.load(DELTA + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
-        p, ds = _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        p, ds = _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL, PRECISION)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     tl.store(DK + base + cols[:, None] * head_dim + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
              mask=kv_mask)
     tl.store(DV + base + cols[:, None] * head_dim + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -144,8 +148,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, n
 @triton.autotune(configs=_BWD_CONFIGS, **_AUTOTUNE)
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale, qk_scale, n_ctx, head_dim,
-                        CAUSAL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                        CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     base = bh * n_ctx * head_dim
@@ -172,8 +176,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale, qk_scale, n_ctx, 
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        p, ds = _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL)
-        dq += tl.dot(ds.to(k.dtype), k)
+        p, ds = _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL, PRECISION)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + base + rows[:, None] * head_dim + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=q_mask)
 
@@ -195,27 +199,44 @@ def _check(q, k, v):
     _config.check_runnable(q.device, _attn_fwd_kernel)
 
 
-def attention_fwd(q, k, v, causal: bool, sm_scale: float, o=None):
-    """Launch the forward; q, k, v (and `o` if given) contiguous (B, H, N, D). Returns (o, lse (B*H, N) fp32)."""
+def _precision(input_precision: str, dtype: torch.dtype) -> str:
+    """The kernels' PRECISION: the request for fp32 inputs; "tf32" (Triton's default) for fp16/bf16,
+    whose products are exact in the fp32 accumulator whatever the setting."""
+    if input_precision not in INPUT_PRECISIONS:
+        raise ValueError(f"input_precision must be one of {INPUT_PRECISIONS}, got {input_precision!r}")
+    return input_precision if dtype == torch.float32 else "tf32"
+
+
+def attention_fwd(q, k, v, causal: bool, sm_scale: float, o=None, input_precision: str = "tf32"):
+    """Launch the forward; q, k, v (and `o` if given) contiguous (B, H, N, D). Returns (o, lse (B*H, N) fp32).
+
+    input_precision: fp32 products on a GPU, "tf32" (tensor cores) or "ieee" (exact); no effect on
+    fp16/bf16 inputs or in the interpreter.
+    """
+    precision = _precision(input_precision, q.dtype)
     batch, heads, n_ctx, head_dim = q.shape
     o = torch.empty_like(q) if o is None else o
     lse = torch.empty(batch * heads, n_ctx, dtype=torch.float32, device=q.device)
     if q.numel():
         grid = lambda meta: (triton.cdiv(n_ctx, meta["BLOCK_M"]), batch * heads)  # noqa: E731
         _attn_fwd_kernel[grid](q, k, v, o, lse, sm_scale * LOG2E, n_ctx, head_dim, CAUSAL=causal,
-                               UPCAST=_config.upcast_for_dot(q.dtype, q.device),
+                               UPCAST=_config.upcast_for_dot(q.dtype, q.device), PRECISION=precision,
                                BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
     return o, lse
 
 
-def attention_bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, grads=None):
-    """Launch the two backward passes; returns (dq, dk, dv) in q's dtype (into contiguous `grads` if given)."""
+def attention_bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, grads=None, input_precision: str = "tf32"):
+    """Launch the two backward passes; returns (dq, dk, dv) in q's dtype (into contiguous `grads` if given).
+
+    input_precision as in `attention_fwd`.
+    """
+    precision = _precision(input_precision, q.dtype)
     batch, heads, n_ctx, head_dim = q.shape
     do = do.contiguous()
     delta = (o.float() * do.float()).sum(-1).reshape(batch * heads, n_ctx)   # (B*H, N) fp32
     dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if grads is None else grads
     if q.numel():
-        args = dict(CAUSAL=causal, UPCAST=_config.upcast_for_dot(q.dtype, q.device),
+        args = dict(CAUSAL=causal, UPCAST=_config.upcast_for_dot(q.dtype, q.device), PRECISION=precision,
                     BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
         grid_n = lambda meta: (triton.cdiv(n_ctx, meta["BLOCK_N"]), batch * heads)  # noqa: E731
         _attn_bwd_dkdv_kernel[grid_n](q, k, v, do, lse, delta, dk, dv, sm_scale, sm_scale * LOG2E,
@@ -231,29 +252,33 @@ def attention_bwd(do, q, k, v, o, lse, causal: bool, sm_scale: float, grads=None
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale):
+    def forward(ctx, q, k, v, causal, sm_scale, input_precision):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = attention_fwd(q, k, v, causal, sm_scale)
+        o, lse = attention_fwd(q, k, v, causal, sm_scale, input_precision=input_precision)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale = causal, sm_scale
+        ctx.causal, ctx.sm_scale, ctx.input_precision = causal, sm_scale, input_precision
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale,
+                                   input_precision=ctx.input_precision)
+        return dq, dk, dv, None, None, None
 
 
 # ---- public
 
 
-def attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
+def attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None, input_precision: str = "tf32"):
     """Triton flash attention: softmax(q k^T * scale) v, (B, H, N, D) -> (B, H, N, D), 16 <= D <= 128.
 
     scale defaults to 1/sqrt(D); `causal` masks key j > query i (queries and keys aligned at 0).
     fp32/fp16/bf16 inputs, fp32 accumulation; output in the inputs' dtype (FlashAttention-2, Dao 2023).
+    input_precision: fp32 products on a GPU, "tf32" (default, tensor cores, about 1e-3 relative) or
+    "ieee" (exact fp32, slower); no effect on fp16/bf16 inputs or in the interpreter.
     """
     _check(q, k, v)
+    precision = _precision(input_precision, q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _AttentionFunction.apply(q, k, v, bool(causal), float(scale))
+    return _AttentionFunction.apply(q, k, v, bool(causal), float(scale), precision)

@@ -61,12 +61,37 @@ def test_attention_non_power_of_two_head_dim_and_scale():
 
 
 def test_attention_saves_log_sum_exp():
+    # "ieee": exact fp32 products on a GPU too (the default TF32 put the LSE 1.6e-3 off on an H100).
     q, k, v = (t.detach() for t in _qkv((1, 2, 100, 32), torch.float32))
     scale = 1 / math.sqrt(32)
-    _, lse = attn.attention_fwd(q, k, v, True, scale)
+    _, lse = attn.attention_fwd(q, k, v, True, scale, input_precision="ieee")
     s = (q @ k.transpose(-1, -2)) * scale
     s = s.masked_fill(~torch.ones(100, 100, dtype=torch.bool, device=DEVICE).tril(), float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(s, -1).reshape(2, 100), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_ieee_precision_matches_fp32_reference():
+    """fp32 with input_precision="ieee" holds fp32 tolerances on a GPU as in the interpreter (the
+    default TF32 needs 1e-2 there, TOL). 1e-4, not 1e-5: a GPU's exp2 is approximate (about 2 ulp)
+    and sums in another order, through backward's longer chains."""
+    q, k, v = _qkv((1, 2, 100, 32), torch.float32)
+    o = attn.attention(q, k, v, causal=True, input_precision="ieee")
+    do = torch.randn_like(o)
+    o.backward(do)
+    ref = [t.detach().requires_grad_() for t in (q, k, v)]
+    o_ref = attn.attention_math_reference(*ref, causal=True)
+    o_ref.backward(do)
+    torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+    for name, t, r in zip("qkv", (q, k, v), ref):
+        torch.testing.assert_close(t.grad, r.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"d{name}: {m}")
+
+
+def test_attention_rejects_unknown_input_precision():
+    q, k, v = (torch.randn(1, 1, 16, 16, device=DEVICE) for _ in range(3))
+    with pytest.raises(ValueError, match="input_precision must be one of"):
+        attn.attention(q, k, v, input_precision="tf32x3")
+    with pytest.raises(ValueError, match="input_precision must be one of"):
+        attn.attention_fwd(q, k, v, True, 0.25, input_precision="fp32")
 
 
 def test_attention_canaries_untouched():

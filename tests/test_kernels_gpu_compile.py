@@ -20,15 +20,18 @@ def _cases():
     ptr = lambda names, t: {n: t for n in names}  # noqa: E731
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     cases = []
-    for t, d, causal, (bm, bn), warps in ((P16, 64, True, (128, 64), 4), (PBF, 128, False, (128, 64), 8),
-                                          (P32, 64, True, (64, 32), 4)):
+    for t, d, causal, (bm, bn), warps, precision in ((P16, 64, True, (128, 64), 4, "tf32"),
+                                                     (PBF, 128, False, (128, 64), 8, "tf32"),
+                                                     (P32, 64, True, (64, 32), 4, "tf32"),
+                                                     (P32, 64, True, (64, 32), 4, "ieee")):
         cases.append(("attention", "_attn_fwd_kernel", {**ptr("Q K V O".split(), t), "LSE": P32, "qk_scale": "fp32",
                                                         **ints("n_ctx", "head_dim")},
-                      dict(CAUSAL=causal, UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d), dict(num_warps=warps, num_stages=3)))
-    for t, d in ((P16, 64), (PBF, 128)):
+                      dict(CAUSAL=causal, UPCAST=False, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d),
+                      dict(num_warps=warps, num_stages=3)))
+    for t, d, precision in ((P16, 64, "tf32"), (PBF, 128, "tf32"), (P32, 64, "ieee")):
         common = {**ptr("Q K V DO".split(), t), "LSE": P32, "DELTA": P32, "sm_scale": "fp32", "qk_scale": "fp32",
                   **ints("n_ctx", "head_dim")}
-        consts = dict(CAUSAL=True, UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=d)
+        consts = dict(CAUSAL=True, UPCAST=False, PRECISION=precision, BLOCK_M=64, BLOCK_N=64, BLOCK_D=d)
         cases.append(("attention", "_attn_bwd_dkdv_kernel", {**common, "DK": t, "DV": t}, consts, dict(num_warps=4, num_stages=2)))
         cases.append(("attention", "_attn_bwd_dq_kernel", {**common, "DQ": t}, consts, dict(num_warps=4, num_stages=2)))
     for t, is_rms, block, warps in ((P16, False, 1024, 4), (PBF, True, 16384, 16)):
