@@ -138,6 +138,22 @@ class Engine:
         """Run the model's own forward."""
         return self.model(*args, **kwargs)
 
+    def train(self, mode: bool = True) -> "Engine":
+        """Training mode (dropout on) for the model and every block, resident or not; returns self."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """Evaluation mode (dropout off) for the model and every block; returns self. Use with
+        ``torch.no_grad()`` for validation or generation: that pass loads blocks through the window
+        without recompute or gradient copies."""
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        """Whether the model is in training mode (``train()``/``eval()``)."""
+        return self.model.training
+
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
