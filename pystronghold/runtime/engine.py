@@ -105,10 +105,15 @@ class Engine:
         self.block_forwards = block_fn.install(self, blocks)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.trace = Tracer(enabled=config.trace)
-        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer)
-        self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters)
+        real_shapes = {id(p): span.shape for ps, lay in zip(block_params, layouts)
+                       for p, span in zip(ps, lay.spans)}  # block parameters are placeholders now
+        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer, real_shapes)
+        group_of = self.optimizer.group_of()
+        self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters,
+                                            [group_of[id(p)] for p in self.head_tail_params])
         self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch,
-                                   prefetch_depth=max(1, config.nvme_cache_blocks - 2))
+                                   prefetch_depth=max(1, config.nvme_cache_blocks - 2),
+                                   param_groups=[[group_of[id(p)] for p in ps] for ps in block_params])
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
         names = {id(p): name for name, p in model.named_parameters()}
@@ -419,7 +424,7 @@ class Engine:
         for block, per_param in self.updates.block_norms().items():
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
-        params = [p for p in self.optimizer.param_groups[0]["params"] if id(p) in norms]
+        params = [p for p in self.model.parameters() if id(p) in norms]
         return global_grad_norm([norms[id(p)] for p in params], [is_tp_shard(p) for p in params],
                                 self.tp_group)
 

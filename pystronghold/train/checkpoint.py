@@ -312,7 +312,13 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
                     "the learning rate %s", saved_decay, trainer.config.run.steps,
                     "stays at its floor after that step" if saved_decay < trainer.config.run.steps
                     else "will not reach its floor")
-    engine.optimizer.param_groups[0].update(state["hyper"])
+    hyper = [state["hyper"]] if isinstance(state["hyper"], dict) else state["hyper"]  # one group before 0.1.1
+    groups = engine.optimizer.param_groups
+    if len(hyper) != len(groups):
+        raise CheckpointError(f"checkpoint {path}: it has {len(hyper)} optimizer param group(s), this run "
+                              f"{len(groups)} (--decay decides them)")
+    for group, h in zip(groups, hyper):
+        group.update(h)
     try:
         trainer.sampler.load_state_dict(state["sampler"])
     except ValueError as e:

@@ -105,6 +105,9 @@ class OptimOptions:
     """Cosine floor as a fraction of the peak, reached at the last step."""
     weight_decay: float = 0.01
     """Decoupled weight decay."""
+    decay: str = field(default="matrices", metadata={"choices": ("matrices", "all")})
+    """Which parameters --weight-decay applies to: 'matrices' (weights and embeddings, >= 2-D; not
+    biases or norm gains, as nanoGPT and GPT-3) or 'all'."""
     beta2: float = 0.99
     """Adam second-moment decay (beta1 is 0.9)."""
     clip: float = 1.0

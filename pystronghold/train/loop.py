@@ -140,7 +140,8 @@ class Trainer:
             host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,
             nvme_states=config.memory.nvme_states, nvme_cache_blocks=config.memory.nvme_cache_blocks,
             nvme_preallocate=not config.memory.nvme_sparse,
-            optimizer=pystronghold.AdamW(lr=o.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay))
+            optimizer=pystronghold.AdamW(lr=o.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
+                                         decay=o.decay))
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0
