@@ -249,6 +249,11 @@ class RunOptions:
     """Directory for trace.json (Perfetto), timeline.png and loss.png."""
     quiet: bool = False
     """No progress bar (metrics lines still go to the log)."""
+    metrics_file: str | None = field(default=None, metadata={"metavar": "FILE"})
+    """Also write every metrics line as one JSON object per line (JSONL) to this file (appended
+    to on --resume)."""
+    tensorboard: str | None = field(default=None, metadata={"metavar": "DIR"})
+    """Also write the metrics as TensorBoard scalars into this directory (needs `pip install tensorboard`)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "log_every", "eval_batches"):
@@ -256,6 +261,15 @@ class RunOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.metrics_file is not None:
+            parent = os.path.dirname(os.path.abspath(self.metrics_file))
+            if os.path.isdir(self.metrics_file) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+                raise ValueError(f"--metrics-file {self.metrics_file}: not a file in a writable directory")
+        if self.tensorboard is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ValueError("--tensorboard needs the 'tensorboard' package (pip install tensorboard)")
 
 
 @dataclass(kw_only=True, slots=True)
