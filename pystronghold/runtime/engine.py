@@ -75,7 +75,7 @@ class Engine:
                          if config.device == "cpu" else 0),
             nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
             streamed_grads=self.overlap == "backward" and config.accumulation_steps == 1,
-            force_disk=config.nvme_states == "all")
+            force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
         self.scratch = None
         if self.placement.spilled:
             self.scratch = open_scratch(config.nvme_dir, disk_tier_bytes(self.placement, numels, self.dtype),
