@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from pystronghold.io.scratch import check_io_directory
 from pystronghold.parallel.data import any_rank, average_, average_grads_, global_grad_norm, is_tp_shard
 from pystronghold.runtime import block_fn
 from pystronghold.runtime.backend import make_backend
@@ -60,6 +61,8 @@ class Engine:
         par = config.parallel
         self.dp_group, self.tp_group = (par.dp_group, par.tp_group) if par is not None else (None, None)
         self.parallel = par is not None and par.world_size > 1
+        if config.nvme_dir is not None:
+            check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
         block_named, self.head_tail_params = split_parameters(model, blocks, config.device)
         layouts = [BlockLayout(named) for named in block_named]
         block_params = [[p for _, p in named] for named in block_named]

@@ -217,11 +217,9 @@ class MemoryOptions:
         if self.nvme_states == "all" and self.nvme is None:
             raise ValueError("--nvme-states all needs --nvme DIR")
         if self.nvme is not None:
-            from pathlib import Path
+            from pystronghold.io.scratch import check_io_directory
 
-            p = Path(self.nvme)
-            if p.exists() and not p.is_dir():
-                raise ValueError(f"--nvme {self.nvme}: exists and is not a directory")
+            check_io_directory(self.nvme, flag="--nvme")  # exists (or is created) and takes files
         if self.nvme_cache_blocks < 1:
             raise ValueError(f"--nvme-cache-blocks must be >= 1, got {self.nvme_cache_blocks}")
 
