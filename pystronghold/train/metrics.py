@@ -223,8 +223,8 @@ class TimeReport:
                f"host Adam {self.kind_s.get('optimizer', 0):.1f} s, norms {self.kind_s.get('norm', 0):.1f} s"
                + (f", disk read {self.kind_s['file_read']:.1f} s, disk write {self.kind_s.get('file_write', 0):.1f} s"
                   if "file_read" in self.kind_s else "")
-               + (f"; {100 * self.hidden_s / self.background_s:.0f}% hidden behind compute"
-                  if self.background_s else "")]
+               + (f"; over the whole run {100 * self.hidden_s / self.background_s:.0f}% of this background "
+                  "work was hidden behind compute" if self.background_s else "")]
         rest = self.wall_s - compute - self.kind_s.get("wait", 0.0)
         out.append(f"other (head/tail, loss, Python, exposed host work) {max(rest, 0.0):.1f} s")
         return out
