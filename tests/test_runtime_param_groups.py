@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import pystronghold as ph
-from runtime_models import HYPER, HetStack, assert_same_training, gpt_batches, het_batches, one_torch_thread, tiny_gpt
+from runtime_models import (HYPER, HetStack, assert_same_training, gpt_batches, het_batches, one_torch_thread,
+                            tiny_gpt)
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 

@@ -155,7 +155,8 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
             f"{_budget_words(budget_bytes, budget_is_limit)}; nothing was allocated. "
             + ("Raise the limit, give" if budget_is_limit else "Give")
             + " an NVMe directory (--nvme DIR / nvme_dir=) so states can live on disk, "
-            + ("or use a smaller model." if budget_is_limit else "use a smaller model, or a host with more memory."))
+            + ("or use a smaller model." if budget_is_limit
+               else "use a smaller model, or a host with more memory."))
     order = [s for s in spill_order(compute_dtype, streamed_grads=streamed_grads) if s in states]
     disk: dict[str, list[int]] = {}
     cache = 0
@@ -192,7 +193,8 @@ def _budget_words(budget_bytes: int, is_limit: bool) -> str:
     host = available_host_bytes()
     if is_limit:
         return (f"the host memory limit you set (--host-memory / host_memory_bytes=) is {budget_bytes:,} bytes "
-                f"({budget_bytes / 2**30:.3f} GiB); the host has {host:,} bytes ({host / 2**30:.3f} GiB) available")
+                f"({budget_bytes / 2**30:.3f} GiB); the host has {host:,} bytes ({host / 2**30:.3f} GiB) "
+                "available")
     return (f"the host has {host:,} bytes ({host / 2**30:.3f} GiB) available, of which the store may use "
             f"{budget_bytes:,} bytes ({DEFAULT_HOST_FRACTION:.0%}; set --host-memory / host_memory_bytes= "
             "to change that)")
