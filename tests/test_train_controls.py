@@ -149,3 +149,13 @@ def test_resume_falls_back_from_a_corrupt_latest_checkpoint(tmp_path, caplog):
     text = caplog.text
     assert "step-00000004: blocks/block-00001.safetensors is corrupt" in text
     assert f"falling back to {ck / 'step-00000002'}" in text
+
+
+def test_validation_runs_in_eval_mode_and_training_resumes_in_train_mode(tmp_path):
+    trainer = Trainer(tiny_config(tmp_path, steps=2, model=dict(TINY, dropout=0.5)))
+    try:
+        first, second = trainer.evaluate(), trainer.evaluate()
+        assert first == second  # no dropout in validation
+        assert trainer.engine.training and all(m.training for m in trainer.model.modules())
+    finally:
+        trainer.close()

@@ -203,8 +203,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches (the same value on every rank)."""
-        losses = [float(self.engine(self._to_device(x), self._to_device(y))) for x, y in self.val]
+        """Mean loss over the fixed validation batches (the same value on every rank), in eval mode
+        (no dropout) through the window without gradients."""
+        self.engine.eval()
+        try:
+            losses = [float(self.engine(self._to_device(x), self._to_device(y))) for x, y in self.val]
+        finally:
+            self.engine.train()
         return self._dp_mean(sum(losses) / len(losses))
 
     # ---- the run
