@@ -104,7 +104,7 @@ def run_train(args: argparse.Namespace) -> int:
         with stopper:
             result = trainer.train(on_step)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once
-        failure = "interrupted again: stopped at once, in the middle of a step (no checkpoint written)"
+        failure = f"interrupted again: stopped at once in step {trainer.step + 1} (no checkpoint written)"
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
         # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
         # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
