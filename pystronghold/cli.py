@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         sys.exit(2)
 
     parser.error = one_line_error  # NOTE: e.g. an unknown option after a subcommand lands here
+    from pystronghold import __version__
+
+    parser.add_argument("--version", action="version", version=f"pystronghold {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="version, build (compiler, SIMD), threads, CUDA and Triton status")
     info.add_argument("--json", action="store_true", help="print one JSON object")

@@ -98,7 +98,9 @@ def test_embeddings_tied_between_head_and_tail_are_supported():
 def test_host_memory_too_small_fails_before_allocating():
     model = HetStack()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(MemoryError, match=r"needs [\d,]+ bytes .* but the host has 100,000 bytes"):
+    with pytest.raises(MemoryError, match=r"needs [\d,]+ bytes .* but the host memory limit you set "
+                       r"\(--host-memory / host_memory_bytes=\) is 100,000 bytes \(0.000 GiB\); the host has "
+                       r"[\d,]+ bytes \([\d.]+ GiB\) available"):
         ph.wrap(model, blocks=model.blocks, host_memory_bytes=100_000)
     # nothing was touched: parameters still hold their values (no placeholders, no store)
     for p, b in zip(model.parameters(), before):

@@ -227,7 +227,7 @@ def test_bad_state_dicts_are_refused_with_one_line_errors():
     engine_steps(engine, gpt_batches(1))
     state = engine.optimizer.state_dict()
     two_groups = {"state": {}, "param_groups": [dict(state["param_groups"][0]), dict(state["param_groups"][0])]}
-    with pytest.raises(ValueError, match="one param group"):
+    with pytest.raises(ValueError, match="expected 1 param group"):
         engine.optimizer.load_state_dict(two_groups)
     wrong = copy.deepcopy(state)
     index = next(iter(wrong["state"]))

@@ -18,8 +18,10 @@ All sizes are in bytes.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -30,7 +32,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiskSpaceError", "ScratchDir", "free_bytes", "check_free_space", "OWNER_FILE"]
+__all__ = ["DiskSpaceError", "ScratchDir", "free_bytes", "check_free_space", "check_io_directory", "OWNER_FILE"]
 
 OWNER_FILE = "owner.json"
 """File inside every scratch directory naming its owner (pid, hostname, start time)."""
@@ -39,6 +41,63 @@ OWNER_FILE = "owner.json"
 def _fmt_bytes(n: int) -> str:
     """``12,884,901,888 bytes (12.00 GiB)``."""
     return f"{n:,} bytes ({n / 2**30:.2f} GiB)"
+
+
+# ---- a directory the file tier can use
+
+PROBE_BYTES = 4096
+"""Size of the probe file of ``check_io_directory`` (one O_DIRECT-aligned block)."""
+
+
+def check_io_directory(path: str | os.PathLike, *, flag: str) -> bool:
+    """Make sure the file tier can work in directory ``path``: create it when missing (logged), then
+    write a ``PROBE_BYTES`` probe file (O_DIRECT where the file system supports it, as the tier
+    does), fsync it, read it back, compare and remove it. Returns whether O_DIRECT works.
+
+    Raises ValueError naming ``flag`` (the option that gave ``path``) and the reason.
+    """
+    p = Path(path)
+    if not p.exists():
+        try:
+            p.mkdir(parents=True)
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
+        logger.warning("%s %s did not exist: created it", flag, path)
+    elif not p.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    probe = p / f".pystronghold-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    data = secrets.token_bytes(PROBE_BYTES)
+    try:
+        try:
+            return _probe(probe, data, direct=hasattr(os, "O_DIRECT"))
+        except OSError as e:
+            if e.errno != errno.EINVAL or not hasattr(os, "O_DIRECT"):
+                raise
+            probe.unlink(missing_ok=True)
+            return _probe(probe, data, direct=False)  # a file system without O_DIRECT (tmpfs): buffered
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write and read back a file there ({e.strerror or e}); "
+                         "give a writable directory on a local disk") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _probe(path: Path, data: bytes, *, direct: bool) -> bool:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | (os.O_DIRECT if direct else 0), 0o600)
+    try:
+        out, back = mmap.mmap(-1, len(data)), mmap.mmap(-1, len(data))  # page-aligned for O_DIRECT
+        out.write(data)
+        if os.pwrite(fd, out, 0) != len(data):
+            raise OSError(errno.EIO, "short write")
+        os.fsync(fd)
+        if os.preadv(fd, [back], 0) != len(data) or back[:] != data:
+            raise OSError(errno.EIO, "what was read back differs from what was written")
+        return direct
+    finally:
+        os.close(fd)
 
 
 # ---- free space

@@ -85,6 +85,10 @@ class PlanRequest:
     """Print one JSON object (bytes, seconds) instead of tables."""
 
     def __post_init__(self) -> None:
+        if self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
+            from pystronghold.planner.hardware import gpu_preset
+
+            gpu_preset(self.gpu)
         if self.gpu is None and self.gpu_memory is None and self.gpu_tflops is None:
             raise ValueError("give --gpu NAME, or --gpu-memory GB and --gpu-tflops X")
         if self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):

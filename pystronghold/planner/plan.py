@@ -67,6 +67,8 @@ class HostMemory:
     """Which store tiers live on disk (some may be split: the first blocks in host memory)."""
     disk_step_bytes: int = 0
     """Bytes read plus written on disk per training step (all ranks)."""
+    disk_reason: str = ""
+    """Why the NVMe tier is or is not used, in words ("" without --nvme)."""
 
     @property
     def fits(self) -> bool:
@@ -97,13 +99,21 @@ def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, 
     dtype = compute_dtype(work.precision)
     numels = [costs.block_params] * n_blocks
     budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
+    everything = plan_placement(numels, dtype, budget_bytes=2**62)
+    budget_words = (f"{budget / 2**30:.1f} GiB of host memory per rank (after the "
+                    f"{work.host_reserve_bytes / 2**30:.1f} GiB reserve)")
+    need_words = f"the store needs {everything.host_bytes / 2**30:.1f} GiB per rank"
     try:
         placement = plan_placement(numels, dtype, budget_bytes=budget, nvme=bool(hw.nvme_bytes),
                                    cache_blocks=work.nvme_staging_blocks,
                                    streamed_grads=work.overlap == "backward")
+        reason = (f"used: {need_words}, more than the {budget_words}; the states that do not fit go to disk"
+                  if placement.spilled else f"not used: {need_words}, which fits the {budget_words}")
     except MemoryError:  # does not fit: report the all-in-host figures (fits is False)
-        placement = plan_placement(numels, dtype, budget_bytes=2**62)
-    return HostMemory(tier="nvme" if placement.spilled else "host",
+        placement = everything
+        reason = (f"not enough: {need_words}, more than the {budget_words}, and even with every state on "
+                  f"disk its staging buffers ({work.nvme_staging_blocks} blocks) and the rest do not fit")
+    return HostMemory(disk_reason=reason if hw.nvme_bytes else "",tier="nvme" if placement.spilled else "host",
                       host_bytes=ranks * placement.host_bytes + work.host_reserve_bytes,
                       host_capacity_bytes=hw.host_memory_bytes, disk_bytes=ranks * placement.disk_bytes,
                       disk_capacity_bytes=hw.nvme_bytes, disk_states=placement.disk_states,

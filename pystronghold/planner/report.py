@@ -39,7 +39,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "host": {"tier": host.tier, "host_bytes": host.host_bytes,
                  "host_capacity_bytes": host.host_capacity_bytes, "disk_bytes": host.disk_bytes,
                  "disk_capacity_bytes": host.disk_capacity_bytes,
-                 "disk_states": list(host.disk_states), "fits": host.fits},
+                 "disk_states": list(host.disk_states), "disk_reason": host.disk_reason, "fits": host.fits},
         "step": None if step is None else {
             "total_s": step.total_s, "compute_s": step.compute_s,
             "exposed_transfer_s": step.exposed_transfer_s,
@@ -114,6 +114,8 @@ def format_plan(plan: Plan) -> str:
          (", ".join(host.disk_states) + f" of {_gib(host.disk_capacity_bytes)}; "
           f"{_gib(host.disk_step_bytes)} read+written per step") if host.disk_states else "-"],
     ], align="lrl")]
+    if host.disk_reason:
+        out.append(f"NVMe tier {host.disk_reason}")
     if plan.step is not None:
         st = plan.step
         rows = [["compute", _s(st.compute_s), f"{100 * st.compute_s / st.total_s:.0f}%"],

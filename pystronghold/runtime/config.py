@@ -25,7 +25,7 @@ class RuntimeConfig:
     precision: str = "fp32"
     """Compute precision: "fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling)."""
     optimizer: AdamW = field(default_factory=AdamW)
-    """AdamW hyper-parameters; ``engine.optimizer.param_groups[0]`` holds the live values."""
+    """AdamW hyper-parameters; ``engine.optimizer.param_groups`` hold the live values (see AdamW.decay)."""
     clip_grad_norm: float | None = None
     """Clip the global L2 norm over head, blocks and tail to this value; None: no clipping."""
     accumulation_steps: int = 1

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from pystronghold.io.scratch import check_io_directory
 from pystronghold.parallel.data import any_rank, average_, average_grads_, global_grad_norm, is_tp_shard
 from pystronghold.runtime import block_fn
 from pystronghold.runtime.backend import make_backend
@@ -62,6 +63,8 @@ class Engine:
         par = config.parallel
         self.dp_group, self.tp_group = (par.dp_group, par.tp_group) if par is not None else (None, None)
         self.parallel = par is not None and par.world_size > 1
+        if config.nvme_dir is not None:
+            check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
         block_named, self.head_tail_params = split_parameters(model, blocks, config.device)
         layouts = [BlockLayout(named) for named in block_named]
         block_params = [[p for _, p in named] for named in block_named]
@@ -77,7 +80,7 @@ class Engine:
                          if config.device == "cpu" else 0),
             nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
             streamed_grads=self.overlap == "backward" and config.accumulation_steps == 1,
-            force_disk=config.nvme_states == "all")
+            force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
         self.scratch = None
         if self.placement.spilled:
             self.scratch = open_scratch(config.nvme_dir, disk_tier_bytes(self.placement, numels, self.dtype),
@@ -112,10 +115,15 @@ class Engine:
         self.block_forwards = block_fn.install(self, blocks)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.trace = Tracer(enabled=config.trace)
-        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer)
-        self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters)
+        real_shapes = {id(p): span.shape for ps, lay in zip(block_params, layouts)
+                       for p, span in zip(ps, lay.spans)}  # block parameters are placeholders now
+        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer, real_shapes)
+        group_of = self.optimizer.group_of()
+        self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters,
+                                            [group_of[id(p)] for p in self.head_tail_params])
         self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch,
-                                   prefetch_depth=max(1, config.nvme_cache_blocks - 2))
+                                   prefetch_depth=max(1, config.nvme_cache_blocks - 2),
+                                   param_groups=[[group_of[id(p)] for p in ps] for ps in block_params])
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
         names = {id(p): name for name, p in model.named_parameters()}
@@ -147,6 +155,22 @@ class Engine:
         (``pystronghold.runtime.inputs.move_inputs``; a tensor on another device: ValueError)."""
         args, kwargs = move_inputs(args, kwargs, self.device, self._forward_signature)
         return self.model(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "Engine":
+        """Training mode (dropout on) for the model and every block, resident or not; returns self."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """Evaluation mode (dropout off) for the model and every block; returns self. Use with
+        ``torch.no_grad()`` for validation or generation: that pass loads blocks through the window
+        without recompute or gradient copies."""
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        """Whether the model is in training mode (``train()``/``eval()``)."""
+        return self.model.training
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
@@ -417,7 +441,7 @@ class Engine:
         for block, per_param in self.updates.block_norms().items():
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
-        params = [p for p in self.optimizer.param_groups[0]["params"] if id(p) in norms]
+        params = [p for p in self.model.parameters() if id(p) in norms]
         return global_grad_norm([norms[id(p)] for p in params], [is_tp_shard(p) for p in params],
                                 self.tp_group)
 

@@ -1,8 +1,11 @@
 """The optimizer the user sees, and the device-side optimizer of head and tail.
 
 ``AdamW`` is the spec passed to ``wrap``. ``engine.optimizer`` is a ``WindowOptimizer``: a real
-``torch.optim.Optimizer`` whose single param group carries lr, betas, eps and weight_decay, so LR
-schedulers and manual ``lr`` edits work; the engine reads the group at every update. Its ``step``
+``torch.optim.Optimizer`` whose param groups carry lr, betas, eps and weight_decay, so LR
+schedulers and manual ``lr`` edits work; the engine reads the groups at every update. With
+``AdamW(decay="matrices")`` there are two groups, as nanoGPT builds them: parameters of two or more
+dimensions (weight matrices and embeddings) decay, the others (biases, norm gains) have
+weight_decay 0. Its ``step``
 and ``zero_grad`` run the engine's. Block parameters are updated by the fused CPU Adam on the host
 store; head and tail parameters (on the device) by ``torch.optim.AdamW`` with the same settings.
 """
@@ -27,7 +30,12 @@ class AdamW:
     eps: float = 1e-8
     """Added to the denominator."""
     weight_decay: float = 0.01
-    """Decoupled weight decay (applied to every parameter)."""
+    """Decoupled weight decay (of the parameters that ``decay`` selects)."""
+    decay: str = "all"
+    """Which parameters decay: "all" (one param group, as ``torch.optim.AdamW(model.parameters())``)
+    or "matrices": parameters of >= 2 dimensions (weight matrices and embeddings) in group 0 with
+    ``weight_decay``, the rest (biases, norm gains) in group 1 with weight_decay 0, as nanoGPT and
+    GPT-3 train. Each group's lr etc. can be changed (by schedulers too)."""
     bitwise_torch: bool = False
     """Update blocks with torch's CPU square root (MKL vmsSqrt) so they are bit-identical to CPU
     ``torch.optim.AdamW``; about 4x slower host updates. The default, a correctly rounded sqrt, differs
@@ -42,23 +50,41 @@ class AdamW:
             raise ValueError(f"AdamW.eps must be > 0, got {self.eps!r}")
         if not self.weight_decay >= 0:
             raise ValueError(f"AdamW.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.decay not in ("all", "matrices"):
+            raise ValueError(f"AdamW.decay must be 'all' or 'matrices', got {self.decay!r}")
+
+
+def decay_groups(params, spec: AdamW, shapes: dict[int, torch.Size] | None = None) -> list[dict]:
+    """``params`` split into torch param groups as ``spec.decay`` says (see ``AdamW.decay``);
+    ``shapes``: the real shape by id(parameter) where the parameter object is a placeholder."""
+    params = list(params)
+    if spec.decay == "all":
+        return [{"params": params}]
+    shapes = shapes or {}
+    matrices = [len(shapes.get(id(p), p.shape)) >= 2 for p in params]
+    groups = [{"params": [p for p, m in zip(params, matrices) if m]},
+              {"params": [p for p, m in zip(params, matrices) if not m], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 class WindowOptimizer(torch.optim.Optimizer):
-    """``engine.optimizer``: one param group with every model parameter; step/zero_grad run the engine's.
+    """``engine.optimizer``: every model parameter in the param groups of ``decay_groups``;
+    step/zero_grad run the engine's."""
 
-    NOTE: one param group only; per-group settings (e.g. no decay on norms) are not supported yet.
-    """
-
-    def __init__(self, engine, params, spec: AdamW) -> None:
+    def __init__(self, engine, params, spec: AdamW, shapes: dict[int, torch.Size] | None = None) -> None:
+        """``shapes``: real shapes of placeholder parameters (offloaded blocks), by id."""
         defaults = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
-        super().__init__(list(params), defaults)
+        super().__init__(decay_groups(params, spec, shapes), defaults)
         self._engine = engine
 
-    def hyper(self) -> dict:
-        """Current (lr, betas, eps, weight_decay) of the group, as a dict."""
-        g = self.param_groups[0]
-        return dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
+    def group_of(self) -> dict[int, int]:
+        """Index of each parameter's param group, by id(parameter)."""
+        return {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+
+    def hyper(self) -> list[dict]:
+        """Current (lr, betas, eps, weight_decay) of each param group, as dicts in group order."""
+        return [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
+                for g in self.param_groups]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -94,12 +120,18 @@ class DeviceAdamW:
     parameters are rewritten in compute precision after each update.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], spec: AdamW, masters: list[torch.Tensor]) -> None:
-        """``masters``: fp32 values of ``params`` taken before they were cast to compute precision."""
+    def __init__(self, params: list[torch.nn.Parameter], spec: AdamW, masters: list[torch.Tensor],
+                 groups: list[int] | None = None) -> None:
+        """``masters``: fp32 values of ``params`` taken before they were cast to compute precision;
+        ``groups``: the engine's param group of each parameter (default all in group 0)."""
         self.params = params
         half = any(p.dtype != torch.float32 for p in params)
         self.masters = [m.detach().clone().requires_grad_(True) for m in masters] if half else params
-        self._opt = torch.optim.AdamW(self.masters, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+        groups = groups if groups is not None else [0] * len(params)
+        self._group_ids = sorted(set(groups))  # engine group of each torch group
+        torch_groups = [{"params": [m for m, g in zip(self.masters, groups) if g == gid]}
+                        for gid in self._group_ids]
+        self._opt = torch.optim.AdamW(torch_groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                       weight_decay=spec.weight_decay, foreach=False) if params else None
 
     def state_of(self, index: int) -> dict:
@@ -126,13 +158,14 @@ class DeviceAdamW:
                 for p in self.params if p.grad is not None}
 
     @torch.no_grad()
-    def step(self, hyper: dict, grad_scale: float) -> None:
-        """One AdamW step with gradients multiplied by ``grad_scale`` (clip coefficient / loss scale)."""
+    def step(self, hyper: list[dict], grad_scale: float) -> None:
+        """One AdamW step with gradients multiplied by ``grad_scale`` (clip coefficient / loss scale);
+        ``hyper``: the engine's param groups' settings (``WindowOptimizer.hyper()``)."""
         if self._opt is None:
             return
-        group = self._opt.param_groups[0]
-        group.update(lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
-                     weight_decay=hyper["weight_decay"])
+        for group, gid in zip(self._opt.param_groups, self._group_ids):
+            h = hyper[gid]
+            group.update(lr=h["lr"], betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"])
         for p, m in zip(self.params, self.masters):
             if p.grad is None:
                 m.grad = None

@@ -125,14 +125,17 @@ class Placement:
 
 def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_bytes: int,
                    fixed_bytes: int = 0, nvme: bool = False, cache_blocks: int = 4,
-                   streamed_grads: bool = False, force_disk: bool = False) -> Placement:
+                   streamed_grads: bool = False, force_disk: bool = False,
+                   budget_is_limit: bool = False) -> Placement:
     """Place the states of blocks with ``numels`` (padded elements per block) for a host budget.
 
     budget_bytes: host bytes for the store plus ``fixed_bytes``. nvme: a disk directory exists
     (else everything must fit in host memory). cache_blocks: blocks staged in host memory at once.
     streamed_grads: gradients can go straight to the update (backward overlap, no accumulation).
     force_disk: spill every state of every block even when host memory would hold them (tests,
-    benchmarks). Raises MemoryError with the numbers when no placement fits.
+    benchmarks). budget_is_limit: the budget is a limit the user set (host_memory_bytes= /
+    --host-memory), not what the host has: errors then say so and show both figures. Raises
+    MemoryError with the numbers when no placement fits.
     """
     if cache_blocks < 1:
         raise ValueError(f"cache_blocks must be >= 1, got {cache_blocks}")
@@ -148,10 +151,12 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
         total = ram + fixed_bytes
         raise MemoryError(
             f"wrap: the host store needs {total:,} bytes ({total / 2**30:.3f} GiB: states {ram:,}, device "
-            f"arena (host memory on device='cpu') {fixed_bytes:,}) for {n} blocks, but the host has "
-            f"{budget_bytes:,} bytes ({budget_bytes / 2**30:.3f} GiB) available; nothing was allocated. "
-            "Give an NVMe directory (--nvme DIR / nvme_dir=) so states can live on disk, use a smaller "
-            "model, or a host with more memory.")
+            f"arena (host memory on device='cpu') {fixed_bytes:,}) for {n} blocks, but "
+            f"{_budget_words(budget_bytes, budget_is_limit)}; nothing was allocated. "
+            + ("Raise the limit, give" if budget_is_limit else "Give")
+            + " an NVMe directory (--nvme DIR / nvme_dir=) so states can live on disk, "
+            + ("or use a smaller model." if budget_is_limit
+               else "use a smaller model, or a host with more memory."))
     order = [s for s in spill_order(compute_dtype, streamed_grads=streamed_grads) if s in states]
     disk: dict[str, list[int]] = {}
     cache = 0
@@ -169,8 +174,8 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
         raise MemoryError(
             f"even with every state on disk the host needs {host + fixed_bytes:,} bytes "
             f"({(host + fixed_bytes) / 2**30:.2f} GiB: cache of {cache_blocks} blocks {cache:,}, "
-            f"device arena {fixed_bytes:,}, rest of the store {ram:,}), more than the host budget of "
-            f"{budget_bytes:,} bytes ({budget_bytes / 2**30:.2f} GiB); give more --host-memory, fewer "
+            f"device arena {fixed_bytes:,}, rest of the store {ram:,}), but "
+            f"{_budget_words(budget_bytes, budget_is_limit)}; give more --host-memory, fewer "
             "cache blocks, or use a model with smaller blocks.")
     disk_bytes = sum(per[s][b] for s, blocks in disk.items() for b in blocks
                      if not (s == "grad" and streamed_grads))
@@ -179,3 +184,17 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
                      cache_blocks=cache_blocks, streamed_grads=streamed_grads and "grad" in disk,
                      host_bytes=host, cache_bytes=cache, disk_bytes=disk_bytes,
                      budget_bytes=budget_bytes, fixed_bytes=fixed_bytes)
+
+
+def _budget_words(budget_bytes: int, is_limit: bool) -> str:
+    """What the host budget is, in words, with the host's own figure when the user set the limit."""
+    from pystronghold.runtime.store import DEFAULT_HOST_FRACTION, available_host_bytes
+
+    host = available_host_bytes()
+    if is_limit:
+        return (f"the host memory limit you set (--host-memory / host_memory_bytes=) is {budget_bytes:,} bytes "
+                f"({budget_bytes / 2**30:.3f} GiB); the host has {host:,} bytes ({host / 2**30:.3f} GiB) "
+                "available")
+    return (f"the host has {host:,} bytes ({host / 2**30:.3f} GiB) available, of which the store may use "
+            f"{budget_bytes:,} bytes ({DEFAULT_HOST_FRACTION:.0%}; set --host-memory / host_memory_bytes= "
+            "to change that)")

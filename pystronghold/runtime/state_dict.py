@@ -177,10 +177,12 @@ def _hook_block(engine, b: int, block: torch.nn.Module) -> None:
 
 
 def optimizer_state_dict(engine) -> dict:
-    """``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [group]}`` as
-    ``torch.optim.AdamW(model.parameters()).state_dict()`` has it; the moments are the live tensors
-    (views into the store, or copies of a block on disk), as torch's are."""
-    params = engine.optimizer.param_groups[0]["params"]
+    """``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [group, ...]}`` as
+    ``torch.optim.AdamW(groups).state_dict()`` has it for the engine's param groups (parameters
+    numbered group after group); the moments are the live tensors (views into the store, or copies
+    of a block on disk), as torch's are."""
+    groups = engine.optimizer.param_groups
+    params = [p for g in groups for p in g["params"]]
     index = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict] = {}
     states = engine.states
@@ -194,11 +196,15 @@ def optimizer_state_dict(engine) -> dict:
     for _, p, _, st in states.head_tail():
         if st:
             state[index[id(p)]] = dict(st)
-    group = {k: v for k, v in engine.optimizer.param_groups[0].items() if k != "params"}
-    for key, value in _TORCH_ONLY_DEFAULTS.items():
-        group.setdefault(key, value)
-    group["params"] = list(range(len(params)))
-    return {"state": dict(sorted(state.items())), "param_groups": [group]}
+    saved_groups, start = [], 0
+    for g in groups:
+        group = {k: v for k, v in g.items() if k != "params"}
+        for key, value in _TORCH_ONLY_DEFAULTS.items():
+            group.setdefault(key, value)
+        group["params"] = list(range(start, start + len(g["params"])))
+        start += len(g["params"])
+        saved_groups.append(group)
+    return {"state": dict(sorted(state.items())), "param_groups": saved_groups}
 
 
 def _check_group(group: dict) -> None:
@@ -218,18 +224,22 @@ def _check_group(group: dict) -> None:
 @torch.no_grad()
 def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     """Load a ``torch.optim.AdamW`` state dict (or one from ``optimizer_state_dict``) made over the
-    same ``model.parameters()``, in one param group. Everything is checked before anything changes."""
+    same parameters in the same param groups as the engine's. Everything is checked before anything
+    changes."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-    if not isinstance(groups, list) or len(groups) != 1:
-        raise ValueError("optimizer.load_state_dict: expected one param group (the engine's optimizer has "
-                         f"one), got {len(groups) if isinstance(groups, list) else 'no param_groups'}")
-    group = groups[0]
-    _check_group(group)
-    params = engine.optimizer.param_groups[0]["params"]
-    if len(group["params"]) != len(params):
-        raise ValueError(f"optimizer.load_state_dict: the state dict has {len(group['params'])} parameters, "
-                         f"the model {len(params)}")
-    by_saved = dict(zip(group["params"], params))
+    mine = engine.optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(mine):
+        raise ValueError(f"optimizer.load_state_dict: expected {len(mine)} param group(s) (the engine's "
+                         f"optimizer has {len(mine)}, see AdamW.decay), got "
+                         f"{len(groups) if isinstance(groups, list) else 'no param_groups'}")
+    by_saved = {}
+    for k, (group, own) in enumerate(zip(groups, mine)):
+        _check_group(group)
+        if len(group["params"]) != len(own["params"]):
+            raise ValueError(f"optimizer.load_state_dict: param group {k} of the state dict has "
+                             f"{len(group['params'])} parameters, the engine's {len(own['params'])}")
+        by_saved.update(zip(group["params"], own["params"]))
+    params = [p for g in mine for p in g["params"]]
     by_id = {id(p): None for p in params}
     for saved, st in state_dict.get("state", {}).items():
         if saved not in by_saved:
@@ -267,7 +277,8 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     for i, (_, p, _, _) in enumerate(head_tail):
         states.write_head_tail(i, state=by_id[id(p)] or {})
     engine.steps = int(steps.pop()) if steps else 0
-    engine.optimizer.param_groups[0] = {**{k: v for k, v in group.items() if k != "params"}, "params": params}
+    for k, group in enumerate(groups):
+        mine[k] = {**{key: v for key, v in group.items() if key != "params"}, "params": mine[k]["params"]}
 
 
 def _check_moments(name: str, st: dict, shape) -> None:

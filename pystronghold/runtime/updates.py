@@ -11,12 +11,13 @@ Adam turns last-bit differences of near-zero gradients into visible ones through
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pystronghold.optim.functional import adam_step_
+from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm
 
 __all__ = ["HostUpdates"]
 
@@ -32,8 +33,12 @@ class HostUpdates:
     update_states = ("master", "exp_avg", "exp_avg_sq")
     """States an update reads and writes back (besides the gradient it reads and the shadow it writes)."""
 
-    def __init__(self, store, tracer, *, bitwise_torch: bool = False, prefetch_depth: int = 2) -> None:
+    def __init__(self, store, tracer, *, bitwise_torch: bool = False, prefetch_depth: int = 2,
+                 param_groups: list[list[int]] | None = None) -> None:
+        """``param_groups``: per block, the optimizer param group of each parameter (default: all 0)."""
         self.store = store
+        self._group_ranges = [_group_ranges(layout, None if param_groups is None else param_groups[b])
+                              for b, layout in enumerate(store.layouts)]
         self.tracer = tracer
         self.bitwise_torch = bitwise_torch
         self.prefetch_depth = prefetch_depth
@@ -64,11 +69,12 @@ class HostUpdates:
                       lease=None) -> None:
         """Run AdamW on the block's master buffer (and refresh its shadow) after its copy-out.
 
+        hyper: lr, betas, eps, weight_decay of each param group (``WindowOptimizer.hyper()``).
         lease: the gradient's lease from the copy-out when the gradient goes straight to this
         update (backward overlap); it is released, and the cached gradient dropped, afterwards.
         """
         store = self.store
-        beta1, beta2 = hyper["betas"]
+        ranges = self._group_ranges[block]
         outputs = [*self.update_states, "shadow"] if store.has_shadow else list(self.update_states)
         self._queued.append(block)
 
@@ -91,10 +97,7 @@ class HostUpdates:
                 own.wait()
                 t = own.tensors
                 with self.tracer.span("optimizer", block, nbytes=t["master"].nbytes):
-                    ok = adam_step_(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step,
-                                    lr=hyper["lr"], beta1=beta1, beta2=beta2, eps=hyper["eps"],
-                                    weight_decay=hyper["weight_decay"], adamw=True, grad_scale=grad_scale,
-                                    shadow=t.get("shadow"), bitwise_torch=self.bitwise_torch)
+                    ok = self._adam(t, ranges, step, hyper, grad_scale)
                 if not ok:
                     raise FloatingPointError(
                         f"block {block}: its gradient has inf/NaN values; the update was not applied. "
@@ -106,6 +109,32 @@ class HostUpdates:
                     store.release(lease)
 
         self.updates[block] = self._pool.submit(job)
+
+    def _adam(self, t: dict, ranges: dict[int, list[tuple[int, int]]] | None, step: int, hyper: list[dict],
+              grad_scale: float) -> bool:
+        """AdamW over a block's flat buffers ``t``: one call for a one-group block, else one per
+        group over its element ranges (checked finite first, so nothing is written on overflow)."""
+        if ranges is None:
+            h = hyper[0]
+            return adam_step_(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step, lr=h["lr"],
+                              beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                              weight_decay=h["weight_decay"], adamw=True, grad_scale=grad_scale,
+                              shadow=t.get("shadow"), bitwise_torch=self.bitwise_torch)
+        if len(ranges) > 1 and not math.isfinite(grad_sq_norm(t["grad"], grad_scale)):
+            return False
+        for group, spans in ranges.items():
+            h = hyper[group]
+
+            def cut(name: str):
+                return [t[name][a:b] for a, b in spans]
+
+            if not adam_step_multi_(cut("master"), cut("grad"), cut("exp_avg"), cut("exp_avg_sq"), step=step,
+                                    lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                                    weight_decay=h["weight_decay"], adamw=True, grad_scale=grad_scale,
+                                    shadows=cut("shadow") if "shadow" in t else None,
+                                    check_finite=len(ranges) == 1, bitwise_torch=self.bitwise_torch):
+                return False
+        return True
 
     def pending(self, block: int) -> Future | None:
         """The block's update job if it has not finished yet, else None (re-raising its error)."""
@@ -137,3 +166,20 @@ class HostUpdates:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _group_ranges(layout, groups: list[int] | None) -> dict[int, list[tuple[int, int]]] | None:
+    """Element ranges of the flat buffer per param group (neighbours of one group merged, with the
+    zero padding between them); None when the whole block is in group 0 (one call over the buffer)."""
+    if groups is None or all(g == 0 for g in groups):
+        return None
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    previous = None
+    for span, group in zip(layout.spans, groups):
+        runs = ranges.setdefault(group, [])
+        if group == previous:
+            runs[-1] = (runs[-1][0], span.offset + span.numel)
+        else:
+            runs.append((span.offset, span.offset + span.numel))
+        previous = group
+    return ranges

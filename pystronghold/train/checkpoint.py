@@ -39,7 +39,8 @@ from safetensors.torch import load as st_load, save as st_save
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "read_manifest", "checkpoint_weights", "export_weights"]
+           "newest_valid_checkpoint", "latest_checkpoint", "read_manifest", "checkpoint_weights",
+           "export_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,24 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The complete checkpoint with the highest step under ``root``, or None."""
     found = _steps(Path(root))
     return found[-1][1] if found else None
+
+
+def newest_valid_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` whose files all match their sha256; each newer
+    one that does not is logged (naming the file) and skipped. None when none is valid."""
+    skipped = []
+    for _, path in reversed(_steps(Path(root))):
+        try:
+            read_manifest(path)
+        except CheckpointError as e:
+            log.warning("resume: %s; trying an older checkpoint", e)
+            skipped.append(path.name)
+            continue
+        if skipped:
+            log.warning("resume: falling back to %s (the newest valid checkpoint; skipped %s)",
+                        path, ", ".join(skipped))
+        return path
+    return None
 
 
 # ---- save
@@ -312,7 +331,13 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
                     "the learning rate %s", saved_decay, trainer.config.run.steps,
                     "stays at its floor after that step" if saved_decay < trainer.config.run.steps
                     else "will not reach its floor")
-    engine.optimizer.param_groups[0].update(state["hyper"])
+    hyper = [state["hyper"]] if isinstance(state["hyper"], dict) else state["hyper"]  # one group before 0.1.1
+    groups = engine.optimizer.param_groups
+    if len(hyper) != len(groups):
+        raise CheckpointError(f"checkpoint {path}: it has {len(hyper)} optimizer param group(s), this run "
+                              f"{len(groups)} (--decay decides them)")
+    for group, h in zip(groups, hyper):
+        group.update(h)
     try:
         trainer.sampler.load_state_dict(state["sampler"])
     except ValueError as e:

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 
 from pystronghold.planner.command import field_docs
@@ -90,38 +91,103 @@ def run_train(args: argparse.Namespace) -> int:
     except BaseException:
         close_parallel()
         raise
-    bar = None
+    progress = None
     if rank0 and not config.run.quiet and trainer.step < config.run.steps:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.run.steps, initial=trainer.step, desc="train", unit="step",
-                   dynamic_ncols=True, file=sys.stderr)
+        progress = Progress(config.run.steps, trainer.step, sys.stderr)
 
     def on_step(step: int, loss: float) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
+        if progress is not None:
+            progress.update(step, loss)
 
-    failure = None
+    failure, result = None, None
+    stopper = StopOnSignal(trainer)
     try:
-        result = trainer.train(on_step)
+        with stopper:
+            result = trainer.train(on_step)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once
+        failure = f"interrupted again: stopped at once in step {trainer.step + 1} (no checkpoint written)"
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
         # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
         # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
         failure = f"at step {trainer.step + 1}: {e}"
     finally:
-        if bar is not None:
-            bar.close()
+        if progress is not None:
+            progress.close()
         try:
             trainer.close()
         except (OSError, CheckpointError, FloatingPointError) as e:
             failure = failure or f"finishing the run: {e}"  # the first failure is the one to report
+        except KeyboardInterrupt:
+            pass
     if failure is not None:
         error(failure)
-        return 1
+        return stopper.exit_status or 1
+    if result.stopped_by is not None:
+        where = f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else ""
+        if rank0:
+            print(f"pystronghold train: stopped by {result.stopped_by} after step {trainer.step}{where}",
+                  file=sys.stderr)
+        return stopper.exit_status or 130
     for line in result.summary_lines():
         log.info("%s", line)
     return 0
+
+
+class StopOnSignal:
+    """Within ``with``: the first SIGINT or SIGTERM asks ``trainer`` to stop after the step in
+    progress (``Trainer.stop_requested``); a second one raises KeyboardInterrupt at once.
+    ``exit_status`` is then 128 + the first signal's number (130 for SIGINT, 143 for SIGTERM)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.exit_status: int | None = None
+        self._previous: dict = {}
+
+    def handle(self, signum: int, frame=None) -> None:
+        if self.exit_status is not None:
+            raise KeyboardInterrupt
+        self.exit_status = 128 + signum
+        self.trainer.stop_requested = signal.Signals(signum).name
+        log.warning("%s: stopping after step %d (Ctrl-C again to stop at once)",
+                    signal.Signals(signum).name, self.trainer.step + 1)
+
+    def __enter__(self) -> "StopOnSignal":
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+class Progress:
+    """A tqdm bar on a terminal; elsewhere (a file, a pipe) plain lines at every tenth of the run and
+    at its end, so redirected output holds no redraws."""
+
+    def __init__(self, total: int, initial: int, stream) -> None:
+        self.total, self.stream = total, stream
+        self.every = max(1, -(-total // 10))
+        self.bar = None
+        if stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                            file=stream)
+
+    def update(self, step: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}")
+        elif step % self.every == 0 or step == self.total:
+            print(f"train: step {step}/{self.total} ({100 * step // self.total}%), loss {loss:.3f}",
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run_export(args: argparse.Namespace) -> int:

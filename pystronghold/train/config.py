@@ -165,6 +165,9 @@ class OptimOptions:
     """Cosine floor as a fraction of the peak, reached at the last step."""
     weight_decay: float = 0.01
     """Decoupled weight decay."""
+    decay: str = field(default="matrices", metadata={"choices": ("matrices", "all")})
+    """Which parameters --weight-decay applies to: 'matrices' (weights and embeddings, >= 2-D; not
+    biases or norm gains, as nanoGPT and GPT-3) or 'all'."""
     beta2: float = 0.99
     """Adam second-moment decay (beta1 is 0.9)."""
     clip: float = 1.0
@@ -274,11 +277,9 @@ class MemoryOptions:
         if self.nvme_states == "all" and self.nvme is None:
             raise ValueError("--nvme-states all needs --nvme DIR")
         if self.nvme is not None:
-            from pathlib import Path
+            from pystronghold.io.scratch import check_io_directory
 
-            p = Path(self.nvme)
-            if p.exists() and not p.is_dir():
-                raise ValueError(f"--nvme {self.nvme}: exists and is not a directory")
+            check_io_directory(self.nvme, flag="--nvme")  # exists (or is created) and takes files
         if self.nvme_cache_blocks < 1:
             raise ValueError(f"--nvme-cache-blocks must be >= 1, got {self.nvme_cache_blocks}")
 
@@ -306,6 +307,11 @@ class RunOptions:
     """Directory for trace.json (Perfetto), timeline.png and loss.png."""
     quiet: bool = False
     """No progress bar (metrics lines still go to the log)."""
+    metrics_file: str | None = field(default=None, metadata={"metavar": "FILE"})
+    """Also write every metrics line as one JSON object per line (JSONL) to this file (appended
+    to on --resume)."""
+    tensorboard: str | None = field(default=None, metadata={"metavar": "DIR"})
+    """Also write the metrics as TensorBoard scalars into this directory (needs `pip install tensorboard`)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "log_every", "eval_batches"):
@@ -320,6 +326,15 @@ class RunOptions:
                 require("plots", "--trace (timeline.png, loss.png)")
             except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
                 raise ValueError(str(e)) from None
+        if self.metrics_file is not None:
+            parent = os.path.dirname(os.path.abspath(self.metrics_file))
+            if os.path.isdir(self.metrics_file) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+                raise ValueError(f"--metrics-file {self.metrics_file}: not a file in a writable directory")
+        if self.tensorboard is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ValueError("--tensorboard needs the 'tensorboard' package (pip install tensorboard)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,8 +23,8 @@ from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
 from pystronghold.train.config import TrainConfig
-from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, TimeReport, device_peak_bytes,
-                                        memory_report, summarize_events)
+from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
+                                        device_peak_bytes, memory_report, summarize_events)
 
 __all__ = ["Trainer", "TrainResult", "seed_everything"]
 
@@ -61,6 +61,8 @@ class TrainResult:
     """Directories of the checkpoints written."""
     outputs: list[str] = field(default_factory=list)
     """Trace files and pictures written."""
+    stopped_by: str | None = None
+    """Name of the signal (e.g. "SIGINT") that stopped the run after a step; None: it ran to the end."""
 
     def summary_lines(self) -> list[str]:
         out = []
@@ -157,18 +159,25 @@ class Trainer:
             host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,
             nvme_states=config.memory.nvme_states, nvme_cache_blocks=config.memory.nvme_cache_blocks,
             nvme_preallocate=not config.memory.nvme_sparse,
-            optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay))
+            optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
+                                         decay=o.decay))
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0
         self.result = TrainResult()
         self._all_events: list = []  # kept only with --trace
+        self.stop_requested: str | None = None
+        """Set (to a signal's name) from outside, e.g. a signal handler: the run stops after the step
+        in progress, writing a checkpoint when --checkpoint-dir is set."""
         if config.checkpoint.resume:
-            from pystronghold.train.checkpoint import latest_checkpoint, load_checkpoint
+            from pystronghold.train.checkpoint import latest_checkpoint, load_checkpoint, newest_valid_checkpoint
 
-            path = latest_checkpoint(config.checkpoint.checkpoint_dir)
+            root = config.checkpoint.checkpoint_dir
+            if latest_checkpoint(root) is None:
+                raise ValueError(f"--resume: no complete checkpoint in {root}")
+            path = newest_valid_checkpoint(root)
             if path is None:
-                raise ValueError(f"--resume: no complete checkpoint in {config.checkpoint.checkpoint_dir}")
+                raise ValueError(f"--resume: every checkpoint in {root} is corrupt (see the warnings above)")
             load_checkpoint(self, path)
             log.info("resumed from %s at step %d", path, self.step)
         self.result.start_step = self.step
@@ -219,26 +228,40 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches (the same value on every rank), without dropout."""
-        was_training = self.model.training
-        self.model.eval()
+        """Mean loss over the fixed validation batches (the same value on every rank), in eval mode
+        (no dropout) through the window without gradients."""
+        self.engine.eval()
         try:
             losses = [float(self.loss(self._to_device(x), self._to_device(y))) for x, y in self.val]
         finally:
-            self.model.train(was_training)
+            self.engine.train()
         return self._dp_mean(sum(losses) / len(losses))
 
     # ---- the run
 
     def train(self, on_step=None) -> TrainResult:
-        """Run the remaining steps. ``on_step(step, loss)`` is called after each step (progress)."""
+        """Run the remaining steps (or until ``stop_requested``). ``on_step(step, loss)`` is called
+        after each step (progress)."""
+        run, res, tracer = self.config.run, self.result, self.engine.trace
+        tracer.clear()
+        writer = MetricsWriter(run.metrics_file, run.tensorboard, append=self.result.start_step > 0) \
+            if self.rank == 0 else MetricsWriter(None, None)
+        try:
+            self._run_steps(res, writer, on_step)
+        finally:
+            writer.close()
+        res.memory = memory_report(self.engine)
+        if run.trace and self.rank == 0:
+            self._write_trace(Path(run.trace))
+        return res
+
+    def _run_steps(self, res: TrainResult, writer: MetricsWriter, on_step) -> None:
         run, ck = self.config.run, self.config.checkpoint
-        res, tracer = self.result, self.engine.trace
+        tracer = self.engine.trace
         tokens_per_step = self.config.optim.accumulation * self.batch * self.seq
         interval_losses: list[float] = []
         t_interval = time.perf_counter()
         steps_in_interval = 0
-        tracer.clear()
         while self.step < run.steps:
             t0 = time.perf_counter()
             loss = self.train_step()
@@ -267,13 +290,17 @@ class Trainer:
                     host_bytes=self.engine.store.nbytes, overlap=s.overlap_fraction)
                 res.intervals.append(m)
                 log.info("%s", m.line())
+                writer.interval(m)
                 interval_losses, steps_in_interval = [], 0
             if (run.eval_every and self.step % run.eval_every == 0) or last:
                 t0 = time.perf_counter()
                 res.val_losses.append((self.step, self.evaluate()))
                 res.time.eval_s += time.perf_counter() - t0
                 log.info("step %d | validation loss %.4f", self.step, res.val_losses[-1][1])
-            if ck.checkpoint_dir and ((ck.checkpoint_every and self.step % ck.checkpoint_every == 0) or last):
+                writer.validation(*res.val_losses[-1])
+            stop = self._stop_agreed()
+            if ck.checkpoint_dir and ((ck.checkpoint_every and self.step % ck.checkpoint_every == 0) or last
+                                      or stop):
                 from pystronghold.train.checkpoint import save_checkpoint
 
                 t0 = time.perf_counter()
@@ -287,10 +314,22 @@ class Trainer:
             if self.step % run.log_every == 0 or last:
                 t_interval = time.perf_counter()  # validation and checkpoints are not step time
                 tracer.clear()
-        res.memory = memory_report(self.engine)
-        if run.trace and self.rank == 0:
-            self._write_trace(Path(run.trace))
-        return res
+            if stop:
+                res.stopped_by = self.stop_requested or "a signal on another rank"
+                return
+
+    def _stop_agreed(self) -> bool:
+        """Whether to stop now: ``stop_requested`` on this rank or, with several processes, on any
+        (all ranks stop after the same step, or a collective of the next one would hang)."""
+        if self.groups is None:
+            return self.stop_requested is not None
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.stop_requested is not None else 0.0])
+        if dist.get_backend() == "nccl":
+            flag = flag.to(self.engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _barrier(self) -> None:
         if self.groups is not None:

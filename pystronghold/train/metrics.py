@@ -12,6 +12,7 @@ steps of the interval; ``-`` where the interval moved nothing of that kind.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ from pystronghold.runtime.prepare import head_tail_bytes
 from pystronghold.trace import Tracer
 
 __all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport", "memory_report",
-           "TimeReport", "format_bytes"]
+           "TimeReport", "format_bytes", "MetricsWriter"]
 
 METRIC_FIELDS = ("step", "loss", "ms/step", "tok/s", "h2d", "d2h", "dev peak", "host", "overlap")
 """Fields of a metrics line, in order."""
@@ -76,7 +77,44 @@ class IntervalMetrics:
                 f"overlap {overlap}")
 
     def as_dict(self) -> dict:
+        """The line's figures by field name (units as the fields say: bytes, GB/s, fraction)."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+class MetricsWriter:
+    """Metrics lines also as JSONL (``--metrics-file``) and TensorBoard scalars (``--tensorboard``)."""
+
+    def __init__(self, jsonl: str | None, tensorboard: str | None, *, append: bool = False) -> None:
+        self._file = open(jsonl, "a" if append else "w", encoding="utf-8") if jsonl else None
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(tensorboard)
+
+    def interval(self, m: IntervalMetrics) -> None:
+        """Write one metrics line's figures (a JSON object; TensorBoard scalars under ``train/``)."""
+        if self._file is not None:
+            self._file.write(json.dumps(m.as_dict()) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for name, value in m.as_dict().items():
+                if name != "step" and value is not None:
+                    self._tb.add_scalar(f"train/{name}", value, m.step)
+
+    def validation(self, step: int, loss: float) -> None:
+        """A validation loss (TensorBoard ``val/loss``; a ``{"step", "val_loss"}`` JSON object)."""
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.add_scalar("val/loss", loss, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 @dataclass(slots=True)
@@ -185,8 +223,8 @@ class TimeReport:
                f"host Adam {self.kind_s.get('optimizer', 0):.1f} s, norms {self.kind_s.get('norm', 0):.1f} s"
                + (f", disk read {self.kind_s['file_read']:.1f} s, disk write {self.kind_s.get('file_write', 0):.1f} s"
                   if "file_read" in self.kind_s else "")
-               + (f"; {100 * self.hidden_s / self.background_s:.0f}% hidden behind compute"
-                  if self.background_s else "")]
+               + (f"; over the whole run {100 * self.hidden_s / self.background_s:.0f}% of this background "
+                  "work was hidden behind compute" if self.background_s else "")]
         rest = self.wall_s - compute - self.kind_s.get("wait", 0.0)
         out.append(f"other (head/tail, loss, Python, exposed host work) {max(rest, 0.0):.1f} s")
         return out

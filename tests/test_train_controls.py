@@ -1,0 +1,161 @@
+"""`pystronghold train` controls: --version, Ctrl-C / SIGTERM, --metrics-file, --tensorboard, plain
+progress lines when stderr is not a terminal, falling back from a corrupt checkpoint on --resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from pystronghold import __version__
+from pystronghold.cli import main
+from pystronghold.train import Trainer
+from pystronghold.train.command import StopOnSignal
+from pystronghold.train.metrics import IntervalMetrics
+from train_helpers import TINY, text_dir, tiny_config
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _cli(tmp_path, *extra: str) -> list[str]:
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(TINY))
+    return [sys.executable, "-m", "pystronghold", "train", "--model", str(model), "--data",
+            str(text_dir(tmp_path)), "--max-bytes", "65536", "--batch", "4", "--seq", "32",
+            "--eval-batches", "1", "--eval-every", "0", *extra]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pystronghold {__version__}"
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_signal_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, sig, status):
+    ck = tmp_path / "ck"
+    child = subprocess.Popen(_cli(tmp_path, "--steps", "100000", "--log-every", "1", "--checkpoint-dir",
+                                  str(ck), "--quiet"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        for line in child.stdout:  # the first metrics line: training is under way
+            if line.startswith("step 1 |"):
+                break
+        else:
+            pytest.fail(f"the run ended before its first step: {child.stderr.read()[-2000:]}")
+        child.send_signal(sig)
+        out, err = child.communicate(timeout=180)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == status, err[-2000:]
+    assert "Traceback" not in err
+    final = err.strip().splitlines()[-1]
+    name = signal.Signals(sig).name
+    assert final.startswith(f"pystronghold train: stopped by {name} after step "), err
+    step = int(final.split("after step ")[1].split(";")[0])
+    assert step >= 1 and f"checkpoint {ck / f'step-{step:08d}'}" in final
+    assert (ck / f"step-{step:08d}" / "manifest.json").is_file()
+
+
+def test_a_second_signal_stops_at_once():
+    class Run:
+        step, stop_requested = 3, None
+
+    run = Run()
+    stopper = StopOnSignal(run)
+    stopper.handle(signal.SIGINT)
+    assert run.stop_requested == "SIGINT" and stopper.exit_status == 130
+    with pytest.raises(KeyboardInterrupt):
+        stopper.handle(signal.SIGINT)
+
+
+def test_metrics_file_has_one_json_object_per_metrics_line(tmp_path):
+    config = tiny_config(tmp_path, steps=6)
+    config.run = dataclasses.replace(config.run, metrics_file=str(tmp_path / "run.jsonl"), eval_every=3)
+    trainer = Trainer(config)
+    try:
+        res = trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(s) for s in (tmp_path / "run.jsonl").read_text().splitlines()]
+    metrics = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in metrics] == [m.step for m in res.intervals] == [2, 4, 6]
+    assert all(set(r) == set(IntervalMetrics.__dataclass_fields__) for r in metrics)
+    assert [r["loss"] for r in metrics] == [m.loss for m in res.intervals]
+    assert [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r] == res.val_losses
+
+
+def test_metrics_file_in_a_missing_directory_is_one_line(capsys, tmp_path):
+    assert main(["train", "--metrics-file", str(tmp_path / "nosuch" / "run.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--metrics-file" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
+def test_tensorboard_without_the_package_is_one_line_naming_it(capsys, tmp_path):
+    assert main(["train", "--tensorboard", str(tmp_path / "tb")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--tensorboard needs the 'tensorboard' package" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
+def test_tensorboard_writes_event_files(tmp_path):
+    config = tiny_config(tmp_path, steps=2)
+    config.run = dataclasses.replace(config.run, tensorboard=str(tmp_path / "tb"))
+    trainer = Trainer(config)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(tmp_path):
+    proc = subprocess.run(_cli(tmp_path, "--steps", "4", "--log-every", "2"), capture_output=True,
+                          text=True, timeout=240, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\r" not in proc.stderr
+    lines = [s for s in proc.stderr.splitlines() if s.startswith("train: step ")]
+    assert [s.split(" (")[0] for s in lines] == [f"train: step {k}/4" for k in (1, 2, 3, 4)]
+
+
+def test_resume_falls_back_from_a_corrupt_latest_checkpoint(tmp_path, caplog):
+    ck = tmp_path / "ck"
+    trainer = Trainer(tiny_config(tmp_path, steps=4, ckpt=str(ck), every=2))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    bad = ck / "step-00000004" / "blocks" / "block-00001.safetensors"
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="pystronghold.train.checkpoint"):
+        trainer = Trainer(tiny_config(tmp_path, steps=6, ckpt=str(ck), every=2, resume=True))
+    try:
+        assert trainer.step == 2
+    finally:
+        trainer.close()
+    text = caplog.text
+    assert "step-00000004: blocks/block-00001.safetensors is corrupt" in text
+    assert f"falling back to {ck / 'step-00000002'}" in text
+
+
+def test_validation_runs_in_eval_mode_and_training_resumes_in_train_mode(tmp_path):
+    trainer = Trainer(tiny_config(tmp_path, steps=2, model=dict(TINY, dropout=0.5)))
+    try:
+        first, second = trainer.evaluate(), trainer.evaluate()
+        assert first == second  # no dropout in validation
+        assert trainer.engine.training and all(m.training for m in trainer.model.modules())
+    finally:
+        trainer.close()
