@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import warnings
 
 import torch
 
@@ -27,8 +26,9 @@ from pystronghold.runtime.schedule import Load, Release, build_plan
 from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.placement import plan_placement
-from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, move_to_device, slot_bytes,
-                                          split_parameters)
+from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
+                                          slot_bytes, split_parameters, window_slots)
+from pystronghold.runtime.resident import ResidentBlocks
 from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
 from pystronghold.runtime.timing import copy_marks
 from pystronghold.runtime.updates import HostUpdates
@@ -46,26 +46,29 @@ class Engine:
     def __init__(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, config: RuntimeConfig,
                  materialize=None) -> None:
         self.model, self.config = model, config
-        n = len(blocks)
-        if n == 0:
+        total = len(blocks)
+        if total == 0:
             raise ValueError("wrap: the block list is empty; pass blocks= a non-empty nn.ModuleList")
-        window = n if config.window == "all" else config.window
-        if window > n:
-            msg = f"wrap: window={window} is larger than the {n} blocks; using window={n}"
-            warnings.warn(msg, stacklevel=3)
-            log.warning(msg)
-            window = n
-        self.window_size, self.n_blocks = window, n
+        k = config.resident_blocks
+        if k > total:
+            raise ValueError(f"wrap: resident_blocks={k} is more than the {total} blocks")
+        n = total - k  # streamed blocks: global index k + local index
+        window = window_slots(config.window, n, k)
+        self.window_size, self.n_blocks, self.n_streamed = window, total, n
         self.dtype = compute_dtype(config.precision)
         self.overlap = config.overlap_mode
         par = config.parallel
         self.dp_group, self.tp_group = (par.dp_group, par.tp_group) if par is not None else (None, None)
         self.parallel = par is not None and par.world_size > 1
+        materialize = materialize_resident(model, blocks, k, materialize)
         block_named, self.head_tail_params = split_parameters(model, blocks, config.device)
+        resident_params = [[p for _, p in named] for named in block_named[:k]]
+        block_named, streamed = block_named[k:], list(blocks)[k:]
         layouts = [BlockLayout(named) for named in block_named]
         block_params = [[p for _, p in named] for named in block_named]
         numels = [lay.numel for lay in layouts]
-        self.planned_arena_bytes = window * slot_bytes(layouts, self.dtype)
+        self.planned_arena_bytes = window * slot_bytes(layouts, self.dtype) if n else 0
+        resident_bytes = head_tail_bytes([p for ps in resident_params for p in ps], self.dtype)
         # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
         self.placement = plan_placement(
             numels, self.dtype,
@@ -73,7 +76,7 @@ class Engine:
                           else int(config.host_memory_bytes)),
             # on the CPU backend the "device" (window arena, head and tail) is host memory too
             fixed_bytes=(self.planned_arena_bytes + head_tail_bytes(self.head_tail_params, self.dtype)
-                         if config.device == "cpu" else 0),
+                         + resident_bytes if config.device == "cpu" else 0),
             nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
             streamed_grads=self.overlap == "backward" and config.accumulation_steps == 1,
             force_disk=config.nvme_states == "all")
@@ -82,7 +85,8 @@ class Engine:
             self.scratch = open_scratch(config.nvme_dir, disk_tier_bytes(self.placement, numels, self.dtype),
                                         preallocate=config.nvme_preallocate)
         try:
-            self.backend = make_backend(config.device, self.planned_arena_bytes, copy_threads=config.copy_threads)
+            # (an arena of one page when every block is resident: nothing streams)
+            self.backend = make_backend(config.device, max(self.planned_arena_bytes, 4096), copy_threads=config.copy_threads)
             self.device = self.backend.device
 
             def disk_factory(placement, numels):
@@ -97,13 +101,15 @@ class Engine:
             if self.scratch is not None:
                 self.scratch.close()
             raise
-        fill_store(self.store, model, blocks, block_named, block_params, materialize)
+        fill_store(self.store, model, streamed, block_named, block_params, materialize)
         # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
         head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
+        self.resident = ResidentBlocks(list(blocks)[:k], resident_params, config.optimizer, self.device,
+                                       self.dtype, recompute=config.resident_recompute)
         move_to_device(model, blocks, self.device, self.dtype)
         self.window = Window(self.backend, layouts, block_params, window, self.dtype)
-        self.plans = {train: build_plan(n, window, train) for train in (True, False)}
-        self.block_forwards = block_fn.install(self, blocks)
+        self.plans = {train: build_plan(n, window, train) for train in (True, False)} if n else {}
+        self.block_forwards = block_fn.install(self, streamed)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.trace = Tracer(enabled=config.trace)
         self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer)
@@ -113,9 +119,9 @@ class Engine:
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
         names = {id(p): name for name, p in model.named_parameters()}
-        self.states = EngineStates(self, [[names[id(p)] for p in ps] for ps in block_params],
+        self.states = EngineStates(self, [[names[id(p)] for p in ps] for ps in resident_params + block_params],
                                    [names[id(p)] for p in self.head_tail_params])
-        install_model_hooks(self, model, blocks)  # model.state_dict() / load_state_dict() via the store
+        install_model_hooks(self, model, streamed)  # model.state_dict() / load_state_dict() via the store
         # pass state
         self._plan = None  # the plan of the pass in progress
         self._pos = 0  # index of the next use in the plan
@@ -130,8 +136,10 @@ class Engine:
         self.skipped_steps = 0
         self.grad_norm: float | None = None  # the last step's global gradient norm (clipping/fp16)
         self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
-        log.info("window runtime: %d blocks, W=%d, %s, %s, overlap=%s, device arena %d bytes",
-                 n, window, config.device, config.precision, self.overlap, self.planned_arena_bytes)
+        log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes), %d streamed "
+                 "(W=%d, device arena %d bytes, host store %d bytes), %s, %s, overlap=%s", total, k,
+                 self.resident.nbytes, n, window, self.planned_arena_bytes, self.store.nbytes, config.device,
+                 config.precision, self.overlap)
 
     # ---- user API
 
@@ -142,6 +150,8 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        if not self.n_streamed:  # (otherwise counted when the backward pass reaches block 0)
+            self.micro_batches += 1
         if self._plan is not None:
             raise RuntimeError("backward did not reach the first block: the loss does not depend on "
                                "every block, or only part of the graph was back-propagated")
@@ -177,7 +187,9 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters for invariants and benchmarks (bytes, counts)."""
-        return dict(window=self.window_size, blocks=self.n_blocks, peak_resident=self.window.peak_resident,
+        return dict(window=self.window_size, blocks=self.n_blocks, resident_blocks=self.resident.count,
+                    resident_bytes=self.resident.nbytes, streamed_blocks=self.n_streamed,
+                    peak_resident=self.window.peak_resident,
                     planned_arena_bytes=self.planned_arena_bytes, arena_used_bytes=self.backend.arena_used_bytes,
                     store_bytes=self.store.nbytes, steps=self.steps, skipped_steps=self.skipped_steps,
                     loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm,
@@ -254,7 +266,7 @@ class Engine:
                 self._load(action)
         self._pos += 1
         if self._pos == len(self._plan.uses):
-            if len(self._plan.uses) > self.n_blocks:
+            if len(self._plan.uses) > self.n_streamed:
                 self.micro_batches += 1
             self._plan = None
             self._flush_copies()  # finished copies go to the trace and are dropped
@@ -368,11 +380,12 @@ class Engine:
         for h in self._grad_out.values():
             h.wait()
         self._grad_out.clear()
-        average_grads_(self.device_optimizer.params, self.dp_group)  # head and tail, one bucket
+        average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
         hyper, step = self.optimizer.hyper(), self.steps + 1
         if self.overlap == "backward":
             self.updates.drain()
             self.device_optimizer.step(hyper, 1.0)
+            self.resident.step(hyper, 1.0, self.steps)
         else:
             scale = self._unscale()
             coef = 1.0
@@ -393,9 +406,10 @@ class Engine:
                     # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
                     coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
                                              max=1.0))
-            for block in range(self.n_blocks):  # 0, 1, 2, ...: the order the next forward loads them
+            for block in range(self.n_streamed):  # 0, 1, 2, ...: the order the next forward loads them
                 self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
             self.device_optimizer.step(hyper, scale * coef)
+            self.resident.step(hyper, scale * coef, self.steps)
             if self.overlap == "none":
                 self.updates.drain()
         self.steps = step
@@ -404,7 +418,7 @@ class Engine:
     def _global_grad_norm(self, grad_scale: float) -> float:
         """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;
         tensor-parallel shards summed over the TP group (pystronghold.parallel.data)."""
-        norms = self.device_optimizer.grad_norms(grad_scale)
+        norms = {**self.device_optimizer.grad_norms(grad_scale), **self.resident.grad_norms(grad_scale)}
         for block, per_param in self.updates.block_norms().items():
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
@@ -414,14 +428,15 @@ class Engine:
 
     def _end_step(self) -> None:
         self.micro_batches = 0
-        self._grad_valid = [False] * self.n_blocks
+        self._grad_valid = [False] * self.n_streamed
         self._flush_copies(calibrate=True)
 
     def _zero_grad(self) -> None:
         self.device_optimizer.zero_grad()
+        self.resident.zero_grad()
         if self._plan is None and self.micro_batches:
             self.micro_batches = 0
-            self._grad_valid = [False] * self.n_blocks
+            self._grad_valid = [False] * self.n_streamed
 
     def _flush_copies(self, calibrate: bool = False) -> None:
         """Finished copies go to the trace and are dropped; with ``calibrate`` (step end, sync) the
