@@ -173,3 +173,22 @@ def test_lazy_blocks_materialize_into_resident_and_streamed_blocks():
         engine.close()
     for name, p in eager.named_parameters():
         assert torch.equal(got[name], p.detach()), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fused device AdamW)")
+def test_cuda_every_block_resident_is_plain_pytorch_with_fused_adamw():
+    """On CUDA, W=all and K=N: the losses and parameters of plain PyTorch + fused AdamW (the blocks
+    run torch's fused kernel; head and tail torch's single-tensor loop, hence a tolerance)."""
+    model, batches = tiny_gpt(layers=4), [(x.cuda(), y.cuda()) for x, y in gpt_batches(10)]
+    plain = copy.deepcopy(model).cuda()
+    opt = torch.optim.AdamW(plain.parameters(), **HYPER, fused=True)
+    want = plain_steps(plain, opt, batches)
+    engine = ph.wrap(model, window="all", resident_blocks=4, device="cuda", optimizer=ph.AdamW(**HYPER))
+    try:
+        torch.testing.assert_close(torch.tensor(engine_steps(engine, batches)), torch.tensor(want),
+                                   rtol=1e-6, atol=0)
+        got = engine.master_parameters()
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        engine.close()

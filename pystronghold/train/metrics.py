@@ -123,10 +123,11 @@ def _state_bytes_per_param(dtype: torch.dtype) -> int:
 
 
 def device_peak_bytes(engine, head_tail_bytes: int) -> int:
-    """Peak device bytes of ``engine``: CUDA's allocator peak, or on CPU the arena + head/tail state."""
+    """Peak device bytes of ``engine``: CUDA's allocator peak, or on CPU the arena + head/tail and
+    resident-block state."""
     if engine.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(engine.device))
-    return int(engine.backend.arena_used_bytes) + head_tail_bytes
+    return int(engine.backend.arena_used_bytes) + head_tail_bytes + engine.stats()["resident_bytes"]
 
 
 def memory_report(engine) -> MemoryReport:
