@@ -192,3 +192,30 @@ def test_cuda_every_block_resident_is_plain_pytorch_with_fused_adamw():
             torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
     finally:
         engine.close()
+
+
+def _parallel_resident(rank: int, world: int, tp: int) -> None:
+    """DP (accumulation) and TP x DP (clipping) with 2 of 4 blocks resident, against one process."""
+    import dataclasses
+
+    from pystronghold.models import GPT
+    from pystronghold.parallel import init_parallel
+    from test_parallel_runtime import CFG, CLIP, _assert_matches, _assert_replicas_identical, _data, _full, \
+        _reference, _train
+
+    groups = init_parallel(tp_size=tp, heads=CFG.heads, timeout_s=30)
+    model = GPT(dataclasses.replace(CFG, tp_size=tp), seed=7, tp_group=groups.tp_group if tp > 1 else None)
+    data = _data(steps=3, micro=2 if tp == 1 else 1, batch=2 * groups.dp_size)
+    clip = CLIP if tp > 1 else None
+    losses, norms, params = _train(model, data, groups, resident_blocks=2, clip_grad_norm=clip)
+    _assert_matches((losses, norms, _full(model, params, groups.tp_group) if tp > 1 else params),
+                    _reference(data, clip=clip), clipped=clip is not None)
+    if groups.dp_size > 1:
+        _assert_replicas_identical(params, groups.dp_group)
+
+
+@pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)])
+def test_resident_blocks_with_data_and_tensor_parallelism(world, tp):
+    from _dist import run_ranks
+
+    run_ranks(_parallel_resident, world, tp, timeout_s=150)
