@@ -96,7 +96,9 @@ def test_stats_and_log_line_give_the_split(caplog):
         assert (st["blocks"], st["resident_blocks"], st["streamed_blocks"], st["window"]) == (4, 3, 1, 1)
         assert st["resident_bytes"] == expected
         assert st["store_bytes"] > 0
-        assert f"3 resident with device AdamW ({expected} bytes), 1 streamed" in caplog.text
+        assert (f"3 resident with device AdamW ({expected} bytes, activations kept), 1 streamed (W=1, "
+                f"device arena {st['planned_arena_bytes']} bytes, host store {st['store_bytes']} bytes, "
+                "recomputed)") in caplog.text
     finally:
         engine.close()
 

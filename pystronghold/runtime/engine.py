@@ -136,10 +136,11 @@ class Engine:
         self.skipped_steps = 0
         self.grad_norm: float | None = None  # the last step's global gradient norm (clipping/fp16)
         self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
-        log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes), %d streamed "
-                 "(W=%d, device arena %d bytes, host store %d bytes), %s, %s, overlap=%s", total, k,
-                 self.resident.nbytes, n, window, self.planned_arena_bytes, self.store.nbytes, config.device,
-                 config.precision, self.overlap)
+        kept = {True: "recomputed", False: "activations kept"}
+        log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes, %s), %d streamed "
+                 "(W=%d, device arena %d bytes, host store %d bytes, %s), %s, %s, overlap=%s", total, k,
+                 self.resident.nbytes, kept[config.resident_recompute], n, window, self.planned_arena_bytes,
+                 self.store.nbytes, kept[config.checkpointing], config.device, config.precision, self.overlap)
 
     # ---- user API
 
