@@ -64,6 +64,27 @@ def test_fp16_overflow_skips_resident_blocks_too():
     _compare(ref, got)
 
 
+def test_every_block_resident_counts_plain_loss_backward_with_accumulation():
+    """K=N: ``loss.backward()`` (not only ``engine.backward``) counts as a micro-batch."""
+    model, batches = tiny_gpt(layers=2), gpt_batches(4)
+    ref = copy.deepcopy(model)
+    engine = ph.wrap(model, window="all", resident_blocks=2, accumulation_steps=2,
+                     optimizer=ph.AdamW(**HYPER, bitwise_torch=True))
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    try:
+        for k, (x, y) in enumerate(batches):
+            engine(x, y).backward()
+            ref(x, y).backward()
+            if k % 2 == 1:
+                engine.step(), opt.step()
+                engine.zero_grad(), opt.zero_grad()
+        assert engine.stats()["steps"] == 2
+        for name, p in ref.named_parameters():
+            assert torch.equal(dict(model.named_parameters())[name], p), name
+    finally:
+        engine.close()
+
+
 def _counting_forward(block):
     calls = []
     original = block.forward

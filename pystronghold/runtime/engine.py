@@ -136,6 +136,8 @@ class Engine:
         self.skipped_steps = 0
         self.grad_norm: float | None = None  # the last step's global gradient norm (clipping/fp16)
         self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
+        if not n:  # every block resident: a backward pass is counted once it reaches their gradients
+            torch.autograd.graph.register_multi_grad_hook(self.resident.params, self._count_backward, mode="any")
         kept = {True: "recomputed", False: "activations kept"}
         log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes, %s), %d streamed "
                  "(W=%d, device arena %d bytes, host store %d bytes, %s), %s, %s, overlap=%s", total, k,
@@ -151,8 +153,6 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
-        if not self.n_streamed:  # (otherwise counted when the backward pass reaches block 0)
-            self.micro_batches += 1
         if self._plan is not None:
             raise RuntimeError("backward did not reach the first block: the loss does not depend on "
                                "every block, or only part of the graph was back-propagated")
@@ -271,6 +271,9 @@ class Engine:
                 self.micro_batches += 1
             self._plan = None
             self._flush_copies()  # finished copies go to the trace and are dropped
+
+    def _count_backward(self, grad) -> None:
+        self.micro_batches += 1
 
     def _begin_pass(self, train: bool) -> None:
         if self._plan is not None:
