@@ -124,6 +124,12 @@ def test_stats_and_log_line_give_the_split(caplog):
         engine.close()
 
 
+def test_trace_numbers_streamed_blocks_as_the_model_does():
+    _, _, engine = train_engine(tiny_gpt(layers=4), gpt_batches(2), window=1, resident_blocks=3, trace=True)
+    blocks = {e.block for e in engine.trace.events() if e.block is not None}
+    assert blocks == {3}  # the one streamed block; resident blocks are not scheduled
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_bad_resident_blocks_is_refused(bad):
     with pytest.raises(ValueError, match="resident_blocks"):

@@ -111,7 +111,7 @@ class Engine:
         self.plans = {train: build_plan(n, window, train) for train in (True, False)} if n else {}
         self.block_forwards = block_fn.install(self, streamed)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self.trace = Tracer(enabled=config.trace)
+        self.trace = Tracer(enabled=config.trace, block_offset=k)  # the model's block numbers
         self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer)
         self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters)
         self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch,
