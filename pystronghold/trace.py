@@ -123,8 +123,11 @@ class Tracer:
     the runtime can leave its calls in place at no cost.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, block_offset: int = 0) -> None:
         self.enabled = enabled
+        self.block_offset = block_offset
+        """Added to every block index recorded: the engine numbers its streamed blocks from 0, and
+        with K device-resident blocks the first streamed block is model block K."""
         self._events: list[TraceEvent] = []
         self._pending: list[tuple] = []  # (kind, block, start mark, end mark, nbytes, lane)
         self._lock = threading.Lock()
@@ -146,6 +149,7 @@ class Tracer:
             raise ValueError(f"Tracer.record: end_s={end_s} is before start_s={start_s} ({kind})")
         if nbytes < 0:
             raise ValueError(f"Tracer.record: nbytes must be >= 0, got {nbytes} ({kind})")
+        block = None if block is None else block + self.block_offset
         event = TraceEvent(kind, block, float(start_s), float(end_s), int(nbytes),
                            lane or LANE_OF_KIND.get(kind, kind))
         with self._lock:
@@ -197,7 +201,7 @@ class Tracer:
         if not self.enabled:
             yield
             return
-        label = f"pystronghold::{kind}" + ("" if block is None else f"[{block}]")
+        label = f"pystronghold::{kind}" + ("" if block is None else f"[{block + self.block_offset}]")
         with torch.profiler.record_function(label):
             start = time.monotonic() if clock is None else clock.mark()
             try:

@@ -23,14 +23,15 @@ def text_dir(root: Path) -> Path:
 
 def tiny_config(tmp_path: Path, *, steps: int = 6, window: str = "2", ckpt: str | None = None,
                 every: int = 0, resume: bool = False, clip: float = 1.0, precision: str = "fp32",
-                trace: str | None = None, model: dict | None = None, accumulation: int = 1) -> TrainConfig:
+                trace: str | None = None, model: dict | None = None, accumulation: int = 1,
+                resident: int = 0) -> TrainConfig:
     model_file = tmp_path / "model.json"
     model_file.write_text(json.dumps(model or TINY))
     return TrainConfig(
         model=ModelOptions(model=str(model_file)),
         data=DataOptions(data=[str(text_dir(tmp_path))], max_bytes=1 << 16, batch=4, seq=32),
         optim=OptimOptions(lr=3e-3, warmup=2, clip=clip, accumulation=accumulation),
-        window=WindowOptions(window=window, precision=precision),
+        window=WindowOptions(window=window, precision=precision, resident_blocks=resident),
         run=RunOptions(steps=steps, log_every=2, eval_every=0, eval_batches=2, trace=trace, quiet=True),
         checkpoint=CheckpointOptions(checkpoint_dir=ckpt, checkpoint_every=every, resume=resume))
 

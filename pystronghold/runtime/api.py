@@ -19,8 +19,9 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
     ``blocks`` is the model's stack of transformer blocks (an ``nn.ModuleList``); when omitted it is
     found with ``pystronghold.runtime.discovery.find_blocks``. ``options`` are the fields of
     :class:`pystronghold.runtime.config.RuntimeConfig` (window, device, precision, optimizer,
-    clip_grad_norm, accumulation_steps, checkpointing, overlap, strict, trace, host_memory_bytes,
-    nvme_dir, parallel, ...). With ``nvme_dir``, the block states the host budget cannot hold live
+    clip_grad_norm, accumulation_steps, checkpointing, resident_blocks, resident_recompute, overlap,
+    strict, trace, host_memory_bytes, nvme_dir, parallel, ...). With ``resident_blocks=K`` the first K
+    blocks never leave the device (device AdamW, no host update); the others stream through the window. With ``nvme_dir``, the block states the host budget cannot hold live
     on disk there (the file tier), staged through a bounded host cache. Blocks may be built on the
     ``meta`` device (a model larger than host memory): ``materialize(i)`` (default: the model's
     ``materialize_block_``) then gives block i real parameters, one block at a time (in

@@ -31,7 +31,15 @@ class RuntimeConfig:
     accumulation_steps: int = 1
     """Micro-batches (backward passes) per optimizer step; updates run after the last one only."""
     checkpointing: bool = True
-    """Recompute each block in backward (saving only its inputs); False keeps its activations."""
+    """Recompute each streamed block in backward (saving only its inputs); False keeps its activations."""
+    resident_blocks: int = 0
+    """K: the first K blocks stay on the device for good, with their fp32 masters and AdamW moments
+    there, updated by a device ``torch.optim.AdamW`` (fused on CUDA) in ``step()``: no load, no
+    copy-out, no host update. The other blocks stream through the W slots. 0: every block streams;
+    K = number of blocks with ``window="all"`` and no recompute is plain PyTorch, step for step."""
+    resident_recompute: bool = False
+    """Recompute the resident blocks in backward too (torch.utils.checkpoint); False (default): they
+    keep their activations, as plain PyTorch does."""
     overlap: str = "auto"
     """When host updates run: "backward" (block i as soon as its gradient is on the host),
     "forward" (after backward, block 0, 1, ... ahead of the next forward's loads), "none" (inside
@@ -110,6 +118,9 @@ class RuntimeConfig:
             self.nvme_dir = str(self.nvme_dir)
         if type(self.init_threads) is not int or self.init_threads < 0:
             raise ValueError(f"RuntimeConfig.init_threads must be an int >= 0, got {self.init_threads!r}")
+        if not isinstance(self.resident_blocks, int) or isinstance(self.resident_blocks, bool) \
+                or self.resident_blocks < 0:
+            raise ValueError(f"RuntimeConfig.resident_blocks must be an int >= 0, got {self.resident_blocks!r}")
         if self.copy_threads < 1:
             raise ValueError(f"RuntimeConfig.copy_threads must be >= 1, got {self.copy_threads}")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import warnings
 
 import torch
 
@@ -29,8 +28,9 @@ from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.placement import plan_placement
-from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, move_to_device, slot_bytes,
-                                          split_parameters)
+from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
+                                          slot_bytes, split_parameters, window_slots)
+from pystronghold.runtime.resident import ResidentBlocks
 from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
 from pystronghold.runtime.timing import copy_marks
 from pystronghold.runtime.updates import HostUpdates
@@ -48,16 +48,15 @@ class Engine:
     def __init__(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, config: RuntimeConfig,
                  materialize=None) -> None:
         self.model, self.config = model, config
-        n = len(blocks)
-        if n == 0:
+        total = len(blocks)
+        if total == 0:
             raise ValueError("wrap: the block list is empty; pass blocks= a non-empty nn.ModuleList")
-        window = n if config.window == "all" else config.window
-        if window > n:
-            msg = f"wrap: window={window} is larger than the {n} blocks; using window={n}"
-            warnings.warn(msg, stacklevel=3)
-            log.warning(msg)
-            window = n
-        self.window_size, self.n_blocks = window, n
+        k = config.resident_blocks
+        if k > total:
+            raise ValueError(f"wrap: resident_blocks={k} is more than the {total} blocks")
+        n = total - k  # streamed blocks: global index k + local index
+        window = window_slots(config.window, n, k)
+        self.window_size, self.n_blocks, self.n_streamed = window, total, n
         self.dtype = compute_dtype(config.precision)
         self.overlap = config.overlap_mode
         par = config.parallel
@@ -65,11 +64,15 @@ class Engine:
         self.parallel = par is not None and par.world_size > 1
         if config.nvme_dir is not None:
             check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
+        materialize = materialize_resident(model, blocks, k, materialize)
         block_named, self.head_tail_params = split_parameters(model, blocks, config.device)
+        resident_params = [[p for _, p in named] for named in block_named[:k]]
+        block_named, streamed = block_named[k:], list(blocks)[k:]
         layouts = [BlockLayout(named) for named in block_named]
         block_params = [[p for _, p in named] for named in block_named]
         numels = [lay.numel for lay in layouts]
-        self.planned_arena_bytes = window * slot_bytes(layouts, self.dtype)
+        self.planned_arena_bytes = window * slot_bytes(layouts, self.dtype) if n else 0
+        resident_bytes = head_tail_bytes([p for ps in resident_params for p in ps], self.dtype)
         # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
         self.placement = plan_placement(
             numels, self.dtype,
@@ -77,7 +80,7 @@ class Engine:
                           else int(config.host_memory_bytes)),
             # on the CPU backend the "device" (window arena, head and tail) is host memory too
             fixed_bytes=(self.planned_arena_bytes + head_tail_bytes(self.head_tail_params, self.dtype)
-                         if config.device == "cpu" else 0),
+                         + resident_bytes if config.device == "cpu" else 0),
             nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
             streamed_grads=self.overlap == "backward" and config.accumulation_steps == 1,
             force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
@@ -87,7 +90,8 @@ class Engine:
                                         preallocate=config.nvme_preallocate)
         self.store = None
         try:
-            self.backend = make_backend(config.device, self.planned_arena_bytes, copy_threads=config.copy_threads)
+            # (an arena of one page when every block is resident: nothing streams)
+            self.backend = make_backend(config.device, max(self.planned_arena_bytes, 4096), copy_threads=config.copy_threads)
             self.device = self.backend.device
 
             def disk_factory(placement, numels):
@@ -99,7 +103,7 @@ class Engine:
             # NOTE: arenas made (pinned, zeroed) by a builder thread while the fill runs
             self.store = HostStore(layouts, self.dtype, self.backend.host_arena, placement=self.placement,
                                    disk_factory=disk_factory, background=True)
-            self.fill_times = fill_store(self.store, model, blocks, block_named, block_params, materialize,
+            self.fill_times = fill_store(self.store, model, streamed, block_named, block_params, materialize,
                                          threads=config.init_threads)
         except BaseException:
             if self.store is not None:
@@ -111,25 +115,27 @@ class Engine:
         head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
         move_to_device(model, blocks, self.device, self.dtype)
         self.window = Window(self.backend, layouts, block_params, window, self.dtype)
-        self.plans = {train: build_plan(n, window, train) for train in (True, False)}
-        self.block_forwards = block_fn.install(self, blocks)
+        self.plans = {train: build_plan(n, window, train) for train in (True, False)} if n else {}
+        self.block_forwards = block_fn.install(self, streamed)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self.trace = Tracer(enabled=config.trace)
+        self.trace = Tracer(enabled=config.trace, block_offset=k)  # the model's block numbers
         real_shapes = {id(p): span.shape for ps, lay in zip(block_params, layouts)
                        for p, span in zip(ps, lay.spans)}  # block parameters are placeholders now
         self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer, real_shapes)
         group_of = self.optimizer.group_of()
         self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters,
                                             [group_of[id(p)] for p in self.head_tail_params])
+        self.resident = ResidentBlocks(list(blocks)[:k], resident_params, config.optimizer, self.device,
+                                       self.dtype, recompute=config.resident_recompute, group_of=group_of)
         self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch,
                                    prefetch_depth=max(1, config.nvme_cache_blocks - 2),
                                    param_groups=[[group_of[id(p)] for p in ps] for ps in block_params])
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
         names = {id(p): name for name, p in model.named_parameters()}
-        self.states = EngineStates(self, [[names[id(p)] for p in ps] for ps in block_params],
+        self.states = EngineStates(self, [[names[id(p)] for p in ps] for ps in resident_params + block_params],
                                    [names[id(p)] for p in self.head_tail_params])
-        install_model_hooks(self, model, blocks)  # model.state_dict() / load_state_dict() via the store
+        install_model_hooks(self, model, streamed)  # model.state_dict() / load_state_dict() via the store
         self._forward_signature = forward_signature(model)
         # pass state
         self._plan = None  # the plan of the pass in progress
@@ -145,8 +151,13 @@ class Engine:
         self.skipped_steps = 0
         self.grad_norm: float | None = None  # the last step's global gradient norm (clipping/fp16)
         self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
-        log.info("window runtime: %d blocks, W=%d, %s, %s, overlap=%s, device arena %d bytes",
-                 n, window, config.device, config.precision, self.overlap, self.planned_arena_bytes)
+        if not n:  # every block resident: a backward pass is counted once it reaches their gradients
+            torch.autograd.graph.register_multi_grad_hook(self.resident.params, self._count_backward, mode="any")
+        kept = {True: "recomputed", False: "activations kept"}
+        log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes, %s), %d streamed "
+                 "(W=%d, device arena %d bytes, host store %d bytes, %s), %s, %s, overlap=%s", total, k,
+                 self.resident.nbytes, kept[config.resident_recompute], n, window, self.planned_arena_bytes,
+                 self.store.nbytes, kept[config.checkpointing], config.device, config.precision, self.overlap)
 
     # ---- user API
 
@@ -210,7 +221,9 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters for invariants and benchmarks (bytes, counts)."""
-        return dict(window=self.window_size, blocks=self.n_blocks, peak_resident=self.window.peak_resident,
+        return dict(window=self.window_size, blocks=self.n_blocks, resident_blocks=self.resident.count,
+                    resident_bytes=self.resident.nbytes, streamed_blocks=self.n_streamed,
+                    peak_resident=self.window.peak_resident,
                     planned_arena_bytes=self.planned_arena_bytes, arena_used_bytes=self.backend.arena_used_bytes,
                     store_bytes=self.store.nbytes, steps=self.steps, skipped_steps=self.skipped_steps,
                     loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm,
@@ -287,10 +300,13 @@ class Engine:
                 self._load(action)
         self._pos += 1
         if self._pos == len(self._plan.uses):
-            if len(self._plan.uses) > self.n_blocks:
+            if len(self._plan.uses) > self.n_streamed:
                 self.micro_batches += 1
             self._plan = None
             self._flush_copies()  # finished copies go to the trace and are dropped
+
+    def _count_backward(self, grad) -> None:
+        self.micro_batches += 1
 
     def _begin_pass(self, train: bool) -> None:
         if self._plan is not None:
@@ -401,11 +417,12 @@ class Engine:
         for h in self._grad_out.values():
             h.wait()
         self._grad_out.clear()
-        average_grads_(self.device_optimizer.params, self.dp_group)  # head and tail, one bucket
+        average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
         hyper, step = self.optimizer.hyper(), self.steps + 1
         if self.overlap == "backward":
             self.updates.drain()
             self.device_optimizer.step(hyper, 1.0)
+            self.resident.step(hyper, 1.0, self.steps)
         else:
             scale = self._unscale()
             coef = 1.0
@@ -426,9 +443,10 @@ class Engine:
                     # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
                     coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
                                              max=1.0))
-            for block in range(self.n_blocks):  # 0, 1, 2, ...: the order the next forward loads them
+            for block in range(self.n_streamed):  # 0, 1, 2, ...: the order the next forward loads them
                 self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
             self.device_optimizer.step(hyper, scale * coef)
+            self.resident.step(hyper, scale * coef, self.steps)
             if self.overlap == "none":
                 self.updates.drain()
         self.steps = step
@@ -437,7 +455,7 @@ class Engine:
     def _global_grad_norm(self, grad_scale: float) -> float:
         """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;
         tensor-parallel shards summed over the TP group (pystronghold.parallel.data)."""
-        norms = self.device_optimizer.grad_norms(grad_scale)
+        norms = {**self.device_optimizer.grad_norms(grad_scale), **self.resident.grad_norms(grad_scale)}
         for block, per_param in self.updates.block_norms().items():
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
@@ -447,14 +465,15 @@ class Engine:
 
     def _end_step(self) -> None:
         self.micro_batches = 0
-        self._grad_valid = [False] * self.n_blocks
+        self._grad_valid = [False] * self.n_streamed
         self._flush_copies(calibrate=True)
 
     def _zero_grad(self) -> None:
         self.device_optimizer.zero_grad()
+        self.resident.zero_grad()
         if self._plan is None and self.micro_batches:
             self.micro_batches = 0
-            self._grad_valid = [False] * self.n_blocks
+            self._grad_valid = [False] * self.n_streamed
 
     def _flush_copies(self, calibrate: bool = False) -> None:
         """Finished copies go to the trace and are dropped; with ``calibrate`` (step end, sync) the

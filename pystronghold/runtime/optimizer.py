@@ -121,10 +121,12 @@ class DeviceAdamW:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], spec: AdamW, masters: list[torch.Tensor],
-                 groups: list[int] | None = None) -> None:
+                 groups: list[int] | None = None, fused: bool = False) -> None:
         """``masters``: fp32 values of ``params`` taken before they were cast to compute precision;
-        ``groups``: the engine's param group of each parameter (default all in group 0)."""
+        ``groups``: the engine's param group of each parameter (default all in group 0); ``fused``:
+        torch's fused AdamW kernel (CUDA); otherwise its single-tensor loop."""
         self.params = params
+        self.fused = fused
         half = any(p.dtype != torch.float32 for p in params)
         self.masters = [m.detach().clone().requires_grad_(True) for m in masters] if half else params
         groups = groups if groups is not None else [0] * len(params)
@@ -132,7 +134,32 @@ class DeviceAdamW:
         torch_groups = [{"params": [m for m, g in zip(self.masters, groups) if g == gid]}
                         for gid in self._group_ids]
         self._opt = torch.optim.AdamW(torch_groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                      weight_decay=spec.weight_decay, foreach=False) if params else None
+                                      weight_decay=spec.weight_decay, foreach=False,
+                                      fused=True if fused else None) if params else None
+
+    def _step_tensor(self, index: int, value: float) -> torch.Tensor:
+        # NOTE: where torch keeps it: on the parameter's device for the fused kernel, else on the CPU
+        device = self.masters[index].device if self.fused else "cpu"
+        return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def write_moment(self, index: int, key: str, value: torch.Tensor) -> None:
+        """Overwrite moment ``key`` ("exp_avg"/"exp_avg_sq") of parameter ``index``; a parameter
+        without state gets zero moments and step 0 first (AdamW's state before its first update)."""
+        m = self.masters[index]
+        st = self._opt.state.get(m)
+        if not st:
+            st = self._opt.state[m] = {"step": self._step_tensor(index, 0.0), "exp_avg": torch.zeros_like(m),
+                                       "exp_avg_sq": torch.zeros_like(m)}
+        st[key].copy_(value)
+
+    @torch.no_grad()
+    def set_steps(self, steps: int) -> None:
+        """Set the step count of every parameter that has AdamW state to ``steps``."""
+        for i, m in enumerate(self.masters):
+            st = self._opt.state.get(m) if self._opt is not None else None
+            if st:
+                st["step"] = self._step_tensor(i, steps)
 
     def state_of(self, index: int) -> dict:
         """torch AdamW state of parameter ``index`` (``step``, ``exp_avg``, ``exp_avg_sq``; {} before
@@ -147,7 +174,7 @@ class DeviceAdamW:
             if self._opt is not None:
                 self._opt.state.pop(m, None)
             return
-        self._opt.state[m] = {"step": torch.as_tensor(state["step"], dtype=torch.float32).detach().clone().cpu(),
+        self._opt.state[m] = {"step": self._step_tensor(index, float(state["step"])),
                               **{k: state[k].detach().to(device=m.device, dtype=torch.float32, copy=True)
                                  for k in ("exp_avg", "exp_avg_sq")}}
 

@@ -142,7 +142,7 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
     n = len(numels)
     states = tuple(s for s in STATES if s != "shadow" or compute_dtype != torch.float32)
     per = {s: [buffer_bytes(k, s, compute_dtype) for k in numels] for s in states}
-    slot = {s: buffer_bytes(max(numels), s, compute_dtype) for s in states}
+    slot = {s: buffer_bytes(max(numels, default=0), s, compute_dtype) for s in states}
     ram = sum(sum(v) for v in per.values())
     if ram + fixed_bytes <= budget_bytes and not force_disk:
         return Placement(states=states, compute_dtype=compute_dtype, host_bytes=ram, budget_bytes=budget_bytes,

@@ -7,17 +7,32 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
 
 import torch
 
 from pystronghold.runtime.store import BlockLayout, available_host_bytes
 
 __all__ = ["split_parameters", "move_to_device", "fill_store", "init_threads_for", "INIT_BYTES_IN_FLIGHT",
-           "slot_bytes", "head_tail_bytes"]
+           "slot_bytes", "head_tail_bytes", "materialize_resident", "window_slots"]
 
 log = logging.getLogger(__name__)
 
 _ARENA_ALIGN = 4096
+
+
+def window_slots(window: int | str, streamed: int, resident: int) -> int:
+    """W for ``streamed`` blocks: ``window`` ("all" or an int), clamped to ``streamed`` with a warning
+    (0 when every block is resident: nothing streams)."""
+    slots = streamed if window == "all" else window
+    if slots > streamed:
+        msg = (f"wrap: window={slots} is larger than the {streamed} " + ("streamed " if resident else "")
+               + f"blocks; using window={streamed}")
+        if streamed:
+            warnings.warn(msg, stacklevel=4)
+            log.warning(msg)
+        slots = streamed
+    return slots
 
 
 def split_parameters(model: torch.nn.Module, blocks: torch.nn.ModuleList, device: str):
@@ -120,6 +135,23 @@ def init_threads_for(requested: int, thread_safe: bool, block_numel: int,
     return max(1, min(threads, bytes_in_flight // max(1, 2 * 4 * block_numel)))
 
 
+def materialize_resident(model: torch.nn.Module, blocks: torch.nn.ModuleList, count: int, materialize=None):
+    """Build the meta parameters of the first ``count`` blocks (they stay on the device whole) and
+    return the materializer of the others, taking their index among the streamed blocks."""
+    if count == 0:
+        return materialize
+    params = [list(b.parameters()) for b in blocks]
+    fn = _materializer(model, params, materialize)
+    if fn is None:
+        return None
+    for i in range(count):
+        if any(p.is_meta for p in params[i]):
+            fn(i)
+            if any(p.is_meta for p in blocks[i].parameters()):
+                raise ValueError(f"wrap: materialize({i}) left block {i} parameters on the meta device")
+    return lambda b: fn(count + b)
+
+
 def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block_named, block_params,
                materialize=None, threads: int = 0) -> dict:
     """Copy every block's initial values into ``store``, in block order: a meta block is
@@ -201,5 +233,5 @@ def head_tail_bytes(params: list[torch.Tensor], dtype: torch.dtype) -> int:
 
 def slot_bytes(layouts: list[BlockLayout], dtype: torch.dtype) -> int:
     """Device bytes of one window slot: parameters and gradients of the largest block, aligned."""
-    cap = max(lay.numel for lay in layouts) * dtype.itemsize
+    cap = max((lay.numel for lay in layouts), default=0) * dtype.itemsize
     return 2 * ((cap + _ARENA_ALIGN - 1) // _ARENA_ALIGN * _ARENA_ALIGN)

@@ -38,7 +38,8 @@ class EngineStates:
     def __init__(self, engine, block_names: list[list[str]], head_tail_names: list[str]) -> None:
         self._engine = engine
         self.block_names = block_names
-        """Full model names of each block's parameters, in layout order."""
+        """Full model names of each block's parameters, in layout order (every block: the resident
+        ones first, then the streamed ones)."""
         self.head_tail_names = head_tail_names
         """Full model names of the head and tail parameters (device-resident), in optimizer order."""
 
@@ -47,35 +48,56 @@ class EngineStates:
             raise RuntimeError("cannot load state during a forward/backward pass; load between steps")
         self._engine.synchronize()
 
+    def block_params(self, block: int) -> list[torch.nn.Parameter]:
+        """The ``Parameter`` objects of ``block`` (any block, resident or streamed), layout order."""
+        engine = self._engine
+        k = engine.resident.count
+        return engine.resident.block_params[block] if block < k else engine.window.params[block - k]
+
+    def block_shapes(self, block: int) -> list[tuple[int, ...]]:
+        """Shapes of ``block``'s parameters, layout order."""
+        engine = self._engine
+        k = engine.resident.count
+        if block < k:
+            return [tuple(m.shape) for m in engine.resident.read(block, "master")]
+        return [tuple(span.shape) for span in engine.store.layouts[block - k].spans]
+
     def read_block(self, block: int, states=("master", *MOMENTS)) -> dict[str, dict[str, torch.Tensor]]:
         """``{state: {name: fp32 tensor}}`` of ``block`` for ``states`` (``master`` is the value).
 
-        Views into the store (valid until the next update) or, for a state on disk, into a copy.
+        Views into the store or the resident block's device tensors (valid until the next update)
+        or, for a state on disk, into a copy.
         """
         engine = self._engine
         engine.synchronize()
-        layout = engine.store.layouts[block]
-        return {state: dict(zip(self.block_names[block], layout.views(engine.store.read_state(block, state))))
+        names, k = self.block_names[block], engine.resident.count
+        if block < k:
+            return {state: dict(zip(names, engine.resident.read(block, state))) for state in states}
+        layout = engine.store.layouts[block - k]
+        return {state: dict(zip(names, layout.views(engine.store.read_state(block - k, state))))
                 for state in states}
 
     def write_block(self, block: int, values: dict[str, list[torch.Tensor]]) -> None:
         """Overwrite ``states`` of ``block``: ``{state: [one tensor per parameter, layout order]}``;
         ``master`` refreshes the compute-precision shadow too. Shapes are checked (ValueError)."""
         self._writable()
-        store = self._engine.store
-        spans = store.layouts[block].spans
+        engine = self._engine
+        shapes, k = self.block_shapes(block), engine.resident.count
         for state, tensors in values.items():
-            if len(tensors) != len(spans):
-                raise ValueError(f"write_block: block {block} has {len(spans)} parameters, got {len(tensors)} "
+            if len(tensors) != len(shapes):
+                raise ValueError(f"write_block: block {block} has {len(shapes)} parameters, got {len(tensors)} "
                                  f"{state} tensors")
-            for name, span, t in zip(self.block_names[block], spans, tensors):
-                if tuple(t.shape) != tuple(span.shape):
-                    raise ValueError(f"write_block: {state} of {name} must have shape {tuple(span.shape)}, "
+            for name, shape, t in zip(self.block_names[block], shapes, tensors):
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"write_block: {state} of {name} must have shape {shape}, "
                                      f"got {tuple(t.shape)}")
         for state, tensors in values.items():
-            store.write_state(block, state, tensors)
-            if state == "master" and store.has_shadow:
-                store.write_state(block, "shadow", tensors)
+            if block < k:
+                engine.resident.write(block, state, tensors)
+                continue
+            engine.store.write_state(block - k, state, tensors)
+            if state == "master" and engine.store.has_shadow:
+                engine.store.write_state(block - k, "shadow", tensors)
 
     def head_tail(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor, dict]]:
         """``(name, parameter, fp32 master, AdamW state)`` per head/tail parameter; the state is
@@ -120,33 +142,46 @@ def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleL
     trained values from the store, in the model's dtype, and ``load_state_dict()`` write them there."""
     for b, block in enumerate(blocks):
         _hook_block(engine, b, block)
-    dev = engine.device_optimizer
-    separate = {id(p): i for i, (p, m) in enumerate(zip(dev.params, dev.masters)) if m is not p}
-    if separate:  # bf16/fp16: head/tail fp32 masters are copies; a load must reach them too
-        block_modules = {id(m) for block in blocks for m in block.modules()}
+    block_modules = {id(m) for block in blocks for m in block.modules()}
+    # bf16/fp16: fp32 masters of head/tail and resident blocks are copies; a load must reach them too
+    for dev, write in ((engine.device_optimizer, lambda i, v: engine.states.write_head_tail(i, master=v)),
+                       (engine.resident.optimizer, _resident_master_writer(engine))):
+        separate = {id(p): i for i, (p, m) in enumerate(zip(dev.params, dev.masters)) if m is not p}
+        if not separate:
+            continue
         for module in model.modules():
             own = {name: separate[id(p)] for name, p in module.named_parameters(recurse=False)
                    if id(p) in separate}
             if own and id(module) not in block_modules:
-                module.register_load_state_dict_pre_hook(_master_loader(engine, own))
+                module.register_load_state_dict_pre_hook(_master_loader(dev, own, write))
 
 
-def _master_loader(engine, own: dict[str, int]):
+def _resident_master_writer(engine):
+    def write(index: int, value: torch.Tensor) -> None:
+        engine.states._writable()
+        engine.resident.write_master(index, value)
+
+    return write
+
+
+def _master_loader(dev, own: dict[str, int], write):
     def load_masters(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         for name, index in own.items():
             value = state_dict.get(prefix + name)
-            if value is not None and tuple(value.shape) == tuple(engine.device_optimizer.masters[index].shape):
-                engine.states.write_head_tail(index, master=value)
+            if value is not None and tuple(value.shape) == tuple(dev.masters[index].shape):
+                write(index, value)
 
     return load_masters
 
 
 def _hook_block(engine, b: int, block: torch.nn.Module) -> None:
+    """Hooks of streamed block ``b`` (its global index is ``resident.count + b``)."""
     spans = engine.store.layouts[b].spans
     params = engine.window.params[b]
+    g = engine.resident.count + b
 
     def save(module, state_dict, prefix, local_metadata) -> None:
-        masters = engine.states.read_block(b, ("master",))["master"].values()
+        masters = engine.states.read_block(g, ("master",))["master"].values()
         for span, value in zip(spans, masters):
             key = prefix + span.name
             if key in state_dict:
@@ -159,14 +194,14 @@ def _hook_block(engine, b: int, block: torch.nn.Module) -> None:
         engine.states._writable()
         # NOTE: torch copies each value into the parameter; give it one block of fp32 staging
         # tensors holding the current values (so keys missing under strict=False keep them).
-        masters = engine.states.read_block(b, ("master",))["master"].values()
+        masters = engine.states.read_block(g, ("master",))["master"].values()
         for p, value in zip(params, masters):
             p.data = value.clone()
 
     def commit(module, incompatible_keys) -> None:
         staged = [p.data for p in params]
         engine.window.unbind(b)
-        engine.states.write_block(b, {"master": staged})
+        engine.states.write_block(g, {"master": staged})
 
     block.register_state_dict_post_hook(save)
     block.register_load_state_dict_pre_hook(stage)
@@ -189,7 +224,7 @@ def optimizer_state_dict(engine) -> dict:
     if engine.steps > 0:  # every block parameter is updated at every step
         for b in range(engine.n_blocks):
             moments = states.read_block(b, MOMENTS)
-            for k, p in enumerate(engine.window.params[b]):
+            for k, p in enumerate(states.block_params(b)):
                 name = states.block_names[b][k]
                 state[index[id(p)]] = {"step": torch.tensor(float(engine.steps)),
                                        **{m: moments[m][name] for m in MOMENTS}}
@@ -250,12 +285,11 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     # ---- blocks: one step count for all (the engine updates every block parameter at every step)
     block_moments, steps = [], set()
     for b in range(engine.n_blocks):
-        spans = engine.store.layouts[b].spans
         per_block = []
-        for name, p, span in zip(states.block_names[b], engine.window.params[b], spans):
+        for name, p, shape in zip(states.block_names[b], states.block_params(b), states.block_shapes(b)):
             st = by_id[id(p)]
             if st:
-                _check_moments(name, st, span.shape)
+                _check_moments(name, st, shape)
                 steps.add(float(st["step"]))
             per_block.append(st)
         block_moments.append(per_block)
@@ -271,7 +305,7 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     # ---- apply
     states._writable()
     for b, per_block in enumerate(block_moments):
-        shapes = [span.shape for span in engine.store.layouts[b].spans]
+        shapes = states.block_shapes(b)
         states.write_block(b, {m: [st[m] if st else torch.zeros(shape) for st, shape in zip(per_block, shapes)]
                                for m in MOMENTS})
     for i, (_, p, _, _) in enumerate(head_tail):

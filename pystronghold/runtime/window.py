@@ -33,7 +33,7 @@ class Window:
                  slots: int, compute_dtype: torch.dtype) -> None:
         self.layouts = layouts
         self.params = params
-        cap = max(lay.numel for lay in layouts)
+        cap = max((lay.numel for lay in layouts), default=0)
         self.slots = [Slot(i, backend.device_buffer(f"slot{i}.params", cap, compute_dtype),
                            backend.device_buffer(f"slot{i}.grads", cap, compute_dtype))
                       for i in range(slots)]

@@ -181,7 +181,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
     # parameters in the same order, so the gathers match; a gathered block is written and dropped
     # before the next one is read (engine.states reads one block, from disk if it is there).
     for b, names in enumerate(states.block_names):
-        splits = [_split(p) for p in engine.window.params[b]]
+        splits = [_split(p) for p in states.block_params(b)]
         values = states.read_block(b, [tier for tier, _ in _BLOCK_STATES])
         tensors = {}
         for tier, suffix in _BLOCK_STATES:
@@ -304,9 +304,9 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     for b, names in enumerate(states.block_names):
         rel = f"blocks/block-{b:05d}.safetensors"
         saved = _load_file(path, rel, manifest["files"][rel])
-        params, spans = engine.window.params[b], engine.store.layouts[b].spans
-        states.write_block(b, {tier: [_mine(saved, n + suffix, p, span.shape, path)
-                                      for n, p, span in zip(names, params, spans)]
+        params, shapes = states.block_params(b), states.block_shapes(b)
+        states.write_block(b, {tier: [_mine(saved, n + suffix, p, shape, path)
+                                      for n, p, shape in zip(names, params, shapes)]
                                for tier, suffix in _BLOCK_STATES})
     saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
     for i, (n, p, m, _) in enumerate(states.head_tail()):

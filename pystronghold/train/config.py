@@ -205,6 +205,9 @@ class WindowOptions:
     """Compute precision (the optimizer keeps fp32 masters)."""
     device_budget_mb: float = 0.0
     """window=auto only: device bytes the window may use, MiB; 0: 4 slots' worth."""
+    resident_blocks: int = 0
+    """K: the first K blocks stay on the device with a device AdamW (no streaming, no host update);
+    the others stream through the window. 0: every block streams."""
 
     def __post_init__(self) -> None:
         if self.window not in ("auto", "all"):
@@ -225,6 +228,8 @@ class WindowOptions:
                 raise ValueError(f"--device {self.device}: CUDA is not available on this machine")
             if index >= torch.cuda.device_count():
                 raise ValueError(f"--device {self.device}: only {torch.cuda.device_count()} CUDA device(s)")
+        if self.resident_blocks < 0:
+            raise ValueError(f"--resident-blocks must be >= 0, got {self.resident_blocks}")
         if self.device_budget_mb < 0:
             raise ValueError(f"--device-budget-mb must be >= 0, got {self.device_budget_mb}")
 

@@ -154,6 +154,7 @@ class Trainer:
         o = config.optim
         self.engine = pystronghold.wrap(
             self.model, blocks=blocks, materialize=materialize, window=window, device=config.window.device,
+            resident_blocks=config.window.resident_blocks,
             precision=config.window.precision, clip_grad_norm=o.clip or None,
             accumulation_steps=o.accumulation, trace=True, parallel=self.groups,
             host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,

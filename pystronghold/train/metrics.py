@@ -161,10 +161,11 @@ def _state_bytes_per_param(dtype: torch.dtype) -> int:
 
 
 def device_peak_bytes(engine, head_tail_bytes: int) -> int:
-    """Peak device bytes of ``engine``: CUDA's allocator peak, or on CPU the arena + head/tail state."""
+    """Peak device bytes of ``engine``: CUDA's allocator peak, or on CPU the arena + head/tail and
+    resident-block state."""
     if engine.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(engine.device))
-    return int(engine.backend.arena_used_bytes) + head_tail_bytes
+    return int(engine.backend.arena_used_bytes) + head_tail_bytes + engine.stats()["resident_bytes"]
 
 
 def memory_report(engine) -> MemoryReport:
@@ -172,12 +173,12 @@ def memory_report(engine) -> MemoryReport:
     per = _state_bytes_per_param(engine.dtype)
     ht_numel = sum(p.numel() for p in engine.head_tail_params)
     head_tail = head_tail_bytes(engine.head_tail_params, engine.dtype)
-    block_numel = sum(lay.numel for lay in engine.store.layouts)
+    block_numel = sum(lay.numel for lay in engine.store.layouts) + sum(p.numel() for p in engine.resident.params)
     tiers = engine.store.tier_bytes()
     disk = None
     st = engine.store.disk_stats()
     if st is not None:
-        disk = (f"{st['directory']}: {engine.store.placement.describe(engine.n_blocks)}; files "
+        disk = (f"{st['directory']}: {engine.store.placement.describe(engine.n_streamed)}; files "
                 f"{format_bytes(st['file_bytes'])}, read {format_bytes(st['read_bytes'])}, written "
                 f"{format_bytes(st['write_bytes'])}, cache hits {st['hits']} / misses {st['misses']}")
     return MemoryReport(window=engine.window_size, blocks=engine.n_blocks,
