@@ -118,7 +118,7 @@ def _materializer(model, block_params, materialize):
     if not any(p.is_meta for ps in block_params for p in ps):
         return None, False
     if materialize is not None:
-        return materialize, False
+        return materialize, bool(getattr(materialize, "thread_safe", False))
     materialize = getattr(model, "materialize_block_", None)
     if materialize is None:
         raise ValueError("wrap: some block parameters are on the meta device; pass materialize=fn "
@@ -141,15 +141,20 @@ def materialize_resident(model: torch.nn.Module, blocks: torch.nn.ModuleList, co
     if count == 0:
         return materialize
     params = [list(b.parameters()) for b in blocks]
-    fn = _materializer(model, params, materialize)
+    fn, thread_safe = _materializer(model, params, materialize)
     if fn is None:
-        return None
+        return materialize
     for i in range(count):
         if any(p.is_meta for p in params[i]):
             fn(i)
             if any(p.is_meta for p in blocks[i].parameters()):
                 raise ValueError(f"wrap: materialize({i}) left block {i} parameters on the meta device")
-    return lambda b: fn(count + b)
+
+    def streamed_block(b: int):
+        return fn(count + b)
+
+    streamed_block.thread_safe = thread_safe  # the model's own materializer stays parallel (fill_store)
+    return streamed_block
 
 
 def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block_named, block_params,
