@@ -64,12 +64,14 @@ def _engine(model, batches, clip, **options):
 @pytest.mark.parametrize("make,batches", [(tiny_gpt, gpt_batches(5)), (HetStack, het_batches(5))],
                          ids=["gpt", "het"])
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["backward-overlap", "clipped"])
-def test_two_groups_train_exactly_like_torch_adamw(make, batches, clip):
+@pytest.mark.parametrize("resident", [0, 1], ids=["streamed", "resident-block-0"])
+def test_two_groups_train_exactly_like_torch_adamw(make, batches, clip, resident):
+    """Streamed blocks (host Adam per group) and a device-resident block (device AdamW per group)."""
     torch.manual_seed(0)
     model = make()
     ref_model = copy.deepcopy(model)
     ref_losses, ref_params, ref_opt = _reference(ref_model, batches, clip)
-    losses, params, engine = _engine(model, batches, clip)
+    losses, params, engine = _engine(model, batches, clip, resident_blocks=resident)
     try:
         assert_same_training((ref_losses, ref_params), (losses, params, engine))
         assert [g["lr"] for g in engine.optimizer.param_groups] == [g["lr"] for g in ref_opt.param_groups]
