@@ -80,12 +80,12 @@ def test_trainer_uses_the_models_lr(tmp_path):
     config.optim.lr = None
     trainer = Trainer(config)
     try:
-        assert trainer.scheduler.base_lrs == [7e-3]
+        assert trainer.scheduler.base_lrs == [7e-3] * 2  # both param groups (--decay matrices)
     finally:
         trainer.close()
     config.optim.lr = 1e-4  # an explicit --lr wins over the model's
     trainer = Trainer(config)
     try:
-        assert trainer.scheduler.base_lrs == [1e-4]
+        assert trainer.scheduler.base_lrs == [1e-4] * 2
     finally:
         trainer.close()
