@@ -270,8 +270,8 @@ def main(argv=None):
                 rec.update(params_m=size_m, tensors=tensors)
                 records.append(rec)
                 print(f"{rec['case']:>14} {size_m:g}M x{tensors}: {rec['median_ms']:.2f} ms "
-                      f"({rec['p20_ms']:.2f}-{rec['p80_ms']:.2f}), {rec['mparams_s']:,.0f} Mparams/s, "
-                      f"{rec['gb_s']:.1f} GB/s, load {rec['load']}", flush=True)
+                      f"({rec['p20_ms']:.2f}-{rec['p80_ms']:.2f}), {rec['gb_s']:.1f} GB/s, load {rec['load']}",
+                      flush=True)
             del fns
             gc.collect()
         if probe is not None:
