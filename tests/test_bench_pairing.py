@@ -117,3 +117,32 @@ def test_read_load_parses_proc_loadavg(tmp_path):
     f = tmp_path / "loadavg"
     f.write_text("3.25 1.50 0.75 2/345 6789\n")
     assert common.read_load(f) == 3.25
+
+
+def test_roofline_probe_reports_every_kernel_against_the_fastest():
+    """The ceiling is the kernel with the highest median GB/s, at fraction 1; every kernel at each
+    thread count is there; the caller's thread counts are restored (no timing is asserted)."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_roofline", bench_dir() / "roofline.py")
+    roofline = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = roofline
+    spec.loader.exec_module(roofline)
+    from pystronghold._ext import native
+
+    before = (torch.get_num_threads(), native().get_num_threads())
+    probe = roofline.Probe(1 << 12, 2)
+    try:
+        best, records = roofline.measure(probe, rounds=10, warmup=0)
+    finally:
+        probe.close()
+    assert (torch.get_num_threads(), native().get_num_threads()) == before
+    names = {(r["kernel"], r["threads"]) for r in records}
+    assert names == {("memcpy", 1)} | {(k, t) for k in ("read", "fill", "copy", "copy_nt", "triad", "adam_shape")
+                                       for t in (1, 2)}
+    top = max(records, key=lambda r: r["gb_s"])
+    assert (top["kernel"], top["threads"]) == (best.name, best.threads)
+    assert top["of_ceiling"] == top["of_ceiling_p20"] == top["of_ceiling_p80"] == pytest.approx(1.0)
+    assert all("load" in r and r["pairs"] == 10 for r in records)
+    with pytest.raises(ValueError, match="max_threads=0"):
+        roofline.Probe(16, 0)
