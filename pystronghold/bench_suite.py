@@ -4,9 +4,9 @@ Each script checks correctness, measures its own baseline in the same run, takin
 (paired timing, ``bench/common.py``), and writes its records with ``--json``, each with the load
 average at its start and end; this runner only starts them (``--quick`` unless ``--full``), reads the
 records and pulls one headline ratio out of each (``HEADLINES``): the median of the paired ratios with
-its p20-p80 spread, and the load during the script (LOADED when it exceeded the core count). Scripts that do not exist in this checkout
-(e.g. ``parallel``, ``nvme`` before they are written) or do not apply to this machine are listed
-as skipped with the reason. See bench/README.md for what each measures.
+its p20-p80 spread, and the load during the script (LOADED when it exceeded the core count).
+Scripts that do not exist in this checkout or do not apply to this machine are listed as skipped
+with the reason. See bench/README.md for what each measures.
 """
 
 from __future__ import annotations
