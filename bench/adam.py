@@ -10,7 +10,9 @@ Cases, each at every size (total parameters) as 1 tensor and as 100 tensors:
   deepspeed        deepspeed.ops.adam.DeepSpeedCPUAdam (when importable; `make deepspeed`)
   roofline         the memory ceiling (bench/roofline.py): the fastest of several memory kernels
                    (read, fill, copy with ordinary and streaming stores, triad, Adam-shaped in-place
-                   stream; 1..N threads), probed at each size; the winner takes its turns with the cases
+                   stream; 1..N threads), probed at each size; the fastest at each thread count then
+                   take turns with the cases, and of_roofline is, per round, a case's GB/s over the
+                   best kernel's GB/s in that round (median, p20-p80)
 Offload pipeline (bf16 grad in, fp32 update, bf16 shadow out):
   ours_offload     one adam_step_ call with a bf16 grad and a bf16 shadow
   ds_offload       grad.float() into a buffer, DeepSpeedCPUAdam.step(), shadow.copy_(param)
@@ -37,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import LoadWatch, interleave, machine_facts, paired_ratio, print_table, write_json  # noqa: E402
-from roofline import Probe, measure  # noqa: E402
+from roofline import Probe, ceiling_fraction, measure  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
 from pystronghold.optim.functional import adam_step_, adam_step_multi_  # noqa: E402
@@ -178,24 +180,25 @@ def case_bytes(name: str, n: int) -> int:
     return {"ours_offload": 16 * n, "ds_offload": 20 * n, "torch_offload": 20 * n}.get(name, 16 * n)
 
 
-def measure_group(fns: dict, n: int, rounds: int, warmup: int, ceiling) -> list[dict]:
-    """Interleave the cases of one size and layout (with the ceiling kernel when given); records with
-    paired ratios against the baselines and the ceiling."""
-    if ceiling is not None:
-        fns = dict(fns, roofline=ceiling.fn)
+def measure_group(fns: dict, n: int, rounds: int, warmup: int, leaders: list) -> list[dict]:
+    """Interleave the cases of one size and layout with the probe's leading kernels (none: no
+    roofline); records with paired ratios against the baselines and fractions of each round's
+    ceiling (the fastest leader in that round)."""
+    kernels = {f"roofline {k.label}": k for k in leaders}
+    fns = dict(fns, **{name: k.fn for name, k in kernels.items()})
     watch = LoadWatch()
     times = interleave(fns, rounds=rounds, warmup=warmup)
     load = watch.stop().fields()
+    by_label = {k.label: times[name] for name, k in kernels.items()}
     records = []
     for name, t in times.items():
-        nbytes = ceiling.nbytes if name == "roofline" else n * BYTES_PER_PARAM
+        nbytes = kernels[name].nbytes if name in kernels else n * BYTES_PER_PARAM
         rec = {"case": name, "median_ms": t.median_s * 1e3, "p20_ms": t.p20_s * 1e3, "p80_ms": t.p80_s * 1e3,
-               "pairs": t.reps, "mparams_s": "-" if name == "roofline" else n / t.median_s / 1e6,
+               "pairs": t.reps, "mparams_s": "-" if name in kernels else n / t.median_s / 1e6,
                "gb_s": nbytes / t.median_s / 1e9, **load}
-        if ceiling is not None:
-            frac = paired_ratio(times["roofline"], t).scaled(nbytes / ceiling.nbytes)
-            rec.update(of_roofline=frac.median, of_roofline_p20=frac.p20, of_roofline_p80=frac.p80,
-                       roofline_kernel=ceiling.label)
+        if kernels:
+            frac = ceiling_fraction(by_label, leaders, t.samples_s, nbytes)
+            rec.update(of_roofline=frac.median, of_roofline_p20=frac.p20, of_roofline_p80=frac.p80)
         if name.startswith("ours"):
             for base in BASELINES["offload" if "offload" in name else "plain"]:
                 if base in times:
@@ -260,15 +263,15 @@ def main(argv=None):
             print(f"skip {size_m:g}M params: the cases need ~{need / 2**30:.1f} GiB together, "
                   f"{mem_available_bytes() / 2**30:.1f} GiB available")
             continue
-        probe, ceiling = None, None
+        probe, leaders = None, []
         if "roofline" in wanted:
             probe = Probe(max(n, PROBE_MIN_VALUES), args.threads)
-            ceiling, probe_records = measure(probe, rounds=args.rounds, warmup=args.warmup)
+            leaders, probe_records = measure(probe, rounds=args.rounds, warmup=args.warmup)
             for r in probe_records:
                 records.append({"case": f"probe {r['kernel']} x{r['threads']}", "params_m": size_m, **r})
         for tensors in [int(t) for t in args.tensors.split(",")]:
             fns = {name: cases[name](n, tensors) for name in wanted if name != "roofline"}
-            for rec in measure_group(fns, n, args.rounds, args.warmup, ceiling):
+            for rec in measure_group(fns, n, args.rounds, args.warmup, leaders):
                 rec.update(params_m=size_m, tensors=tensors)
                 records.append(rec)
                 print(f"{rec['case']:>14} {size_m:g}M x{tensors}: {rec['median_ms']:.2f} ms "
@@ -278,7 +281,7 @@ def main(argv=None):
             gc.collect()
         if probe is not None:
             probe.close()
-            del probe, ceiling
+            del probe, leaders
             gc.collect()
     for rec in records:
         for key in ("x_torch_fused", "x_deepspeed", "x_torch_offload", "x_ds_offload", "of_roofline"):

@@ -62,6 +62,13 @@ class Ratio:
     p80: float
     pairs: int
 
+    @classmethod
+    def of(cls, ratios: Sequence[float]) -> "Ratio":
+        """Median, p20 and p80 of per-round ratios (at least MIN_PAIRS of them)."""
+        if len(ratios) < MIN_PAIRS:
+            raise ValueError(f"Ratio.of: {len(ratios)} pairs; at least {MIN_PAIRS} are needed")
+        return cls(statistics.median(ratios), quantile(ratios, 0.2), quantile(ratios, 0.8), len(ratios))
+
     def label(self, digits: int = 2) -> str:
         """``1.23 (1.10-1.31)``: median and p20-p80."""
         return f"{self.median:.{digits}f} ({self.p20:.{digits}f}-{self.p80:.{digits}f})"
@@ -126,8 +133,7 @@ def paired_ratio(baseline: Timing | Sequence[float], candidate: Timing | Sequenc
         raise ValueError(f"paired_ratio: {len(b)} pairs; at least {MIN_PAIRS} are needed")
     if any(x <= 0 for x in (*b, *c)):
         raise ValueError("paired_ratio: every time must be > 0 seconds")
-    ratios = [x / y for x, y in zip(b, c)]
-    return Ratio(statistics.median(ratios), quantile(ratios, 0.2), quantile(ratios, 0.8), len(ratios))
+    return Ratio.of([x / y for x, y in zip(b, c)])
 
 
 # ---- machine load

@@ -119,30 +119,49 @@ def test_read_load_parses_proc_loadavg(tmp_path):
     assert common.read_load(f) == 3.25
 
 
-def test_roofline_probe_reports_every_kernel_against_the_fastest():
-    """The ceiling is the kernel with the highest median GB/s, at fraction 1; every kernel at each
-    thread count is there; the caller's thread counts are restored (no timing is asserted)."""
-    import torch
-
+def _roofline():
     spec = importlib.util.spec_from_file_location("bench_roofline", bench_dir() / "roofline.py")
     roofline = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = roofline
     spec.loader.exec_module(roofline)
+    return roofline
+
+
+def test_ceiling_fraction_uses_each_rounds_fastest_kernel():
+    roofline = _roofline()
+    kernels = [roofline.Kernel("read", 1, 100, None), roofline.Kernel("copy", 2, 200, None)]
+    # round i: read moves 100 B in 1 s (100 B/s); copy 200 B in 1 s or 4 s (200 or 50 B/s)
+    times = {"read x1": common.Timing.of([1.0] * 10), "copy x2": common.Timing.of([1.0, 4.0] * 5)}
+    frac = roofline.ceiling_fraction(times, kernels, [1.0] * 10, 50)  # the case: 50 B/s every round
+    assert sorted([frac.p20, frac.median, frac.p80]) == [frac.p20, frac.median, frac.p80]
+    assert (frac.p20, frac.p80) == (pytest.approx(0.25), pytest.approx(0.5))  # 50/200 or 50/100 by round
+    assert frac.median == pytest.approx(0.375)
+
+
+def test_roofline_probe_reports_every_kernel_against_the_fastest():
+    """Every kernel and thread count is there, none above each round's ceiling, the leaders are the
+    fastest per thread count; the caller's thread counts are restored (no timing is asserted)."""
+    import torch
+
     from pystronghold._ext import native
 
+    roofline = _roofline()
     before = (torch.get_num_threads(), native().get_num_threads())
     probe = roofline.Probe(1 << 12, 2)
     try:
-        best, records = roofline.measure(probe, rounds=10, warmup=0)
+        leaders, records = roofline.measure(probe, rounds=10, warmup=0)
     finally:
         probe.close()
     assert (torch.get_num_threads(), native().get_num_threads()) == before
     names = {(r["kernel"], r["threads"]) for r in records}
     assert names == {("memcpy", 1)} | {(k, t) for k in ("read", "fill", "copy", "copy_nt", "triad", "adam_shape")
                                        for t in (1, 2)}
-    top = max(records, key=lambda r: r["gb_s"])
-    assert (top["kernel"], top["threads"]) == (best.name, best.threads)
-    assert top["of_ceiling"] == top["of_ceiling_p20"] == top["of_ceiling_p80"] == pytest.approx(1.0)
+    assert sorted(k.threads for k in leaders) == [1, 2]
+    for k in leaders:
+        top = max((r for r in records if r["threads"] == k.threads), key=lambda r: r["gb_s"])
+        assert (top["kernel"], top["threads"]) == (k.name, k.threads)
+    assert leaders[0].label == max(records, key=lambda r: r["gb_s"])["kernel"] + f" x{leaders[0].threads}"
+    assert all(0 < r["of_ceiling_p20"] <= r["of_ceiling"] <= r["of_ceiling_p80"] <= 1.0 + 1e-12 for r in records)
     assert all("load" in r and r["pairs"] == 10 for r in records)
     with pytest.raises(ValueError, match="max_threads=0"):
         roofline.Probe(16, 0)
