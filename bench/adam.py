@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LoadWatch, interleave, machine_facts, paired_ratio, print_table, write_json  # noqa: E402
+from common import MIN_PAIRS, LoadWatch, interleave, machine_facts, paired_ratio, print_table, write_json  # noqa: E402
 from roofline import Probe, ceiling_fraction, measure  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
@@ -226,6 +226,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="4M params only, no foreach/bitwise: about half a minute")
     ap.add_argument("--json", default=None, help="write the records to this JSON file")
     args = ap.parse_args(argv)
+    if args.rounds < MIN_PAIRS:
+        ap.error(f"--rounds {args.rounds}: the paired ratios need at least {MIN_PAIRS}")
     if args.quick:
         args.sizes, args.tensors = "4", "1,100"
     torch.set_num_threads(args.threads)
