@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, paired_ratio, print_table, write_json  # noqa: E402
+from common import (MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, paired_ratio, print_table,  # noqa: E402
+                    write_json)
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.seq = 6, 256, 128
+    if args.steps < MIN_PAIRS:
+        parser.error(f"--steps {args.steps}: the paired ratios need at least {MIN_PAIRS} timed steps")
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,8 +110,6 @@ def main(argv=None) -> int:
     n_block = sum(p.numel() for p in base.blocks[0].parameters())
     n_ht = sum(p.numel() for p in base.parameters()) - args.layers * n_block
 
-    if args.steps < MIN_PAIRS:
-        parser.error(f"--steps {args.steps}: the paired ratios need at least {MIN_PAIRS} timed steps")
     trainers = {"plain": Plain(copy.deepcopy(base))}
     for w in ("all", 4, 2):
         trainers[f"W={w}"] = Windowed(copy.deepcopy(base), w)
