@@ -8,13 +8,20 @@ Cases, each at every size (total parameters) as 1 tensor and as 100 tensors:
   torch_fused      torch.optim.AdamW(fused=True)
   torch_foreach    torch.optim.AdamW(foreach=True)
   deepspeed        deepspeed.ops.adam.DeepSpeedCPUAdam (when importable; `make deepspeed`)
-  roofline         csrc/roofline.cpp: 4 fp32 read streams, 3 written back in place
+  roofline         the memory ceiling (bench/roofline.py): the fastest of several memory kernels
+                   (read, fill, copy with ordinary and streaming stores, triad, Adam-shaped in-place
+                   stream; 1..N threads), probed at each size; the fastest at each thread count then
+                   take turns with the cases, and of_roofline is, per round, a case's GB/s over the
+                   best kernel's GB/s in that round (median, p20-p80)
 Offload pipeline (bf16 grad in, fp32 update, bf16 shadow out):
   ours_offload     one adam_step_ call with a bf16 grad and a bf16 shadow
   ds_offload       grad.float() into a buffer, DeepSpeedCPUAdam.step(), shadow.copy_(param)
   torch_offload    the same sequence with torch fused AdamW
 Effective GB/s counts the bytes a one-pass update must move: 28 per parameter (fp32 grad), 28 for
 the offload case (bf16 grad 2 + bf16 shadow 2), whatever an implementation really moves.
+Timing is paired (bench/common.py): at each size and layout every case takes its turn once per round,
+A B C ... A B C ..., and each ratio (x torch fused, x DeepSpeed, fraction of the roofline) is the
+median of the per-round ratios with its p20-p80. Each record carries the load at its start and end.
 
 Examples:
   python bench/adam.py --quick
@@ -31,7 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_facts, print_table, time_call, write_json  # noqa: E402
+from common import MIN_PAIRS, LoadWatch, interleave, machine_facts, paired_ratio, print_table, write_json  # noqa: E402
+from roofline import Probe, ceiling_fraction, measure  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
 from pystronghold.optim.functional import adam_step_, adam_step_multi_  # noqa: E402
@@ -118,16 +126,6 @@ def case_offload_sequence(n, tensors, kind, ds_cls=None):
     return fn
 
 
-def case_roofline(n, tensors):
-    bufs = [[torch.empty(k).uniform_(-1, 1) for _ in range(4)] for k in split(n, tensors)]
-    stream = native().roofline_stream
-
-    def fn():
-        for a, b, c, d in bufs:
-            stream(a, b, c, d, 0.999)
-    return fn
-
-
 # ---- correctness before timing
 
 def check_correctness(ds_cls):
@@ -168,17 +166,68 @@ def mem_available_bytes() -> int:
     return 0
 
 
+BYTES_PER_PARAM = 28
+PROBE_MIN_VALUES = 1 << 24
+"""The probe's arrays hold at least this many fp32 values (64 MiB each): beyond the last-level cache,
+so the ceiling is the memory's; an update whose working set fits in cache can exceed it."""
+BASELINES = {"plain": ("torch_fused", "deepspeed"), "offload": ("torch_offload", "ds_offload")}
+"""The baselines each kind of case is compared with (paired ratios x_<baseline>)."""
+
+
+def case_bytes(name: str, n: int) -> int:
+    """Host bytes a case allocates at n parameters: fp32 p, g, m, v; the offload case has a bf16 grad
+    and shadow instead of the fp32 grad; the cast-step-cast sequences keep both."""
+    return {"ours_offload": 16 * n, "ds_offload": 20 * n, "torch_offload": 20 * n}.get(name, 16 * n)
+
+
+def measure_group(fns: dict, n: int, rounds: int, warmup: int, leaders: list) -> list[dict]:
+    """Interleave the cases of one size and layout with the probe's leading kernels (none: no
+    roofline); records with paired ratios against the baselines and fractions of each round's
+    ceiling (the fastest leader in that round)."""
+    kernels = {f"roofline {k.label}": k for k in leaders}
+    fns = dict(fns, **{name: k.fn for name, k in kernels.items()})
+    watch = LoadWatch()
+    times = interleave(fns, rounds=rounds, warmup=warmup)
+    load = watch.stop().fields()
+    by_label = {k.label: times[name] for name, k in kernels.items()}
+    records = []
+    for name, t in times.items():
+        nbytes = kernels[name].nbytes if name in kernels else n * BYTES_PER_PARAM
+        rec = {"case": name, "median_ms": t.median_s * 1e3, "p20_ms": t.p20_s * 1e3, "p80_ms": t.p80_s * 1e3,
+               "pairs": t.reps, "mparams_s": "-" if name in kernels else n / t.median_s / 1e6,
+               "gb_s": nbytes / t.median_s / 1e9, **load}
+        if kernels:
+            frac = ceiling_fraction(by_label, leaders, t.samples_s, nbytes)
+            rec.update(of_roofline=frac.median, of_roofline_p20=frac.p20, of_roofline_p80=frac.p80)
+        if name.startswith("ours"):
+            for base in BASELINES["offload" if "offload" in name else "plain"]:
+                if base in times:
+                    r = paired_ratio(times[base], t)
+                    rec.update({f"x_{base}": r.median, f"x_{base}_p20": r.p20, f"x_{base}_p80": r.p80})
+        records.append(rec)
+    return records
+
+
+def ratio_label(rec: dict, key: str) -> str:
+    """``1.06 (1.01-1.10)`` from a record's median and p20/p80 fields, or "" when absent."""
+    if key not in rec:
+        return ""
+    return f"{rec[key]:.2f} ({rec[key + '_p20']:.2f}-{rec[key + '_p80']:.2f})"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,16,64,256", help="total parameters, in millions (2^20), comma-separated")
     ap.add_argument("--tensors", default="1,100", help="numbers of tensors the parameters are split into")
     ap.add_argument("--cases", default="all", help="comma-separated case names, or all")
-    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (>= 20 recommended)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=12, help="timed rounds (pairs) per size and layout, >= 10")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--threads", type=int, default=2, help="threads for torch, OpenMP and DeepSpeed")
     ap.add_argument("--quick", action="store_true", help="4M params only, no foreach/bitwise: about half a minute")
     ap.add_argument("--json", default=None, help="write the records to this JSON file")
     args = ap.parse_args(argv)
+    if args.rounds < MIN_PAIRS:
+        ap.error(f"--rounds {args.rounds}: the paired ratios need at least {MIN_PAIRS}")
     if args.quick:
         args.sizes, args.tensors = "4", "1,100"
     torch.set_num_threads(args.threads)
@@ -195,12 +244,14 @@ def main(argv=None):
         "torch_fused": lambda n, t: case_torch(n, t, "fused"),
         "torch_foreach": lambda n, t: case_torch(n, t, "foreach"),
         "deepspeed": lambda n, t: case_torch(n, t, "deepspeed", ds_cls),
-        "roofline": case_roofline,
         "ours_offload": lambda n, t: case_ours(n, t, offload=True),
         "ds_offload": lambda n, t: case_offload_sequence(n, t, "deepspeed", ds_cls),
         "torch_offload": lambda n, t: case_offload_sequence(n, t, "fused"),
     }
-    wanted = list(cases) if args.cases == "all" else args.cases.split(",")
+    wanted = list(cases) + ["roofline"] if args.cases == "all" else args.cases.split(",")
+    unknown = [c for c in wanted if c not in cases and c != "roofline"]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; known: {', '.join([*cases, 'roofline'])}")
     if ds_cls is None:
         wanted = [c for c in wanted if c not in ("deepspeed", "ds_offload")]
     if args.quick:
@@ -208,41 +259,45 @@ def main(argv=None):
     records = []
     for size_m in [float(s) for s in args.sizes.split(",")]:
         n = int(size_m * 2**20)
+        need = sum(case_bytes(c, n) for c in wanted if c != "roofline")
+        need += 16 * max(n, PROBE_MIN_VALUES) if "roofline" in wanted else 0  # the probe's four arrays
+        if need > 0.7 * mem_available_bytes():
+            print(f"skip {size_m:g}M params: the cases need ~{need / 2**30:.1f} GiB together, "
+                  f"{mem_available_bytes() / 2**30:.1f} GiB available")
+            continue
+        probe, leaders = None, []
+        if "roofline" in wanted:
+            probe = Probe(max(n, PROBE_MIN_VALUES), args.threads)
+            leaders, probe_records = measure(probe, rounds=args.rounds, warmup=args.warmup)
+            for r in probe_records:
+                records.append({"case": f"probe {r['kernel']} x{r['threads']}", "params_m": size_m, **r})
         for tensors in [int(t) for t in args.tensors.split(",")]:
-            row = {}
-            for name in wanted:
-                need = n * 16 + (n * 16 if "offload" in name else 0)  # p, g, m, v (+ casts, shadow)
-                if need > 0.7 * mem_available_bytes():
-                    print(f"skip {name} at {size_m:g}M params: needs ~{need / 2**30:.1f} GiB, "
-                          f"{mem_available_bytes() / 2**30:.1f} GiB available")
-                    continue
-                slow = name in ("torch_foreach", "ours_bitwise")  # 5-10x slower: fewer reps when large
-                reps = args.reps if not slow or n <= 2**24 else max(5, args.reps // 4)
-                fn = cases[name](n, tensors)
-                t = time_call(fn, warmup=args.warmup, reps=reps)
-                del fn
-                gc.collect()
-                rec = {"case": name, "params_m": size_m, "tensors": tensors, "median_ms": t.median_s * 1e3,
-                       "p20_ms": t.p20_s * 1e3, "p80_ms": t.p80_s * 1e3, "reps": t.reps,
-                       "mparams_s": n / t.median_s / 1e6, "gb_s": n * 28 / t.median_s / 1e9}
-                row[name] = rec
+            fns = {name: cases[name](n, tensors) for name in wanted if name != "roofline"}
+            for rec in measure_group(fns, n, args.rounds, args.warmup, leaders):
+                rec.update(params_m=size_m, tensors=tensors)
                 records.append(rec)
-                print(f"{name:>14} {size_m:g}M x{tensors}: {rec['median_ms']:.2f} ms "
-                      f"({rec['p20_ms']:.2f}-{rec['p80_ms']:.2f}), {rec['mparams_s']:,.0f} Mparams/s, "
-                      f"{rec['gb_s']:.1f} GB/s", flush=True)
-            for rec in row.values():  # ratios against the baselines of the same size and layout
-                for base in ("torch_fused", "deepspeed", "roofline"):
-                    if base in row and rec["case"].startswith("ours") and "offload" not in rec["case"]:
-                        rec[f"x_{base}"] = row[base]["median_ms"] / rec["median_ms"]
-                if rec["case"] == "ours_offload":
-                    for base in ("ds_offload", "torch_offload"):
-                        if base in row:
-                            rec[f"x_{base}"] = row[base]["median_ms"] / rec["median_ms"]
+                print(f"{rec['case']:>14} {size_m:g}M x{tensors}: {rec['median_ms']:.2f} ms "
+                      f"({rec['p20_ms']:.2f}-{rec['p80_ms']:.2f}), {rec['gb_s']:.1f} GB/s, load {rec['load']}",
+                      flush=True)
+            del fns
+            gc.collect()
+        if probe is not None:
+            probe.close()
+            del probe, leaders
+            gc.collect()
+    for rec in records:
+        for key in ("x_torch_fused", "x_deepspeed", "x_torch_offload", "x_ds_offload", "of_roofline"):
+            rec[f"{key} (p20-p80)"] = ratio_label(rec, key)
     columns = ["case", "params_m", "tensors", "median_ms", "p20_ms", "p80_ms", "mparams_s", "gb_s",
-               "x_torch_fused", "x_deepspeed", "x_roofline", "x_ds_offload", "x_torch_offload"]
+               "of_roofline (p20-p80)", "x_torch_fused (p20-p80)", "x_deepspeed (p20-p80)",
+               "x_torch_offload (p20-p80)", "x_ds_offload (p20-p80)", "load"]
     facts = machine_facts()
-    print_table(records, columns, title=f"fused CPU Adam, {args.threads} threads, {facts['cpu']}, "
-                                        f"simd={facts.get('simd')}, torch {facts['torch']}")
+    print_table([r for r in records if not r["case"].startswith("probe")], columns,
+                title=f"fused CPU Adam, {args.threads} threads, {facts['cpu']}, simd={facts.get('simd')}, "
+                      f"torch {facts['torch']}; ratios are paired over {args.rounds} rounds: median (p20-p80)")
+    print_table([r for r in records if r["case"].startswith("probe")],
+                ["case", "params_m", "median_ms", "gb_s", "of_ceiling", "of_ceiling_p20", "of_ceiling_p80", "load"],
+                title="roofline probe: memory kernels as a fraction of the fastest (the ceiling)")
     write_json(args.json, "adam", records, extra={"deepspeed": ds_reason or "available",
                                                   "argv": sys.argv[1:]})
     return records

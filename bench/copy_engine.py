@@ -5,6 +5,9 @@ released) and torch.Tensor.copy_, at 64 MiB and 512 MiB.
 File tier: FileStore write/read of records of 16 MiB and 64 MiB against `dd` with
 oflag=direct / iflag=direct on the same directory (same bytes per repetition, block size = record
 size).
+Every method takes turns with its baseline (A B A B ..., bench/common.py); ratio = the median of the
+per-round ratios baseline time / method time, with its p20-p80; each row carries the load.
+
 With --device cuda (instead of the two above): host<->device at 64 MiB and 512 MiB, H2D and D2H,
 of the runtime's copies (CopyEngine from a pinned HostArena and from pageable memory, staged
 through its pinned buffer; the CUDA backend's window loads) against torch's own pinned copy
@@ -19,7 +22,6 @@ page in) per GiB, against the same arena unpinned with every page touched once.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, time_call, write_json  # noqa: E402
+from common import LoadWatch, interleave, paired_ratio, print_table, write_json  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
 from pystronghold.io import CopyEngine, FileStore, HostArena  # noqa: E402
@@ -49,23 +51,24 @@ def bench_host(sizes_mib: list[int], reps: int) -> list[dict]:
         n = size_mib * MiB
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
         dst = torch.zeros(n, dtype=torch.uint8)  # touched: no page faults in the timings
-        base = time_call(lambda: native().memcpy_probe(dst, src), reps=reps)
-        assert torch.equal(dst, src)
-        candidates = {"torch copy_": lambda: dst.copy_(src)}
+        candidates = {"memcpy (baseline)": lambda: native().memcpy_probe(dst, src),
+                      "torch copy_": lambda: dst.copy_(src)}
         engines = {t: CopyEngine(threads=t, queues=1) for t in (1, 2)}
         for t, eng in engines.items():
             candidates[f"engine {t} thread{'s' if t > 1 else ''}"] = lambda eng=eng: eng.copy(dst, src).wait()
-        rows.append(dict(kind="host->host", size_mib=size_mib, method="memcpy (baseline)",
-                         median_ms=base.median_s * 1e3, p20_ms=base.p20_s * 1e3, p80_ms=base.p80_s * 1e3,
-                         gb_s=gbps(n, base.median_s), ratio=1.0))
         for name, fn in candidates.items():
             dst.zero_()
             fn()
             assert torch.equal(dst, src), name  # correct before timed
-            t = time_call(fn, reps=reps)
+        watch = LoadWatch()
+        times = interleave(candidates, rounds=reps)
+        load = watch.stop().fields()
+        base = times["memcpy (baseline)"]
+        for name, t in times.items():
+            r = paired_ratio(base, t)
             rows.append(dict(kind="host->host", size_mib=size_mib, method=name, median_ms=t.median_s * 1e3,
                              p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3, gb_s=gbps(n, t.median_s),
-                             ratio=base.median_s / t.median_s))
+                             ratio=r.median, ratio_p20=r.p20, ratio_p80=r.p80, **load))
         for eng in engines.values():
             eng.close()
         del src, dst
@@ -217,15 +220,20 @@ def bench_files(directory: Path, record_mib: list[int], total_mib: int, reps: in
         dd_read = [f"if={raw}", "of=/dev/null", "iflag=direct", *dd_common]
         run_dd(dd_write)
         for op, candidate, baseline in (("write", write_all, dd_write), ("read", read_all, dd_read)):
-            base = time_call(lambda: run_dd(baseline), warmup=1, reps=reps)
-            t = time_call(candidate, warmup=1, reps=reps)
+            watch = LoadWatch()
+            times = interleave({"dd": lambda baseline=baseline: run_dd(baseline), "store": candidate},
+                               rounds=reps, warmup=1)
+            load = watch.stop().fields()
+            base, t = times["dd"], times["store"]
+            r = paired_ratio(base, t)
             rows.append(dict(kind=f"file {op}", size_mib=rec_mib, method=f"dd {'o' if op == 'write' else 'i'}flag=direct "
                              "(baseline)", median_ms=base.median_s * 1e3, p20_ms=base.p20_s * 1e3,
-                             p80_ms=base.p80_s * 1e3, gb_s=gbps(total, base.median_s), ratio=1.0))
+                             p80_ms=base.p80_s * 1e3, gb_s=gbps(total, base.median_s), ratio=1.0, ratio_p20=1.0,
+                             ratio_p80=1.0, **load))
             rows.append(dict(kind=f"file {op}", size_mib=rec_mib,
                              method=f"FileStore ({'O_DIRECT' if store.direct_io('m') else 'buffered'}, {count} records)",
                              median_ms=t.median_s * 1e3, p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3,
-                             gb_s=gbps(total, t.median_s), ratio=base.median_s / t.median_s))
+                             gb_s=gbps(total, t.median_s), ratio=r.median, ratio_p20=r.p20, ratio_p80=r.p80, **load))
         store.close()
         del store, srcs, dsts, arena
         shutil.rmtree(work, ignore_errors=True)
@@ -236,30 +244,29 @@ def bench_files(directory: Path, record_mib: list[int], total_mib: int, reps: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=None, help="directory for the file tier (default: a temp dir)")
-    parser.add_argument("--quick", action="store_true", help="64 MiB host copies and 16 MiB records, 5 reps")
+    parser.add_argument("--quick", action="store_true", help="64 MiB host copies and 16 MiB records, 10 rounds")
     parser.add_argument("--json", default=None, help="write the records with the machine facts here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: host->host and file tier (default); cuda: host<->device and pinning")
     args = parser.parse_args()
-    reps = 5 if args.quick else 20
+    reps = 10 if args.quick else 20
     if args.device == "cuda":
         main_cuda(args, reps)
         return
     host_rows = bench_host([64] if args.quick else [64, 512], reps)
-    columns = ["kind", "size_mib", "method", "median_ms", "p20_ms", "p80_ms", "gb_s", "ratio"]
-    print_table(host_rows, columns, "host to host (ratio = baseline time / method time)")
+    columns = ["kind", "size_mib", "method", "median_ms", "p20_ms", "p80_ms", "gb_s", "ratio", "ratio_p20",
+               "ratio_p80", "load"]
+    print_table(host_rows, columns, "host to host (ratio = baseline time / method time, paired: median, p20, p80)")
     directory = args.dir or Path(tempfile.mkdtemp(prefix="ps-bench-", dir="/var/tmp"))
     directory.mkdir(parents=True, exist_ok=True)
     try:
         file_rows = bench_files(directory, [16] if args.quick else [16, 64], 128 if args.quick else 256,
-                                3 if args.quick else 20)
+                                10 if args.quick else 20)
     finally:
         if args.dir is None:
             shutil.rmtree(directory, ignore_errors=True)
-    print_table(file_rows, columns, f"file tier in {directory} (ratio = dd time / FileStore time)")
-    load = os.getloadavg()
-    print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    write_json(args.json, "copy_engine", host_rows + file_rows, extra={"load_avg": load, "file_dir": str(directory)})
+    print_table(file_rows, columns, f"file tier in {directory} (ratio = dd time / FileStore time, paired)")
+    write_json(args.json, "copy_engine", host_rows + file_rows, extra={"file_dir": str(directory)})
 
 
 def main_cuda(args: argparse.Namespace, reps: int) -> None:

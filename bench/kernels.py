@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, time_call, write_json  # noqa: E402
+from common import LoadWatch, interleave, paired_ratio, print_table, write_json  # noqa: E402
 
 import pystronghold.nn.functional as PF  # noqa: E402
 from pystronghold.kernels import reference as ref  # noqa: E402
@@ -165,9 +165,10 @@ def bench_fused_gpu(quick: bool) -> list[dict]:
 
 
 def bench_cpu_reference(quick: bool) -> list[dict]:
-    """CPU reference path (PF.* on CPU tensors) vs the naive unfused torch sequence, forward+backward."""
+    """CPU reference path (PF.* on CPU tensors) vs the naive unfused torch sequence, forward+backward,
+    taking turns (A B A B ...); speedup = the paired ratio naive / reference (median, p20-p80)."""
     rows = []
-    reps = 5 if quick else 20
+    reps = 10 if quick else 20
     cases = fused_op_cases("cpu", torch.float32, 256 if quick else 2048, 1024, 8192)
     q_shape = (1, 4, 256, 64) if quick else (2, 8, 512, 64)
     cases.append(("attention", lambda q, k, v: PF.attention(q, k, v, causal=True), naive_attention,
@@ -176,12 +177,15 @@ def bench_cpu_reference(quick: bool) -> list[dict]:
         inputs = make()
         if name != "bias_dropout_add":       # different RNG streams: masks differ by design
             torch.testing.assert_close(fused(*inputs), naive(*inputs), atol=1e-4, rtol=1e-4)
-        timings = {impl: time_call(_fwd_bwd(fn, inputs), warmup=2, reps=reps)
-                   for impl, fn in (("reference", fused), ("naive", naive))}
+        watch = LoadWatch()
+        timings = interleave({"reference": _fwd_bwd(fused, inputs), "naive": _fwd_bwd(naive, inputs)},
+                             rounds=reps, warmup=2)
+        load = watch.stop().fields()
         for impl, t in timings.items():
+            r = paired_ratio(timings["naive"], t)
             rows.append(dict(op=name, impl=impl, device="cpu", fwdbwd_ms=t.median_s * 1e3,
-                             p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3,
-                             speedup=timings["naive"].median_s / t.median_s))
+                             p20_ms=t.p20_s * 1e3, p80_ms=t.p80_s * 1e3, speedup=r.median,
+                             speedup_p20=r.p20, speedup_p80=r.p80, **load))
     return rows
 
 
@@ -198,7 +202,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.cpu_reference:
         rows = bench_cpu_reference(args.quick)
-        print_table(rows, ["op", "impl", "device", "fwdbwd_ms", "p20_ms", "p80_ms", "speedup"],
+        print_table(rows, ["op", "impl", "device", "fwdbwd_ms", "p20_ms", "p80_ms", "speedup", "speedup_p20",
+                           "speedup_p80", "load"],
                     f"CPU reference paths vs naive unfused torch, fp32, forward+backward "
                     f"({torch.get_num_threads()} threads)")
         write_json(args.json, "kernels-cpu-reference", rows)

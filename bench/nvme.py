@@ -7,8 +7,10 @@ In one run:
   ram         a GPT trained through pystronghold.wrap with every state in host memory
   disk        the same GPT, same weights and batches, with nvme_states="all" (master, moments and
               streamed gradients on disk, staged through the 4-block host cache)
-The two trainings take turns step by step (fair under a shared machine's varying load); step times
-are taken as the loop sees them (the last steps' write-backs overlap the next step's compute); their
+The two trainings take turns step by step (fair under a shared machine's varying load); the step
+time ratio is the median (p20-p80) of the per-step ratios disk / RAM (bench/common.paired_ratio, at
+least 10 timed steps); the load at start and end is in every row. Step times are taken as the loop
+sees them (the last steps' write-backs overlap the next step's compute); their
 losses must be identical before any time is reported. File-tier bandwidth = bytes moved / the
 time a read (or write) was in flight (union of the trace's intervals), over the timed steps.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_gpt_arguments, print_table, write_json  # noqa: E402
+from common import MIN_PAIRS, LoadWatch, add_gpt_arguments, paired_ratio, print_table, write_json  # noqa: E402
 from window import Windowed  # noqa: E402
 
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
@@ -78,14 +80,16 @@ def union_s(intervals: list[tuple[float, float]]) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_gpt_arguments(parser, layers=8, hidden=1024, seq=64, steps=4, warmup=1)
+    add_gpt_arguments(parser, layers=8, hidden=1024, seq=64, steps=MIN_PAIRS, warmup=1)
     parser.add_argument("--raw-mib", type=int, default=1024, help="MiB written and read for the raw figure")
     parser.add_argument("--dir", default=None, help="directory for the tier and the raw test (default: temp)")
-    parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 512, 3 steps, 256 MiB raw")
+    parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 512, 256 MiB raw")
     parser.add_argument("--json", default=None, help="write the records here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.layers, args.hidden, args.steps, args.raw_mib = 6, 512, 3, 256
+        args.layers, args.hidden, args.raw_mib = 6, 512, 256
+    if args.steps < MIN_PAIRS:
+        parser.error(f"--steps {args.steps}: the paired ratio needs at least {MIN_PAIRS} timed steps")
     logging.basicConfig(level=logging.WARNING)
     root = Path(args.dir or tempfile.gettempdir()) / f"pystronghold-bench-nvme-{os.getpid()}"
     root.mkdir(parents=True, exist_ok=True)
@@ -96,6 +100,7 @@ def main(argv=None) -> int:
 
 
 def run(args, root: Path) -> int:
+    watch = LoadWatch()
     raw = raw_disk(root, args.raw_mib << 20)
     cfg = GPTConfig(vocab_size=8192, seq_len=args.seq, layers=args.layers, hidden=args.hidden,
                     heads=max(1, args.hidden // 64))
@@ -122,6 +127,7 @@ def run(args, root: Path) -> int:
             times[name].append(time.perf_counter() - t0)
     for t in trainers.values():
         t.engine.synchronize()  # the last write-backs belong to the measured steps
+    load = watch.stop().fields()
     after = disk.stats()["disk"]
     events = disk.trace.events()
     placement = disk.placement.describe(disk.n_blocks)
@@ -135,6 +141,7 @@ def run(args, root: Path) -> int:
     read_s = union_s([(e.start_s, e.end_s) for e in events if e.kind == "file_read"])
     write_s = union_s([(e.start_s, e.end_s) for e in events if e.kind == "file_write"])
     med = {name: sorted(ts[args.warmup:])[len(ts[args.warmup:]) // 2] for name, ts in times.items()}
+    slowdown = paired_ratio(times["disk"][args.warmup:], times["ram"][args.warmup:])  # disk / RAM per step
     rows = [
         {"what": "raw disk write (O_DIRECT, fsync)", "GB/s": raw["write_gbps"], "ratio": 1.0, "baseline": "-"},
         {"what": "raw disk read (O_DIRECT)", "GB/s": raw["read_gbps"], "ratio": 1.0, "baseline": "-"},
@@ -143,10 +150,14 @@ def run(args, root: Path) -> int:
         {"what": "tier read during training", "GB/s": read_b / max(read_s, 1e-9) / 1e9,
          "ratio": read_b / max(read_s, 1e-9) / 1e9 / raw["read_gbps"], "baseline": "raw read"},
         {"what": "step time, states in RAM", "GB/s": "-", "ratio": 1.0, "baseline": f"{1e3 * med['ram']:.0f} ms"},
-        {"what": "step time, states on disk", "GB/s": "-", "ratio": med["disk"] / med["ram"],
-         "baseline": "states in RAM"},
+        {"what": "step time, states on disk", "GB/s": "-", "ratio": slowdown.median,
+         "baseline": f"states in RAM (paired: {slowdown.label()})"},
     ]
-    records = [dict(r, kind=kind) for r, kind in zip(rows, ("raw", "raw", "tier", "tier", "step", "step"))]
+    rows = [dict(r, load=load["load"]) for r in rows]
+    spreads = {"step time, states on disk": (slowdown.p20, slowdown.p80)}  # the only paired ratio here
+    records = [dict(r, kind=kind, ratio_p20=spreads.get(r["what"], (r["ratio"],) * 2)[0],
+                    ratio_p80=spreads.get(r["what"], (r["ratio"],) * 2)[1], **load)
+               for r, kind in zip(rows, ("raw", "raw", "tier", "tier", "step", "step"))]
     extra = {"args": vars(args), "placement": placement, "read_bytes_per_step": read_b / args.steps,
              "write_bytes_per_step": write_b / args.steps, "step_ms": {k: 1e3 * v for k, v in med.items()},
              "disk_io_share_of_step": (read_s + write_s) / args.steps / med["disk"], "params": params,

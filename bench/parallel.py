@@ -6,7 +6,10 @@ rank, gloo on the loopback. Reported per configuration:
 
 - step time: per step, the slowest rank's time (every rank waits for it at the next collective);
   median and 20/80% quantiles over the timed steps, and the ratio to TP=1 x DP=1 (the baseline,
-  measured in the same run);
+  measured in the same run), paired: every configuration's processes start once and stay up, and
+  the configurations take turns in rounds of a few steps (1x1, 2x1, 1x2, 2x2, 1x1, ...; the idle
+  ones wait on a file); the ratio is the median (p20-p80) over the rounds of the per-round ratios
+  (bench/common.paired_ratio, at least 10 rounds);
 - communication per rank per step, in bytes handed to the collectives, *computed* from the
   parameter counts and activation shapes (formulas below) and *measured* by a wrapper around
   ``torch.distributed.all_reduce`` / ``all_gather`` that adds up the bytes of the tensors this
@@ -48,7 +51,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from common import Timing, print_table, write_json  # noqa: E402
+from common import MIN_PAIRS, LoadWatch, Timing, paired_ratio, print_table, write_json  # noqa: E402
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, dp)
@@ -87,7 +90,12 @@ class Counter:
 # ---- one rank
 
 
-def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, out_path: str) -> None:
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.005)
+
+
+def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, ctl: str) -> None:
     world = tp * dp
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -110,8 +118,12 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, out_path: str
     b = args["batch"] // dp
     mine = data[:, groups.dp_rank * b:(groups.dp_rank + 1) * b]  # (steps, b, T + 1)
     times, losses, measured = [], [], []
+    ctl, name, per_round = Path(ctl), f"{tp}x{dp}", args["steps"] // args["rounds"]
     try:
         for k, tokens in enumerate(mine):
+            timed = k - args["warmup"]
+            if timed >= 0 and timed % per_round == 0:  # this configuration's turn
+                _wait_for(ctl / f"go-{name}-{timed // per_round}")
             dist.barrier()
             before = dict(counter.bytes)
             counter.on = True
@@ -126,12 +138,16 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, out_path: str
             mean = loss.detach().reshape(1).clone()
             dist.all_reduce(mean, group=groups.dp_group)
             losses.append(mean.item() / dp)
+            if timed >= 0 and timed % per_round == per_round - 1:  # the turn ends
+                dist.barrier()
+                if rank == 0:
+                    (ctl / f"done-{name}-{timed // per_round}").touch()
     finally:
         engine.close()
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # per step, the slowest rank
     if rank == 0:
-        Path(out_path).write_text(json.dumps(dict(
+        (ctl / f"rank0-{name}.json").write_text(json.dumps(dict(
             times=slowest[args["warmup"]:].tolist(), losses=losses, measured=measured[-1],
             n_local=n_local, padded_vocab=cfg.padded_vocab_size, threads=torch.get_num_threads())))
     dist.barrier()
@@ -145,13 +161,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(args: dict, tp: int, dp: int) -> dict:
-    """Run one (tp, dp) configuration on tp * dp processes; rank 0's record."""
+def run_configs(args: dict) -> dict:
+    """Start every (tp, dp) configuration's processes once, let them take turns for ``rounds`` rounds
+    of steps // rounds steps, and return each configuration's rank-0 record."""
+    ports = set()
+    while len(ports) < len(CONFIGS):
+        ports.add(_free_port())
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.json")
-        mp.start_processes(_rank_main, args=(args, tp, dp, _free_port(), out), nprocs=tp * dp,
-                           start_method="spawn", join=True)
-        return json.loads(Path(out).read_text())
+        ctl = Path(tmp)
+        contexts = {(tp, dp): mp.start_processes(_rank_main, args=(args, tp, dp, port, tmp), nprocs=tp * dp,
+                                                 start_method="spawn", join=False)
+                    for (tp, dp), port in zip(CONFIGS, sorted(ports))}
+        for r in range(args["rounds"]):
+            for tp, dp in CONFIGS:
+                (ctl / f"go-{tp}x{dp}-{r}").touch()
+                while not (ctl / f"done-{tp}x{dp}-{r}").exists():
+                    for ctx in contexts.values():
+                        ctx.join(timeout=0.002)  # raises when a rank failed
+        for ctx in contexts.values():
+            while not ctx.join():
+                pass
+        return {(tp, dp): json.loads((ctl / f"rank0-{tp}x{dp}.json").read_text()) for tp, dp in CONFIGS}
+
+
+def round_medians(times: list[float], rounds: int) -> list[float]:
+    """The median step time of each round (consecutive equal slices of ``times``)."""
+    per = len(times) // rounds
+    return [Timing.of(times[r * per:(r + 1) * per]).median_s for r in range(rounds)]
 
 
 def computed_bytes(args: dict, tp: int, dp: int, rec: dict) -> dict:
@@ -160,12 +196,6 @@ def computed_bytes(args: dict, tp: int, dp: int, rec: dict) -> dict:
     tp_bytes = 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8 if tp > 1 else 0
     dp_bytes = 4 * rec["n_local"] if dp > 1 else 0
     return {"tp": tp_bytes, "dp": dp_bytes}
-
-
-def timing(samples: list[float]) -> Timing:
-    s = sorted(samples)
-    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
-    return Timing(s[len(s) // 2], q(0.2), q(0.8), len(s), samples)
 
 
 def main(argv=None) -> int:
@@ -178,34 +208,40 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over DP")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="5 timed steps after 1 warm-up (a smoke run)")
+    parser.add_argument("--rounds", type=int, default=MIN_PAIRS,
+                        help="turns each configuration takes (pairs); --steps is split evenly over them")
+    parser.add_argument("--quick", action="store_true", help="10 rounds of 1 step after 1 warm-up")
     parser.add_argument("--json", default=None, help="write the records here")
     args = vars(parser.parse_args(argv))
     if args.pop("quick"):
-        args.update(steps=5, warmup=1)
-    results = {}
-    for tp, dp in CONFIGS:
-        results[(tp, dp)] = run_config(args, tp, dp)
+        args.update(steps=MIN_PAIRS, warmup=1, rounds=MIN_PAIRS)
+    if args["rounds"] < MIN_PAIRS or args["steps"] < args["rounds"]:
+        parser.error(f"--rounds {args['rounds']} must be >= {MIN_PAIRS} and <= --steps {args['steps']}")
+    args["steps"] -= args["steps"] % args["rounds"]
+    watch = LoadWatch()
+    results = run_configs(args)
+    load = watch.stop().fields()
     base = results[(1, 1)]
     for (tp, dp), rec in results.items():  # correctness before timing
         # NOTE: summation order differs across layouts; over the steps losses agree to ~1e-6
         torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(base["losses"]),
                                    rtol=1e-4, atol=0, msg=f"tp={tp} dp={dp}: losses differ from tp=1 dp=1")
-    t_base = timing(base["times"]).median_s
+    base_rounds = round_medians(base["times"], args["rounds"])
     rows = []
     for (tp, dp), rec in results.items():
-        t, comp, meas = timing(rec["times"]), computed_bytes(args, tp, dp, rec), rec["measured"]
+        t, comp, meas = Timing.of(rec["times"]), computed_bytes(args, tp, dp, rec), rec["measured"]
+        vs = paired_ratio(round_medians(rec["times"], args["rounds"]), base_rounds)  # time ratio, per round
         rows.append({"tp": tp, "dp": dp, "procs": tp * dp, "threads/proc": rec["threads"],
                      "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s,
-                     "vs_1x1": t.median_s / t_base, "params/rank": rec["n_local"],
+                     "vs_1x1": vs.median, "vs_1x1_p20": vs.p20, "vs_1x1_p80": vs.p80, "params/rank": rec["n_local"],
                      "tp_bytes_computed": comp["tp"], "tp_bytes_measured": meas["tp"],
                      "dp_bytes_computed": comp["dp"], "dp_bytes_measured": meas["dp"],
-                     "world_bytes_measured": meas["world"]})
+                     "world_bytes_measured": meas["world"], **load})
     title = (f"GPT {args['layers']} blocks, hidden {args['hidden']}, heads {args['heads']}, seq "
              f"{args['seq']}, vocab {args['vocab']}, global batch {args['batch']}, W=2, fp32, clip 1.0; "
-             f"{args['steps']} timed steps after {args['warmup']} warm-up; gloo on CPU ({os.cpu_count()} cores); "
-             "bytes per rank per step")
-    print_table(rows, list(rows[0]), title)
+             f"{args['steps']} timed steps after {args['warmup']} warm-up, in {args['rounds']} turns; gloo on CPU "
+             f"({os.cpu_count()} cores); bytes per rank per step")
+    print_table(rows, [c for c in rows[0] if c not in ("load_start", "load_end", "loaded")], title)
     write_json(args["json"], "parallel", rows, {"args": args})
     return 0
 

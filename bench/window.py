@@ -7,8 +7,9 @@ Configurations (all from the same initial weights, on the same batches):
              plain PyTorch's arithmetic through the engine; its overhead over plain is the engine's own
   W=4, W=2   the engine with 4 / 2 blocks resident
 Configurations take turns step by step (fair under a shared machine's varying load).
-Reported: median step time and 20/80% quantiles, ratio to W=all and to plain (of the medians, and
-"paired": the median over steps of this configuration's time / plain's in the same turn), device bytes
+Reported: median step time and 20/80% quantiles; the time ratios to W=all and to plain, each the
+median (p20-p80) of the per-step ratios (step k of a configuration over step k of the baseline, taken
+back to back: bench/common.paired_ratio); the load at start and end; device bytes
 (parameters, gradients and optimizer states that live on the device: the window arena plus head
 and tail) against plain's, the bound (W + head + tail) / (all blocks + head + tail) in parameters,
 and the overlap fraction from the trace. Correctness first: every configuration's losses must
@@ -30,18 +31,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timing, add_gpt_arguments, print_table, write_json  # noqa: E402
+from common import (MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, paired_ratio, print_table,  # noqa: E402
+                    write_json)
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def timing(samples: list[float]) -> Timing:
-    s = sorted(samples)
-    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
-    return Timing(s[len(s) // 2], q(0.2), q(0.8), len(s), samples)
 
 
 class Plain:
@@ -95,13 +91,15 @@ class Windowed:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_gpt_arguments(parser, layers=12, hidden=512, seq=256, steps=6, warmup=2)
+    add_gpt_arguments(parser, layers=12, hidden=512, seq=256, steps=MIN_PAIRS, warmup=2)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 256, seq 128, 4 steps")
+    parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 256, seq 128")
     parser.add_argument("--json", default=None, help="write the records here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.layers, args.hidden, args.seq, args.steps = 6, 256, 128, 4
+        args.layers, args.hidden, args.seq = 6, 256, 128
+    if args.steps < MIN_PAIRS:
+        parser.error(f"--steps {args.steps}: the paired ratios need at least {MIN_PAIRS} timed steps")
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,6 +121,7 @@ def main(argv=None) -> int:
     times = {name: [] for name in trainers}
     # NOTE: configurations take turns step by step, so load from other users of a shared machine
     # falls on all of them alike.
+    watch = LoadWatch()
     for k, (x, y) in enumerate(batches):
         for name, trainer in trainers.items():
             if k == args.warmup and isinstance(trainer, Windowed):
@@ -131,6 +130,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             losses[name].append(trainer.step(x, y))
             times[name].append(time.perf_counter() - t0)
+    load = watch.stop().fields()
     runs = {}
     for name, trainer in trainers.items():
         runs[name] = (losses[name], times[name][args.warmup:], trainer.extra(args.steps))
@@ -140,25 +140,25 @@ def main(argv=None) -> int:
         torch.testing.assert_close(torch.tensor(run_losses), torch.tensor(ref_losses), rtol=1e-5, atol=0,
                                    msg=f"{name}: losses differ from plain PyTorch")
 
-    t_all = timing(runs["W=all"][1]).median_s
-    t_plain = timing(runs["plain"][1]).median_s
     plain_bytes = runs["plain"][2]["device_bytes"]
     rows = []
     for name, (_, times, extra) in runs.items():
-        t = timing(times)
+        t = Timing.of(times)
         w = {"plain": args.layers, "W=all": args.layers, "K=N": args.layers}.get(name) or int(name[2:])
-        paired = sorted(a / b for a, b in zip(times, runs["plain"][1]))
+        vs_all, vs_plain = paired_ratio(times, runs["W=all"][1]), paired_ratio(times, runs["plain"][1])
         rows.append({"config": name, "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s,
-                     "p80_ms": 1e3 * t.p80_s, "vs_W=all": t.median_s / t_all, "vs_plain": t.median_s / t_plain,
-                     "paired_vs_plain": paired[len(paired) // 2],
+                     "p80_ms": 1e3 * t.p80_s, "vs_W=all": vs_all.median, "vs_W=all (p20-p80)": vs_all.label(),
+                     "vs_plain": vs_plain.median, "vs_plain (p20-p80)": vs_plain.label(),
                      "device_MiB": extra["device_bytes"] / 2**20,
                      "bytes_vs_plain": extra["device_bytes"] / plain_bytes,
                      "bound": (w * n_block + n_ht) / (args.layers * n_block + n_ht),
                      "overlap": extra.get("overlap") if extra.get("overlap") is not None else "-",
-                     "stall_ms": extra.get("stall_ms", "-")})
+                     "stall_ms": extra.get("stall_ms", "-"), "vs_plain_p20": vs_plain.p20,
+                     "vs_plain_p80": vs_plain.p80, **load})
     title = (f"GPT {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32, "
              f"{args.steps} timed steps after {args.warmup} warm-up (CPU backend)")
-    print_table(rows, list(rows[0]), title)
+    hidden = ("load_start", "load_end", "loaded", "vs_plain_p20", "vs_plain_p80")  # in the JSON, not the table
+    print_table(rows, [c for c in rows[0] if c not in hidden], title)
     write_json(args.json, "window", rows, {"args": vars(args)})
     return 0
 
