@@ -49,8 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
-from window import timing  # noqa: E402
+from common import Timing, print_table, write_json  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, block_param_count, param_count  # noqa: E402
@@ -365,10 +364,10 @@ def report_losses(runs: dict, diffs: dict, rtol: float, precision: str) -> list[
 def timing_rows(runs: dict, diffs: dict, bad: list[str], cfg, args) -> list[dict]:
     """One record per configuration: step time, throughput, peaks, and its losses."""
     flops, tokens = model_flops_per_step(cfg, args.batch, args.seq), args.batch * args.seq
-    t_plain = timing(runs["plain"]["seconds"]).median_s
+    t_plain = Timing.of(runs["plain"]["seconds"]).median_s
     rows = []
     for name, r in runs.items():
-        t = timing(r["seconds"])
+        t = Timing.of(r["seconds"])
         dev = r["device_peak_bytes"]
         rows.append({"config": name, "W": r["window"] or "-", "step_ms": 1e3 * t.median_s,
                      "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s, "vs_plain": t.median_s / t_plain,
