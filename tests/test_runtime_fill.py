@@ -116,11 +116,11 @@ def test_a_failing_arena_is_raised_by_the_block_that_needs_it():
     store = HostStore(layouts, torch.float32, factory, chunk_bytes=1, background=True)
     try:
         # fp32: master, exp_avg, exp_avg_sq, grad per block, one arena each; block 0's four come first
-        store.acquire(0, ["master"])
+        with pytest.raises(MemoryError, match="no memory for chunk 5"):
+            store.wait_built()  # returns once the builder has failed
+        store.acquire(0, ["master"])  # built before the failure: still usable
         with pytest.raises(MemoryError, match="no memory for chunk 5"):
             store.acquire(1, ["grad"])
-        with pytest.raises(MemoryError, match="no memory for chunk 5"):
-            store.wait_built()
     finally:
         store.close()
 

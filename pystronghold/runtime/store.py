@@ -230,8 +230,9 @@ class HostStore:
         with self._cond:
             while self._built < need and self._build_error is None:
                 self._cond.wait()
-        if self._build_error is not None:
-            raise self._build_error
+            # NOTE: a later chunk's failure is not this block's: its buffers may all exist already
+            if self._built < need:
+                raise self._build_error
 
     @property
     def pinned(self) -> bool:
