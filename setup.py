@@ -317,7 +317,8 @@ def main():
             "plots": ["matplotlib"],   # --trace: timeline.png, loss.png
             "kernels": ["triton"],     # the Triton kernels on CUDA (torch's CUDA wheels bring it)
             "hf": ["transformers", "tokenizers"],  # --model hf:DIR, export --hf, from_pretrained
-            "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers"],
+            "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers",
+                    "tensorboard"],
         },
         entry_points={"console_scripts": ["pystronghold=pystronghold.cli:main"]},
         zip_safe=False,

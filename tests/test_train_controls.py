@@ -101,8 +101,10 @@ def test_metrics_file_in_a_missing_directory_is_one_line(capsys, tmp_path):
     assert len(err.splitlines()) == 1 and "--metrics-file" in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
-def test_tensorboard_without_the_package_is_one_line_naming_it(capsys, tmp_path):
+def test_tensorboard_without_the_package_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # as if tensorboard were not installed
+                        lambda name, *a, **k: None if name == "tensorboard" else find_spec(name, *a, **k))
     assert main(["train", "--tensorboard", str(tmp_path / "tb")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--tensorboard needs the 'tensorboard' package" in err
