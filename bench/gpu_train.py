@@ -53,7 +53,7 @@ from common import Timing, print_table, write_json  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, block_param_count, param_count  # noqa: E402
-from pystronghold.train.config import resolve_model  # noqa: E402
+from pystronghold.train.model_spec import resolve_model  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CONFIGS = ("plain", "recompute", "W=all", "W=4", "W=2", "W=auto", "fsdp2-offload", "deepspeed-zero2")

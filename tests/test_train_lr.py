@@ -11,7 +11,7 @@ from pystronghold.cli import build_parser
 from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, param_count, recommended_lr
 from pystronghold.train import Trainer
 from pystronghold.train.command import config_from_args
-from pystronghold.train.config import model_lr
+from pystronghold.train.model_spec import model_lr
 from train_helpers import TINY, tiny_config
 
 # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1, "Learning Rate" column

@@ -2,7 +2,8 @@
 
 Every field has a docstring (shown by ``--help``) and is validated in ``__post_init__`` (a
 ``ValueError`` naming the field). ``pystronghold/train/command.py`` generates the argparse options
-from these classes. With no options at all the run is the embedded demo (``DEMO_MODEL``): a GPT
+from these classes. Which model ``--model`` names, and its default learning rate, is
+``model_spec.py``'s. With no options at all the run is the embedded demo (``DEMO_MODEL``): a GPT
 whose blocks need several times the device budget they are given, trained on the Python standard
 library's sources.
 """
@@ -10,102 +11,15 @@ library's sources.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from pystronghold.models import GPTConfig
-from pystronghold.models.hf import HF_PREFIX, HFModelConfig, read_hf_config
-from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, recommended_lr
+from pystronghold.models.hf import HF_PREFIX, HFModelConfig
+from pystronghold.train.model_spec import HF_DEFAULT_SEQ, model_lr, resolve_model
 
-__all__ = ["DEMO_MODEL", "ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "MemoryOptions",
-           "RunOptions", "parse_bytes", "CheckpointOptions", "ParallelOptions", "TrainConfig", "resolve_model",
-           "model_lr"]
-
-DEMO_MODEL = GPTConfig(vocab_size=256, seq_len=128, layers=12, hidden=128, heads=4)
-"""The demo GPT: 12 blocks of 198k parameters (2.4M in blocks), byte vocabulary. With W=2 the
-device holds 2 of the 12 blocks; the resident model (weights, gradients, Adam state) would need
-about 6x the window's bytes."""
-
-
-def _read_model_file(name: str) -> dict:
-    """The JSON object of a model file (GPTConfig fields and an optional ``"lr"``); ValueError
-    naming --model."""
-    try:
-        with open(name) as f:
-            spec = json.load(f)
-    except OSError as e:
-        raise ValueError(f"--model: cannot read {name}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--model: {name} is not valid JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"--model: {name} must hold a JSON object of GPTConfig fields")
-    lr = spec.get("lr", 1.0)
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
-        raise ValueError(f"--model: {name}: \"lr\" must be a number > 0, got {lr!r}")
-    return spec
-
-
-def _is_model_file(name: str) -> bool:
-    return name.endswith(".json") or os.path.sep in name
-
-
-HF_FINETUNE_LR = 5e-5
-"""Peak learning rate of a ``--model hf:DIR`` fine-tune without --lr: Hugging Face Trainer's default
-(``TrainingArguments.learning_rate``); pre-training rates would wreck a trained model."""
-
-HF_DEFAULT_SEQ = 512
-"""Tokens per sequence of a ``--model hf:DIR`` run without --seq (at most the model's positions)."""
-
-
-def resolve_model(name: str) -> GPTConfig | HFModelConfig:
-    """``"demo"``, a preset name (``pystronghold.models.PRESETS``), a JSON file of GPTConfig fields,
-    or ``hf:DIR``, a Hugging Face model directory (its ``HFModelConfig``). A JSON file may also
-    hold ``"lr"``: the model's peak learning rate."""
-    if name.startswith(HF_PREFIX):
-        from pystronghold.extras import require
-
-        try:
-            require("hf", "--model hf:DIR")
-        except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
-            raise ValueError(str(e)) from None
-        return read_hf_config(name[len(HF_PREFIX):])
-    if name == "demo":
-        return DEMO_MODEL
-    if name in PRESETS:
-        return PRESETS[name]
-    if _is_model_file(name):
-        spec = _read_model_file(name)
-        spec.pop("lr", None)
-        known = {f.name for f in fields(GPTConfig)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise ValueError(f"--model: {name} has unknown GPTConfig fields {unknown}")
-        try:
-            return GPTConfig(**spec)
-        except TypeError as e:
-            raise ValueError(f"--model: {name}: {e}") from None
-    raise ValueError(f"--model: unknown preset {name!r}; choose 'demo', one of {', '.join(PRESETS)}, "
-                     "or a JSON file of GPTConfig fields")
-
-
-def model_lr(name: str) -> float:
-    """The peak learning rate ``--lr`` defaults to for ``--model name``: the demo's
-    ``SMALL_MODEL_LR``, a preset's ``PRESET_LR`` entry (published values), a JSON file's ``"lr"``,
-    else ``recommended_lr`` of its shape (the GPT-3 lr of its size class); ``hf:DIR``:
-    ``HF_FINETUNE_LR`` (fine-tuning a trained model)."""
-    if name == "demo":
-        return SMALL_MODEL_LR
-    if name.startswith(HF_PREFIX):
-        return HF_FINETUNE_LR
-    if name in PRESET_LR:
-        return PRESET_LR[name]
-    if _is_model_file(name):
-        lr = _read_model_file(name).get("lr")
-        if lr is not None:
-            return float(lr)
-    return recommended_lr(resolve_model(name))
-
+__all__ = ["ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "MemoryOptions",
+           "RunOptions", "parse_bytes", "CheckpointOptions", "ParallelOptions", "TrainConfig"]
 
 @dataclass(kw_only=True, slots=True)
 class ModelOptions:
