@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 
 import torch
 
 from pystronghold.io.scratch import check_io_directory
-from pystronghold.parallel.data import any_rank, average_, average_grads_, global_grad_norm, is_tp_shard
+from pystronghold.parallel.data import average_
 from pystronghold.runtime import block_fn
 from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.schedule import Load, Release, build_plan
+from pystronghold.runtime.step import OptimizerStep
 from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.inputs import forward_signature, move_inputs
@@ -130,8 +130,12 @@ class Engine:
         self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch,
                                    prefetch_depth=max(1, config.nvme_cache_blocks - 2),
                                    param_groups=[[group_of[id(p)] for p in ps] for ps in block_params])
-        self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
-                       if config.precision == "fp16" else None)
+        scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
+                  if config.precision == "fp16" else None)
+        self.stepper = OptimizerStep(model=model, config=config, optimizer=self.optimizer,
+                                     device_optimizer=self.device_optimizer, resident=self.resident,
+                                     updates=self.updates, block_params=self.window.params, scaler=scaler,
+                                     dp_group=self.dp_group, tp_group=self.tp_group, parallel=self.parallel)
         names = {id(p): name for name, p in model.named_parameters()}
         self.states = EngineStates(self, [[names[id(p)] for p in ps] for ps in resident_params + block_params],
                                    [names[id(p)] for p in self.head_tail_params])
@@ -147,9 +151,6 @@ class Engine:
         self._grad_valid = [False] * n  # host grad holds earlier micro-batches' sum
         self._copies: list[tuple[str, int, object]] = []  # for the trace
         self.micro_batches = 0  # backward passes since the last step
-        self.steps = 0  # optimizer steps taken (skipped fp16 steps not counted)
-        self.skipped_steps = 0
-        self.grad_norm: float | None = None  # the last step's global gradient norm (clipping/fp16)
         self._test_skip_waits: set[str] = set()  # test hook: {"load"} removes the compute-waits-for-load
         if not n:  # every block resident: a backward pass is counted once it reaches their gradients
             torch.autograd.graph.register_multi_grad_hook(self.resident.params, self._count_backward, mode="any")
@@ -394,19 +395,44 @@ class Engine:
         self._copies.append(("d2h", block, handle))
         self._grad_valid[block] = True
         if streamed:
-            self.updates.submit_update(block, handle, step=self.steps + 1, hyper=self.optimizer.hyper(),
+            self.updates.submit_update(block, handle, step=self.stepper.next_step, hyper=self.stepper.hyper(),
                                        grad_scale=1.0, lease=lease)
             if block > 0:
                 self.store.prefetch(block - 1, self.updates.update_states)
             return
         self.store.release(lease, dirty=["grad"], after=[handle])
         if last and self.config.needs_global_grad:
-            self.updates.submit_norm(block, handle, self._unscale())
+            self.updates.submit_norm(block, handle, self.stepper.grad_unscale())
 
-    # ---- optimizer step
+    # ---- optimizer step (runtime/step.py), between passes
 
-    def _unscale(self) -> float:
-        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+    @property
+    def scaler(self):
+        """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
+        return self.stepper.scaler
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped fp16 steps not counted); set when a checkpoint is loaded."""
+        return self.stepper.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.stepper.steps = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps skipped for an overflow; set when a checkpoint is loaded."""
+        return self.stepper.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.stepper.skipped_steps = value
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm (computed for clipping or fp16 only)."""
+        return self.stepper.grad_norm
 
     def _step(self) -> None:
         if self._plan is not None:
@@ -417,51 +443,8 @@ class Engine:
         for h in self._grad_out.values():
             h.wait()
         self._grad_out.clear()
-        average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
-        hyper, step = self.optimizer.hyper(), self.steps + 1
-        if self.overlap == "backward":
-            self.updates.drain()
-            self.device_optimizer.step(hyper, 1.0)
-            self.resident.step(hyper, 1.0, self.steps)
-        else:
-            scale = self._unscale()
-            coef = 1.0
-            if self.config.needs_global_grad:
-                total = self.grad_norm = self._global_grad_norm(scale)
-                if self.scaler is not None:
-                    overflow = not math.isfinite(total)
-                    if self.parallel:  # every rank skips together, or none does
-                        overflow = any_rank(overflow)
-                    self.scaler.update(overflow)
-                    if overflow:
-                        log.info("fp16 overflow: step skipped for every block; loss scale now %g",
-                                 self.scaler.scale)
-                        self.skipped_steps += 1
-                        self._end_step()
-                        return
-                if self.config.clip_grad_norm is not None:
-                    # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
-                    coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
-                                             max=1.0))
-            for block in range(self.n_streamed):  # 0, 1, 2, ...: the order the next forward loads them
-                self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
-            self.device_optimizer.step(hyper, scale * coef)
-            self.resident.step(hyper, scale * coef, self.steps)
-            if self.overlap == "none":
-                self.updates.drain()
-        self.steps = step
+        self.stepper.run()
         self._end_step()
-
-    def _global_grad_norm(self, grad_scale: float) -> float:
-        """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;
-        tensor-parallel shards summed over the TP group (pystronghold.parallel.data)."""
-        norms = {**self.device_optimizer.grad_norms(grad_scale), **self.resident.grad_norms(grad_scale)}
-        for block, per_param in self.updates.block_norms().items():
-            for p, n in zip(self.window.params[block], per_param):
-                norms[id(p)] = n
-        params = [p for p in self.model.parameters() if id(p) in norms]
-        return global_grad_norm([norms[id(p)] for p in params], [is_tp_shard(p) for p in params],
-                                self.tp_group)
 
     def _end_step(self) -> None:
         self.micro_batches = 0
@@ -469,8 +452,7 @@ class Engine:
         self._flush_copies(calibrate=True)
 
     def _zero_grad(self) -> None:
-        self.device_optimizer.zero_grad()
-        self.resident.zero_grad()
+        self.stepper.zero_grad()
         if self._plan is None and self.micro_batches:
             self.micro_batches = 0
             self._grad_valid = [False] * self.n_streamed
