@@ -158,7 +158,7 @@ class _Delayed:
 def _slow(engine, skip_wait: bool):
     engine.backend.copies = _SlowLoads(engine.backend.copies, delay_s=0.03)
     if skip_wait:
-        engine._test_skip_waits.add("load")
+        engine.executor.test_skip_waits.add("load")
 
 
 def test_strict_mode_catches_a_removed_wait():
