@@ -90,7 +90,7 @@ def test_fp16_overflow_skips_the_whole_step():
     first = {}
 
     def after_first_step(engine):
-        inner = engine._step
+        inner = engine.run_step
 
         def step():
             inner()
@@ -98,7 +98,7 @@ def test_fp16_overflow_skips_the_whole_step():
                 first.update(engine.master_parameters())
                 first["_skipped"] = engine.skipped_steps
 
-        engine._step = step
+        engine.run_step = step
 
     got = train_engine(model, batches, window=2, precision="fp16", initial_loss_scale=init,
                        engine_hook=after_first_step)

@@ -1,11 +1,14 @@
-"""The engine: runs the schedule from inside each block's autograd Function, and the optimizer step.
+"""The engine: what ``pystronghold.wrap`` returns, composed of three parts, one per job.
 
-Per pass (forward, then backward when training) the engine walks the plan of ``schedule.py``:
-``enter(block)`` before a block computes (issue what is pending, wait for its load, bind its
-parameters to the slot), ``leave(block)`` after (in backward: gradients into the slot's flat
-buffer, one copy-out, a host job; then the plan's releases and prefetch loads). A load of block i
-is issued only after block i's last host update has finished, and into a slot only after that
-slot's previous copy-out (and compute) finished. See docs/DESIGN.md "Window runtime".
+- building (``build.py``): plans every byte, makes the backend, host store, file tier, window and
+  pass plans (``build_parts``), then the updaters of every parameter (``build_optimizers``);
+- the pass executor (``executor.py``): what ``block_fn`` calls around each block (``enter`` /
+  ``leave``): loads, releases, gradient copy-out, host jobs, and the accumulation state;
+- the step (``step.py``): global norm, fp16 overflow, clip coefficient, host and device updates.
+
+``Engine`` owns none of that logic: it gives the user API (call, train/eval, backward, step,
+zero_grad, synchronize, stats, close, states) and the names other modules read. See
+docs/DESIGN.md "Window runtime".
 """
 
 from __future__ import annotations
@@ -14,26 +17,14 @@ import logging
 
 import torch
 
-from pystronghold.io.scratch import check_io_directory
 from pystronghold.runtime import block_fn
-from pystronghold.runtime.backend import make_backend
+from pystronghold.runtime.build import build_optimizers, build_parts
 from pystronghold.runtime.config import RuntimeConfig
-from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
-from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.executor import PassExecutor
-from pystronghold.runtime.schedule import build_plan
-from pystronghold.runtime.step import OptimizerStep
-from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
-from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.inputs import forward_signature, move_inputs
-from pystronghold.runtime.placement import plan_placement
-from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
-                                          slot_bytes, split_parameters, window_slots)
-from pystronghold.runtime.resident import ResidentBlocks
-from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
-from pystronghold.runtime.updates import HostUpdates
-from pystronghold.runtime.window import Window
-from pystronghold.trace import Tracer
+from pystronghold.runtime.optimizer import WindowOptimizer
+from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
+from pystronghold.runtime.step import OptimizerStep
 
 __all__ = ["Engine"]
 
@@ -46,110 +37,41 @@ class Engine:
     def __init__(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, config: RuntimeConfig,
                  materialize=None) -> None:
         self.model, self.config = model, config
-        total = len(blocks)
-        if total == 0:
-            raise ValueError("wrap: the block list is empty; pass blocks= a non-empty nn.ModuleList")
-        k = config.resident_blocks
-        if k > total:
-            raise ValueError(f"wrap: resident_blocks={k} is more than the {total} blocks")
-        n = total - k  # streamed blocks: global index k + local index
-        window = window_slots(config.window, n, k)
-        self.window_size, self.n_blocks, self.n_streamed = window, total, n
-        self.dtype = compute_dtype(config.precision)
-        self.overlap = config.overlap_mode
-        par = config.parallel
-        self.dp_group, self.tp_group = (par.dp_group, par.tp_group) if par is not None else (None, None)
-        self.parallel = par is not None and par.world_size > 1
-        if config.nvme_dir is not None:
-            check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
-        materialize = materialize_resident(model, blocks, k, materialize)
-        block_named, self.head_tail_params = split_parameters(model, blocks, config.device)
-        resident_params = [[p for _, p in named] for named in block_named[:k]]
-        block_named, streamed = block_named[k:], list(blocks)[k:]
-        layouts = [BlockLayout(named) for named in block_named]
-        block_params = [[p for _, p in named] for named in block_named]
-        numels = [lay.numel for lay in layouts]
-        self.planned_arena_bytes = window * slot_bytes(layouts, self.dtype) if n else 0
-        resident_bytes = head_tail_bytes([p for ps in resident_params for p in ps], self.dtype)
-        # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
-        self.placement = plan_placement(
-            numels, self.dtype,
-            budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
-                          else int(config.host_memory_bytes)),
-            # on the CPU backend the "device" (window arena, head and tail) is host memory too
-            fixed_bytes=(self.planned_arena_bytes + head_tail_bytes(self.head_tail_params, self.dtype)
-                         + resident_bytes if config.device == "cpu" else 0),
-            nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
-            streamed_grads=self.overlap == "backward" and config.accumulation_steps == 1,
-            force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
-        self.scratch = None
-        if self.placement.spilled:
-            self.scratch = open_scratch(config.nvme_dir, disk_tier_bytes(self.placement, numels, self.dtype),
-                                        preallocate=config.nvme_preallocate)
-        self.store = None
-        try:
-            # (an arena of one page when every block is resident: nothing streams)
-            self.backend = make_backend(config.device, max(self.planned_arena_bytes, 4096), copy_threads=config.copy_threads)
-            self.device = self.backend.device
-
-            def disk_factory(placement, numels):
-                engine, read_q, write_q = self.backend.file_io()
-                return DiskTier(self.scratch.path, placement, numels, self.dtype, engine=engine,
-                                read_queue=read_q, write_queue=write_q, arena_factory=self.backend.host_arena,
-                                preallocate=config.nvme_preallocate)
-
-            # NOTE: arenas made (pinned, zeroed) by a builder thread while the fill runs
-            self.store = HostStore(layouts, self.dtype, self.backend.host_arena, placement=self.placement,
-                                   disk_factory=disk_factory, background=True)
-            self.fill_times = fill_store(self.store, model, streamed, block_named, block_params, materialize,
-                                         threads=config.init_threads)
-        except BaseException:
-            if self.store is not None:
-                self.store.close()
-            if self.scratch is not None:
-                self.scratch.close()
-            raise
-        # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
-        head_tail_masters = [p.detach().to(self.device, torch.float32) for p in self.head_tail_params]
-        move_to_device(model, blocks, self.device, self.dtype)
-        self.window = Window(self.backend, layouts, block_params, window, self.dtype)
-        self.plans = {train: build_plan(n, window, train) for train in (True, False)} if n else {}
-        self.block_forwards = block_fn.install(self, streamed)
+        parts = build_parts(model, blocks, config, materialize)
+        # the parts by their public names (state_dict.py, train/, tests and benchmarks read them)
+        self.n_blocks, self.n_streamed = parts.n_blocks, len(parts.block_params)
+        self.window_size = parts.window_size
+        self.dtype, self.overlap, self.placement = parts.dtype, config.overlap_mode, parts.placement
+        self.planned_arena_bytes, self.fill_times = parts.planned_arena_bytes, parts.fill_times
+        self.backend, self.device, self.scratch = parts.backend, parts.backend.device, parts.scratch
+        self.store, self.window, self.plans, self.trace = parts.store, parts.window, parts.plans, parts.trace
+        self.head_tail_params = parts.head_tail_params
+        self.dp_group, self.tp_group, self.parallel = parts.dp_group, parts.tp_group, parts.parallel
+        self.block_forwards = block_fn.install(self, parts.streamed_blocks)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self.trace = Tracer(enabled=config.trace, block_offset=k)  # the model's block numbers
-        real_shapes = {id(p): span.shape for ps, lay in zip(block_params, layouts)
-                       for p, span in zip(ps, lay.spans)}  # block parameters are placeholders now
-        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer, real_shapes)
-        group_of = self.optimizer.group_of()
-        self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters,
-                                            [group_of[id(p)] for p in self.head_tail_params])
-        self.resident = ResidentBlocks(list(blocks)[:k], resident_params, config.optimizer, self.device,
-                                       self.dtype, recompute=config.resident_recompute, group_of=group_of)
-        self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch,
-                                   prefetch_depth=max(1, config.nvme_cache_blocks - 2),
-                                   param_groups=[[group_of[id(p)] for p in ps] for ps in block_params])
-        scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
-                  if config.precision == "fp16" else None)
+        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer, parts.real_shapes)
+        updaters = build_optimizers(parts, config, self.optimizer.group_of())
+        self.device_optimizer, self.resident, self.updates = (updaters.device_optimizer, updaters.resident,
+                                                              updaters.updates)
         self.stepper = OptimizerStep(model=model, config=config, optimizer=self.optimizer,
                                      device_optimizer=self.device_optimizer, resident=self.resident,
-                                     updates=self.updates, block_params=self.window.params, scaler=scaler,
+                                     updates=self.updates, block_params=self.window.params, scaler=updaters.scaler,
                                      dp_group=self.dp_group, tp_group=self.tp_group, parallel=self.parallel)
-        names = {id(p): name for name, p in model.named_parameters()}
-        self.states = EngineStates(self, [[names[id(p)] for p in ps] for ps in resident_params + block_params],
-                                   [names[id(p)] for p in self.head_tail_params])
-        install_model_hooks(self, model, streamed)  # model.state_dict() / load_state_dict() via the store
-        self._forward_signature = forward_signature(model)
         self.executor = PassExecutor(config=config, window=self.window, store=self.store, backend=self.backend,
                                      updates=self.updates, stepper=self.stepper, trace=self.trace,
                                      plans=self.plans, dp_group=self.dp_group)
-        if not n:  # every block resident: a backward pass is counted once it reaches their gradients
+        if not self.n_streamed:  # all blocks resident: a backward pass counts once it reaches their gradients
             torch.autograd.graph.register_multi_grad_hook(self.resident.params, self.executor.count_backward,
                                                           mode="any")
+        self.states = EngineStates(self, parts.block_names, parts.head_tail_names)
+        install_model_hooks(self, model, parts.streamed_blocks)  # model.state_dict() etc. via the store
+        self._forward_signature = forward_signature(model)
         kept = {True: "recomputed", False: "activations kept"}
         log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes, %s), %d streamed "
-                 "(W=%d, device arena %d bytes, host store %d bytes, %s), %s, %s, overlap=%s", total, k,
-                 self.resident.nbytes, kept[config.resident_recompute], n, window, self.planned_arena_bytes,
-                 self.store.nbytes, kept[config.checkpointing], config.device, config.precision, self.overlap)
+                 "(W=%d, device arena %d bytes, host store %d bytes, %s), %s, %s, overlap=%s", self.n_blocks,
+                 self.resident.count, self.resident.nbytes, kept[config.resident_recompute], self.n_streamed,
+                 self.window_size, self.planned_arena_bytes, self.store.nbytes, kept[config.checkpointing],
+                 config.device, config.precision, self.overlap)
 
     # ---- user API
 
@@ -277,11 +199,14 @@ class Engine:
         """The last step's global gradient norm (computed for clipping or fp16 only)."""
         return self.stepper.grad_norm
 
-    def _step(self) -> None:
+    def run_step(self) -> None:
+        """The optimizer step itself, as ``engine.optimizer.step()`` runs it (call ``step()``): every
+        gradient copy-out waited for, the step (``OptimizerStep.run``), a new accumulation begun."""
         self.executor.finish_accumulation()
         self.stepper.run()
         self.executor.end_accumulation()
 
-    def _zero_grad(self) -> None:
+    def forget_grads(self) -> None:
+        """Gradients dropped, as ``engine.optimizer.zero_grad()`` does it (call ``zero_grad()``)."""
         self.stepper.zero_grad()
         self.executor.forget_grads()

@@ -92,11 +92,11 @@ class WindowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine._step()
+        self._engine.run_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine._zero_grad()
+        self._engine.forget_grads()
 
     def state_dict(self) -> dict:
         """torch.optim.AdamW's format for every parameter (block or head/tail), by index in
