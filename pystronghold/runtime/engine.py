@@ -31,6 +31,12 @@ __all__ = ["Engine"]
 log = logging.getLogger(__name__)
 
 
+def _stepper_counter(name: str, doc: str) -> property:
+    """A read/write property of ``Engine`` for the counter ``name`` of ``engine.stepper``."""
+    return property(lambda engine: getattr(engine.stepper, name),
+                    lambda engine, value: setattr(engine.stepper, name, value), doc=doc)
+
+
 class Engine:
     """A model whose blocks train through a window of W device slots. Made by ``pystronghold.wrap``."""
 
@@ -55,7 +61,7 @@ class Engine:
                                                               updaters.updates)
         self.stepper = OptimizerStep(model=model, config=config, optimizer=self.optimizer,
                                      device_optimizer=self.device_optimizer, resident=self.resident,
-                                     updates=self.updates, block_params=self.window.params, scaler=updaters.scaler,
+                                     updates=self.updates, window=self.window, scaler=updaters.scaler,
                                      dp_group=self.dp_group, tp_group=self.tp_group, parallel=self.parallel)
         self.executor = PassExecutor(config=config, window=self.window, store=self.store, backend=self.backend,
                                      updates=self.updates, stepper=self.stepper, trace=self.trace,
@@ -176,23 +182,9 @@ class Engine:
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
         return self.stepper.scaler
 
-    @property
-    def steps(self) -> int:
-        """Optimizer steps taken (skipped fp16 steps not counted); set when a checkpoint is loaded."""
-        return self.stepper.steps
-
-    @steps.setter
-    def steps(self, value: int) -> None:
-        self.stepper.steps = value
-
-    @property
-    def skipped_steps(self) -> int:
-        """fp16 steps skipped for an overflow; set when a checkpoint is loaded."""
-        return self.stepper.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.stepper.skipped_steps = value
+    # read by state_dict.py, checkpoints and tests, set when a checkpoint is loaded
+    steps = _stepper_counter("steps", "Optimizer steps taken (skipped fp16 steps not counted).")
+    skipped_steps = _stepper_counter("skipped_steps", "fp16 steps skipped for an overflow.")
 
     @property
     def grad_norm(self) -> float | None:

@@ -26,18 +26,19 @@ log = logging.getLogger(__name__)
 class OptimizerStep:
     """``engine.stepper``: updates every parameter from the gradients of the finished passes.
 
-    ``optimizer`` gives the live hyper-parameters (``WindowOptimizer.hyper()``); ``block_params``:
-    the placeholder ``Parameter`` objects of each streamed block (``Window.params``), to place the
-    block norms in ``model.parameters()`` order; ``scaler``: the fp16 ``DynamicLossScaler`` or None.
+    ``optimizer`` gives the live hyper-parameters (``WindowOptimizer.hyper()``); ``window``: its
+    ``params`` (placeholder ``Parameter`` objects of each streamed block) place the block norms in
+    ``model.parameters()`` order; ``scaler``: the fp16 ``DynamicLossScaler`` or None.
     """
 
-    def __init__(self, *, model, config, optimizer, device_optimizer, resident, updates, block_params,
+    def __init__(self, *, model, config, optimizer, device_optimizer, resident, updates, window,
                  scaler, dp_group=None, tp_group=None, parallel: bool = False) -> None:
-        self._model, self._config, self._optimizer = model, config, optimizer
-        self._device_optimizer, self._resident, self._updates = device_optimizer, resident, updates
-        self._block_params = block_params
-        self._dp_group, self._tp_group, self._parallel = dp_group, tp_group, parallel
-        self._overlap = config.overlap_mode
+        # NOTE: the engine's names for its parts, so the step reads as it did inside Engine
+        self.model, self.config, self.optimizer = model, config, optimizer
+        self.device_optimizer, self.resident, self.updates = device_optimizer, resident, updates
+        self.window, self.n_streamed = window, len(window.params)
+        self.dp_group, self.tp_group, self.parallel = dp_group, tp_group, parallel
+        self.overlap = config.overlap_mode
         self.scaler = scaler
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
         self.steps = 0
@@ -54,7 +55,7 @@ class OptimizerStep:
 
     def hyper(self) -> list[dict]:
         """The param groups' current hyper-parameters (``WindowOptimizer.hyper()``)."""
-        return self._optimizer.hyper()
+        return self.optimizer.hyper()
 
     def grad_unscale(self) -> float:
         """Factor that turns a stored gradient into the true one (1 / loss scale in fp16, else 1)."""
@@ -63,20 +64,20 @@ class OptimizerStep:
     def run(self) -> None:
         """One step over head, tail, resident and streamed blocks; the caller has waited for every
         gradient copy-out. An fp16 overflow skips the whole step (``skipped_steps`` counts it)."""
-        average_grads_(self._device_optimizer.params + self._resident.params, self._dp_group)  # one bucket
+        average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
         hyper, step = self.hyper(), self.next_step
-        if self._overlap == "backward":
-            self._updates.drain()
-            self._device_optimizer.step(hyper, 1.0)
-            self._resident.step(hyper, 1.0, self.steps)
+        if self.overlap == "backward":
+            self.updates.drain()
+            self.device_optimizer.step(hyper, 1.0)
+            self.resident.step(hyper, 1.0, self.steps)
         else:
             scale = self.grad_unscale()
             coef = 1.0
-            if self._config.needs_global_grad:
-                total = self.grad_norm = self.global_grad_norm(scale)
+            if self.config.needs_global_grad:
+                total = self.grad_norm = self._global_grad_norm(scale)
                 if self.scaler is not None:
                     overflow = not math.isfinite(total)
-                    if self._parallel:  # every rank skips together, or none does
+                    if self.parallel:  # every rank skips together, or none does
                         overflow = any_rank(overflow)
                     self.scaler.update(overflow)
                     if overflow:
@@ -84,30 +85,30 @@ class OptimizerStep:
                                  self.scaler.scale)
                         self.skipped_steps += 1
                         return
-                if self._config.clip_grad_norm is not None:
+                if self.config.clip_grad_norm is not None:
                     # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
-                    coef = float(torch.clamp(self._config.clip_grad_norm / (torch.tensor(total) + 1e-6),
+                    coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
                                              max=1.0))
-            for block in range(len(self._block_params)):  # 0, 1, 2, ...: the order the next forward loads them
-                self._updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
-            self._device_optimizer.step(hyper, scale * coef)
-            self._resident.step(hyper, scale * coef, self.steps)
-            if self._overlap == "none":
-                self._updates.drain()
+            for block in range(self.n_streamed):  # 0, 1, 2, ...: the order the next forward loads them
+                self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
+            self.device_optimizer.step(hyper, scale * coef)
+            self.resident.step(hyper, scale * coef, self.steps)
+            if self.overlap == "none":
+                self.updates.drain()
         self.steps = step
 
-    def global_grad_norm(self, grad_scale: float) -> float:
+    def _global_grad_norm(self, grad_scale: float) -> float:
         """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;
         tensor-parallel shards summed over the TP group (pystronghold.parallel.data)."""
-        norms = {**self._device_optimizer.grad_norms(grad_scale), **self._resident.grad_norms(grad_scale)}
-        for block, per_param in self._updates.block_norms().items():
-            for p, n in zip(self._block_params[block], per_param):
+        norms = {**self.device_optimizer.grad_norms(grad_scale), **self.resident.grad_norms(grad_scale)}
+        for block, per_param in self.updates.block_norms().items():
+            for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
-        params = [p for p in self._model.parameters() if id(p) in norms]
+        params = [p for p in self.model.parameters() if id(p) in norms]
         return global_grad_norm([norms[id(p)] for p in params], [is_tp_shard(p) for p in params],
-                                self._tp_group)
+                                self.tp_group)
 
     def zero_grad(self) -> None:
         """Head/tail and resident gradients forgotten (``.grad`` None); the executor resets blocks'."""
-        self._device_optimizer.zero_grad()
-        self._resident.zero_grad()
+        self.device_optimizer.zero_grad()
+        self.resident.zero_grad()
