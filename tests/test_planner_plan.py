@@ -151,7 +151,8 @@ def test_help_has_examples(capsys):
 
 
 def test_every_request_field_is_a_documented_option():
-    from pystronghold.planner.command import PlanRequest, field_docs
+    from pystronghold.config_docs import field_docs
+    from pystronghold.planner.command import PlanRequest
 
     docs = field_docs(PlanRequest)
     names = [f.name for f in dataclasses.fields(PlanRequest)]

@@ -8,17 +8,16 @@ metadata. Sizes are in GiB (2**30 bytes) and bandwidths in GB/s (1e9 bytes/s), a
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import json
 import logging
 import math
 import sys
-import textwrap
 from dataclasses import dataclass, field
 
-__all__ = ["PlanRequest", "add_dataclass_arguments", "field_docs", "add_plan_command", "run_plan"]
+from pystronghold.config_docs import field_docs
+
+__all__ = ["PlanRequest", "add_dataclass_arguments", "add_plan_command", "run_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -164,19 +163,6 @@ class PlanRequest:
 
 
 # ---- argparse from a dataclass
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of dataclass ``cls`` (attribute docstrings, read from source)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
-                and isinstance(nxt.value.value, str):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
 
 _TYPES = {"str": str, "int": int, "float": float}
 

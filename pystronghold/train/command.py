@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from pystronghold.planner.command import field_docs
+from pystronghold.config_docs import field_docs
 
 __all__ = ["add_train_command", "add_export_command", "config_from_args"]
 

@@ -165,7 +165,8 @@ def device_peak_bytes(engine, head_tail_bytes: int) -> int:
     resident-block state."""
     if engine.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(engine.device))
-    return int(engine.backend.arena_used_bytes) + head_tail_bytes + engine.stats()["resident_bytes"]
+    stats = engine.stats()
+    return int(stats["arena_used_bytes"]) + head_tail_bytes + stats["resident_bytes"]
 
 
 def memory_report(engine) -> MemoryReport:
