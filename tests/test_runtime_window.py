@@ -192,7 +192,8 @@ def _record_losses(engine, out):
 
 
 def test_block_layout_aligns_offsets_and_keeps_gaps_zero():
-    from pystronghold.runtime.store import ALIGN_ELEMS, BlockLayout
+    from pystronghold.runtime.layout import ALIGN_ELEMS
+    from pystronghold.runtime.store import BlockLayout
 
     block = HetStack().blocks[2]  # attention block: odd-sized tensors
     named = list(block.named_parameters())
