@@ -27,7 +27,12 @@ _FILE_WRITE_QUEUE = 3
 
 
 class CPUBackend:
-    """Device = host memory in its own HostArena of ``arena_bytes`` bytes; copies via CopyEngine."""
+    """Device = host memory in its own HostArena of ``arena_bytes`` bytes; copies via CopyEngine.
+
+    ``copies`` is that engine, read at each copy: a test may replace it with anything that has
+    ``CopyEngine``'s ``copy``/``close`` and returns handles with ``CopyHandle``'s ``wait``, ``done``,
+    ``nbytes``, ``start_s`` and ``end_s`` (e.g. a slow link, to show copies overlap compute).
+    """
 
     name = "cpu"
 
