@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,13 +46,24 @@ def test_missing_extension_is_reported_with_rebuild_hint(monkeypatch):
     _ext.native.cache_clear()
 
 
-def test_kernels_install_inside_the_package():
-    import importlib.util
+def test_kernels_install_inside_the_package(tmp_path):
+    """kernels/ installs as pystronghold.kernels only: a fresh process away from the source tree
+    (the checkout's root taken off sys.path, wherever and under whatever name it was cloned) finds
+    no top-level ``kernels`` package made from it."""
+    import pystronghold.kernels
 
-    import pystronghold.kernels  # noqa: F401
-
-    spec = importlib.util.find_spec("kernels")
-    assert spec is None or "pystronghold" not in (spec.origin or ""), "kernels/ must not be a top-level package"
+    kernels_dir = Path(pystronghold.kernels.__file__).resolve().parent
+    code = ("import importlib.util, os, sys\n"
+            f"sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != {str(kernels_dir.parent)!r}]\n"
+            "import pystronghold.kernels as k\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "print(k.__name__, os.path.realpath(os.path.dirname(k.__file__)))\n"
+            "print(None if spec is None else os.path.realpath(os.path.dirname(spec.origin or '')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    package_line, top_level = out.stdout.splitlines()
+    assert package_line == f"pystronghold.kernels {kernels_dir}"
+    assert top_level != str(kernels_dir), "kernels/ must not be a top-level package"
 
 
 def test_extension_imports_first_in_a_fresh_process(tmp_path):

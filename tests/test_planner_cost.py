@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from pystronghold.models import GPT, PRESETS, GPTConfig, block_param_count
 from pystronghold.planner.cost import (Workload, analytic_window, block_activation_bytes, block_costs,
@@ -10,6 +11,8 @@ from pystronghold.planner.cost import (Workload, analytic_window, block_activati
                                        head_tail_params_per_rank, host_bytes_per_param, slot_bytes,
                                        tail_activation_bytes)
 from pystronghold.planner.hardware import GPU, GPUS, GiB, Hardware, gpu_preset
+from pystronghold.runtime.prepare import slot_bytes as prepare_slot_bytes
+from pystronghold.runtime.store import BlockLayout
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "gpt3-1.3b", "gpt3-175b"])
@@ -35,7 +38,10 @@ def test_param_numels_follow_the_block_and_the_runtime_layout(bias):
     for p in block.parameters():
         offset = (offset + 15) // 16 * 16 + p.numel()
     numel = (offset + 15) // 16 * 16
-    assert slot_bytes(cfg, 2) == 2 * ((numel * 2 + 4095) // 4096 * 4096)
+    assert slot_bytes(cfg, "bf16") == 2 * ((numel * 2 + 4095) // 4096 * 4096)
+    # ... and what the runtime sizes its window slots with for this very block
+    runtime_slot = prepare_slot_bytes([BlockLayout(list(block.named_parameters()))], torch.bfloat16)
+    assert slot_bytes(cfg, "bf16") == runtime_slot
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
-import time
 
 import pytest
 import torch
 
 from pystronghold.runtime.schedule import Load, Release, build_plan
-from runtime_models import (HetStack, assert_same_training, het_batches, one_torch_thread,
+from runtime_models import (HetStack, SlowCopies, assert_same_training, het_batches, one_torch_thread,
                             train_engine, train_reference)
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
@@ -115,48 +113,8 @@ def test_evicted_block_parameters_are_empty_placeholders():
 # ---- strict mode catches a missing wait
 
 
-class _SlowLoads:
-    """Wraps the copy engine: every load (queue 0) starts `delay_s` late, on a helper thread."""
-
-    def __init__(self, inner, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
-
-    def copy(self, dst, src, queue=0, after=()):
-        if queue != 0:
-            return self.inner.copy(dst, src, queue=queue, after=after)
-        return _Delayed(self.inner, dst, src, after, self.delay_s)
-
-    def close(self):
-        self.inner.close()
-
-
-class _Delayed:
-    def __init__(self, engine, dst, src, after, delay_s) -> None:
-        self.nbytes = dst.numel() * dst.element_size()
-        self._ready = threading.Event()
-
-        def run():
-            time.sleep(delay_s)
-            for h in after:
-                h.wait()
-            self._inner = engine.copy(dst, src, queue=0)
-            self._ready.set()
-
-        threading.Thread(target=run, daemon=True).start()
-
-    def done(self):
-        return self._ready.is_set() and self._inner.done()
-
-    def wait(self, timeout_s=None):
-        self._ready.wait()
-        self._inner.wait()
-
-    start_s = property(lambda self: self._inner.start_s)
-    end_s = property(lambda self: self._inner.end_s)
-
-
 def _slow(engine, skip_wait: bool):
-    engine.backend.copies = _SlowLoads(engine.backend.copies, delay_s=0.03)
+    engine.backend.copies = SlowCopies(engine.backend.copies, delay_s=0.03, queues=(0,))  # slow loads
     if skip_wait:
         engine.executor.test_skip_waits.add("load")
 
@@ -192,7 +150,8 @@ def _record_losses(engine, out):
 
 
 def test_block_layout_aligns_offsets_and_keeps_gaps_zero():
-    from pystronghold.runtime.store import ALIGN_ELEMS, BlockLayout
+    from pystronghold.runtime.layout import ALIGN_ELEMS
+    from pystronghold.runtime.store import BlockLayout
 
     block = HetStack().blocks[2]  # attention block: odd-sized tensors
     named = list(block.named_parameters())
