@@ -136,8 +136,8 @@ def _options(job_field: dataclasses.Field, cls) -> list[dataclasses.Field]:
     only, hide = job_field.metadata.get("only"), job_field.metadata.get("hide", ())
     out = [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True) and f.name not in hide
            and (only is None or f.name in only)]
-    missing = set(only or ()) - {f.name for f in out}
-    if missing:
+    missing = (set(only or ()) - {f.name for f in out}) | (set(hide) - {f.name for f in dataclasses.fields(cls)})
+    if missing:  # a renamed field must not silently appear on (or vanish from) the command line
         raise TypeError(f"component {job_field.name}: {cls.__name__} has no option field {sorted(missing)}")
     return out
 

@@ -103,3 +103,10 @@ def test_mechanism_errors_name_the_flag_and_refuse_unknown_types():
 
     with pytest.raises(TypeError, match="--when.*needs a parse= function"):
         add_options(argparse.ArgumentParser(), Odd)
+
+    @dataclass(kw_only=True, slots=True)
+    class Renamed:
+        engine: Engine = component(Engine, hide=("sped",))
+
+    with pytest.raises(TypeError, match=r"Engine has no option field \['sped'\]"):
+        add_options(argparse.ArgumentParser(), Renamed)
