@@ -16,8 +16,8 @@ import torch
 import pystronghold as ph
 from pystronghold.cli import main
 from pystronghold.train import Trainer
-from pystronghold.train.config import (CheckpointOptions, DataOptions, ModelOptions, OptimOptions,
-                                       RunOptions, TrainConfig, WindowOptions)
+from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import ARCHS, TEXT, VOCAB, engine_logits, hf_logits, save_tiny
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -125,7 +125,7 @@ def _train_config(directory, data, ckpt, *, steps=5, every=0, resume=False) -> T
         model=ModelOptions(model=f"hf:{directory}"),
         data=DataOptions(data=[str(data)], max_bytes=1 << 14, batch=2, seq=16),
         optim=OptimOptions(lr=3e-3, warmup=2),
-        window=WindowOptions(window="2"),
+        runtime=RuntimeConfig(window=2, clip_grad_norm=1.0),
         run=RunOptions(steps=steps, log_every=5, eval_every=0, eval_batches=1, quiet=True),
         checkpoint=CheckpointOptions(checkpoint_dir=str(ckpt), checkpoint_every=every, resume=resume))
 

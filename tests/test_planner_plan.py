@@ -11,7 +11,7 @@ import pytest
 from pystronghold.cli import main
 from pystronghold.models import PRESETS, param_count
 from pystronghold.planner import Hardware, Workload, gpu_preset, largest_layers, largest_models, make_plan
-from pystronghold.planner.command import add_dataclass_arguments
+from pystronghold.options import add_options, field_docs, from_args
 from pystronghold.planner.hardware import GiB
 from pystronghold.planner.report import format_plan, plan_to_dict
 
@@ -151,17 +151,21 @@ def test_help_has_examples(capsys):
 
 
 def test_every_request_field_is_a_documented_option():
-    from pystronghold.config_docs import field_docs
     from pystronghold.planner.command import PlanRequest
 
     docs = field_docs(PlanRequest)
     names = [f.name for f in dataclasses.fields(PlanRequest)]
     assert set(docs) == set(names) and all(docs.values())
     parser = argparse.ArgumentParser()
-    add_dataclass_arguments(parser, PlanRequest)
-    args = parser.parse_args(["--gpu-memory", "12.5", "--no-checkpointing", "--json", "--layers", "3"])
-    assert args.gpu_memory == 12.5 and args.checkpointing is False and args.json is True and args.layers == 3
-    assert parser.parse_args([]).checkpointing is True and parser.parse_args([]).json is False
+    add_options(parser, PlanRequest)
+    base = ["--gpu", "h100-80gb", "--host-memory", "64", "--model", "tiny"]
+    request = from_args(PlanRequest, parser.parse_args(
+        base + ["--gpu-memory", "12.5", "--no-checkpointing", "--json", "--layers", "3", "--window", "4"]))
+    assert request.gpu_memory == 12.5 and request.json is True and request.layers == 3
+    assert request.runtime.checkpointing is False and request.runtime.window == 4  # RuntimeConfig's fields
+    default = from_args(PlanRequest, parser.parse_args(base))
+    assert default.runtime.checkpointing is True and default.json is False
+    assert default.runtime.window == "auto" and default.runtime.precision == "bf16"  # the plan's defaults
 
 
 def test_json_of_a_model_that_does_not_fit(capsys):
@@ -170,3 +174,14 @@ def test_json_of_a_model_that_does_not_fit(capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 1 and not out["fits"] and out["step"] is None and out["window"]["chosen"] is None
     assert not out["host"]["fits"] and out["largest"][0]["layers"] > 0
+
+
+def test_plan_reuses_the_runtime_window_and_its_validation(capsys):
+    """--window is RuntimeConfig's field: one validation, and 'all' plans every block on the device."""
+    base = ["plan", "--gpu", "h100-80gb", "--host-memory", "256", "--model", "gpt3-1.3b", "--json"]
+    assert main(base + ["--window", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "pystronghold plan: error: --window must be >= 1, got 0"
+    assert main(base + ["--window", "all"]) == 0  # 'all' is RuntimeConfig's too: every block on the device
+    assert '"chosen": 24' in capsys.readouterr().out
+
+

@@ -169,7 +169,7 @@ def test_disk_full_during_training_names_the_directory_and_the_last_checkpoint_l
     reproduces the uninterrupted run."""
     from test_file_store import small_tmpfs
     from pystronghold.io import FileStore
-    from pystronghold.train.config import MemoryOptions
+    from pystronghold.runtime.config import RuntimeConfig
     from train_helpers import tiny_config
 
     ck = tmp_path / "ck"
@@ -184,7 +184,8 @@ def test_disk_full_during_training_names_the_directory_and_the_last_checkpoint_l
         if mount is None:
             pytest.skip("cannot mount a tmpfs here")
         config = tiny_config(tmp_path, steps=4, clip=1.0, ckpt=str(ck), every=2, resume=True)
-        config.memory = MemoryOptions(nvme=str(mount / "nvme"), nvme_states="all", nvme_sparse=True)
+        config.runtime = RuntimeConfig(clip_grad_norm=1.0, nvme_dir=str(mount / "nvme"), nvme_states="all",
+                                       nvme_preallocate=False)
         trainer = Trainer(config)
         with pytest.raises(DiskTierError, match=str(mount / "nvme")) as info:
             try:
@@ -245,17 +246,17 @@ def test_runtime_options_are_validated():
 def test_checkpoint_from_the_disk_tier_resumes_in_host_memory(tmp_path):
     """A run with every state on disk writes checkpoints (read through the tier) that a run in host
     memory resumes to the uninterrupted losses."""
-    from pystronghold.train.config import MemoryOptions
+    from pystronghold.runtime.config import RuntimeConfig
     from train_helpers import tiny_config
 
-    straight = _run(tiny_config(tmp_path, steps=4, clip=0.0))
+    straight = _run(tiny_config(tmp_path, steps=4, clip=None))
     ck = tmp_path / "ck"
-    config = tiny_config(tmp_path, steps=4, clip=0.0, ckpt=str(ck), every=2)
-    config.memory = MemoryOptions(nvme=str(tmp_path / "nvme"), nvme_states="all")
+    config = tiny_config(tmp_path, steps=4, clip=None, ckpt=str(ck), every=2)
+    config.runtime = RuntimeConfig(nvme_dir=str(tmp_path / "nvme"), nvme_states="all")
     on_disk = _run(config)
     assert on_disk.losses == straight.losses
     shutil.rmtree(ck / "step-00000004")
-    resumed = _run(tiny_config(tmp_path, steps=4, clip=0.0, ckpt=str(ck), resume=True))
+    resumed = _run(tiny_config(tmp_path, steps=4, clip=None, ckpt=str(ck), resume=True))
     assert resumed.losses == straight.losses[2:]
 
 
@@ -266,7 +267,7 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
     import textwrap
     from pathlib import Path
 
-    from pystronghold.train.config import MemoryOptions
+    from pystronghold.runtime.config import RuntimeConfig
     from train_helpers import kill_when_marked, tiny_config
 
     ck, nvme, marker = tmp_path / "ck", tmp_path / "nvme", tmp_path / "in-step-3"
@@ -277,9 +278,9 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
         from train_helpers import tiny_config
         from pystronghold.train import Trainer
         from pystronghold.train.checkpoint import save_checkpoint
-        from pystronghold.train.config import MemoryOptions
-        config = tiny_config(Path({str(tmp_path)!r}), steps=4, clip=0.0)
-        config.memory = MemoryOptions(nvme={str(nvme)!r}, nvme_states="all")
+        from pystronghold.runtime.config import RuntimeConfig
+        config = tiny_config(Path({str(tmp_path)!r}), steps=4, clip=None)
+        config.runtime = RuntimeConfig(nvme_dir={str(nvme)!r}, nvme_states="all")
         t = Trainer(config)
         t.train_step(); t.train_step()
         save_checkpoint(t, {str(ck)!r})
@@ -296,9 +297,9 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
     stale = [p for p in nvme.iterdir() if p.name.startswith("pystronghold-scratch-")]
     assert len(stale) == 1 and any(stale[0].rglob("*.psr"))  # the dead run's tier is still there
     assert latest_checkpoint(ck).name == "step-00000002"
-    straight = _run(tiny_config(tmp_path, steps=4, clip=0.0))
-    config = tiny_config(tmp_path, steps=4, clip=0.0, ckpt=str(ck), resume=True)
-    config.memory = MemoryOptions(nvme=str(nvme), nvme_states="all")
+    straight = _run(tiny_config(tmp_path, steps=4, clip=None))
+    config = tiny_config(tmp_path, steps=4, clip=None, ckpt=str(ck), resume=True)
+    config.runtime = RuntimeConfig(nvme_dir=str(nvme), nvme_states="all")
     resumed = _run(config)
     assert resumed.losses == straight.losses[2:]
     assert not stale[0].exists(), "the next run removes a dead process's scratch directory"

@@ -181,11 +181,16 @@ def test_checkpoint_resumes_with_another_number_of_resident_blocks(tmp_path, k_b
 
 
 def test_cli_resident_blocks_flag():
-    from pystronghold.train.config import WindowOptions
+    from pystronghold.cli import build_parser
+    from pystronghold.train.command import config_from_args
 
-    assert WindowOptions(resident_blocks=3).resident_blocks == 3
-    with pytest.raises(ValueError, match="--resident-blocks"):
-        WindowOptions(resident_blocks=-1)
+    def config(*argv):
+        return config_from_args(build_parser().parse_args(["train", *argv]))
+
+    assert config("--resident-blocks", "3").runtime.resident_blocks == 3
+    assert config().runtime.resident_blocks == 0
+    with pytest.raises(ValueError, match="^--resident-blocks must be an int >= 0, got -1$"):
+        config("--resident-blocks", "-1")
 
 
 def test_lazy_blocks_materialize_into_resident_and_streamed_blocks():

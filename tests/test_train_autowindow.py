@@ -47,13 +47,13 @@ def test_auto_window_respects_the_budget(tmp_path):
     base = auto.budget_bytes - 4 * auto.costs.slot_bytes  # the default budget is base + 4 slots
     one_slot = (base + auto.costs.slot_bytes + 1) / 2**20
     config = tiny_config(tmp_path, window="auto", model=MODEL)
-    config.window.device_budget_mb = one_slot
+    config.auto_window.device_budget_mb = one_slot
     trainer = Trainer(config)
     try:
         assert trainer.auto_window.max_window == 1 and trainer.engine.window_size == 1
     finally:
         trainer.close()
-    config.window.device_budget_mb = base / 2 / 2**20
+    config.auto_window.device_budget_mb = base / 2 / 2**20
     with pytest.raises(ValueError, match="holds no block slot"):
         Trainer(config)
 

@@ -25,7 +25,7 @@ def _run(config):
         trainer.close()
 
 
-@pytest.mark.parametrize("clip, acc, window_after", [(1.0, 1, "2"), (0.0, 1, "3"), (1.0, 2, "1")])
+@pytest.mark.parametrize("clip, acc, window_after", [(1.0, 1, 2), (None, 1, 3), (1.0, 2, 1)])
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path, clip, acc, window_after):
     """Steps 4..6 after resuming from the step-3 checkpoint are bit-identical to a straight run;
     the resumed run may use another window (the format does not depend on W)."""

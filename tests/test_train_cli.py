@@ -141,7 +141,7 @@ def test_train_with_nvme_reports_the_tier_and_bad_nvme_input_is_one_line(tmp_pat
     import logging
 
     from pystronghold.cli import main
-    from pystronghold.train.config import parse_bytes
+    from pystronghold.options import parse_bytes
 
     assert parse_bytes("8G", "--x") == 8 * 10**9 and parse_bytes("1.5GiB", "--x") == 3 * 2**29
     assert parse_bytes("12e9", "--x") == 12 * 10**9 and parse_bytes("512MB", "--x") == 512 * 10**6

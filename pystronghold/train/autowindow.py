@@ -114,17 +114,16 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
 
 def choose_runtime_window(model, config) -> AutoWindow:
     """W for ``model`` trained with ``config`` (a TrainConfig) within its device budget; logs why."""
-    w = config.window
-    device = torch.device(w.device)
-    clip = config.optim.clip > 0
-    work = Workload(batch=config.data.batch, seq=config.seq, precision=w.precision,
-                    overlap="forward" if clip or w.precision == "fp16" else "backward",
+    rt = config.runtime
+    device = torch.device(rt.device)
+    work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
+                    overlap="forward" if rt.needs_global_grad else "backward",
                     device_reserve_bytes=0, host_reserve_bytes=0)
     n = model.config.layers
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
-    if w.device_budget_mb:
-        budget = int(w.device_budget_mb * 2**20)
+    if config.auto_window.device_budget_mb:
+        budget = int(config.auto_window.device_budget_mb * 2**20)
     elif device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(device)[0])
     else:
