@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pystronghold.parallel.groups import ParallelGroups
-from pystronghold.runtime.optimizer import AdamW
+from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.precision import DTYPES
 
 __all__ = ["RuntimeConfig", "OVERLAP_MODES"]

@@ -21,10 +21,12 @@ from pystronghold.parallel.data import any_rank, average_, average_grads_, globa
 from pystronghold.runtime import block_fn
 from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import RuntimeConfig
-from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
+from pystronghold.optim.device_adamw import DeviceAdamW
+from pystronghold.optim.window_optimizer import WindowOptimizer
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.schedule import Load, Release, build_plan
-from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
+from pystronghold.runtime.state_dict import (EngineStates, install_model_hooks, load_optimizer_state_dict,
+                                             optimizer_state_dict)
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.placement import plan_placement
@@ -121,7 +123,11 @@ class Engine:
         self.trace = Tracer(enabled=config.trace, block_offset=k)  # the model's block numbers
         real_shapes = {id(p): span.shape for ps, lay in zip(block_params, layouts)
                        for p, span in zip(ps, lay.spans)}  # block parameters are placeholders now
-        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer, real_shapes)
+        # NOTE: late-bound (lambdas), so the engine's methods are looked up at each call, as before
+        self.optimizer = WindowOptimizer(model.parameters(), config.optimizer, real_shapes,
+                                         step=lambda: self._step(), zero_grad=lambda: self._zero_grad(),
+                                         state_dict=lambda: optimizer_state_dict(self),
+                                         load_state_dict=lambda sd: load_optimizer_state_dict(self, sd))
         group_of = self.optimizer.group_of()
         self.device_optimizer = DeviceAdamW(self.head_tail_params, config.optimizer, head_tail_masters,
                                             [group_of[id(p)] for p in self.head_tail_params])
@@ -394,8 +400,7 @@ class Engine:
         self._copies.append(("d2h", block, handle))
         self._grad_valid[block] = True
         if streamed:
-            self.updates.submit_update(block, handle, step=self.steps + 1, hyper=self.optimizer.hyper(),
-                                       grad_scale=1.0, lease=lease)
+            self.updates.submit_update(block, handle, hyper=self.optimizer.hyper(self.steps + 1), lease=lease)
             if block > 0:
                 self.store.prefetch(block - 1, self.updates.update_states)
             return
@@ -418,11 +423,12 @@ class Engine:
             h.wait()
         self._grad_out.clear()
         average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
-        hyper, step = self.optimizer.hyper(), self.steps + 1
+        step = self.steps + 1
         if self.overlap == "backward":
             self.updates.drain()
-            self.device_optimizer.step(hyper, 1.0)
-            self.resident.step(hyper, 1.0, self.steps)
+            hyper = self.optimizer.hyper(step)
+            self.device_optimizer.step(hyper)
+            self.resident.step(hyper, self.steps)
         else:
             scale = self._unscale()
             coef = 1.0
@@ -443,10 +449,11 @@ class Engine:
                     # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
                     coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
                                              max=1.0))
+            hyper = self.optimizer.hyper(step, grad_scale=scale * coef)
             for block in range(self.n_streamed):  # 0, 1, 2, ...: the order the next forward loads them
-                self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
-            self.device_optimizer.step(hyper, scale * coef)
-            self.resident.step(hyper, scale * coef, self.steps)
+                self.updates.submit_update(block, None, hyper=hyper)
+            self.device_optimizer.step(hyper)
+            self.resident.step(hyper, self.steps)
             if self.overlap == "none":
                 self.updates.drain()
         self.steps = step
