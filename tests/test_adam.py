@@ -6,6 +6,7 @@ mode uses the IEEE SIMD sqrt: it is bit-identical to torch's algorithm with a co
 (`ieee_reference_run`) and within the tolerances below of torch itself.
 """
 
+import dataclasses
 import threading
 import time
 
@@ -14,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pystronghold.optim import AdamWHyper
 from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm
 
 SIZES = [1, 7, 1023, 2**20 + 3]
@@ -63,8 +65,8 @@ def ours_run(p0, grads, *, adamw, lr, betas, eps, wd, shadow_dtype=None, bitwise
     p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
     shadow = None if shadow_dtype is None else torch.empty(p0.numel(), dtype=shadow_dtype)
     for step, g in enumerate(grads, start=1):
-        applied = adam_step_(p, g, m, v, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                             weight_decay=wd, adamw=adamw, shadow=shadow, bitwise_torch=bitwise_torch)
+        hyper = AdamWHyper(step=step, lr=lr, betas=betas, eps=eps, weight_decay=wd, adamw=adamw)
+        applied = adam_step_(p, g, m, v, hyper, shadow=shadow, bitwise_torch=bitwise_torch)
         assert applied
     return p, m, v, shadow
 
@@ -133,8 +135,7 @@ def test_shadow_is_exact_cast_of_master(n, shadow_dtype, shadow_offset):
     shadow = torch.empty(n + shadow_offset, dtype=shadow_dtype)[shadow_offset:]
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     for step, g in enumerate(grads, start=1):
-        assert adam_step_(p, g, m, v, step=step, lr=10.0, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.0, shadow=shadow)
+        assert adam_step_(p, g, m, v, AdamWHyper(step=step, lr=10.0, eps=1e-8, weight_decay=0.0), shadow=shadow)
     assert torch.equal(shadow.view(torch.int16), p.to(shadow_dtype).view(torch.int16))
     p_plain, _, _, _ = ours_run(p0, grads, adamw=True, lr=10.0, betas=(0.9, 0.999), eps=1e-8, wd=0.0)
     assert torch.equal(p, p_plain)  # the shadow does not change the update
@@ -150,14 +151,13 @@ def test_shadow_special_values(shadow_dtype):
     p0 = torch.cat([special.repeat(5), torch.randn(1000)])  # both the SIMD body and the tail
     p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
     shadow = torch.empty(p0.numel(), dtype=shadow_dtype)
-    assert adam_step_(p, torch.zeros_like(p0), m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
-                      weight_decay=0.0, shadow=shadow)
+    assert adam_step_(p, torch.zeros_like(p0), m, v, AdamWHyper(step=1, lr=0.0, weight_decay=0.0), shadow=shadow)
     assert torch.equal(p, p0)
     assert torch.equal(shadow.view(torch.int16), p0.to(shadow_dtype).view(torch.int16))
     nan_p = torch.full((40,), float("nan"))
     nan_shadow = torch.empty(40, dtype=shadow_dtype)
-    adam_step_(nan_p, torch.zeros(40), torch.zeros(40), torch.zeros(40), step=1, lr=0.0, beta1=0.9,
-               beta2=0.999, eps=1e-8, weight_decay=0.0, shadow=nan_shadow)
+    adam_step_(nan_p, torch.zeros(40), torch.zeros(40), torch.zeros(40), AdamWHyper(step=1, lr=0.0, weight_decay=0.0),
+               shadow=nan_shadow)
     assert torch.isnan(nan_shadow.float()).all()
 
 
@@ -179,15 +179,13 @@ def test_overflow_skip_leaves_everything_untouched(grad_dtype, where):
     p, m, v = torch.randn(n), torch.randn(n), torch.rand(n)
     shadow = torch.randn(n).to(torch.bfloat16)
     before = [t.clone() for t in (p, m, v, shadow)]
-    applied = adam_step_(p, g, m, v, step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                         weight_decay=0.1, grad_scale=scale, shadow=shadow)
+    applied = adam_step_(p, g, m, v, AdamWHyper(step=3, lr=1e-2, weight_decay=0.1, grad_scale=scale), shadow=shadow)
     assert applied is False
     for after, orig in zip((p, m, v, shadow), before):
         assert torch.equal(after, orig)
     # the same call with a finite grad is applied (the skip was caused by the grad alone)
     g_ok = torch.randn(n).to(grad_dtype)
-    assert adam_step_(p, g_ok, m, v, step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                      weight_decay=0.1, shadow=shadow)
+    assert adam_step_(p, g_ok, m, v, AdamWHyper(step=3, lr=1e-2, weight_decay=0.1), shadow=shadow)
     assert not torch.equal(p, before[0])
 
 
@@ -197,10 +195,9 @@ def test_grad_scale_equals_prescaled_grad():
     scale = 0.25  # a power of two: g*scale is exact, so both paths must agree bit for bit
     a = [torch.randn(n), torch.randn(n), torch.rand(n)]  # param, exp_avg, exp_avg_sq (>= 0)
     b = [t.clone() for t in a]
-    adam_step_(*a[:1], g, *a[1:], step=2, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
-               grad_scale=scale)
-    adam_step_(*b[:1], g * scale, *b[1:], step=2, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8,
-               weight_decay=0.0)
+    hyper = AdamWHyper(step=2, betas=(0.9, 0.99), lr=1e-3, eps=1e-8, weight_decay=0.0)
+    adam_step_(*a[:1], g, *a[1:], dataclasses.replace(hyper, grad_scale=scale))
+    adam_step_(*b[:1], g * scale, *b[1:], hyper)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -227,7 +224,7 @@ def test_gil_is_released_two_calls_overlap():
 
     # NOTE: bitwise_torch=True makes each call ~30 ms (MKL sqrt), long enough for the other thread to
     # be scheduled on a loaded machine; thread 1 uses adam_step_multi_, so both entry points are covered.
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bitwise_torch=True)
+    hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
     def worker(k):
         p, g, m, v = bufs[k]
@@ -235,9 +232,9 @@ def test_gil_is_released_two_calls_overlap():
         for step in range(1, 9):
             t0 = time.perf_counter()
             if k == 0:
-                adam_step_(p, g, m, v, step=step, **hp)
+                adam_step_(p, g, m, v, AdamWHyper(step=step, **hp), bitwise_torch=True)
             else:
-                adam_step_multi_([p], [g], [m], [v], step=step, **hp)
+                adam_step_multi_([p], [g], [m], [v], AdamWHyper(step=step, **hp), bitwise_torch=True)
             intervals[k].append((t0, time.perf_counter()))
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]

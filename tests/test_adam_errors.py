@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from pystronghold.optim import CPUAdam
+from pystronghold.ops import native_ops
+from pystronghold.optim import AdamWHyper, CPUAdam
 from pystronghold.optim.functional import adam_step_, grad_sq_norm
 
 N = 100
-HP = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+HP = dict(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 def good():
@@ -20,7 +21,8 @@ def call(**over):
     for k, v in over.items():
         (bufs if k in bufs else hp)[k] = v
     shadow = hp.pop("shadow", None)
-    return adam_step_(bufs["param"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"], shadow=shadow, **hp)
+    return adam_step_(bufs["param"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"], AdamWHyper(**hp),
+                      shadow=shadow)
 
 
 BIG = torch.zeros(4 * N)
@@ -46,24 +48,66 @@ BIG = torch.zeros(4 * N)
     (dict(param=torch.randn(N).to_sparse()), r"param must be a dense"),
     (dict(exp_avg=BIG[:N], exp_avg_sq=BIG[N // 2: N // 2 + N]), r"exp_avg and exp_avg_sq overlap"),
     (dict(param=BIG[:N], shadow=BIG[:N // 2].view(torch.bfloat16)), r"param and shadow overlap"),
-    (dict(step=0), r"step must be >= 1"),
-    (dict(step=2.0), r"step must be an int"),
-    (dict(lr=-1.0), r"lr must be >= 0"),
-    (dict(beta1=1.0), r"beta1 must be in \[0, 1\)"),
-    (dict(beta2=-0.1), r"beta2 must be in \[0, 1\)"),
-    (dict(eps=-1e-8), r"eps must be >= 0"),
-    (dict(weight_decay=-0.1), r"weight_decay must be >= 0"),
-    (dict(grad_scale=float("inf")), r"grad_scale must be finite"),
 ])
 def test_adam_step_bad_inputs(over, pattern):
     with pytest.raises(ValueError, match=pattern):
         call(**over)
 
 
+@pytest.mark.parametrize("over,error,pattern", [
+    (dict(step=0), ValueError, r"AdamWHyper.step must be >= 1"),
+    (dict(step=2.0), TypeError, r"AdamWHyper.step must be an int, got float"),
+    (dict(step=True), TypeError, r"AdamWHyper.step must be an int, got bool"),
+    (dict(lr=-1.0), ValueError, r"AdamWHyper.lr must be >= 0"),
+    (dict(lr="big"), TypeError, r"AdamWHyper.lr must be a number, got str"),
+    (dict(lr=torch.ones(2)), ValueError, r"AdamWHyper.lr must be a number or a 1-element tensor"),
+    (dict(betas=(1.0, 0.999)), ValueError, r"AdamWHyper.betas\[0\] must be in \[0, 1\)"),
+    (dict(betas=(0.9, -0.1)), ValueError, r"AdamWHyper.betas\[1\] must be in \[0, 1\)"),
+    (dict(betas=(0.9,)), ValueError, r"AdamWHyper.betas must be two values"),
+    (dict(eps=-1e-8), ValueError, r"AdamWHyper.eps must be >= 0"),
+    (dict(weight_decay=-0.1), ValueError, r"AdamWHyper.weight_decay must be >= 0"),
+    (dict(grad_scale=float("inf")), ValueError, r"AdamWHyper.grad_scale must be finite"),
+])
+def test_hyper_bad_values(over, error, pattern):
+    with pytest.raises(error, match=pattern):
+        AdamWHyper(**{**HP, **over})
+
+
+def test_hyper_is_frozen_and_takes_a_tensor_lr():
+    hyper = AdamWHyper(**{**HP, "lr": torch.tensor(2e-3)})
+    assert hyper.lr == pytest.approx(2e-3) and type(hyper.lr) is float
+    with pytest.raises(AttributeError):
+        hyper.lr = 1.0
+    with pytest.raises(TypeError, match="hyper must be a pystronghold.optim.AdamWHyper, got dict"):
+        adam_step_(*good().values(), HP)
+
+
+# The operator itself (torch.ops.pystronghold.adam_step, which AdamWHyper's checks do not guard when
+# called directly) checks the values too; arguments: step, lr, beta1, beta2, eps, weight_decay, adamw,
+# grad_scale, check_finite, bitwise_torch.
+OP_ARGS = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, grad_scale=1.0,
+               check_finite=True, bitwise_torch=False)
+
+
+@pytest.mark.parametrize("over,pattern", [
+    (dict(step=0), r"adam_step: step must be >= 1"),
+    (dict(lr=-1.0), r"adam_step: lr must be >= 0"),
+    (dict(beta1=1.0), r"adam_step: beta1 must be in \[0, 1\)"),
+    (dict(beta2=-0.1), r"adam_step: beta2 must be in \[0, 1\)"),
+    (dict(eps=-1e-8), r"adam_step: eps must be >= 0"),
+    (dict(weight_decay=-0.1), r"adam_step: weight_decay must be >= 0"),
+    (dict(grad_scale=float("inf")), r"adam_step: grad_scale must be finite"),
+])
+def test_operator_bad_values(over, pattern):
+    bufs = good()
+    with pytest.raises(ValueError, match=pattern):
+        native_ops().adam_step(*bufs.values(), None, *{**OP_ARGS, **over}.values())
+
+
 def test_same_tensor_twice_is_rejected():
     p = torch.randn(N)
     with pytest.raises(ValueError, match="param and grad overlap"):
-        adam_step_(p, p, torch.zeros(N), torch.zeros(N), **HP)
+        adam_step_(p, p, torch.zeros(N), torch.zeros(N), AdamWHyper(**HP))
 
 
 def test_good_call_passes():

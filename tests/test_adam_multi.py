@@ -3,12 +3,13 @@
 import pytest
 import torch
 
+from pystronghold.optim import AdamWHyper
 from pystronghold.optim.functional import adam_step_, adam_step_multi_
 
 # Sizes hit the SIMD tails and make thread ranges cross tensor boundaries (the total exceeds the
 # single-thread threshold, so two threads split it somewhere inside a tensor).
 SIZES = [1, 7, 17, 1023, 0, 2**16 + 5, 3, 2**15 - 1]
-HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
 
 
 def make_sets(grad_dtype, shadow_dtype):
@@ -31,13 +32,12 @@ def test_multi_equals_one_call_per_tensor(grad_dtype, shadow_dtype, adamw, wd, b
     one = make_sets(grad_dtype, shadow_dtype)
     multi = clone_sets(one)
     for step in (1, 2, 3):
+        hyper = AdamWHyper(step=step, weight_decay=wd, adamw=adamw, grad_scale=0.5, **HP)
         for s in one:
-            assert adam_step_(s["p"], s["g"], s["m"], s["v"], step=step, weight_decay=wd, adamw=adamw,
-                              shadow=s["sh"], grad_scale=0.5, bitwise_torch=bitwise_torch, **HP)
+            assert adam_step_(s["p"], s["g"], s["m"], s["v"], hyper, shadow=s["sh"], bitwise_torch=bitwise_torch)
         assert adam_step_multi_([s["p"] for s in multi], [s["g"] for s in multi], [s["m"] for s in multi],
-                                [s["v"] for s in multi], step=step, weight_decay=wd, adamw=adamw,
-                                shadows=None if shadow_dtype is None else [s["sh"] for s in multi],
-                                grad_scale=0.5, bitwise_torch=bitwise_torch, **HP)
+                                [s["v"] for s in multi], hyper, bitwise_torch=bitwise_torch,
+                                shadows=None if shadow_dtype is None else [s["sh"] for s in multi])
     for a, b in zip(one, multi):
         for k in ("p", "m", "v", "sh"):
             if a[k] is not None:
@@ -50,8 +50,8 @@ def test_multi_overflow_in_one_tensor_skips_all(where):
     sets[where]["g"][-1] = float("nan")
     before = clone_sets(sets)
     applied = adam_step_multi_([s["p"] for s in sets], [s["g"] for s in sets], [s["m"] for s in sets],
-                               [s["v"] for s in sets], shadows=[s["sh"] for s in sets], step=1,
-                               weight_decay=0.0, **HP)
+                               [s["v"] for s in sets], AdamWHyper(step=1, weight_decay=0.0, **HP),
+                               shadows=[s["sh"] for s in sets])
     assert applied is False
     for a, b in zip(sets, before):
         for k in ("p", "m", "v", "sh"):
@@ -60,7 +60,7 @@ def test_multi_overflow_in_one_tensor_skips_all(where):
 
 
 def test_multi_empty_list_is_a_no_op():
-    assert adam_step_multi_([], [], [], [], step=1, weight_decay=0.0, **HP) is True
+    assert adam_step_multi_([], [], [], [], AdamWHyper(step=1, weight_decay=0.0, **HP)) is True
 
 
 def _bufs(n=10, count=3):
@@ -80,16 +80,17 @@ def test_multi_bad_inputs(mutate, pattern):
     bufs = _bufs()
     mutate(bufs)
     with pytest.raises(ValueError, match=pattern):
-        adam_step_multi_(*bufs, step=1, weight_decay=0.0, **HP)
+        adam_step_multi_(*bufs, AdamWHyper(step=1, weight_decay=0.0, **HP))
 
 
 def test_multi_bad_shadows():
     bufs = _bufs()
     with pytest.raises(ValueError, match=r"shadows must be None or have one tensor per param \(3\), got 1"):
-        adam_step_multi_(*bufs, shadows=[torch.zeros(10, dtype=torch.bfloat16)], step=1, weight_decay=0.0, **HP)
+        adam_step_multi_(*bufs, AdamWHyper(step=1, weight_decay=0.0, **HP),
+                         shadows=[torch.zeros(10, dtype=torch.bfloat16)])
     shadows = [torch.zeros(10, dtype=torch.bfloat16), torch.zeros(10, dtype=torch.float16),
                torch.zeros(10, dtype=torch.bfloat16)]
     with pytest.raises(ValueError, match=r"shadows\[1\] must have the dtype of shadows\[0\]"):
-        adam_step_multi_(*bufs, shadows=shadows, step=1, weight_decay=0.0, **HP)
-    with pytest.raises(ValueError, match=r"adam_step_multi_: step must be an int"):
-        adam_step_multi_(*bufs, step=1.0, weight_decay=0.0, **HP)
+        adam_step_multi_(*bufs, AdamWHyper(step=1, weight_decay=0.0, **HP), shadows=shadows)
+    with pytest.raises(TypeError, match=r"AdamWHyper.step must be an int"):
+        adam_step_multi_(*bufs, AdamWHyper(step=1.0, weight_decay=0.0, **HP))

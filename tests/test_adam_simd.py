@@ -25,6 +25,7 @@ RUN_VARIANT = r"""
 import sys
 import torch
 from pystronghold._ext import native
+from pystronghold.optim import AdamWHyper
 from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm
 
 sizes = [int(s) for s in sys.argv[2].split(",")]
@@ -40,10 +41,10 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 shadows = None if shadow_dtype is None else [torch.empty(n, dtype=shadow_dtype) for n in sizes]
                 for step in range(1, 4):
                     grads = [(torch.randn(n, generator=g) * 3).to(dtype) for n in sizes]
-                    assert adam_step_multi_(params, grads, m, v, shadows=shadows, step=step, lr=1e-2,
-                                            beta1=0.9, beta2=0.999, eps=1e-8,
-                                            weight_decay=0.0 if mode == "plain" else 0.1,
-                                            adamw=mode == "adamw", grad_scale=0.5, bitwise_torch=bitwise)
+                    hyper = AdamWHyper(step=step, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                                       weight_decay=0.0 if mode == "plain" else 0.1, adamw=mode == "adamw",
+                                       grad_scale=0.5)
+                    assert adam_step_multi_(params, grads, m, v, hyper, shadows=shadows, bitwise_torch=bitwise)
                 key = f"{dtype}-{mode}-{bitwise}-{shadow_dtype}"
                 out[key] = (params, m, v, shadows)
         out[f"norm-{dtype}"] = [grad_sq_norm((torch.randn(n, generator=g) * 7).to(dtype), 0.25) for n in sizes]

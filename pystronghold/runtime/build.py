@@ -21,7 +21,7 @@ from pystronghold.io.scratch import check_io_directory
 from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
-from pystronghold.runtime.optimizer import DeviceAdamW
+from pystronghold.optim.device_adamw import DeviceAdamW
 from pystronghold.runtime.placement import Placement, plan_placement
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pystronghold.options import ConfigError, option, parse_bytes
 from pystronghold.parallel.groups import ParallelGroups
-from pystronghold.runtime.optimizer import AdamW
+from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.precision import DTYPES
 
 __all__ = ["RuntimeConfig", "OVERLAP_MODES", "NVME_STATES"]

@@ -22,8 +22,9 @@ from pystronghold.runtime.build import build_optimizers, build_parts
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.executor import PassExecutor
 from pystronghold.runtime.inputs import forward_signature, move_inputs
-from pystronghold.runtime.optimizer import WindowOptimizer
-from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
+from pystronghold.optim.window_optimizer import WindowOptimizer
+from pystronghold.runtime.state_dict import (EngineStates, install_model_hooks, load_optimizer_state_dict,
+                                             optimizer_state_dict)
 from pystronghold.runtime.step import OptimizerStep
 
 __all__ = ["Engine"]
@@ -55,7 +56,11 @@ class Engine:
         self.dp_group, self.tp_group, self.parallel = parts.dp_group, parts.tp_group, parts.parallel
         self.block_forwards = block_fn.install(self, parts.streamed_blocks)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self.optimizer = WindowOptimizer(self, model.parameters(), config.optimizer, parts.real_shapes)
+        # NOTE: late-bound (lambdas), so the engine's methods are looked up at each call (tests wrap run_step)
+        self.optimizer = WindowOptimizer(model.parameters(), config.optimizer, parts.real_shapes,
+                                         step=lambda: self.run_step(), zero_grad=lambda: self.forget_grads(),
+                                         state_dict=lambda: optimizer_state_dict(self),
+                                         load_state_dict=lambda sd: load_optimizer_state_dict(self, sd))
         updaters = build_optimizers(parts, config, self.optimizer.group_of())
         self.device_optimizer, self.resident, self.updates = (updaters.device_optimizer, updaters.resident,
                                                               updaters.updates)

@@ -224,8 +224,8 @@ class PassExecutor:
         self._copies.append(("d2h", block, handle))
         self._grad_valid[block] = True
         if streamed:
-            self.updates.submit_update(block, handle, step=self.stepper.next_step, hyper=self.stepper.hyper(),
-                                       grad_scale=1.0, lease=lease)
+            self.updates.submit_update(block, handle, hyper=self.stepper.hyper(self.stepper.next_step),
+                                       lease=lease)
             if block > 0:
                 self.store.prefetch(block - 1, self.updates.update_states)
             return

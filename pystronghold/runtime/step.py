@@ -53,9 +53,10 @@ class OptimizerStep:
         """Number of the step the current gradients will make (AdamW's bias correction count)."""
         return self.steps + 1
 
-    def hyper(self) -> list[dict]:
-        """The param groups' current hyper-parameters (``WindowOptimizer.hyper()``)."""
-        return self.optimizer.hyper()
+    def hyper(self, step: int, grad_scale: float = 1.0) -> list:
+        """One ``AdamWHyper`` per param group for step ``step`` (``WindowOptimizer.hyper``);
+        ``grad_scale`` multiplies every gradient (fp16 unscale times the clip coefficient)."""
+        return self.optimizer.hyper(step, grad_scale=grad_scale)
 
     def grad_unscale(self) -> float:
         """Factor that turns a stored gradient into the true one (1 / loss scale in fp16, else 1)."""
@@ -65,11 +66,12 @@ class OptimizerStep:
         """One step over head, tail, resident and streamed blocks; the caller has waited for every
         gradient copy-out. An fp16 overflow skips the whole step (``skipped_steps`` counts it)."""
         average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
-        hyper, step = self.hyper(), self.next_step
+        step = self.next_step
         if self.overlap == "backward":
             self.updates.drain()
-            self.device_optimizer.step(hyper, 1.0)
-            self.resident.step(hyper, 1.0, self.steps)
+            hyper = self.hyper(step)
+            self.device_optimizer.step(hyper)
+            self.resident.step(hyper, self.steps)
         else:
             scale = self.grad_unscale()
             coef = 1.0
@@ -89,10 +91,11 @@ class OptimizerStep:
                     # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
                     coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
                                              max=1.0))
+            hyper = self.hyper(step, grad_scale=scale * coef)
             for block in range(self.n_streamed):  # 0, 1, 2, ...: the order the next forward loads them
-                self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
-            self.device_optimizer.step(hyper, scale * coef)
-            self.resident.step(hyper, scale * coef, self.steps)
+                self.updates.submit_update(block, None, hyper=hyper)
+            self.device_optimizer.step(hyper)
+            self.resident.step(hyper, self.steps)
             if self.overlap == "none":
                 self.updates.drain()
         self.steps = step

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pystronghold.optim.functional import adam_step_
+from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
 from pystronghold.planner.hardware import GPU, Hardware
 from pystronghold.planner.plan import device_memory
@@ -100,8 +101,8 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
     load_s = _timed(lambda: dev.copy_(host, non_blocking=True), device, reps)
     grad_s = _timed(lambda: host.copy_(dev, non_blocking=True), device, reps)
     p, g, m, v = (torch.zeros(numel) for _ in range(4))
-    adam_s = _timed(lambda: adam_step_(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                       weight_decay=0.0, adamw=True), torch.device("cpu"), reps)
+    hyper = AdamWHyper(step=1, lr=1e-3, weight_decay=0.0)
+    adam_s = _timed(lambda: adam_step_(p, g, m, v, hyper), torch.device("cpu"), reps)
     nbytes = numel * dtype.itemsize
     gpu = GPU(name=f"{device.type} (measured)", memory_bytes=budget_bytes, fp32_flops=1e12, bf16_flops=1e12,
               fp16_flops=1e12, h2d_bytes_per_s=nbytes / max(load_s, 1e-9), d2h_bytes_per_s=nbytes / max(grad_s, 1e-9))

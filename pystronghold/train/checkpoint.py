@@ -204,7 +204,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
 
     buf = io.BytesIO()
     torch.save({"step": trainer.step, "engine_steps": engine.steps, "skipped_steps": engine.skipped_steps,
-                "scheduler": trainer.scheduler.state_dict(), "hyper": engine.optimizer.hyper(),
+                "scheduler": trainer.scheduler.state_dict(), "hyper": engine.optimizer.group_settings(),
                 "sampler": trainer.sampler.state_dict(), "rng": _rng_state(),
                 "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
     files["state.pt"] = _write(tmp / "state.pt", buf.getvalue())
