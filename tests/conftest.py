@@ -2,10 +2,16 @@
 import pystronghold  # noqa: F401
 
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+# NOTE: tests live in folders by package (tests/runtime/, tests/io/, ...); the helpers they share
+# (runtime_models, train_helpers, hf_models, _dist) stay here, importable from every folder.
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)

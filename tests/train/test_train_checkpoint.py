@@ -45,7 +45,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
     marker = tmp_path / "saving"
     script = textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from pathlib import Path
         from train_helpers import tiny_config
         from pystronghold.train import Trainer

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 NINJA_LIKE = """
 echo "[1/2] c++ -MMD -I/x -c -c $PWD/csrc/adam.cpp -o build/adam.o -O3"

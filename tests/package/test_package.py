@@ -115,7 +115,7 @@ def _setup_keyword(name: str):
     import ast
     from pathlib import Path
 
-    tree = ast.parse((Path(__file__).parent.parent / "setup.py").read_text())
+    tree = ast.parse((Path(__file__).parents[2] / "setup.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.keyword) and node.arg == name:
             return ast.literal_eval(node.value)
@@ -129,7 +129,7 @@ def test_every_third_party_import_is_required_or_an_extra():
 
     from pystronghold.extras import EXTRAS
 
-    repo = Path(__file__).parent.parent
+    repo = Path(__file__).parents[2]
     imported = _imported_modules(repo / "pystronghold") | _imported_modules(repo / "kernels")
     third_party = imported - set(sys.stdlib_module_names) - {"pystronghold", "kernels", "__future__"}
     required = set(_setup_keyword("install_requires"))

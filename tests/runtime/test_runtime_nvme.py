@@ -273,7 +273,7 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
     ck, nvme, marker = tmp_path / "ck", tmp_path / "nvme", tmp_path / "in-step-3"
     script = textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from pathlib import Path
         from train_helpers import tiny_config
         from pystronghold.train import Trainer

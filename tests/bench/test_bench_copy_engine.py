@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "copy_engine.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "copy_engine.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCE_SUFFIXES = {".cpp", ".cc", ".cxx", ".h", ".hpp", ".cu", ".cuh"}
 
 # Headers that declare streams (and so pull the locale-dependent extraction/insertion templates in).

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pystronghold"
+PACKAGE = Path(__file__).resolve().parents[2] / "pystronghold"
 TORCH_PRIVATE = {"_buffers", "_parameters", "_version"}
 
 
