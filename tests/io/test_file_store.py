@@ -199,7 +199,7 @@ def _run_fsize_limited(directory: str) -> None:  # runs in a subprocess with RLI
 
 def test_disk_full_by_file_size_limit(tmp_path):
     """The same failure through RLIMIT_FSIZE (works without root): EFBIG instead of ENOSPC."""
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r}); "
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             f"import test_file_store as t; t._run_fsize_limited({str(tmp_path)!r})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
