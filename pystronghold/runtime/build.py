@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from pystronghold.io.scratch import check_io_directory
+from pystronghold.runtime import layout
 from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
@@ -148,7 +149,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
     store = None
     try:
         # (an arena of one page when every block is resident: nothing streams)
-        backend = make_backend(config.device, max(planned_arena_bytes, 4096), copy_threads=config.copy_threads)
+        backend = make_backend(config.device, max(planned_arena_bytes, layout.ARENA_ALIGN), copy_threads=config.copy_threads)
 
         def disk_factory(placement, numels):
             engine, read_q, write_q = backend.file_io()
