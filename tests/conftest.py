@@ -10,12 +10,11 @@ import pytest
 import torch
 
 # NOTE: tests live in folders by package (tests/runtime/, tests/io/, ...); the helpers they share
-# (runtime_models, train_helpers, hf_models, _dist) stay here, importable from every folder. A few
-# test modules still import helpers from another folder's test module (test_runtime_resident from
-# test_train_checkpoint and test_parallel_runtime; test_runtime_nvme from test_file_store), so every
-# folder is on the path too: a run of one file must not depend on which other files were collected.
+# (runtime_models, train_helpers, hf_models, parallel_training, tmpfs, _dist) stay here, importable
+# from every folder. A test module imports helpers only, never another test module
+# (tests/package/test_package_test_imports.py), so a run of one file needs no other folder on the path.
 _TESTS = Path(__file__).parent
-sys.path[:0] = [str(_TESTS)] + sorted(str(d) for d in _TESTS.iterdir() if d.is_dir() and d.name != "__pycache__")
+sys.path.insert(0, str(_TESTS))
 
 
 @pytest.fixture(autouse=True)

@@ -168,13 +168,23 @@ class _SlowHandle:
 # ---- training loops
 
 
-def train_reference(model, batches, *, clip=None, accumulation=1, scheduler=None):
-    """Plain PyTorch + torch.optim.AdamW. Returns (losses, {name: parameter})."""
-    opt = torch.optim.AdamW(model.parameters(), **HYPER)
+def _call_model(model, batch):
+    """The loss of one ``(x, y)`` batch: ``model(x, y)`` (the models here return their loss)."""
+    return model(*batch)
+
+
+def train_reference(model, batches, *, clip=None, accumulation=1, scheduler=None, optimizer=None,
+                    loss_of=_call_model):
+    """Plain PyTorch + torch.optim.AdamW. Returns (losses, {name: parameter}).
+
+    ``optimizer``: a torch optimizer over ``model``'s parameters, for a caller that keeps it (its
+    param groups, its state dict); default AdamW(**HYPER) over them all. ``loss_of(model, batch)``:
+    the loss of one item of ``batches``."""
+    opt = torch.optim.AdamW(model.parameters(), **HYPER) if optimizer is None else optimizer
     sched = scheduler(opt) if scheduler else None
     losses = []
-    for k, (x, y) in enumerate(batches):
-        loss = model(x, y)
+    for k, batch in enumerate(batches):
+        loss = loss_of(model, batch)
         loss.backward()
         losses.append(loss.item())
         if (k + 1) % accumulation == 0:
@@ -188,19 +198,24 @@ def train_reference(model, batches, *, clip=None, accumulation=1, scheduler=None
 
 
 def train_engine(model, batches, *, accumulation=1, scheduler=None, engine_hook=None, bitwise_torch=True,
-                 **options):
-    """The same loop through pystronghold.wrap. Returns (losses, {name: fp32 parameter}, engine)."""
+                 loss_of=_call_model, **options):
+    """The same loop through pystronghold.wrap. Returns (losses, {name: fp32 parameter}, engine).
+
+    ``options`` go to ``wrap``; ``blocks`` defaults to ``model.blocks`` (``blocks=None``: wrap finds
+    them). ``loss_of(engine, batch)``: the loss of one item of ``batches``."""
     # NOTE: bitwise_torch by default: the reference is CPU torch.optim.AdamW, whose sqrt is MKL's
     # (1 ulp off IEEE on some inputs).
-    engine = ph.wrap(model, blocks=model.blocks, optimizer=ph.AdamW(**HYPER, bitwise_torch=bitwise_torch),
+    if "blocks" not in options:
+        options["blocks"] = model.blocks
+    engine = ph.wrap(model, optimizer=ph.AdamW(**HYPER, bitwise_torch=bitwise_torch),
                      accumulation_steps=accumulation, **options)
     if engine_hook:
         engine_hook(engine)
     sched = scheduler(engine.optimizer) if scheduler else None
     losses = []
     try:
-        for k, (x, y) in enumerate(batches):
-            loss = engine(x, y)
+        for k, batch in enumerate(batches):
+            loss = loss_of(engine, batch)
             engine.backward(loss)
             losses.append(loss.item())
             if (k + 1) % accumulation == 0:
@@ -235,6 +250,30 @@ def assert_same_training(ref, got, rtol=1e-6, atol=1e-7):
         torch.testing.assert_close(params[name].float(), p.float(), rtol=rtol, atol=atol, msg=name)
 
 
+def plain_steps(model, opt, batches):
+    """One optimizer step per ``(x, y)`` batch in plain PyTorch. Returns the losses."""
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def engine_steps(engine, batches, loss_of=lambda engine, x, y: engine(x, y)):
+    """One step per ``(x, y)`` batch through an open engine (left open). Returns the losses."""
+    losses = []
+    for x, y in batches:
+        loss = loss_of(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def one_torch_thread():
     """Generator for an autouse fixture: tiny models run faster on one intra-op thread, and on this
     shared 2-core machine OpenMP workers spinning beside the copy threads cost more than they give."""
@@ -242,3 +281,59 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---- PyTorch's mixed-precision recipe, the reference of bf16 and fp16 runs
+
+MIXED_LOSS_RTOL, MIXED_PARAM_ATOL = 2e-3, 1e-4
+"""Stated tolerance of a half-precision run against ``train_mixed_reference``: losses to 2e-3
+relative and fp32 masters to 1e-4 absolute (one AdamW step at lr=1e-3 moves a weight by ~1e-3, so a
+missing, doubled or unscaled update fails). It covers the fused host Adam's last-bit differences
+flipping a rounding of the half-precision copy; with the same arithmetic the runs agree bit for bit."""
+
+
+def train_mixed_reference(model, batches, dtype, *, clip=None, init_scale=2.0**16):
+    """fp32 master copies of the fp32 ``model``'s parameters updated by torch.optim.AdamW, the model
+    cast to ``dtype`` computing with them (rewritten from the masters after each step); fp16 adds
+    torch.amp.GradScaler (dynamic loss scale, inf/NaN steps skipped).
+    Returns (losses, {name: fp32 master}, skipped steps)."""
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    model = model.to(dtype)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(masters, **HYPER)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if dtype == torch.float16 else None
+    losses, skipped = [], 0
+    for x, y in batches:
+        loss = model(x, y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        losses.append(loss.item())
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        if scaler:
+            scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        if scaler:
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+        else:
+            opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    names = [n for n, _ in model.named_parameters()]
+    return losses, dict(zip(names, [m.detach() for m in masters])), skipped
+
+
+def assert_same_mixed_training(ref, got):
+    """``got`` (``train_engine``'s result) matches ``train_mixed_reference``'s ``ref`` to the
+    stated tolerance (``MIXED_LOSS_RTOL``, ``MIXED_PARAM_ATOL``)."""
+    ref_losses, ref_params = ref[0], ref[1]
+    losses, params = got[0], got[1]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=MIXED_LOSS_RTOL, atol=0)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, rtol=0, atol=MIXED_PARAM_ATOL, msg=name)

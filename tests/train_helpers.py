@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.train import Trainer
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 TINY = {"vocab_size": 256, "seq_len": 32, "layers": 4, "hidden": 32, "heads": 2}
@@ -35,6 +36,17 @@ def tiny_config(tmp_path: Path, *, steps: int = 6, window: int | str = 2, ckpt: 
                               accumulation_steps=accumulation),
         run=RunOptions(steps=steps, log_every=2, eval_every=0, eval_batches=2, trace=trace, quiet=True),
         checkpoint=CheckpointOptions(checkpoint_dir=ckpt, checkpoint_every=every, resume=resume))
+
+
+def run_training(config: TrainConfig, *, keep: bool = False):
+    """Train ``config`` to the end and close the trainer. Returns the ``TrainResult``, or with ``keep``
+    the (closed) ``Trainer`` itself, for a test that reads its engine afterwards."""
+    trainer = Trainer(config)
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    return trainer if keep else result
 
 
 def kill_when_marked(script: str, marker: Path, what: str, timeout_s: float = 120.0) -> None:

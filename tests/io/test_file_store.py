@@ -1,7 +1,6 @@
 """The file tier: round trips, checksums, missing records, full disk, read-only directories,
 header refusal. Every failure must be clear and must not lose what was written before."""
 
-import contextlib
 import errno
 import logging
 import os
@@ -10,7 +9,6 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import torch
 
 from pystronghold.ops import crc32c
 from pystronghold.io import CopyEngine, CopyError, FileStore
+from tmpfs import small_tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -35,26 +34,6 @@ def unaligned(n: int) -> torch.Tensor:
 def engine():
     with CopyEngine(threads=2, queues=4, chunk_bytes=1 * MiB) as eng:
         yield eng
-
-
-@contextlib.contextmanager
-def small_tmpfs(size_bytes: int):
-    """A fresh tmpfs of size_bytes (root only); None where it cannot be mounted."""
-    if os.geteuid() != 0:
-        yield None
-        return
-    mount_point = tempfile.mkdtemp(prefix="ps-tmpfs-")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", mount_point],
-                          capture_output=True)
-    if done.returncode != 0:
-        os.rmdir(mount_point)
-        yield None
-        return
-    try:
-        yield Path(mount_point)
-    finally:
-        subprocess.run(["umount", "-l", mount_point], check=False)
-        os.rmdir(mount_point)
 
 
 def test_crc32c_matches_the_standard_check_value_in_both_paths():
@@ -199,7 +178,8 @@ def _run_fsize_limited(directory: str) -> None:  # runs in a subprocess with RLI
 
 def test_disk_full_by_file_size_limit(tmp_path):
     """The same failure through RLIMIT_FSIZE (works without root): EFBIG instead of ENOSPC."""
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+    here = Path(__file__).parent  # this module, and tests/ for the helpers it imports
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
             f"import test_file_store as t; t._run_fsize_limited({str(tmp_path)!r})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -15,6 +15,8 @@ from pystronghold.runtime.disk_tier import DiskTierError
 from pystronghold.runtime.placement import plan_placement
 from runtime_models import (HetStack, assert_same_training, gpt_batches, het_batches, one_torch_thread,
                             run_both, tiny_gpt, train_engine)
+from tmpfs import small_tmpfs
+from train_helpers import kill_when_marked, run_training, tiny_config
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 
@@ -167,14 +169,12 @@ def test_disk_full_during_training_names_the_directory_and_the_last_checkpoint_l
     gradients go to disk) finds the disk full. The run stops with DiskTierError naming the
     directory; the checkpoint it resumed from is untouched and a later resume (in host memory)
     reproduces the uninterrupted run."""
-    from test_file_store import small_tmpfs
     from pystronghold.io import FileStore
     from pystronghold.runtime.config import RuntimeConfig
-    from train_helpers import tiny_config
 
     ck = tmp_path / "ck"
-    straight = _run(tiny_config(tmp_path, steps=4, clip=1.0))
-    first = _run(tiny_config(tmp_path, steps=4, clip=1.0, ckpt=str(ck), every=2), keep=True)
+    straight = run_training(tiny_config(tmp_path, steps=4, clip=1.0))
+    first = run_training(tiny_config(tmp_path, steps=4, clip=1.0, ckpt=str(ck), every=2), keep=True)
     shutil.rmtree(ck / "step-00000004")  # as if the run had been killed after step 2
     saved = latest_checkpoint(ck)
     # room for the header of every state file and master/exp_avg/exp_avg_sq of every block, not the gradients
@@ -195,18 +195,9 @@ def test_disk_full_during_training_names_the_directory_and_the_last_checkpoint_l
                     trainer.close()
         assert "No space left" in str(info.value) or "ENOSPC" in str(info.value) or "28" in str(info.value)
     assert latest_checkpoint(ck) == saved
-    resumed = _run(tiny_config(tmp_path, steps=4, clip=1.0, ckpt=str(ck), resume=True))
+    resumed = run_training(tiny_config(tmp_path, steps=4, clip=1.0, ckpt=str(ck), resume=True))
     assert resumed.start_step == 2
     assert resumed.losses == straight.losses[2:]
-
-
-def _run(config, keep=False):
-    trainer = Trainer(config)
-    try:
-        result = trainer.train()
-    finally:
-        trainer.close()
-    return trainer if keep else result
 
 
 def test_placement_order_split_and_streamed_gradients():
@@ -247,16 +238,15 @@ def test_checkpoint_from_the_disk_tier_resumes_in_host_memory(tmp_path):
     """A run with every state on disk writes checkpoints (read through the tier) that a run in host
     memory resumes to the uninterrupted losses."""
     from pystronghold.runtime.config import RuntimeConfig
-    from train_helpers import tiny_config
 
-    straight = _run(tiny_config(tmp_path, steps=4, clip=None))
+    straight = run_training(tiny_config(tmp_path, steps=4, clip=None))
     ck = tmp_path / "ck"
     config = tiny_config(tmp_path, steps=4, clip=None, ckpt=str(ck), every=2)
     config.runtime = RuntimeConfig(nvme_dir=str(tmp_path / "nvme"), nvme_states="all")
-    on_disk = _run(config)
+    on_disk = run_training(config)
     assert on_disk.losses == straight.losses
     shutil.rmtree(ck / "step-00000004")
-    resumed = _run(tiny_config(tmp_path, steps=4, clip=None, ckpt=str(ck), resume=True))
+    resumed = run_training(tiny_config(tmp_path, steps=4, clip=None, ckpt=str(ck), resume=True))
     assert resumed.losses == straight.losses[2:]
 
 
@@ -268,7 +258,6 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
     from pathlib import Path
 
     from pystronghold.runtime.config import RuntimeConfig
-    from train_helpers import kill_when_marked, tiny_config
 
     ck, nvme, marker = tmp_path / "ck", tmp_path / "nvme", tmp_path / "in-step-3"
     script = textwrap.dedent(f"""
@@ -297,9 +286,9 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
     stale = [p for p in nvme.iterdir() if p.name.startswith("pystronghold-scratch-")]
     assert len(stale) == 1 and any(stale[0].rglob("*.psr"))  # the dead run's tier is still there
     assert latest_checkpoint(ck).name == "step-00000002"
-    straight = _run(tiny_config(tmp_path, steps=4, clip=None))
+    straight = run_training(tiny_config(tmp_path, steps=4, clip=None))
     config = tiny_config(tmp_path, steps=4, clip=None, ckpt=str(ck), resume=True)
     config.runtime = RuntimeConfig(nvme_dir=str(nvme), nvme_states="all")
-    resumed = _run(config)
+    resumed = run_training(config)
     assert resumed.losses == straight.losses[2:]
     assert not stale[0].exists(), "the next run removes a dead process's scratch directory"

@@ -13,11 +13,10 @@ import torch
 
 import pystronghold as ph
 from pystronghold.runtime.prepare import head_tail_bytes
-from runtime_models import (HYPER, HetStack, assert_same_training, gpt_batches, het_batches, one_torch_thread,
-                            run_both, tiny_gpt, train_engine)
-from test_runtime_precision import _compare, train_mixed_reference
-from test_runtime_state_dict import engine_steps, plain_steps
-from train_helpers import tiny_config
+from runtime_models import (HYPER, HetStack, assert_same_mixed_training, assert_same_training, engine_steps,
+                            gpt_batches, het_batches, one_torch_thread, plain_steps, run_both, tiny_gpt,
+                            train_engine, train_mixed_reference)
+from train_helpers import run_training, tiny_config
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 
@@ -51,7 +50,7 @@ def test_bf16_resident_blocks_match_the_mixed_precision_recipe():
     model, batches = tiny_gpt(), gpt_batches(20)
     ref = train_mixed_reference(copy.deepcopy(model), batches, torch.bfloat16, clip=0.5)
     got = train_engine(model, batches, window=2, precision="bf16", clip_grad_norm=0.5, resident_blocks=3)
-    _compare(ref, got)
+    assert_same_mixed_training(ref, got)
     assert all(p.dtype == torch.bfloat16 for p in model.blocks[0].parameters())
 
 
@@ -61,7 +60,7 @@ def test_fp16_overflow_skips_resident_blocks_too():
     ref = train_mixed_reference(copy.deepcopy(model), batches, torch.float16, init_scale=init)
     got = train_engine(model, batches, window=2, precision="fp16", initial_loss_scale=init, resident_blocks=4)
     assert got[2].skipped_steps == ref[2] >= 1
-    _compare(ref, got)
+    assert_same_mixed_training(ref, got)
 
 
 def test_every_block_resident_counts_plain_loss_backward_with_accumulation():
@@ -168,13 +167,11 @@ def test_torch_state_dicts_load_into_resident_blocks_and_back(k):
 
 @pytest.mark.parametrize("k_before, k_after", [(2, 0), (0, 2), (4, 1)])
 def test_checkpoint_resumes_with_another_number_of_resident_blocks(tmp_path, k_before, k_after):
-    from test_train_checkpoint import _run
-
-    straight = _run(tiny_config(tmp_path, steps=6, resident=k_before))
+    straight = run_training(tiny_config(tmp_path, steps=6, resident=k_before))
     ck = tmp_path / "ck"
-    _run(tiny_config(tmp_path, steps=6, ckpt=str(ck), every=3, resident=k_before))
+    run_training(tiny_config(tmp_path, steps=6, ckpt=str(ck), every=3, resident=k_before))
     shutil.rmtree(ck / "step-00000006")
-    resumed = _run(tiny_config(tmp_path, steps=6, ckpt=str(ck), resume=True, resident=k_after))
+    resumed = run_training(tiny_config(tmp_path, steps=6, ckpt=str(ck), resume=True, resident=k_after))
     assert resumed.start_step == 3
     torch.testing.assert_close(torch.tensor(resumed.losses, dtype=torch.float64),
                                torch.tensor(straight.losses[3:], dtype=torch.float64), rtol=1e-6, atol=0)
@@ -234,18 +231,18 @@ def _parallel_resident(rank: int, world: int, tp: int) -> None:
 
     from pystronghold.models import GPT
     from pystronghold.parallel import init_parallel
-    from test_parallel_runtime import CFG, CLIP, _assert_matches, _assert_replicas_identical, _data, _full, \
-        _reference, _train
+    from parallel_training import (CFG, CLIP, assert_matches_single_process, assert_replicas_identical,
+                                   full_params, parallel_data, single_process_run, train_rank)
 
     groups = init_parallel(tp_size=tp, heads=CFG.heads, timeout_s=30)
     model = GPT(dataclasses.replace(CFG, tp_size=tp), seed=7, tp_group=groups.tp_group if tp > 1 else None)
-    data = _data(steps=3, micro=2 if tp == 1 else 1, batch=2 * groups.dp_size)
+    data = parallel_data(steps=3, micro=2 if tp == 1 else 1, batch=2 * groups.dp_size)
     clip = CLIP if tp > 1 else None
-    losses, norms, params = _train(model, data, groups, resident_blocks=2, clip_grad_norm=clip)
-    _assert_matches((losses, norms, _full(model, params, groups.tp_group) if tp > 1 else params),
-                    _reference(data, clip=clip), clipped=clip is not None)
+    losses, norms, params = train_rank(model, data, groups, resident_blocks=2, clip_grad_norm=clip)
+    full = full_params(model, params, groups.tp_group) if tp > 1 else params
+    assert_matches_single_process((losses, norms, full), single_process_run(data, clip=clip), clipped=clip is not None)
     if groups.dp_size > 1:
-        _assert_replicas_identical(params, groups.dp_group)
+        assert_replicas_identical(params, groups.dp_group)
 
 
 @pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)])

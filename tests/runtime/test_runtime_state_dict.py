@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pystronghold as ph
-from runtime_models import HYPER, gpt_batches, one_torch_thread, tiny_gpt
+from runtime_models import HYPER, engine_steps, gpt_batches, one_torch_thread, plain_steps, tiny_gpt
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 
@@ -18,28 +18,6 @@ FIRST, THEN = 3, 4
 
 def wrapped(model, **options):
     return ph.wrap(model, window=2, optimizer=ph.AdamW(**HYPER, bitwise_torch=True), **options)
-
-
-def engine_steps(engine, batches, loss_of=lambda engine, x, y: engine(x, y)):
-    losses = []
-    for x, y in batches:
-        loss = loss_of(engine, x, y)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def plain_steps(model, opt, batches):
-    losses = []
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def assert_params(got: dict, want: dict, exact: bool) -> None:

@@ -14,27 +14,19 @@ from pystronghold.models import GPT, GPTConfig
 from pystronghold.train import Trainer
 from pystronghold.train.checkpoint import (CheckpointError, export_weights, latest_checkpoint,
                                            load_checkpoint, read_manifest)
-from train_helpers import TINY, kill_when_marked, tiny_config
-
-
-def _run(config):
-    trainer = Trainer(config)
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
+from train_helpers import TINY, kill_when_marked, run_training, tiny_config
 
 
 @pytest.mark.parametrize("clip, acc, window_after", [(1.0, 1, 2), (None, 1, 3), (1.0, 2, 1)])
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path, clip, acc, window_after):
     """Steps 4..6 after resuming from the step-3 checkpoint are bit-identical to a straight run;
     the resumed run may use another window (the format does not depend on W)."""
-    straight = _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc))
+    straight = run_training(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc))
     ck = tmp_path / "ck"
-    _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), every=3))
+    run_training(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), every=3))
     assert sorted(p.name for p in ck.iterdir()) == ["step-00000003", "step-00000006"]
     shutil.rmtree(ck / "step-00000006")  # as if the run had been killed after step 3
-    resumed = _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), resume=True,
+    resumed = run_training(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), resume=True,
                                window=window_after))
     assert resumed.start_step == 3
     assert resumed.losses == straight.losses[3:]
@@ -75,7 +67,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
 
 def _saved(tmp_path):
     ck = tmp_path / "ck"
-    _run(tiny_config(tmp_path, steps=2, ckpt=str(ck)))
+    run_training(tiny_config(tmp_path, steps=2, ckpt=str(ck)))
     return ck, latest_checkpoint(ck)
 
 
