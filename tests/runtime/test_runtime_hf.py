@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pystronghold as ph
-from runtime_models import HYPER, assert_same_training, het_batches, one_torch_thread, run_both
+from runtime_models import assert_same_training, het_batches, one_torch_thread, run_both, train_engine, train_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,34 +41,9 @@ def token_batches(steps: int, seed: int = 1):
     return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(steps)]
 
 
-def train_plain(model, batches, clip=None):
-    opt = torch.optim.AdamW(model.parameters(), **HYPER)
-    losses = []
-    for x in batches:
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        losses.append(loss.item())
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def train_wrapped(model, batches, clip=None, **options):
-    engine = ph.wrap(model, optimizer=ph.AdamW(**HYPER, bitwise_torch=True), clip_grad_norm=clip, **options)
-    losses = []
-    try:
-        for x in batches:
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            losses.append(loss.item())
-            engine.step()
-            engine.zero_grad()
-        params = {n: p.clone() for n, p in engine.master_parameters().items()}
-    finally:
-        engine.close()
-    return losses, params, engine
+def lm_loss(model, x):
+    """The causal-LM loss of one batch of token ids (``model``: the Hugging Face model or its engine)."""
+    return model(input_ids=x, labels=x).loss
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
@@ -80,10 +55,11 @@ def test_hf_models_with_default_configs_train_to_plain_pytorch_losses(kind, wind
     ref_model = copy.deepcopy(model)
     batches = token_batches(STEPS)
     torch.manual_seed(1234)  # GPT-2's default dropout: the same masks for both runs
-    ref = train_plain(ref_model, batches, clip)
+    ref = train_reference(ref_model, batches, clip=clip, loss_of=lm_loss)
     torch.manual_seed(1234)
     with caplog.at_level("INFO"):
-        got = train_wrapped(model, batches, clip, window=window, strict=True)
+        got = train_engine(model, batches, loss_of=lm_loss, blocks=None, clip_grad_norm=clip, window=window,
+                           strict=True)
     assert "use_cache=False" in caplog.text
     stack = model.transformer.h if kind == "gpt2" else model.model.layers
     assert got[2].n_blocks == len(stack)  # found automatically

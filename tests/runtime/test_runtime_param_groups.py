@@ -11,7 +11,7 @@ import torch
 
 import pystronghold as ph
 from runtime_models import (HYPER, HetStack, assert_same_training, gpt_batches, het_batches, one_torch_thread,
-                            tiny_gpt)
+                            tiny_gpt, train_reference)
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 
@@ -26,22 +26,6 @@ def _torch_groups(model):
     params = list(model.parameters())
     return [{"params": [p for p in params if p.dim() >= 2]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": NO_DECAY_LR}]
-
-
-def _reference(model, batches, clip):
-    opt = torch.optim.AdamW(_torch_groups(model), **HYPER)
-    sched = _schedule(opt)
-    losses = []
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        losses.append(loss.item())
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, opt
 
 
 def _engine(model, batches, clip, **options):
@@ -70,7 +54,8 @@ def test_two_groups_train_exactly_like_torch_adamw(make, batches, clip, resident
     torch.manual_seed(0)
     model = make()
     ref_model = copy.deepcopy(model)
-    ref_losses, ref_params, ref_opt = _reference(ref_model, batches, clip)
+    ref_opt = torch.optim.AdamW(_torch_groups(ref_model), **HYPER)
+    ref_losses, ref_params = train_reference(ref_model, batches, clip=clip, scheduler=_schedule, optimizer=ref_opt)
     losses, params, engine = _engine(model, batches, clip, resident_blocks=resident)
     try:
         assert_same_training((ref_losses, ref_params), (losses, params, engine))
