@@ -19,6 +19,7 @@ from pystronghold.train import Trainer
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import ARCHS, TEXT, VOCAB, engine_logits, hf_logits, save_tiny
+from train_helpers import run_training
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -165,11 +166,8 @@ def test_resumed_hf_run_gives_the_uninterrupted_losses(tmp_path):
     text.write_text("".join(TEXT * 6))
 
     def run(ck, every=0, resume=False):
-        trainer = Trainer(_train_config(directory, text, ck, every=every, resume=resume))
-        try:
-            return [loss for _, loss in trainer.train().losses]
-        finally:
-            trainer.close()
+        config = _train_config(directory, text, ck, every=every, resume=resume)
+        return [loss for _, loss in run_training(config).losses]
 
     whole = run(tmp_path / "a")
     run(tmp_path / "b", every=3)

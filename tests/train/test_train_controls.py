@@ -19,7 +19,7 @@ from pystronghold.cli import main
 from pystronghold.train import Trainer
 from pystronghold.train.command import StopOnSignal
 from pystronghold.train.metrics import IntervalMetrics
-from train_helpers import TINY, text_dir, tiny_config
+from train_helpers import TINY, run_training, text_dir, tiny_config
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -82,11 +82,7 @@ def test_a_second_signal_stops_at_once():
 def test_metrics_file_has_one_json_object_per_metrics_line(tmp_path):
     config = tiny_config(tmp_path, steps=6)
     config.run = dataclasses.replace(config.run, metrics_file=str(tmp_path / "run.jsonl"), eval_every=3)
-    trainer = Trainer(config)
-    try:
-        res = trainer.train()
-    finally:
-        trainer.close()
+    res = run_training(config)
     rows = [json.loads(s) for s in (tmp_path / "run.jsonl").read_text().splitlines()]
     metrics = [r for r in rows if "loss" in r]
     assert [r["step"] for r in metrics] == [m.step for m in res.intervals] == [2, 4, 6]
@@ -114,11 +110,7 @@ def test_tensorboard_without_the_package_is_one_line_naming_it(capsys, tmp_path,
 def test_tensorboard_writes_event_files(tmp_path):
     config = tiny_config(tmp_path, steps=2)
     config.run = dataclasses.replace(config.run, tensorboard=str(tmp_path / "tb"))
-    trainer = Trainer(config)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    run_training(config)
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
 
 
