@@ -197,8 +197,13 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
         def windowed_forward(*args, _index=index, **kwargs):
             flat, spec = pytree.tree_flatten((args, kwargs))
             box: dict = {}
+            relay = engine.relay if torch.is_grad_enabled() else None  # relay hook (runtime/relay.py)
+            if relay is not None:
+                relay.arrive()  # every micro-batch reaches this block before it runs for this one
             outs = BlockFunction.apply(engine, _index, torch.is_grad_enabled(), spec, box,
                                        engine.anchor, *flat)
+            if relay is not None:
+                outs = relay.cut(_index, outs)  # the backward of this block is driven by the relay
             outs = iter(outs)
             leaves = [next(outs) if t else x for x, t in zip(box["leaves"], box["is_tensor"])]
             return pytree.tree_unflatten(leaves, box["spec"])

@@ -8,9 +8,10 @@ from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.runtime.optimizer import AdamW
 from pystronghold.runtime.precision import DTYPES
 
-__all__ = ["RuntimeConfig", "OVERLAP_MODES"]
+__all__ = ["RuntimeConfig", "OVERLAP_MODES", "SCHEDULES"]
 
 OVERLAP_MODES = ("auto", "backward", "forward", "none")
+SCHEDULES = ("default", "relay")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +45,11 @@ class RuntimeConfig:
     """When host updates run: "backward" (block i as soon as its gradient is on the host),
     "forward" (after backward, block 0, 1, ... ahead of the next forward's loads), "none" (inside
     ``step()``), or "auto": backward unless clipping or fp16 needs the whole gradient first."""
+    schedule: str = "default"
+    """How accumulation runs its micro-batches: "default" (micro-batch-major: every streamed block is
+    loaded m times in forward and m times in backward per step) or "relay" (layer-major, L2L's:
+    through ``engine.accumulate``, each block is loaded once per pass and its gradient leaves the
+    device once; ``runtime/relay.py``). Both give the same results."""
     strict: bool = False
     """Poison released slots with NaN, so a missing wait shows up as wrong numbers; and compare each
     recomputed block output with a checksum of its forward output (raises with the block index)."""
@@ -101,6 +107,8 @@ class RuntimeConfig:
         if self.overlap == "backward" and self.needs_global_grad:
             raise ValueError("RuntimeConfig.overlap='backward' cannot be exact with clip_grad_norm or "
                              "fp16 loss scaling (they need the whole gradient first); use 'forward' or 'auto'")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"RuntimeConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.parallel is not None and not isinstance(self.parallel, ParallelGroups):
             raise ValueError(f"RuntimeConfig.parallel must be a ParallelGroups (from init_parallel) or "
                              f"None, got {self.parallel!r}")

@@ -28,6 +28,7 @@ from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.placement import plan_placement
+from pystronghold.runtime.relay import run_relay
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
                                           slot_bytes, split_parameters, window_slots)
 from pystronghold.runtime.resident import ResidentBlocks
@@ -116,6 +117,7 @@ class Engine:
         move_to_device(model, blocks, self.device, self.dtype)
         self.window = Window(self.backend, layouts, block_params, window, self.dtype)
         self.plans = {train: build_plan(n, window, train) for train in (True, False)} if n else {}
+        self.relay = None  # relay hook: the runtime.relay.Relay pass in progress (engine.accumulate)
         self.block_forwards = block_fn.install(self, streamed)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.trace = Tracer(enabled=config.trace, block_offset=k)  # the model's block numbers
@@ -183,12 +185,55 @@ class Engine:
         """Whether the model is in training mode (``train()``/``eval()``)."""
         return self.model.training
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (unchanged in fp32/bf16): what backward propagates."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        self.scale_loss(loss).backward()
         if self._plan is not None:
             raise RuntimeError("backward did not reach the first block: the loss does not depend on "
                                "every block, or only part of the graph was back-propagated")
+
+    # ---- relay hook: accumulation over micro-batches (runtime/relay.py)
+
+    def accumulate(self, micro_batches, loss_fn, *, mean: bool = True) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``micro_batches`` (a sequence of m items,
+        each passed to ``loss_fn(item) -> one-element loss tensor``, which calls this engine);
+        back-propagates ``loss / m`` of each (``mean=False``: ``loss``). Returns the m losses,
+        detached, shape (m,). Call ``step()`` after it as usual.
+
+        With ``schedule="relay"`` the m micro-batches run layer-major (each streamed block is loaded
+        once in forward and once in backward, its gradient leaves the device once; runtime/relay.py);
+        otherwise one after the other, as a loop of ``engine(...)``/``backward`` would."""
+        m = len(micro_batches)
+        if m < 1:
+            raise ValueError("accumulate: micro_batches is empty")
+        if self.micro_batches + m > self.config.accumulation_steps:
+            raise ValueError(f"accumulate: {m} micro-batches after {self.micro_batches} backward passes exceed "
+                             f"accumulation_steps={self.config.accumulation_steps}")
+        if self.config.schedule != "relay" or not self.n_streamed:
+            losses = []
+            for item in micro_batches:
+                loss = loss_fn(item)
+                self.backward(loss / m if mean and m > 1 else loss)
+                losses.append(loss.detach().reshape(()))
+            return torch.stack(losses)
+        if self._plan is not None:
+            raise RuntimeError("accumulate: a forward/backward pass is already in progress")
+        try:
+            losses = run_relay(self, micro_batches, loss_fn, mean=mean)
+        except BaseException:
+            if self._plan is not None:
+                self._abandon_pass()
+            raise
+        if self._plan is not None:
+            self._abandon_pass()
+            raise RuntimeError("accumulate: the relay backward did not reach the first block")
+        return losses
+
+    # ---- relay hook end
 
     def step(self) -> None:
         """One optimizer step (also ``engine.optimizer.step()``, which LR schedulers track)."""
@@ -251,7 +296,7 @@ class Engine:
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
-        if phase == "fwd" and block == 0:
+        if phase == "fwd" and block == 0 and not self._in_first_relay_run():
             self._begin_pass(train)
         plan = self._plan
         use = plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
@@ -275,7 +320,7 @@ class Engine:
             else:
                 with self.span("wait", block):
                     self.backend.compute_wait(handle)
-        if phase == "bwd" and self._grad_valid[block]:
+        if phase == "bwd" and self._grad_valid[block] and plan.run_bounds(self._pos)[0]:
             # accumulation: the earlier micro-batches' sum comes back so this one adds to it
             slot = self.window.resident[block]
             n = self.store.layouts[block].numel
@@ -300,8 +345,8 @@ class Engine:
                 self._load(action)
         self._pos += 1
         if self._pos == len(self._plan.uses):
-            if len(self._plan.uses) > self.n_streamed:
-                self.micro_batches += 1
+            if len(self._plan.uses) > self.n_streamed * self._plan.micro_batches:
+                self.micro_batches += self._plan.micro_batches  # relay hook: m per pass
             self._plan = None
             self._flush_copies()  # finished copies go to the trace and are dropped
 
@@ -313,12 +358,30 @@ class Engine:
             log.warning("a new forward started before the previous pass finished (no backward?); "
                         "abandoning it")
             self._abandon_pass()
-        if train and self.micro_batches >= self.config.accumulation_steps:
+        if train and self.micro_batches + self._relay_micro_batches(train) > self.config.accumulation_steps:
             raise RuntimeError(f"a training forward after {self.micro_batches} backward passes without "
                                f"step() (accumulation_steps={self.config.accumulation_steps})")
-        self._plan, self._pos = self.plans[train], 0
+        self._plan, self._pos = self._plan_for(train), 0
         for action in self._plan.prologue:
             self._load(action)
+
+    def _in_first_relay_run(self) -> bool:
+        """relay hook: micro-batches 1..m-1 of a relay pass entering block 0 continue the pass."""
+        plan = self._plan
+        return self.relay is not None and plan is not None and 0 < self._pos < plan.micro_batches
+
+    def _relay_micro_batches(self, train: bool) -> int:
+        """relay hook: micro-batches of the pass about to start (m in a relay pass, else 1)."""
+        return self.relay.micro_batches if train and self.relay is not None else 1
+
+    def _plan_for(self, train: bool):
+        """relay hook: the plan of a pass (a relay pass: each use repeated m times, cached per m)."""
+        m = self._relay_micro_batches(train)
+        if m == 1:
+            return self.plans[train]
+        if (train, m) not in self.plans:
+            self.plans[(train, m)] = build_plan(self.n_streamed, self.window_size, train, micro_batches=m)
+        return self.plans[(train, m)]
 
     def _abandon_pass(self) -> None:
         for h in self._loads.values():
@@ -369,7 +432,8 @@ class Engine:
 
     def _grad_to_host(self, block: int, param_grads) -> None:
         slot = self.window.resident[block]
-        accumulate = self._grad_valid[block]
+        run_first, run_last = self._plan.run_bounds(self._pos)  # relay hook: m uses of a block in a row
+        accumulate = self._grad_valid[block] or not run_first
         for view, g in zip(self.window.grad_views(block), param_grads):
             if g is not None:
                 view.add_(g) if accumulate else view.copy_(g)
@@ -378,7 +442,9 @@ class Engine:
         layout = self.store.layouts[block]
         if not accumulate:
             layout.zero_gaps(slot.grads)
-        last = self.micro_batches + 1 >= self.config.accumulation_steps
+        if not run_last:
+            return  # relay hook: the sum stays in the slot until the block's last micro-batch
+        last = self.micro_batches + self._plan.micro_batches >= self.config.accumulation_steps
         if last:
             # data parallelism: the block's whole gradient (all micro-batches) averaged over the DP
             # ranks in one all_reduce, where it is now: in the device slot, before the copy-out

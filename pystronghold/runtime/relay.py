@@ -1,0 +1,201 @@
+"""The relay schedule (L2L, Pudipeddi et al. 2020, arXiv 2002.05645): a step's m micro-batches
+run *layer-major*, so each streamed block crosses the link once per pass however large m is.
+
+Forward: block 0 runs over every micro-batch while it is loaded, then block 1, ... The model's
+forward is the user's code, so it cannot be re-ordered from outside; instead each micro-batch's
+forward runs in a thread of its own, and a *baton* lets exactly one of them run at a time: a
+thread hands the baton on (round-robin) each time it reaches a streamed block, and gets it back
+once every other micro-batch has reached that block too. Everything between blocks (head, tail,
+resident blocks, the user's own code) therefore runs for one micro-batch at a time, in a fixed
+order, and the engine sees the block uses ``fwd 0 x m, fwd 1 x m, ...`` that its relay plan
+(``schedule.build_plan(..., micro_batches=m)``) expects.
+
+Backward is driven explicitly, block by block. NOTE: autograd alone would not run it layer-major:
+it orders ready nodes by sequence number, which is *thread-local*, so nodes made by the m threads
+tie and the backward of ``sum(losses)`` ran micro-batch after micro-batch (checked; see
+``tests/test_runtime_relay.py``). So the graph is cut at every streamed block's outputs: the model
+continues from detached leaves, and the backward runs in stages, the tail (``loss_j / m``, for
+each j) first, then, from the last block to the first, for each micro-batch the block's real
+outputs with the gradients its leaves collected. Each stage stops at the leaves of the block
+before, so block k's m backward uses are consecutive. A block's gradient adds up in its device
+slot over the m uses and leaves the device once (``Engine._grad_to_host``).
+
+Exactness: every micro-batch sees the same arithmetic as micro-batch-major accumulation (the same
+forward, the same gradients into each block, the block gradients summed in the same order, head
+and tail ``.grad`` accumulated in the same order), so fp32 results equal the default schedule's;
+a block output used by several later stages collects its gradient in stage order, which may round
+differently (tests allow 1e-6 relative). Dropout masks differ: the micro-batches draw from torch's
+generator in another order.
+
+Limits: the user's forward is run in other threads, with the caller's grad mode (and CUDA device
+and current stream); other thread-local torch state (autocast) is not carried. A block output
+modified in place by the model is refused by autograd (the leaf).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["Relay", "RelayAborted", "run_relay"]
+
+log = logging.getLogger(__name__)
+
+
+class RelayAborted(RuntimeError):
+    """Raised in a micro-batch thread when another micro-batch failed."""
+
+
+class Relay:
+    """One relay pass in progress: the baton of the micro-batch threads and the cut block outputs."""
+
+    def __init__(self, micro_batches: int) -> None:
+        self.micro_batches = micro_batches
+        self._cond = threading.Condition()
+        self._holder = 0
+        self._finished = [False] * micro_batches
+        self._failed = False
+        self._local = threading.local()
+        # per micro-batch, per block call in call order: (block, real outputs, leaves handed on)
+        self.cuts: list[list[tuple[int, list[torch.Tensor], list[torch.Tensor]] | None]] = \
+            [[] for _ in range(micro_batches)]
+
+    # ---- the baton
+
+    def _index(self) -> int:
+        index = getattr(self._local, "index", None)
+        if index is None:
+            raise RuntimeError("relay: a block ran outside the micro-batch threads of engine.accumulate "
+                               "(a training forward in another thread during the relay pass)")
+        return index
+
+    def _wait(self, j: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._holder == j or self._failed)
+            if self._failed:
+                raise RelayAborted("relay: another micro-batch failed")
+
+    def _hand_on(self, j: int) -> None:
+        """Give the baton to the next unfinished micro-batch after j (round-robin); call holding it."""
+        m = self.micro_batches
+        for step in range(1, m + 1):
+            nxt = (j + step) % m
+            if not self._finished[nxt]:
+                self._holder = nxt
+                break
+        self._cond.notify_all()
+
+    def arrive(self) -> None:
+        """A micro-batch reached a streamed block: every other one reaches it before this one runs it."""
+        j = self._index()
+        with self._cond:
+            self._hand_on(j)
+        self._wait(j)
+
+    def micro_batch(self) -> int | None:
+        """The micro-batch of the calling thread (None outside the relay's threads)."""
+        return getattr(self._local, "index", None)
+
+    # ---- forward
+
+    def cut(self, block: int, outputs: tuple) -> tuple:
+        """Outputs of a block call -> what the model continues with: every output that requires grad
+        becomes a detached leaf; the real outputs are kept for the backward stage of this block."""
+        reals, leaves, handed = [], [], []
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                leaf = t.detach().requires_grad_()
+                reals.append(t)
+                leaves.append(leaf)
+                handed.append(leaf)
+            else:
+                handed.append(t)
+        self.cuts[self._index()].append((block, reals, leaves))
+        return tuple(handed)
+
+    def forward(self, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor],
+                device: torch.device) -> list[torch.Tensor]:
+        """Run ``loss_fn(micro_batches[j])`` for every j, layer-major; returns the m losses (graphs kept)."""
+        m = self.micro_batches
+        losses: list[torch.Tensor | None] = [None] * m
+        errors: list[BaseException | None] = [None] * m
+        grad_enabled = torch.is_grad_enabled()
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+        def run(j: int) -> None:
+            self._local.index = j
+            try:
+                torch.set_grad_enabled(grad_enabled)
+                if stream is not None:
+                    torch.cuda.set_device(device)
+                    torch.cuda.set_stream(stream)
+                self._wait(j)
+                loss = loss_fn(micro_batches[j])
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise TypeError(f"accumulate: loss_fn must return a one-element tensor, got "
+                                    f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+                losses[j] = loss
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+                errors[j] = exc
+                with self._cond:
+                    self._failed = True
+                    self._cond.notify_all()
+            finally:
+                with self._cond:
+                    self._finished[j] = True
+                    if self._holder == j:
+                        self._hand_on(j)
+
+        threads = [threading.Thread(target=run, args=(j,), name=f"pystronghold-relay-{j}", daemon=True)
+                   for j in range(m)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not isinstance(e, RelayAborted)), None)
+        if first is None:
+            first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return losses
+
+    # ---- backward
+
+    def backward(self, losses: list[torch.Tensor], scale_loss: Callable[[torch.Tensor], torch.Tensor],
+                 mean: bool) -> None:
+        """Back-propagate ``sum(losses) (/ m when mean)`` in stages: the tails, then each block's m
+        micro-batches from the last block to the first (see the module docstring)."""
+        m = self.micro_batches
+        calls = {len(c) for c in self.cuts}
+        if len(calls) != 1:
+            raise RuntimeError(f"relay: the micro-batches called different numbers of blocks {sorted(calls)}")
+        for j, loss in enumerate(losses):
+            # NOTE: loss / m, as the default loop back-propagates each micro-batch (not x (1/m))
+            torch.autograd.backward(scale_loss(loss / m if mean and m > 1 else loss), retain_graph=True)
+            losses[j] = None
+        for pos in reversed(range(calls.pop())):
+            for j in range(m):
+                block, reals, leaves = self.cuts[j][pos]
+                self.cuts[j][pos] = None  # the stage's graph goes once the backward has run
+                pairs = [(r, leaf.grad) for r, leaf in zip(reals, leaves) if leaf.grad is not None]
+                if not pairs:
+                    raise RuntimeError(f"relay: block {block}'s outputs got no gradient in micro-batch {j}: "
+                                       "the loss does not depend on every block")
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs], retain_graph=True)
+
+
+def run_relay(engine, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
+              mean: bool) -> torch.Tensor:
+    """One relay pass of ``engine`` over ``micro_batches``; returns the detached losses, shape (m,)."""
+    relay = Relay(len(micro_batches))
+    engine.relay = relay
+    try:
+        losses = relay.forward(micro_batches, loss_fn, engine.device)
+        values = torch.stack([loss.detach().reshape(()) for loss in losses])
+        relay.backward(losses, engine.scale_loss, mean)
+    finally:
+        engine.relay = None
+    return values
