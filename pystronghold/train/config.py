@@ -88,6 +88,10 @@ class OptimOptions:
     """Clip the global gradient norm to this value; 0: no clipping."""
     accumulation: int = 1
     """Micro-batches per optimizer step."""
+    schedule: str = field(default="default", metadata={"choices": ("default", "relay")})
+    """How the --accumulation micro-batches run: 'default' (one after the other: every streamed block
+    is loaded once per micro-batch) or 'relay' (layer-major, L2L's: each block over every
+    micro-batch while it is loaded, so it crosses the link once per step; the same results)."""
 
     def __post_init__(self) -> None:
         if self.lr is not None and not self.lr > 0:

@@ -156,7 +156,7 @@ class Trainer:
             self.model, blocks=blocks, materialize=materialize, window=window, device=config.window.device,
             resident_blocks=config.window.resident_blocks,
             precision=config.window.precision, clip_grad_norm=o.clip or None,
-            accumulation_steps=o.accumulation, trace=True, parallel=self.groups,
+            accumulation_steps=o.accumulation, schedule=o.schedule, trace=True, parallel=self.groups,
             host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,
             nvme_states=config.memory.nvme_states, nvme_cache_blocks=config.memory.nvme_cache_blocks,
             nvme_preallocate=not config.memory.nvme_sparse,
@@ -215,12 +215,11 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step (``accumulation`` micro-batches); returns the mean micro-batch loss."""
         acc = self.config.optim.accumulation
-        total = 0.0
-        for _ in range(acc):
-            x, y = self.sampler.next_batch()  # (B, T) int64 each
-            loss = self.loss(self._to_device(x), self._to_device(y))
-            self.engine.backward(loss / acc if acc > 1 else loss)
-            total += float(loss.detach())
+        batches = [self.sampler.next_batch() for _ in range(acc)]  # (B, T) int64 each
+        # NOTE: through engine.accumulate, which runs the micro-batches one after the other or, with
+        # --schedule relay, layer-major; each back-propagates loss / acc
+        losses = self.engine.accumulate(batches, lambda b: self.loss(self._to_device(b[0]), self._to_device(b[1])))
+        total = sum(float(v) for v in losses)
         self.engine.step()
         self.scheduler.step()
         self.engine.zero_grad()
