@@ -156,3 +156,22 @@ def test_accumulate_bad_input():
             engine.accumulate(het_batches(2), lambda b: engine.model.tail(engine.model.head(b[0])))
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("budget", [0, 20_000])
+def test_boundary_activations_staged_to_host_when_the_budget_forbids_the_device(budget):
+    """A budget of 0 stages every saved block input (m x blocks of them) through host memory; a
+    budget between keeps the first ones; the results are the default schedule's all the same."""
+    model = HetStack()
+    m = 3
+    batches = het_batches(STEPS * m)
+    default = train(copy.deepcopy(model), batches, m, schedule="default", window=2)
+    relay = train(model, batches, m, schedule="relay", window=2, relay_activation_bytes=budget, strict=True)
+    assert_same(relay, default)
+    n = relay[4].n_streamed
+    block_input = 4 * 5 * 24 * 4  # (4, 5, 24) fp32 hidden states
+    total = n * m * block_input
+    got = relay[4].relay_activations
+    assert got["device_bytes"] + got["staged_bytes"] == total
+    assert got["device_bytes"] == (budget // block_input) * block_input
+    assert got["device_bytes"] <= budget

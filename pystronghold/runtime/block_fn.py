@@ -143,7 +143,10 @@ class BlockFunction(torch.autograd.Function):
                 ctx.rng, ctx.prints = rng, prints
                 ctx.checksums = output_checksums(tensors) if engine.config.strict else None
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
-                ctx.save_for_backward(*[x for x in flat if isinstance(x, torch.Tensor)])
+                saved = [x for x in flat if isinstance(x, torch.Tensor)]
+                ctx.save_for_backward(*saved)
+                if engine.relay is not None:  # relay hook: the m inputs of a block may go to host memory
+                    engine.relay.keep_or_stage(saved)
         if keep:
             tensors = [t.detach() for t in tensors]
         return tuple(tensors)

@@ -50,6 +50,10 @@ class RuntimeConfig:
     loaded m times in forward and m times in backward per step) or "relay" (layer-major, L2L's:
     through ``engine.accumulate``, each block is loaded once per pass and its gradient leaves the
     device once; ``runtime/relay.py``). Both give the same results."""
+    relay_activation_bytes: int | None = None
+    """schedule="relay": device bytes the saved block inputs of a pass (every block's input for
+    every micro-batch, m times the default schedule's) may use; those beyond are staged through
+    (pinned) host memory and brought back before their block's backward. None: all on the device."""
     strict: bool = False
     """Poison released slots with NaN, so a missing wait shows up as wrong numbers; and compare each
     recomputed block output with a checksum of its forward output (raises with the block index)."""
@@ -109,6 +113,10 @@ class RuntimeConfig:
                              "fp16 loss scaling (they need the whole gradient first); use 'forward' or 'auto'")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"RuntimeConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.relay_activation_bytes is not None and (type(self.relay_activation_bytes) is not int
+                                                        or self.relay_activation_bytes < 0):
+            raise ValueError(f"RuntimeConfig.relay_activation_bytes must be an int >= 0 (bytes) or None, "
+                             f"got {self.relay_activation_bytes!r}")
         if self.parallel is not None and not isinstance(self.parallel, ParallelGroups):
             raise ValueError(f"RuntimeConfig.parallel must be a ParallelGroups (from init_parallel) or "
                              f"None, got {self.parallel!r}")

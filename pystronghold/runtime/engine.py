@@ -118,6 +118,11 @@ class Engine:
         self.window = Window(self.backend, layouts, block_params, window, self.dtype)
         self.plans = {train: build_plan(n, window, train) for train in (True, False)} if n else {}
         self.relay = None  # relay hook: the runtime.relay.Relay pass in progress (engine.accumulate)
+        self.relay_activations: dict | None = None  # relay hook: the last pass's saved-input bytes
+        if config.schedule == "relay":
+            log.info("relay schedule: saved block inputs on the device %s",
+                     "without limit" if config.relay_activation_bytes is None else
+                     f"up to {config.relay_activation_bytes} bytes, staged through host memory beyond")
         self.block_forwards = block_fn.install(self, streamed)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.trace = Tracer(enabled=config.trace, block_offset=k)  # the model's block numbers

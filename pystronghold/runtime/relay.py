@@ -49,11 +49,34 @@ class RelayAborted(RuntimeError):
     """Raised in a micro-batch thread when another micro-batch failed."""
 
 
-class Relay:
-    """One relay pass in progress: the baton of the micro-batch threads and the cut block outputs."""
+class _Staged:
+    """One storage of a saved block input staged to host memory (its device bytes freed)."""
 
-    def __init__(self, micro_batches: int) -> None:
+    __slots__ = ("storage", "host", "handle", "freed")
+
+    def __init__(self, storage, host: torch.Tensor, handle) -> None:
+        self.storage, self.host, self.handle, self.freed = storage, host, handle, False
+
+
+def _bytes_of(storage, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class Relay:
+    """One relay pass in progress: the baton of the micro-batch threads, the cut block outputs and
+    the block inputs staged to host memory."""
+
+    def __init__(self, micro_batches: int, backend=None, device_budget_bytes: int | None = None) -> None:
+        """``device_budget_bytes``: device bytes the saved block inputs of the pass may hold; those
+        beyond are staged through host memory (``backend``'s copies). None: all stay on the device."""
         self.micro_batches = micro_batches
+        self._backend = backend
+        self._budget = device_budget_bytes
+        self.device_bytes = 0  # saved block inputs kept on the device
+        self.staged_bytes = 0  # ... and staged to host memory
+        self._staged: list[dict[int, list[_Staged]]] = [{} for _ in range(micro_batches)]  # j -> call -> stages
+        self._seen: set[int] = set()  # storages already counted
         self._cond = threading.Condition()
         self._holder = 0
         self._finished = [False] * micro_batches
@@ -162,6 +185,50 @@ class Relay:
             raise first
         return losses
 
+    def keep_or_stage(self, saved: list[torch.Tensor]) -> None:
+        """The tensors a block call saves for its recompute: kept on the device while the budget
+        allows, else copied to host memory and their device storage freed (restored before the
+        block's backward stage). Only storages made by this forward are staged (a cut leaf, an op's
+        output or a view of one): a user's input tensor or a parameter view is never touched."""
+        j = self._index()
+        call = len(self.cuts[j])  # the call being made: its cut is appended after the forward
+        leaves = {id(leaf) for c in self.cuts[j] if c is not None for leaf in c[2]}
+        for t in saved:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._seen or storage.nbytes() == 0:
+                continue
+            self._seen.add(key)
+            root = t._base if t._is_view() else t  # a view's storage belongs to its base
+            own = id(t) in leaves or root.grad_fn is not None
+            nbytes = storage.nbytes()
+            if not own or self._budget is None or self.device_bytes + nbytes <= self._budget:
+                self.device_bytes += nbytes
+                continue
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.device.type == "cuda")
+            handle = self._backend.d2h(host, _bytes_of(storage, t.device),
+                                       after=[self._backend.compute_marker()])
+            self._staged[j].setdefault(call, []).append(_Staged(storage, host, handle))
+            self.staged_bytes += nbytes
+        self._free_copied(wait=False)
+
+    def _free_copied(self, wait: bool) -> None:
+        """Free the device storage of staged inputs whose copy-out finished (all of them: ``wait``)."""
+        for per_call in self._staged:
+            for stages in per_call.values():
+                for st in stages:
+                    if not st.freed and (wait or st.handle.done()):
+                        st.handle.wait()
+                        st.storage.resize_(0)
+                        st.freed = True
+
+    def _restore(self, j: int, call: int) -> None:
+        """Bring back the staged inputs of micro-batch j's block call ``call`` (before its backward)."""
+        for st in self._staged[j].pop(call, []):
+            st.storage.resize_(st.host.numel())
+            handle = self._backend.h2d(_bytes_of(st.storage, self._backend.device), st.host)
+            self._backend.compute_wait(handle)
+
     # ---- backward
 
     def backward(self, losses: list[torch.Tensor], scale_loss: Callable[[torch.Tensor], torch.Tensor],
@@ -169,6 +236,7 @@ class Relay:
         """Back-propagate ``sum(losses) (/ m when mean)`` in stages: the tails, then each block's m
         micro-batches from the last block to the first (see the module docstring)."""
         m = self.micro_batches
+        self._free_copied(wait=True)
         calls = {len(c) for c in self.cuts}
         if len(calls) != 1:
             raise RuntimeError(f"relay: the micro-batches called different numbers of blocks {sorted(calls)}")
@@ -180,6 +248,7 @@ class Relay:
             for j in range(m):
                 block, reals, leaves = self.cuts[j][pos]
                 self.cuts[j][pos] = None  # the stage's graph goes once the backward has run
+                self._restore(j, pos)
                 pairs = [(r, leaf.grad) for r, leaf in zip(reals, leaves) if leaf.grad is not None]
                 if not pairs:
                     raise RuntimeError(f"relay: block {block}'s outputs got no gradient in micro-batch {j}: "
@@ -190,12 +259,15 @@ class Relay:
 def run_relay(engine, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
               mean: bool) -> torch.Tensor:
     """One relay pass of ``engine`` over ``micro_batches``; returns the detached losses, shape (m,)."""
-    relay = Relay(len(micro_batches))
+    relay = Relay(len(micro_batches), engine.backend, engine.config.relay_activation_bytes)
     engine.relay = relay
     try:
         losses = relay.forward(micro_batches, loss_fn, engine.device)
         values = torch.stack([loss.detach().reshape(()) for loss in losses])
         relay.backward(losses, engine.scale_loss, mean)
+        engine.relay_activations = dict(device_bytes=relay.device_bytes, staged_bytes=relay.staged_bytes)
+        log.debug("relay pass: saved block inputs %d bytes on the device, %d staged to host memory",
+                  relay.device_bytes, relay.staged_bytes)
     finally:
         engine.relay = None
     return values
