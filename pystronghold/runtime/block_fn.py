@@ -187,6 +187,24 @@ class BlockFunction(torch.autograd.Function):
         return (None, None, None, None, None, None, *flat_grads)
 
 
+def _skipped(block: int, args: tuple):
+    """A block skipped by layer drop is the identity on its first argument (the hidden states)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise ValueError(f"layer_drop: block {block} must take its hidden states as first positional "
+                         "argument (a skipped block passes them on)")
+    return args[0]
+
+
+def _check_droppable(block: int, args: tuple, leaves: list) -> None:
+    """With layer drop, a block must map its first argument to one tensor of the same shape, or
+    skipping it (the identity) would hand the model something else."""
+    ok = (len(leaves) == 1 and isinstance(leaves[0], torch.Tensor) and args and isinstance(args[0], torch.Tensor)
+          and leaves[0].shape == args[0].shape)
+    if not ok:
+        raise ValueError(f"layer_drop: block {block} must return one tensor shaped like its first argument "
+                         "(the identity replaces it when it is skipped); use layer_drop=0 for this model")
+
+
 def install(engine, blocks: torch.nn.ModuleList) -> list:
     """Replace each block's ``forward`` with one that runs through BlockFunction.
 
@@ -198,6 +216,8 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
         originals.append(original)
 
         def windowed_forward(*args, _index=index, **kwargs):
+            if engine.layer_drop.enabled and engine.layer_dropped(_index, torch.is_grad_enabled()):
+                return _skipped(_index, args)  # layer-drop hook: not loaded, not updated this step
             flat, spec = pytree.tree_flatten((args, kwargs))
             box: dict = {}
             relay = engine.relay if torch.is_grad_enabled() else None  # relay hook (runtime/relay.py)
@@ -209,6 +229,8 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
                 outs = relay.cut(_index, outs)  # the backward of this block is driven by the relay
             outs = iter(outs)
             leaves = [next(outs) if t else x for x, t in zip(box["leaves"], box["is_tensor"])]
+            if engine.layer_drop.enabled:
+                _check_droppable(_index, args, leaves)
             return pytree.tree_unflatten(leaves, box["spec"])
 
         module.forward = windowed_forward

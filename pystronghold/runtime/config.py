@@ -54,6 +54,12 @@ class RuntimeConfig:
     """schedule="relay": device bytes the saved block inputs of a pass (every block's input for
     every micro-batch, m times the default schedule's) may use; those beyond are staged through
     (pinned) host memory and brought back before their block's backward. None: all on the device."""
+    layer_drop: float = 0.0
+    """LayerDrop-style stochastic depth (Fan et al. 2019): the probability that a streamed block is
+    skipped in a training step (all its micro-batches; identity: the block's first argument is
+    passed on). A skipped block is neither loaded nor updated that step. 0: every block runs."""
+    layer_drop_seed: int = 0
+    """Seed of the generator that draws the skipped blocks (one draw per step, reproducible)."""
     strict: bool = False
     """Poison released slots with NaN, so a missing wait shows up as wrong numbers; and compare each
     recomputed block output with a checksum of its forward output (raises with the block index)."""
@@ -117,6 +123,13 @@ class RuntimeConfig:
                                                         or self.relay_activation_bytes < 0):
             raise ValueError(f"RuntimeConfig.relay_activation_bytes must be an int >= 0 (bytes) or None, "
                              f"got {self.relay_activation_bytes!r}")
+        if not isinstance(self.layer_drop, (int, float)) or not 0 <= self.layer_drop < 1:
+            raise ValueError(f"RuntimeConfig.layer_drop must be a probability in [0, 1), got {self.layer_drop!r}")
+        if self.layer_drop and self.resident_blocks:
+            raise ValueError("RuntimeConfig.layer_drop skips streamed blocks only; it cannot be combined with "
+                             f"resident_blocks={self.resident_blocks}")
+        if type(self.layer_drop_seed) is not int:
+            raise ValueError(f"RuntimeConfig.layer_drop_seed must be an int, got {self.layer_drop_seed!r}")
         if self.parallel is not None and not isinstance(self.parallel, ParallelGroups):
             raise ValueError(f"RuntimeConfig.parallel must be a ParallelGroups (from init_parallel) or "
                              f"None, got {self.parallel!r}")

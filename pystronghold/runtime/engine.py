@@ -28,6 +28,7 @@ from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.placement import plan_placement
+from pystronghold.runtime.layer_drop import LayerDrop
 from pystronghold.runtime.relay import run_relay
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
                                           slot_bytes, split_parameters, window_slots)
@@ -119,6 +120,7 @@ class Engine:
         self.plans = {train: build_plan(n, window, train) for train in (True, False)} if n else {}
         self.relay = None  # relay hook: the runtime.relay.Relay pass in progress (engine.accumulate)
         self.relay_activations: dict | None = None  # relay hook: the last pass's saved-input bytes
+        self.layer_drop = LayerDrop(n, config.layer_drop, config.layer_drop_seed)  # layer-drop hook
         if config.schedule == "relay":
             log.info("relay schedule: saved block inputs on the device %s",
                      "without limit" if config.relay_activation_bytes is None else
@@ -238,6 +240,15 @@ class Engine:
             raise RuntimeError("accumulate: the relay backward did not reach the first block")
         return losses
 
+    def layer_dropped(self, block: int, train: bool) -> bool:
+        """layer-drop hook (block_fn): whether ``block`` is skipped in this training forward (the
+        step's draw is made at its first block call)."""
+        if not (train and self.layer_drop.enabled and self.model.training):
+            return False
+        if self._plan is None and self.micro_batches == 0:
+            self.layer_drop.draw_if_new_step()
+        return self.layer_drop.dropped(block)
+
     # ---- relay hook end
 
     def step(self) -> None:
@@ -301,7 +312,7 @@ class Engine:
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
-        if phase == "fwd" and block == 0 and not self._in_first_relay_run():
+        if phase == "fwd" and block == self._first_block(train) and not self._in_first_relay_run():
             self._begin_pass(train)
         plan = self._plan
         use = plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
@@ -350,7 +361,7 @@ class Engine:
                 self._load(action)
         self._pos += 1
         if self._pos == len(self._plan.uses):
-            if len(self._plan.uses) > self.n_streamed * self._plan.micro_batches:
+            if self._plan.uses[-1].phase == "bwd":  # a training pass
                 self.micro_batches += self._plan.micro_batches  # relay hook: m per pass
             self._plan = None
             self._flush_copies()  # finished copies go to the trace and are dropped
@@ -379,14 +390,25 @@ class Engine:
         """relay hook: micro-batches of the pass about to start (m in a relay pass, else 1)."""
         return self.relay.micro_batches if train and self.relay is not None else 1
 
+    def _active_blocks(self, train: bool) -> list[int] | None:
+        """layer-drop hook: the blocks a training pass runs this step (None: all)."""
+        return self.layer_drop.active if train and self.model.training else None
+
+    def _first_block(self, train: bool) -> int:
+        active = self._active_blocks(train)
+        return active[0] if active else 0
+
     def _plan_for(self, train: bool):
-        """relay hook: the plan of a pass (a relay pass: each use repeated m times, cached per m)."""
-        m = self._relay_micro_batches(train)
-        if m == 1:
+        """relay / layer-drop hook: the plan of a pass (a relay pass: each use repeated m times; a
+        layer-drop step: over the blocks that run), cached per (train, m, blocks)."""
+        m, active = self._relay_micro_batches(train), self._active_blocks(train)
+        if m == 1 and active is None:
             return self.plans[train]
-        if (train, m) not in self.plans:
-            self.plans[(train, m)] = build_plan(self.n_streamed, self.window_size, train, micro_batches=m)
-        return self.plans[(train, m)]
+        key = (train, m, None if active is None else tuple(active))
+        if key not in self.plans:
+            window = self.window_size if active is None else min(self.window_size, len(active))
+            self.plans[key] = build_plan(self.n_streamed, window, train, micro_batches=m, blocks=active)
+        return self.plans[key]
 
     def _abandon_pass(self) -> None:
         for h in self._loads.values():
@@ -514,7 +536,8 @@ class Engine:
                     # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
                     coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
                                              max=1.0))
-            for block in range(self.n_streamed):  # 0, 1, 2, ...: the order the next forward loads them
+            # 0, 1, 2, ...: the order the next forward loads them (layer drop: the blocks that ran)
+            for block in self._active_blocks(True) or range(self.n_streamed):
                 self.updates.submit_update(block, None, step=step, hyper=hyper, grad_scale=scale * coef)
             self.device_optimizer.step(hyper, scale * coef)
             self.resident.step(hyper, scale * coef, self.steps)
@@ -535,6 +558,7 @@ class Engine:
                                 self.tp_group)
 
     def _end_step(self) -> None:
+        self.layer_drop.end_step()
         self.micro_batches = 0
         self._grad_valid = [False] * self.n_streamed
         self._flush_copies(calibrate=True)
@@ -543,6 +567,7 @@ class Engine:
         self.device_optimizer.zero_grad()
         self.resident.zero_grad()
         if self._plan is None and self.micro_batches:
+            self.layer_drop.end_step()
             self.micro_batches = 0
             self._grad_valid = [False] * self.n_streamed
 

@@ -76,18 +76,22 @@ class Plan:
         return peak
 
 
-def build_plan(n_blocks: int, window: int, train: bool, micro_batches: int = 1) -> Plan:
+def build_plan(n_blocks: int, window: int, train: bool, micro_batches: int = 1,
+               blocks: list[int] | None = None) -> Plan:
     """Plan one pass over ``n_blocks`` blocks with ``window`` slots (1 <= window <= n_blocks);
-    ``micro_batches`` > 1: each use repeated that many times in a row (layer-major, the relay)."""
-    if n_blocks < 1:
-        raise ValueError(f"build_plan: n_blocks must be >= 1, got {n_blocks}")
-    if not 1 <= window <= n_blocks:
-        raise ValueError(f"build_plan: window must be in [1, {n_blocks}], got {window}")
+    ``micro_batches`` > 1: each use repeated that many times in a row (layer-major, the relay);
+    ``blocks``: the blocks this pass runs, in order (a layer-drop step skips the others; then
+    ``window`` <= len(blocks)), default all ``n_blocks``."""
+    order = list(range(n_blocks)) if blocks is None else list(blocks)
+    if len(order) < 1:
+        raise ValueError(f"build_plan: a pass needs >= 1 block, got n_blocks={n_blocks}, blocks={blocks}")
+    if not 1 <= window <= len(order):
+        raise ValueError(f"build_plan: window must be in [1, {len(order)}], got {window}")
     if micro_batches < 1:
         raise ValueError(f"build_plan: micro_batches must be >= 1, got {micro_batches}")
-    uses = [Use("fwd", i) for i in range(n_blocks) for _ in range(micro_batches)]
+    uses = [Use("fwd", i) for i in order for _ in range(micro_batches)]
     if train:
-        uses += [Use("bwd", i) for i in reversed(range(n_blocks)) for _ in range(micro_batches)]
+        uses += [Use("bwd", i) for i in reversed(order) for _ in range(micro_batches)]
 
     def next_distinct(k: int) -> list[int]:
         """The first `window` distinct blocks used from position k on, in order of use."""
