@@ -175,3 +175,23 @@ def test_boundary_activations_staged_to_host_when_the_budget_forbids_the_device(
     assert got["device_bytes"] + got["staged_bytes"] == total
     assert got["device_bytes"] == (budget // block_input) * block_input
     assert got["device_bytes"] <= budget
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_relay_half_precision_and_fp16_skips_equal_default(precision):
+    """bf16 and fp16 (a loss scale so large that the first steps overflow and are skipped): the relay
+    gives the default schedule's losses, skips and masters."""
+    from runtime_models import gpt_batches, tiny_gpt
+
+    model = tiny_gpt(4)
+    m = 2
+    batches = gpt_batches(4 * m)
+    options = dict(window=2, precision=precision, clip_grad_norm=1.0, steps=4)
+    if precision == "fp16":
+        options["initial_loss_scale"] = 2.0**40
+    default = train(copy.deepcopy(model), batches, m, schedule="default", **options)
+    relay = train(model, batches, m, schedule="relay", **options)
+    assert_same(relay, default)
+    assert relay[4].skipped_steps == default[4].skipped_steps
+    if precision == "fp16":
+        assert relay[4].skipped_steps >= 1
