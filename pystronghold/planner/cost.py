@@ -18,7 +18,7 @@ from pystronghold.planner.hardware import GiB, Hardware
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
            "block_forward_flops", "block_activation_bytes", "tail_activation_bytes",
            "host_bytes_per_param", "ring_allreduce_s", "block_costs", "PRECISION_BYTES",
-           "OVERLAP_MODES", "analytic_window", "block_param_numels", "slot_bytes"]
+           "OVERLAP_MODES", "analytic_window", "block_param_numels", "block_layout_numel", "slot_bytes"]
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of each compute precision."""
@@ -113,14 +113,19 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def slot_bytes(config: GPTConfig, dtype_bytes: int) -> int:
-    """Device bytes of one window slot as the runtime lays it out: a parameter buffer and a
-    gradient buffer, each the block's parameters at 16-element offsets, rounded up to 4096 bytes."""
+def block_layout_numel(config: GPTConfig) -> int:
+    """Elements of one block's flat buffer as the runtime lays it out (each parameter at a
+    16-element offset, the total rounded up to 16): what one load or copy-out moves."""
     numel = 0
     for n in block_param_numels(config):
         numel = _round_up(numel, ALIGN_ELEMS) + n
-    numel = _round_up(numel, ALIGN_ELEMS)
-    return 2 * _round_up(numel * dtype_bytes, ARENA_ALIGN)
+    return _round_up(numel, ALIGN_ELEMS)
+
+
+def slot_bytes(config: GPTConfig, dtype_bytes: int) -> int:
+    """Device bytes of one window slot as the runtime lays it out: a parameter buffer and a
+    gradient buffer, each ``block_layout_numel`` elements rounded up to 4096 bytes."""
+    return 2 * _round_up(block_layout_numel(config) * dtype_bytes, ARENA_ALIGN)
 
 
 def head_tail_params_per_rank(config: GPTConfig) -> int:
