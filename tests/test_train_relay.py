@@ -43,3 +43,11 @@ def test_schedule_flag(capsys):
         main(["train", "--schedule", "layer-major"])
     assert exc.value.code == 2
     assert "--schedule" in capsys.readouterr().err
+
+
+def test_schedule_auto_picks_relay_with_accumulation(tmp_path):
+    from pystronghold.train.config import OptimOptions
+
+    assert OptimOptions(accumulation=4, schedule="auto").schedule_value == "relay"
+    assert OptimOptions(accumulation=1, schedule="auto").schedule_value == "default"
+    assert OptimOptions(accumulation=4, schedule="default").schedule_value == "default"

@@ -88,10 +88,19 @@ class OptimOptions:
     """Clip the global gradient norm to this value; 0: no clipping."""
     accumulation: int = 1
     """Micro-batches per optimizer step."""
-    schedule: str = field(default="default", metadata={"choices": ("default", "relay")})
+    schedule: str = field(default="default", metadata={"choices": ("default", "relay", "auto")})
     """How the --accumulation micro-batches run: 'default' (one after the other: every streamed block
-    is loaded once per micro-batch) or 'relay' (layer-major, L2L's: each block over every
-    micro-batch while it is loaded, so it crosses the link once per step; the same results)."""
+    is loaded once per micro-batch), 'relay' (layer-major, L2L's: each block over every
+    micro-batch while it is loaded, so it crosses the link once per step; the same results), or
+    'auto': relay when --accumulation > 1 (the planner's model: the same compute, m times fewer
+    link bytes; see pystronghold.planner.relay)."""
+
+    @property
+    def schedule_value(self) -> str:
+        """The schedule the runtime gets ('auto' resolved)."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "relay" if self.accumulation > 1 else "default"
 
     def __post_init__(self) -> None:
         if self.lr is not None and not self.lr > 0:

@@ -156,12 +156,14 @@ class Trainer:
             self.model, blocks=blocks, materialize=materialize, window=window, device=config.window.device,
             resident_blocks=config.window.resident_blocks,
             precision=config.window.precision, clip_grad_norm=o.clip or None,
-            accumulation_steps=o.accumulation, schedule=o.schedule, trace=True, parallel=self.groups,
+            accumulation_steps=o.accumulation, schedule=o.schedule_value, trace=True, parallel=self.groups,
             host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,
             nvme_states=config.memory.nvme_states, nvme_cache_blocks=config.memory.nvme_cache_blocks,
             nvme_preallocate=not config.memory.nvme_sparse,
             optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
                                          decay=o.decay))
+        if o.schedule == "auto":
+            log.info("--schedule auto: %s (accumulation %d)", o.schedule_value, o.accumulation)
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0
