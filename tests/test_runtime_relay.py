@@ -195,3 +195,4 @@ def test_relay_half_precision_and_fp16_skips_equal_default(precision):
     assert relay[4].skipped_steps == default[4].skipped_steps
     if precision == "fp16":
         assert relay[4].skipped_steps >= 1
+

@@ -3,17 +3,19 @@ run *layer-major*, so each streamed block crosses the link once per pass however
 
 Forward: block 0 runs over every micro-batch while it is loaded, then block 1, ... The model's
 forward is the user's code, so it cannot be re-ordered from outside; instead each micro-batch's
-forward runs in a thread of its own, and a *baton* lets exactly one of them run at a time: a
-thread hands the baton on (round-robin) each time it reaches a streamed block, and gets it back
-once every other micro-batch has reached that block too. Everything between blocks (head, tail,
+forward runs in a thread of its own (the first on the calling thread), and a *baton* lets exactly
+one of them run at a time: a thread hands the baton on (round-robin) each time it reaches a
+streamed block, and gets it back once every other micro-batch has reached that block too. Everything between blocks (head, tail,
 resident blocks, the user's own code) therefore runs for one micro-batch at a time, in a fixed
 order, and the engine sees the block uses ``fwd 0 x m, fwd 1 x m, ...`` that its relay plan
 (``schedule.build_plan(..., micro_batches=m)``) expects.
 
 Backward is driven explicitly, block by block. NOTE: autograd alone would not run it layer-major:
 it orders ready nodes by sequence number, which is *thread-local*, so nodes made by the m threads
-tie and the backward of ``sum(losses)`` ran micro-batch after micro-batch (checked; see
-``tests/test_runtime_relay.py``). So the graph is cut at every streamed block's outputs: the model
+tie or compare by how much each thread did before: checked by hand with torch 2.13, the backward
+of ``sum(losses)`` of m fresh threads ran micro-batch after micro-batch, and with the first
+micro-batch on the calling thread it ran layer-major: an order that depends on thread history is
+not one to rely on. So the graph is cut at every streamed block's outputs: the model
 continues from detached leaves, and the backward runs in stages, the tail (``loss_j / m``, for
 each j) first, then, from the last block to the first, for each micro-batch the block's real
 outputs with the gradients its leaves collected. Each stage stops at the leaves of the block
@@ -151,10 +153,11 @@ class Relay:
         def run(j: int) -> None:
             self._local.index = j
             try:
-                torch.set_grad_enabled(grad_enabled)
-                if stream is not None:
-                    torch.cuda.set_device(device)
-                    torch.cuda.set_stream(stream)
+                if j > 0:  # a new thread: the caller's grad mode, device and stream
+                    torch.set_grad_enabled(grad_enabled)
+                    if stream is not None:
+                        torch.cuda.set_device(device)
+                        torch.cuda.set_stream(stream)
                 self._wait(j)
                 loss = loss_fn(micro_batches[j])
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -171,11 +174,14 @@ class Relay:
                     self._finished[j] = True
                     if self._holder == j:
                         self._hand_on(j)
+                self._local.index = None
 
+        # NOTE: micro-batch 0 runs on the calling thread (with m = 1 no thread and no hand-off at all)
         threads = [threading.Thread(target=run, args=(j,), name=f"pystronghold-relay-{j}", daemon=True)
-                   for j in range(m)]
+                   for j in range(1, m)]
         for t in threads:
             t.start()
+        run(0)
         for t in threads:
             t.join()
         first = next((e for e in errors if e is not None and not isinstance(e, RelayAborted)), None)
