@@ -201,7 +201,9 @@ class Relay:
         leaves = {id(leaf) for c in self.cuts[j] if c is not None for leaf in c[2]}
         for t in saved:
             storage = t.untyped_storage()
-            key = storage.data_ptr()
+            # NOTE: by StorageImpl, not data_ptr: a staged storage's freed memory may be reused by
+            # the next allocation (its StorageImpl lives on: the saved tensors hold it)
+            key = storage._cdata
             if key in self._seen or storage.nbytes() == 0:
                 continue
             self._seen.add(key)
