@@ -196,3 +196,39 @@ def test_relay_half_precision_and_fp16_skips_equal_default(precision):
     if precision == "fp16":
         assert relay[4].skipped_steps >= 1
 
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_relay_on_hugging_face_models_equals_default(kind):
+    """Models we did not write: blocks called with masks and rotary embeddings made before them,
+    tuple outputs (GPT-2 with its default dropout off: the relay draws masks in another order)."""
+    pytest.importorskip("transformers")
+    from test_runtime_hf import MODELS, token_batches
+
+    model = MODELS[kind]()
+    if kind == "gpt2":
+        model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+    m = 2
+    batches = token_batches(STEPS * m)
+    runs = {}
+    for schedule in ("default", "relay"):
+        engine = ph.wrap(copy.deepcopy(model), optimizer=ph.AdamW(**HYPER, bitwise_torch=True), window=2,
+                         accumulation_steps=m, schedule=schedule, clip_grad_norm=1.0, strict=True)
+        try:
+            losses = []
+            for s in range(STEPS):
+                losses.append(engine.accumulate(batches[s * m:(s + 1) * m],
+                                                lambda x: engine(input_ids=x, labels=x).loss))
+                engine.step()
+                engine.zero_grad()
+            runs[schedule] = (torch.stack(losses), {k: v.clone() for k, v in engine.master_parameters().items()})
+        finally:
+            engine.close()
+    # NOTE: GPT-2's tied embedding gets its LM-head gradients in the tail stage and its embedding
+    # gradients in block 0's stage, summed in another order than one backward per micro-batch: the
+    # clipping norm differs in the last bits, and Adam turns that into up to 6e-7 (measured) on the
+    # attention key bias, whose true gradient is zero (rounding noise); 1e-8 elsewhere.
+    assert_same(runs["relay"], runs["default"], atol=1e-6)
