@@ -54,10 +54,11 @@ class RelayAborted(RuntimeError):
 class _Staged:
     """One storage of a saved block input staged to host memory (its device bytes freed)."""
 
-    __slots__ = ("storage", "host", "handle", "freed")
+    __slots__ = ("storage", "host", "handle", "freed", "back")
 
     def __init__(self, storage, host: torch.Tensor, handle) -> None:
         self.storage, self.host, self.handle, self.freed = storage, host, handle, False
+        self.back = None  # the copy bringing it back, once issued
 
 
 def _bytes_of(storage, device: torch.device) -> torch.Tensor:
@@ -69,10 +70,14 @@ class Relay:
     """One relay pass in progress: the baton of the micro-batch threads, the cut block outputs and
     the block inputs staged to host memory."""
 
-    def __init__(self, micro_batches: int, backend=None, device_budget_bytes: int | None = None) -> None:
+    def __init__(self, micro_batches: int, backend=None, device_budget_bytes: int | None = None,
+                 strict: bool = False) -> None:
         """``device_budget_bytes``: device bytes the saved block inputs of the pass may hold; those
-        beyond are staged through host memory (``backend``'s copies). None: all stay on the device."""
+        beyond are staged through host memory (``backend``'s copies). None: all stay on the device.
+        ``strict``: a restored storage is filled with NaN bytes before its copy back, so a missing
+        copy or wait shows up as wrong numbers."""
         self.micro_batches = micro_batches
+        self._strict = strict
         self._backend = backend
         self._budget = device_budget_bytes
         self.device_bytes = 0  # saved block inputs kept on the device
@@ -230,12 +235,23 @@ class Relay:
                         st.storage.resize_(0)
                         st.freed = True
 
-    def _restore(self, j: int, call: int) -> None:
-        """Bring back the staged inputs of micro-batch j's block call ``call`` (before its backward)."""
+    def _issue_restores(self, call: int) -> None:
+        """Start bringing back the staged inputs of block call ``call`` of every micro-batch."""
+        for per_call in self._staged:
+            for st in per_call.get(call, []):
+                if st.back is None:
+                    st.storage.resize_(st.host.numel())
+                    if self._strict:
+                        _bytes_of(st.storage, self._backend.device).fill_(255)  # NaN in every float type
+                    # NOTE: after the compute issued so far: on CUDA the re-allocated memory may
+                    # still be read by kernels queued on the compute stream
+                    st.back = self._backend.h2d(_bytes_of(st.storage, self._backend.device), st.host,
+                                                after=[self._backend.compute_marker()])
+
+    def _restored(self, j: int, call: int) -> None:
+        """Compute waits for micro-batch j's staged inputs of block call ``call``."""
         for st in self._staged[j].pop(call, []):
-            st.storage.resize_(st.host.numel())
-            handle = self._backend.h2d(_bytes_of(st.storage, self._backend.device), st.host)
-            self._backend.compute_wait(handle)
+            self._backend.compute_wait(st.back)
 
     # ---- backward
 
@@ -253,10 +269,14 @@ class Relay:
             torch.autograd.backward(scale_loss(loss / m if mean and m > 1 else loss), retain_graph=True)
             losses[j] = None
         for pos in reversed(range(calls.pop())):
+            # staged inputs of this stage, and of the next one while this one computes
+            self._issue_restores(pos)
+            if pos > 0:
+                self._issue_restores(pos - 1)
             for j in range(m):
                 block, reals, leaves = self.cuts[j][pos]
                 self.cuts[j][pos] = None  # the stage's graph goes once the backward has run
-                self._restore(j, pos)
+                self._restored(j, pos)
                 pairs = [(r, leaf.grad) for r, leaf in zip(reals, leaves) if leaf.grad is not None]
                 if not pairs:
                     raise RuntimeError(f"relay: block {block}'s outputs got no gradient in micro-batch {j}: "
@@ -267,7 +287,8 @@ class Relay:
 def run_relay(engine, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
               mean: bool) -> torch.Tensor:
     """One relay pass of ``engine`` over ``micro_batches``; returns the detached losses, shape (m,)."""
-    relay = Relay(len(micro_batches), engine.backend, engine.config.relay_activation_bytes)
+    relay = Relay(len(micro_batches), engine.backend, engine.config.relay_activation_bytes,
+                  strict=engine.config.strict)
     engine.relay = relay
     try:
         losses = relay.forward(micro_batches, loss_fn, engine.device)
