@@ -145,8 +145,8 @@ class BlockFunction(torch.autograd.Function):
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
                 saved = [x for x in flat if isinstance(x, torch.Tensor)]
                 ctx.save_for_backward(*saved)
-                if engine.relay is not None:  # relay hook: the m inputs of a block may go to host memory
-                    engine.relay.keep_or_stage(saved)
+                if engine.executor.relay is not None:  # the relay: the m inputs of a block may go to the host
+                    engine.executor.relay.keep_or_stage(saved)
         if keep:
             tensors = [t.detach() for t in tensors]
         return tuple(tensors)
@@ -216,11 +216,11 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
         originals.append(original)
 
         def windowed_forward(*args, _index=index, **kwargs):
-            if engine.layer_drop.enabled and engine.layer_dropped(_index, torch.is_grad_enabled()):
-                return _skipped(_index, args)  # layer-drop hook: not loaded, not updated this step
+            if engine.executor.layer_dropped(_index, torch.is_grad_enabled()):
+                return _skipped(_index, args)  # layer drop: not loaded, not updated this step
             flat, spec = pytree.tree_flatten((args, kwargs))
             box: dict = {}
-            relay = engine.relay if torch.is_grad_enabled() else None  # relay hook (runtime/relay.py)
+            relay = engine.executor.relay if torch.is_grad_enabled() else None  # runtime/relay.py
             if relay is not None:
                 relay.arrive()  # every micro-batch reaches this block before it runs for this one
             outs = BlockFunction.apply(engine, _index, torch.is_grad_enabled(), spec, box,
@@ -229,7 +229,7 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
                 outs = relay.cut(_index, outs)  # the backward of this block is driven by the relay
             outs = iter(outs)
             leaves = [next(outs) if t else x for x, t in zip(box["leaves"], box["is_tensor"])]
-            if engine.layer_drop.enabled:
+            if engine.executor.layer_drop.enabled:
                 _check_droppable(_index, args, leaves)
             return pytree.tree_unflatten(leaves, box["spec"])
 

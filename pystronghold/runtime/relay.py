@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["Relay", "RelayAborted", "run_relay"]
+__all__ = ["Relay", "RelayAborted", "accumulate"]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Relay:
         self.device_bytes = 0  # saved block inputs kept on the device
         self.staged_bytes = 0  # ... and staged to host memory
         self._staged: list[dict[int, list[_Staged]]] = [{} for _ in range(micro_batches)]  # j -> call -> stages
-        self._seen: set[int] = set()  # storages already counted
+        self._seen: dict[int, object] = {}  # data_ptr -> the storage counted there
         self._cond = threading.Condition()
         self._holder = 0
         self._finished = [False] * micro_batches
@@ -206,13 +206,11 @@ class Relay:
         leaves = {id(leaf) for c in self.cuts[j] if c is not None for leaf in c[2]}
         for t in saved:
             storage = t.untyped_storage()
-            # NOTE: by StorageImpl, not data_ptr: a staged storage's freed memory may be reused by
-            # the next allocation (its StorageImpl lives on: the saved tensors hold it)
-            key = storage._cdata
-            if key in self._seen or storage.nbytes() == 0:
+            ptr = storage.data_ptr()
+            if storage.nbytes() == 0 or self._still_there(ptr):
                 continue
-            self._seen.add(key)
-            root = t._base if t._is_view() else t  # a view's storage belongs to its base
+            self._seen[ptr] = storage
+            root = t._base if t._base is not None else t  # a view's storage belongs to its base
             own = id(t) in leaves or root.grad_fn is not None
             nbytes = storage.nbytes()
             if not own or self._budget is None or self.device_bytes + nbytes <= self._budget:
@@ -224,6 +222,13 @@ class Relay:
             self._staged[j].setdefault(call, []).append(_Staged(storage, host, handle))
             self.staged_bytes += nbytes
         self._free_copied(wait=False)
+
+    def _still_there(self, ptr: int) -> bool:
+        """Whether the storage counted at address ``ptr`` still holds it. NOTE: a staged storage's
+        freed memory may be reused by the next allocation (its storage object lives on, 0 bytes,
+        held by the saved tensors), so an address alone does not name a storage."""
+        seen = self._seen.get(ptr)
+        return seen is not None and seen.nbytes() > 0 and seen.data_ptr() == ptr
 
     def _free_copied(self, wait: bool) -> None:
         """Free the device storage of staged inputs whose copy-out finished (all of them: ``wait``)."""
@@ -284,19 +289,41 @@ class Relay:
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs], retain_graph=True)
 
 
-def run_relay(engine, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
-              mean: bool) -> torch.Tensor:
-    """One relay pass of ``engine`` over ``micro_batches``; returns the detached losses, shape (m,)."""
-    relay = Relay(len(micro_batches), engine.backend, engine.config.relay_activation_bytes,
-                  strict=engine.config.strict)
-    engine.relay = relay
+def accumulate(engine, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
+               mean: bool = True) -> torch.Tensor:
+    """``engine.accumulate``: forward and backward of every micro-batch, layer-major with the relay
+    schedule (one relay pass), else one after the other; returns the detached losses, shape (m,)."""
+    executor, config = engine.executor, engine.config
+    m = len(micro_batches)
+    if m < 1:
+        raise ValueError("accumulate: micro_batches is empty")
+    if engine.micro_batches + m > config.accumulation_steps:
+        raise ValueError(f"accumulate: {m} micro-batches after {engine.micro_batches} backward passes exceed "
+                         f"accumulation_steps={config.accumulation_steps}")
+    if config.schedule_mode != "relay" or not engine.n_streamed:
+        losses = []
+        for item in micro_batches:
+            loss = loss_fn(item)
+            engine.backward(loss / m if mean and m > 1 else loss)
+            losses.append(loss.detach().reshape(()))
+        return torch.stack(losses)
+    if executor.in_pass():
+        raise RuntimeError("accumulate: a forward/backward pass is already in progress")
+    relay = Relay(m, engine.backend, config.relay_activation_bytes, strict=config.strict)
+    executor.relay = relay
     try:
         losses = relay.forward(micro_batches, loss_fn, engine.device)
         values = torch.stack([loss.detach().reshape(()) for loss in losses])
         relay.backward(losses, engine.scale_loss, mean)
-        engine.relay_activations = dict(device_bytes=relay.device_bytes, staged_bytes=relay.staged_bytes)
-        log.debug("relay pass: saved block inputs %d bytes on the device, %d staged to host memory",
-                  relay.device_bytes, relay.staged_bytes)
+    except BaseException:
+        executor.abandon_pass()
+        raise
     finally:
-        engine.relay = None
+        executor.relay = None
+    if executor.in_pass():
+        executor.abandon_pass()
+        raise RuntimeError("accumulate: the relay backward did not reach the first block")
+    executor.relay_activations = dict(device_bytes=relay.device_bytes, staged_bytes=relay.staged_bytes)
+    log.debug("relay pass: saved block inputs %d bytes on the device, %d staged to host memory",
+              relay.device_bytes, relay.staged_bytes)
     return values
