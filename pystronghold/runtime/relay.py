@@ -29,13 +29,15 @@ a block output used by several later stages collects its gradient in stage order
 differently (tests allow 1e-6 relative). Dropout masks differ: the micro-batches draw from torch's
 generator in another order.
 
-Limits: the user's forward is run in other threads, with the caller's grad mode (and CUDA device
-and current stream); other thread-local torch state (autocast) is not carried. A block output
-modified in place by the model is refused by autograd (the leaf).
+Limits: the user's forward is run in other threads, with the caller's grad mode, autocast (a
+``torch.autocast`` around ``engine.accumulate``: its state is thread-local) and CUDA device and
+current stream; other thread-local state (a user's own ``threading.local``, torch function modes)
+is not carried. A block output modified in place by the model is refused by autograd (the leaf).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any, Callable, Sequence
@@ -59,6 +61,15 @@ class _Staged:
     def __init__(self, storage, host: torch.Tensor, handle) -> None:
         self.storage, self.host, self.handle, self.freed = storage, host, handle, False
         self.back = None  # the copy bringing it back, once issued
+
+
+def caller_autocast(device: torch.device) -> list[dict]:
+    """The calling thread's autocast state on the CPU and on ``device``'s type, as the arguments of
+    the ``torch.autocast`` contexts that reproduce it (autocast is thread-local: a micro-batch
+    thread enters a context of its own for each, to compute as the caller would)."""
+    cache = torch.is_autocast_cache_enabled()
+    return [dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), cache_enabled=cache)
+            for kind in dict.fromkeys(("cpu", device.type)) if torch.is_autocast_enabled(kind)]
 
 
 def _bytes_of(storage, device: torch.device) -> torch.Tensor:
@@ -154,17 +165,21 @@ class Relay:
         errors: list[BaseException | None] = [None] * m
         grad_enabled = torch.is_grad_enabled()
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        autocast = caller_autocast(device)
 
         def run(j: int) -> None:
             self._local.index = j
             try:
-                if j > 0:  # a new thread: the caller's grad mode, device and stream
-                    torch.set_grad_enabled(grad_enabled)
-                    if stream is not None:
-                        torch.cuda.set_device(device)
-                        torch.cuda.set_stream(stream)
-                self._wait(j)
-                loss = loss_fn(micro_batches[j])
+                with contextlib.ExitStack() as thread_state:
+                    if j > 0:  # a new thread: the caller's grad mode, autocast, device and stream
+                        torch.set_grad_enabled(grad_enabled)
+                        for kwargs in autocast:
+                            thread_state.enter_context(torch.autocast(**kwargs))
+                        if stream is not None:
+                            torch.cuda.set_device(device)
+                            torch.cuda.set_stream(stream)
+                    self._wait(j)
+                    loss = loss_fn(micro_batches[j])
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise TypeError(f"accumulate: loss_fn must return a one-element tensor, got "
                                     f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")

@@ -232,3 +232,34 @@ def test_relay_on_hugging_face_models_equals_default(kind):
     # clipping norm differs in the last bits, and Adam turns that into up to 6e-7 (measured) on the
     # attention key bias, whose true gradient is zero (rounding noise); 1e-8 elsewhere.
     assert_same(runs["relay"], runs["default"], atol=1e-6)
+
+
+def _train_under_autocast(model, batches, m, schedule):
+    """``train``'s loop with ``torch.autocast("cpu", bfloat16)`` around every engine.accumulate."""
+    engine = ph.wrap(model, blocks=model.blocks, optimizer=ph.AdamW(**HYPER, bitwise_torch=True),
+                     accumulation_steps=m, schedule=schedule)
+    try:
+        losses = []
+        for s in range(STEPS):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses.append(engine.accumulate(batches[s * m:(s + 1) * m], lambda b: engine(*b)))
+            engine.step()
+            engine.zero_grad()
+        params = {k: v.clone() for k, v in engine.master_parameters().items()}
+    finally:
+        engine.close()
+    return torch.stack(losses), params
+
+
+def test_relay_carries_the_callers_autocast_into_every_micro_batch():
+    """Autocast is thread-local: micro-batches 1..m-1 run in threads of their own and must compute in
+    bf16 as micro-batch 0 (the caller's thread) and the default schedule do."""
+    # NOTE: HetStack, each block output used once: a bf16 output read by several later stages (SkipStack)
+    # sums its gradient in another order under the relay, and bf16 rounds that visibly
+    m, model, batches = 3, HetStack(), het_batches(STEPS * 3)
+    default = _train_under_autocast(copy.deepcopy(model), batches, m, "default")
+    relay = _train_under_autocast(copy.deepcopy(model), batches, m, "relay")
+    fp32 = train(model, batches, m, schedule="default")
+    # autocast really changes the numbers (else this test could not see it missing)
+    assert not torch.allclose(default[0], fp32[0], rtol=1e-4, atol=0)
+    assert_same(relay, default)
