@@ -20,14 +20,12 @@ passes without host updates, the passes after the first also uploading each bloc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from pystronghold.planner.cost import block_layout_numel
 from pystronghold.planner.timeline import simulate_step
 
-__all__ = ["ScheduleEstimate", "schedule_estimates", "choose_schedule"]
-
-SCHEDULES = ("default", "relay")
+__all__ = ["ScheduleEstimate", "schedule_estimates", "choose_schedule", "schedule_report"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +96,21 @@ def choose_schedule(plan, micro_batches: int) -> tuple[str, dict[str, ScheduleEs
     if micro_batches == 1:
         return "default", estimates
     return ("relay" if estimates["relay"].step_s < estimates["default"].step_s else "default"), estimates
+
+
+def schedule_report(plan, micro_batches: int, schedule: str) -> tuple[dict, str]:
+    """What ``pystronghold plan`` says about the accumulation schedule of a fitting ``plan``: the
+    schedule ``schedule`` names ("auto": ``choose_schedule``'s pick), both estimates; as a dict for
+    ``--json`` and as text lines."""
+    chosen, estimates = choose_schedule(plan, micro_batches)
+    if schedule != "auto":
+        chosen = schedule
+    record = dict(requested=schedule, chosen=chosen, micro_batches=micro_batches,
+                  estimates={name: asdict(e) for name, e in estimates.items()})
+    lines = [f"schedule ({micro_batches} micro-batches per step): {chosen}"
+             + (" (--schedule auto: the faster predicted)" if schedule == "auto" else "")]
+    for name, e in estimates.items():
+        lines.append(f"  {name:<8} step {e.step_s:.3f} s, link H2D {e.h2d_bytes / 2**30:.2f} GiB, "
+                     f"D2H {e.d2h_bytes / 2**30:.2f} GiB per step, saved block inputs "
+                     f"{e.saved_input_bytes / 2**30:.2f} GiB on the {e.activations}")
+    return record, "\n".join(lines)

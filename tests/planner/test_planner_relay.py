@@ -66,3 +66,25 @@ def test_choose_schedule():
     assert choose_schedule(plan, 8)[0] == "relay"
     with pytest.raises(ValueError, match="micro_batches"):
         schedule_estimates(plan, 0)
+
+
+def test_cli_plan_reports_the_schedule_choice(capsys):
+    """`pystronghold plan --accumulation m` says which schedule --schedule auto picks (choose_schedule)
+    and what each moves; an explicit --schedule is reported as given."""
+    import json
+
+    from pystronghold.cli import main
+
+    args = ["plan", "--gpu", "rtx4090", "--host-memory", "512", "--model", "gpt3-1.3b", "--batch", "1", "--json"]
+    assert main([*args, "--accumulation", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)["schedule"]
+    plan = make_plan(PRESETS["gpt3-1.3b"], Workload(batch=1, precision="bf16"), hw(host_gib=512))
+    chosen, estimates = choose_schedule(plan, 8)
+    assert (out["requested"], out["chosen"], out["micro_batches"]) == ("auto", chosen, 8) and chosen == "relay"
+    assert out["estimates"]["relay"]["h2d_bytes"] == estimates["relay"].h2d_bytes
+    assert main([*args, "--accumulation", "8", "--schedule", "default"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"]["chosen"] == "default"
+    assert main(args) == 0  # one micro-batch: the two schedules are the same step
+    assert json.loads(capsys.readouterr().out)["schedule"]["chosen"] == "default"
+    assert main(args[:-1] + ["--accumulation", "8"]) == 0
+    assert "schedule (8 micro-batches per step): relay" in capsys.readouterr().out
