@@ -209,6 +209,8 @@ class Engine:
     # read by state_dict.py, checkpoints and tests, set when a checkpoint is loaded
     steps = _stepper_counter("steps", "Optimizer steps taken (skipped fp16 steps not counted).")
     skipped_steps = _stepper_counter("skipped_steps", "fp16 steps skipped for an overflow.")
+    block_steps = _stepper_counter("block_steps", "AdamW steps of each streamed block (layer drop: fewer "
+                                   "for a block skipped in some steps); set after ``steps``.")
 
     @property
     def grad_norm(self) -> float | None:

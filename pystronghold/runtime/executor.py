@@ -286,7 +286,7 @@ class PassExecutor:
         self._copies.append(("d2h", block, handle))
         self._grad_valid[block] = True
         if streamed:
-            self.updates.submit_update(block, handle, hyper=self.stepper.hyper(self.stepper.next_step),
+            self.updates.submit_update(block, handle, hyper=self.stepper.block_hyper(block),
                                        lease=lease)
             if block > 0:
                 self.store.prefetch(block - 1, self.updates.update_states)

@@ -4,10 +4,9 @@ Depth on Demand with Structured Dropout"; L2L varied the layers run per iteratio
 At the first training forward of a step, each streamed block is skipped with probability p, drawn
 from the engine's own seeded generator (one draw per step, so a run is reproducible and does not
 disturb torch's global RNG). A skipped block is the identity for every micro-batch of the step:
-its first argument is passed on. It is neither loaded nor updated (its weights and AdamW moments
-are untouched; NOTE: its bias correction keeps using the engine's one step count, which counts every
-step, where ``torch.optim.AdamW`` would count only the steps a parameter had a gradient: the
-engine, its state dicts and checkpoints keep one step count for every block). The step's plan is
+its first argument is passed on. It is neither loaded nor updated: its weights, AdamW moments and
+step count are untouched, as ``torch.optim.AdamW`` leaves a parameter whose ``.grad`` is None
+(``OptimizerStep.block_steps``: each block's own count for its bias correction). The step's plan is
 rebuilt over the blocks that run (``schedule.build_plan(blocks=...)``), cached per set.
 At evaluation (no grad, or ``engine.eval()``) every block runs, without rescaling (LayerDrop's rule).
 """

@@ -76,3 +76,24 @@ def test_schedule_options_on_the_train_command_line():
         ["train", "--schedule", "relay", "--relay-activations", "1MiB", "--layer-drop", "0.25", "--accumulation", "4"]))
     assert (config.runtime.schedule, config.runtime.relay_activation_bytes, config.runtime.layer_drop) \
         == ("relay", 2**20, 0.25)
+
+
+def test_layer_drop_checkpoint_keeps_each_blocks_step_count(tmp_path):
+    """--layer-drop: a block skipped in some steps has taken fewer AdamW steps; a checkpoint keeps each
+    block's count and --resume restores it."""
+    def config(resume):
+        c = tiny_config(tmp_path, steps=4, ckpt=str(tmp_path / "ck"), every=4, resume=resume)
+        return dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, layer_drop=0.5, layer_drop_seed=3))
+
+    trainer = Trainer(config(False))
+    try:
+        trainer.train()
+        counts = list(trainer.engine.block_steps)
+    finally:
+        trainer.close()
+    assert len(set(counts)) > 1 and max(counts) <= 4
+    resumed = Trainer(config(True))
+    try:
+        assert resumed.engine.steps == 4 and list(resumed.engine.block_steps) == counts
+    finally:
+        resumed.close()
