@@ -17,6 +17,14 @@ equal plain PyTorch's before any time is reported.
 
     .venv/bin/python bench/window.py                 # 12 blocks, hidden 512, seq 256
     .venv/bin/python bench/window.py --quick --json bench/results/window.json
+
+With ``--accumulation 1,4,16`` it compares instead the two accumulation schedules (runtime/relay.py)
+for each m: ``default`` (micro-batch-major, the baseline) and ``--schedule relay`` (layer-major),
+the same W, taking turns step by step; per step: time, H2D bytes, D2H bytes and, with ``--nvme DIR``
+(every state on disk), the file tier's read and written bytes. Correctness first: both schedules'
+losses must agree (1e-6 relative) before anything is reported.
+
+    .venv/bin/python bench/window.py --quick --accumulation 1,4,16 --schedule relay --window 2
 """
 
 from __future__ import annotations
@@ -89,13 +97,105 @@ class Windowed:
         self.engine.close()
 
 
+# ---- accumulation schedules (--accumulation)
+
+
+class Accumulating(Windowed):
+    """One step = ``m`` micro-batches through ``engine.accumulate`` under ``schedule``."""
+
+    def __init__(self, model, window, m: int, schedule: str, **options) -> None:
+        super().__init__(model, window, accumulation_steps=m, schedule=schedule, **options)
+        self.m = m
+
+    def step(self, batches) -> list[float]:
+        losses = self.engine.accumulate(batches, lambda b: self.engine(*b))
+        self.engine.step()
+        self.engine.zero_grad()
+        return losses.tolist()
+
+    def moved(self) -> dict:
+        """Bytes moved since the trace was cleared (link) and since wrap (disk)."""
+        self.engine.synchronize()
+        link = self.engine.trace.summary().bytes
+        disk = self.engine.stats()["disk"] or {}
+        return {"h2d": link.get("h2d", 0), "d2h": link.get("d2h", 0),
+                "disk_read": disk.get("read_bytes", 0), "disk_write": disk.get("write_bytes", 0)}
+
+
+def schedules_main(args, base, cfg) -> int:
+    """Relay versus default accumulation for each m of ``args.accumulation``."""
+    options = {} if args.nvme is None else {"nvme_dir": args.nvme, "nvme_states": "all"}
+    window = args.window if args.window == "all" else int(args.window)
+    schedules = ["default"] + ([] if args.schedule == "default" else [args.schedule])
+    rows = []
+    watch = LoadWatch()
+    for m in args.accumulation:
+        g = torch.Generator().manual_seed(m)
+        batches = [[(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
+                     torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)) for _ in range(m)]
+                   for _ in range(args.warmup + args.steps)]
+        trainers = {s: Accumulating(copy.deepcopy(base), window, m, s, **options) for s in schedules}
+        losses = {s: [] for s in schedules}
+        times = {s: [] for s in schedules}
+        start = {}
+        for k, step_batches in enumerate(batches):
+            for s, trainer in trainers.items():  # NOTE: turns step by step, as main() does
+                if k == args.warmup:
+                    trainer.engine.synchronize()
+                    trainer.engine.trace.clear()
+                    start[s] = trainer.moved()
+                t0 = time.perf_counter()
+                losses[s] += trainer.step(step_batches)
+                times[s].append(time.perf_counter() - t0)
+        moved = {}
+        for s, trainer in trainers.items():
+            end = trainer.moved()
+            moved[s] = {key: (end[key] - (start[s][key] if key.startswith("disk") else 0)) / args.steps
+                        for key in end}
+            trainer.close()
+        for s in schedules:  # correctness before timing
+            torch.testing.assert_close(torch.tensor(losses[s]), torch.tensor(losses["default"]), rtol=1e-6,
+                                       atol=0, msg=f"m={m} {s}: losses differ from the default schedule")
+        for s in schedules:
+            t = Timing.of(times[s][args.warmup:])
+            ratio = paired_ratio(times["default"][args.warmup:], times[s][args.warmup:])
+            rows.append({"m": m, "schedule": s, "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s,
+                         "p80_ms": 1e3 * t.p80_s, "speedup_vs_default": ratio.median,
+                         "speedup (p20-p80)": ratio.label(),
+                         "h2d_MB/step": moved[s]["h2d"] / 1e6, "d2h_MB/step": moved[s]["d2h"] / 1e6,
+                         "disk_read_MB/step": moved[s]["disk_read"] / 1e6,
+                         "disk_write_MB/step": moved[s]["disk_write"] / 1e6})
+    load = watch.stop().fields()
+    for row in rows:
+        row.update(load)
+    title = (f"GPT {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, micro-batch {args.batch}, "
+             f"W={args.window}, fp32, {args.steps} timed steps after {args.warmup} warm-up (CPU backend"
+             f"{', every state on NVMe' if args.nvme else ''})")
+    print_table(rows, [c for c in rows[0] if c not in ("load_start", "load_end", "loaded")], title)
+    write_json(args.json, "window_schedules", rows, {"args": vars(args)})
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_gpt_arguments(parser, layers=12, hidden=512, seq=256, steps=MIN_PAIRS, warmup=2)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 256, seq 128")
     parser.add_argument("--json", default=None, help="write the records here")
+    parser.add_argument("--accumulation", default=None,
+                        help="comma-separated micro-batch counts m: compare the accumulation schedules")
+    parser.add_argument("--schedule", default="relay", choices=("relay", "default"),
+                        help="with --accumulation: the schedule measured against the default one")
+    parser.add_argument("--window", default="2", help="with --accumulation: W (a number or all)")
+    parser.add_argument("--nvme", default=None, help="with --accumulation: every state in the file tier here")
     args = parser.parse_args(argv)
+    if args.accumulation is not None:
+        try:
+            args.accumulation = [int(m) for m in args.accumulation.split(",")]
+        except ValueError:
+            parser.error(f"--accumulation must be comma-separated integers, got {args.accumulation!r}")
+        if min(args.accumulation) < 1:
+            parser.error(f"--accumulation: every m must be >= 1, got {args.accumulation}")
     if args.quick:
         args.layers, args.hidden, args.seq = 6, 256, 128
     if args.steps < MIN_PAIRS:
@@ -106,6 +206,8 @@ def main(argv=None) -> int:
     cfg = GPTConfig(vocab_size=8192, seq_len=args.seq, layers=args.layers, hidden=args.hidden,
                     heads=max(1, args.hidden // 64))
     base = GPT(cfg)
+    if args.accumulation is not None:
+        return schedules_main(args, base, cfg)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
                 torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g))

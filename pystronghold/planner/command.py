@@ -3,7 +3,7 @@
 Every field of ``PlanRequest`` becomes one option (``gpu_memory`` -> ``--gpu-memory``;
 ``pystronghold.options``): its type comes from the annotation, its help from the docstring under
 the field, choices from the field's metadata. The runtime settings the plan assumes (--window,
---precision, --checkpointing) are ``RuntimeConfig``'s fields, declared and validated there. Sizes
+--precision, --checkpointing, --accumulation, --schedule) are ``RuntimeConfig``'s fields, declared and validated there. Sizes
 are in GiB (2**30 bytes) and bandwidths in GB/s (1e9 bytes/s), as people say them.
 """
 
@@ -31,9 +31,9 @@ EXAMPLES = """examples:
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
-PLAN_RUNTIME_DEFAULTS = {"window": "auto", "precision": "bf16"}
-"""Where ``pystronghold plan``'s runtime defaults differ from ``RuntimeConfig``'s: it picks W and
-plans in bf16 unless told otherwise."""
+PLAN_RUNTIME_DEFAULTS = {"window": "auto", "precision": "bf16", "schedule": "auto"}
+"""Where ``pystronghold plan``'s runtime defaults differ from ``RuntimeConfig``'s: it picks W and the
+accumulation schedule, and plans in bf16, unless told otherwise."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,7 +85,8 @@ class PlanRequest:
     json: bool = False
     """Print one JSON object (bytes, seconds) instead of tables."""
     runtime: RuntimeConfig = component(lambda: RuntimeConfig(**PLAN_RUNTIME_DEFAULTS),
-                                       only=("window", "precision", "checkpointing"))
+                                       only=("window", "precision", "checkpointing", "accumulation_steps",
+                                             "schedule"))
     """The runtime settings the plan assumes"""
 
     def __post_init__(self) -> None:
@@ -169,6 +170,7 @@ class PlanRequest:
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``pystronghold plan``: 0 when the model fits, 1 when it does not, 2 on bad input."""
     from pystronghold.planner.plan import largest_models, make_plan
+    from pystronghold.planner.relay import schedule_report
     from pystronghold.planner.report import format_plan, plan_to_dict
 
     try:
@@ -179,7 +181,12 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pystronghold plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_to_dict(plan), indent=2) if request.json else format_plan(plan))
+    record, text = plan_to_dict(plan), format_plan(plan)
+    if plan.fits:  # the accumulation schedule (planner/relay.py) of the plan's step
+        record["schedule"], lines = schedule_report(plan, request.runtime.accumulation_steps,
+                                                    request.runtime.schedule)
+        text += "\n" + lines
+    print(json.dumps(record, indent=2) if request.json else text)
     return 0 if plan.fits else 1
 
 

@@ -20,7 +20,7 @@ from pystronghold.runtime.precision import DTYPES, compute_dtype
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
            "block_forward_flops", "block_activation_bytes", "tail_activation_bytes",
            "host_bytes_per_param", "ring_allreduce_s", "block_costs", "PRECISION_BYTES",
-           "OVERLAP_MODES", "analytic_window", "block_param_numels", "slot_bytes"]
+           "OVERLAP_MODES", "analytic_window", "block_param_numels", "block_layout_numel", "slot_bytes"]
 
 PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 """Bytes per element of each compute precision."""
@@ -105,12 +105,17 @@ def block_param_numels(config: GPTConfig) -> list[int]:
             + layer(C * Fw // t, Fw // t) + layer(Fw * C // t, C))
 
 
+def block_layout_numel(config: GPTConfig) -> int:
+    """Elements of one block's flat buffer as the runtime lays it out (``runtime.layout.param_offsets``):
+    what one load or one gradient copy-out moves."""
+    return layout.param_offsets(block_param_numels(config))[1]
+
+
 def slot_bytes(config: GPTConfig, precision: str) -> int:
     """Device bytes of one window slot as the runtime lays it out (``runtime.layout``): a parameter
     buffer and a gradient buffer in ``precision``, each the block's parameters at aligned offsets,
     rounded up to the arena alignment."""
-    _, numel = layout.param_offsets(block_param_numels(config))
-    return layout.slot_bytes(numel, compute_dtype(precision))
+    return layout.slot_bytes(block_layout_numel(config), compute_dtype(precision))
 
 
 def head_tail_params_per_rank(config: GPTConfig) -> int:

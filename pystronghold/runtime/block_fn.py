@@ -143,7 +143,10 @@ class BlockFunction(torch.autograd.Function):
                 ctx.rng, ctx.prints = rng, prints
                 ctx.checksums = output_checksums(tensors) if engine.config.strict else None
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
-                ctx.save_for_backward(*[x for x in flat if isinstance(x, torch.Tensor)])
+                saved = [x for x in flat if isinstance(x, torch.Tensor)]
+                ctx.save_for_backward(*saved)
+                if engine.executor.relay is not None:  # the relay: the m inputs of a block may go to the host
+                    engine.executor.relay.keep_or_stage(saved)
         if keep:
             tensors = [t.detach() for t in tensors]
         return tuple(tensors)
@@ -184,6 +187,24 @@ class BlockFunction(torch.autograd.Function):
         return (None, None, None, None, None, None, *flat_grads)
 
 
+def _skipped(block: int, args: tuple):
+    """A block skipped by layer drop is the identity on its first argument (the hidden states)."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise ValueError(f"layer_drop: block {block} must take its hidden states as first positional "
+                         "argument (a skipped block passes them on)")
+    return args[0]
+
+
+def _check_droppable(block: int, args: tuple, leaves: list) -> None:
+    """With layer drop, a block must map its first argument to one tensor of the same shape, or
+    skipping it (the identity) would hand the model something else."""
+    ok = (len(leaves) == 1 and isinstance(leaves[0], torch.Tensor) and args and isinstance(args[0], torch.Tensor)
+          and leaves[0].shape == args[0].shape)
+    if not ok:
+        raise ValueError(f"layer_drop: block {block} must return one tensor shaped like its first argument "
+                         "(the identity replaces it when it is skipped); use layer_drop=0 for this model")
+
+
 def install(engine, blocks: torch.nn.ModuleList) -> list:
     """Replace each block's ``forward`` with one that runs through BlockFunction.
 
@@ -195,12 +216,21 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
         originals.append(original)
 
         def windowed_forward(*args, _index=index, **kwargs):
+            if engine.executor.layer_dropped(_index, torch.is_grad_enabled()):
+                return _skipped(_index, args)  # layer drop: not loaded, not updated this step
             flat, spec = pytree.tree_flatten((args, kwargs))
             box: dict = {}
+            relay = engine.executor.relay if torch.is_grad_enabled() else None  # runtime/relay.py
+            if relay is not None:
+                relay.arrive()  # every micro-batch reaches this block before it runs for this one
             outs = BlockFunction.apply(engine, _index, torch.is_grad_enabled(), spec, box,
                                        engine.anchor, *flat)
+            if relay is not None:
+                outs = relay.cut(_index, outs)  # the backward of this block is driven by the relay
             outs = iter(outs)
             leaves = [next(outs) if t else x for x, t in zip(box["leaves"], box["is_tensor"])]
+            if engine.executor.layer_drop.enabled:
+                _check_droppable(_index, args, leaves)
             return pytree.tree_unflatten(leaves, box["spec"])
 
         module.forward = windowed_forward

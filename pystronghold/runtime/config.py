@@ -14,10 +14,11 @@ from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.precision import DTYPES
 
-__all__ = ["RuntimeConfig", "OVERLAP_MODES", "NVME_STATES"]
+__all__ = ["RuntimeConfig", "OVERLAP_MODES", "NVME_STATES", "SCHEDULES"]
 
 OVERLAP_MODES = ("auto", "backward", "forward", "none")
 NVME_STATES = ("auto", "all")
+SCHEDULES = ("default", "relay", "auto")
 
 
 def _window_from_text(text: str, flag: str) -> int | str:
@@ -76,6 +77,32 @@ class RuntimeConfig:
     """When host updates run: "backward" (block i as soon as its gradient is on the host),
     "forward" (after backward, block 0, 1, ... ahead of the next forward's loads), "none" (inside
     ``step()``), or "auto": backward unless clipping or fp16 needs the whole gradient first."""
+    schedule: str = option("default", choices=SCHEDULES, help=(
+        "How the --accumulation micro-batches run: 'default' (one after the other: every streamed block is "
+        "loaded once per micro-batch), 'relay' (layer-major, L2L's: each block runs every micro-batch while "
+        "it is loaded, so it crosses the link once per step; the same results) or 'auto' (relay when "
+        "--accumulation > 1)."))
+    """How accumulation runs its micro-batches: "default" (micro-batch-major: every streamed block is
+    loaded m times in forward and m times in backward per step), "relay" (layer-major, L2L's:
+    through ``engine.accumulate``, each block is loaded once per pass and its gradient leaves the
+    device once; ``runtime/relay.py``) or "auto" (relay when ``accumulation_steps`` > 1: the same
+    compute, m times fewer link bytes; ``planner/relay.py``). Both give the same results."""
+    relay_activation_bytes: int | None = option(None, flag="--relay-activations", metavar="BYTES",
+                                                parse=parse_bytes, help=(
+        "--schedule relay: device bytes the saved block inputs of a step may use (e.g. 2G); those beyond "
+        "are staged through host memory. Default: all on the device."))
+    """schedule="relay": device bytes the saved block inputs of a pass (every block's input for
+    every micro-batch, m times the default schedule's) may use; those beyond are staged through
+    (pinned) host memory and brought back before their block's backward. None: all on the device."""
+    layer_drop: float = option(0.0, help=(
+        "Probability that a streamed block is skipped in a training step (LayerDrop; the block is the "
+        "identity, neither loaded nor updated that step). 0: every block runs."))
+    """LayerDrop-style stochastic depth (Fan et al. 2019): the probability that a streamed block is
+    skipped in a training step (all its micro-batches; identity: the block's first argument is
+    passed on). A skipped block is neither loaded nor updated that step (``runtime/layer_drop.py``).
+    0: every block runs."""
+    layer_drop_seed: int = 0
+    """Seed of the generator that draws the skipped blocks (one draw per step, reproducible)."""
     strict: bool = False
     """Poison released slots with NaN, so a missing wait shows up as wrong numbers; and compare each
     recomputed block output with a checksum of its forward output (raises with the block index)."""
@@ -141,6 +168,7 @@ class RuntimeConfig:
         if self.overlap == "backward" and self.needs_global_grad:
             raise ConfigError(self, "overlap=", "cannot be exact with `clip_grad_norm` or fp16 loss scaling "
                               "(they need the whole gradient first); use 'forward' or 'auto'")
+        self._check_relay_and_layer_drop()
         if self.parallel is not None and not isinstance(self.parallel, ParallelGroups):
             raise ConfigError(self, "parallel", f"must be a ParallelGroups (from init_parallel) or None, "
                               f"got {self.parallel!r}")
@@ -163,6 +191,22 @@ class RuntimeConfig:
             raise ConfigError(self, "resident_blocks", f"must be an int >= 0, got {self.resident_blocks!r}")
         if self.copy_threads < 1:
             raise ConfigError(self, "copy_threads", f"must be >= 1, got {self.copy_threads}")
+
+    def _check_relay_and_layer_drop(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(self, "schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.relay_activation_bytes is not None and (type(self.relay_activation_bytes) is not int
+                                                        or self.relay_activation_bytes < 0):
+            raise ConfigError(self, "relay_activation_bytes", f"must be an int >= 0 (bytes) or None, "
+                              f"got {self.relay_activation_bytes!r}")
+        if isinstance(self.layer_drop, bool) or not isinstance(self.layer_drop, (int, float)) \
+                or not 0 <= self.layer_drop < 1:
+            raise ConfigError(self, "layer_drop", f"must be a probability in [0, 1), got {self.layer_drop!r}")
+        if self.layer_drop and self.resident_blocks:
+            raise ConfigError(self, "layer_drop", "skips streamed blocks only; it cannot be combined with "
+                              f"`resident_blocks={self.resident_blocks}`")
+        if type(self.layer_drop_seed) is not int:
+            raise ConfigError(self, "layer_drop_seed", f"must be an int, got {self.layer_drop_seed!r}")
 
     def _check_device(self) -> None:
         d = self.device
@@ -192,3 +236,11 @@ class RuntimeConfig:
         if self.overlap != "auto":
             return self.overlap
         return "forward" if self.needs_global_grad else "backward"
+
+    @property
+    def schedule_mode(self) -> str:
+        """The accumulation schedule in effect ("default" or "relay"; "auto": relay when
+        ``accumulation_steps`` > 1)."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "relay" if self.accumulation_steps > 1 else "default"

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from pystronghold.runtime import block_fn
+from pystronghold.runtime import block_fn, relay
 from pystronghold.runtime.build import build_optimizers, build_parts
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.executor import PassExecutor
@@ -70,7 +70,7 @@ class Engine:
                                      dp_group=self.dp_group, tp_group=self.tp_group, parallel=self.parallel)
         self.executor = PassExecutor(config=config, window=self.window, store=self.store, backend=self.backend,
                                      updates=self.updates, stepper=self.stepper, trace=self.trace,
-                                     plans=self.plans, dp_group=self.dp_group)
+                                     plans=self.plans, model=model, dp_group=self.dp_group)
         if not self.n_streamed:  # all blocks resident: a backward pass counts once it reaches their gradients
             torch.autograd.graph.register_multi_grad_hook(self.resident.params, self.executor.count_backward,
                                                           mode="any")
@@ -83,6 +83,10 @@ class Engine:
                  self.resident.count, self.resident.nbytes, kept[config.resident_recompute], self.n_streamed,
                  self.window_size, self.planned_arena_bytes, self.store.nbytes, kept[config.checkpointing],
                  config.device, config.precision, self.overlap)
+        if config.schedule_mode == "relay":
+            log.info("relay schedule (engine.accumulate): saved block inputs on the device %s",
+                     "without limit" if config.relay_activation_bytes is None else
+                     f"up to {config.relay_activation_bytes} bytes, staged through host memory beyond")
 
     # ---- user API
 
@@ -108,12 +112,27 @@ class Engine:
         """Whether the model is in training mode (``train()``/``eval()``)."""
         return self.model.training
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (unchanged in fp32/bf16): what backward propagates."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        self.scale_loss(loss).backward()
         if self.executor.in_pass():
             raise RuntimeError("backward did not reach the first block: the loss does not depend on "
                                "every block, or only part of the graph was back-propagated")
+
+    def accumulate(self, micro_batches, loss_fn, *, mean: bool = True) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``micro_batches`` (a sequence of m items,
+        each passed to ``loss_fn(item) -> one-element loss tensor``, which calls this engine);
+        back-propagates ``loss / m`` of each (``mean=False``: ``loss``). Returns the m losses,
+        detached, shape (m,). Call ``step()`` after it as usual.
+
+        With ``schedule="relay"`` the m micro-batches run layer-major (each streamed block is loaded
+        once in forward and once in backward, its gradient leaves the device once; runtime/relay.py);
+        otherwise one after the other, as a loop of ``engine(...)``/``backward`` would."""
+        return relay.accumulate(self, micro_batches, loss_fn, mean=mean)
 
     def step(self) -> None:
         """One optimizer step (also ``engine.optimizer.step()``, which LR schedulers track)."""
@@ -190,6 +209,8 @@ class Engine:
     # read by state_dict.py, checkpoints and tests, set when a checkpoint is loaded
     steps = _stepper_counter("steps", "Optimizer steps taken (skipped fp16 steps not counted).")
     skipped_steps = _stepper_counter("skipped_steps", "fp16 steps skipped for an overflow.")
+    block_steps = _stepper_counter("block_steps", "AdamW steps of each streamed block (layer drop: fewer "
+                                   "for a block skipped in some steps); set after ``steps``.")
 
     @property
     def grad_norm(self) -> float | None:
@@ -200,7 +221,7 @@ class Engine:
         """The optimizer step itself, as ``engine.optimizer.step()`` runs it (call ``step()``): every
         gradient copy-out waited for, the step (``OptimizerStep.run``), a new accumulation begun."""
         self.executor.finish_accumulation()
-        self.stepper.run()
+        self.stepper.run(self.executor.active_blocks())
         self.executor.end_accumulation()
 
     def forget_grads(self) -> None:

@@ -8,6 +8,11 @@ is issued only after block i's last host update has finished, and into a slot on
 slot's previous copy-out (and compute) finished. Between passes the optimizer step
 (``step.py``) runs once ``finish_accumulation`` has every gradient copy-out done. See
 docs/DESIGN.md "Window runtime".
+
+Two variations of the plan: a relay pass (``relay.py``, ``engine.accumulate`` with
+``schedule="relay"``) runs each use m times in a row, one per micro-batch, the gradient summed in
+the slot and copied out after the last; a layer-drop step (``layer_drop.py``) plans over the
+blocks that run. Both plans are built once per (m, blocks) and cached.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import contextlib
 import logging
 
 from pystronghold.parallel.data import average_
-from pystronghold.runtime.schedule import Load, Release
+from pystronghold.runtime.layer_drop import LayerDrop
+from pystronghold.runtime.schedule import Load, Release, build_plan
 from pystronghold.runtime.timing import copy_marks
 
 __all__ = ["PassExecutor"]
@@ -29,14 +35,15 @@ class PassExecutor:
     since the last step. ``block_fn.BlockFunction`` calls ``enter``/``leave`` (through the engine).
 
     ``plans``: the schedule of a training and of an inference pass (``schedule.build_plan``) by
-    ``train``; ``stepper``: the ``OptimizerStep`` whose next step a streamed update belongs to.
+    ``train``; ``stepper``: the ``OptimizerStep`` whose next step a streamed update belongs to;
+    ``model``: the wrapped model (layer drop applies in its training mode only).
     """
 
-    def __init__(self, *, config, window, store, backend, updates, stepper, trace, plans,
+    def __init__(self, *, config, window, store, backend, updates, stepper, trace, plans, model,
                  dp_group=None) -> None:
         self.config, self.window, self.store, self.backend = config, window, store, backend
         self.updates, self.stepper, self.trace, self.plans = updates, stepper, trace, plans
-        self.dp_group = dp_group
+        self.model, self.dp_group = model, dp_group
         self.overlap = config.overlap_mode
         self.n_streamed = len(window.params)
         self._plan = None  # the plan of the pass in progress
@@ -51,6 +58,12 @@ class PassExecutor:
         """Backward passes since the last step."""
         self.test_skip_waits: set[str] = set()
         """Test hook: {"load"} removes the compute-waits-for-load (strict mode must then catch it)."""
+        self.relay = None
+        """The ``relay.Relay`` pass in progress (set by ``relay.accumulate``), or None."""
+        self.relay_activations: dict | None = None
+        """The last relay pass's saved block inputs: ``device_bytes`` kept, ``staged_bytes`` staged."""
+        self.layer_drop = LayerDrop(self.n_streamed, config.layer_drop, config.layer_drop_seed)
+        """Which streamed blocks run this step (``layer_drop.py``)."""
 
     def in_pass(self) -> bool:
         """True between a forward's first block and the end of its backward (or of an inference pass)."""
@@ -80,7 +93,7 @@ class PassExecutor:
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
-        if phase == "fwd" and block == 0:
+        if phase == "fwd" and block == self._first_block(train) and not self._continues_relay_forward():
             self._begin_pass(train)
         plan = self._plan
         use = plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
@@ -104,8 +117,9 @@ class PassExecutor:
             else:
                 with self.span("wait", block):
                     self.backend.compute_wait(handle)
-        if phase == "bwd" and self._grad_valid[block]:
-            # accumulation: the earlier micro-batches' sum comes back so this one adds to it
+        if phase == "bwd" and self._grad_valid[block] and plan.run_bounds(self._pos)[0]:
+            # accumulation: the earlier micro-batches' sum comes back so this one adds to it (a
+            # relay run of m uses: before the first; the others add to it in the slot)
             slot = self.window.resident[block]
             n = self.store.layouts[block].numel
             lease = self.store.acquire(block, ["grad"])
@@ -129,8 +143,8 @@ class PassExecutor:
                 self._load(action)
         self._pos += 1
         if self._pos == len(self._plan.uses):
-            if len(self._plan.uses) > self.n_streamed:
-                self.micro_batches += 1
+            if self._plan.uses[-1].phase == "bwd":  # a training pass: m micro-batches in a relay pass
+                self.micro_batches += self._plan.micro_batches
             self._plan = None
             self.flush_copies()  # finished copies go to the trace and are dropped
 
@@ -143,12 +157,57 @@ class PassExecutor:
             log.warning("a new forward started before the previous pass finished (no backward?); "
                         "abandoning it")
             self._abandon_pass()
-        if train and self.micro_batches >= self.config.accumulation_steps:
+        if train and self.micro_batches + self._pass_micro_batches(train) > self.config.accumulation_steps:
             raise RuntimeError(f"a training forward after {self.micro_batches} backward passes without "
                                f"step() (accumulation_steps={self.config.accumulation_steps})")
-        self._plan, self._pos = self.plans[train], 0
+        self._plan, self._pos = self._plan_for(train), 0
         for action in self._plan.prologue:
             self._load(action)
+
+    # ---- relay and layer drop: which plan a pass follows
+
+    def layer_dropped(self, block: int, train: bool) -> bool:
+        """Whether ``block`` is skipped in this forward (a training forward of a layer-drop step; the
+        step's draw is made at its first block call)."""
+        if not (train and self.layer_drop.enabled and self.model.training):
+            return False
+        if self._plan is None and self.micro_batches == 0:
+            self.layer_drop.draw_if_new_step()
+        return self.layer_drop.dropped(block)
+
+    def active_blocks(self, train: bool = True) -> list[int] | None:
+        """The streamed blocks a training pass runs this step, in order (None: all of them)."""
+        return self.layer_drop.active if train and self.model.training else None
+
+    def _continues_relay_forward(self) -> bool:
+        """Micro-batches 1..m-1 of a relay pass entering the first block continue the pass."""
+        plan = self._plan
+        return self.relay is not None and plan is not None and 0 < self._pos < plan.micro_batches
+
+    def _pass_micro_batches(self, train: bool) -> int:
+        """Micro-batches of the pass about to start (m in a relay pass, else 1)."""
+        return self.relay.micro_batches if train and self.relay is not None else 1
+
+    def _first_block(self, train: bool) -> int:
+        active = self.active_blocks(train)
+        return active[0] if active else 0
+
+    def _plan_for(self, train: bool):
+        """The plan of a pass: each use repeated m times in a relay pass; over the blocks that run in
+        a layer-drop step. Built once per (train, m, blocks)."""
+        m, active = self._pass_micro_batches(train), self.active_blocks(train)
+        if m == 1 and active is None:
+            return self.plans[train]
+        key = (train, m, None if active is None else tuple(active))
+        if key not in self.plans:
+            window = len(self.window.slots) if active is None else min(len(self.window.slots), len(active))
+            self.plans[key] = build_plan(self.n_streamed, window, train, micro_batches=m, blocks=active)
+        return self.plans[key]
+
+    def abandon_pass(self) -> None:
+        """Drop the pass in progress (a failed relay pass): loads waited for, slots vacated."""
+        if self._plan is not None:
+            self._abandon_pass()
 
     def _abandon_pass(self) -> None:
         for h in self._loads.values():
@@ -199,7 +258,8 @@ class PassExecutor:
 
     def _grad_to_host(self, block: int, param_grads) -> None:
         slot = self.window.resident[block]
-        accumulate = self._grad_valid[block]
+        run_first, run_last = self._plan.run_bounds(self._pos)  # a relay run: m uses of a block in a row
+        accumulate = self._grad_valid[block] or not run_first
         for view, g in zip(self.window.grad_views(block), param_grads):
             if g is not None:
                 view.add_(g) if accumulate else view.copy_(g)
@@ -208,7 +268,9 @@ class PassExecutor:
         layout = self.store.layouts[block]
         if not accumulate:
             layout.zero_gaps(slot.grads)
-        last = self.micro_batches + 1 >= self.config.accumulation_steps
+        if not run_last:
+            return  # a relay run: the sum stays in the slot until the block's last micro-batch
+        last = self.micro_batches + self._plan.micro_batches >= self.config.accumulation_steps
         if last:
             # data parallelism: the block's whole gradient (all micro-batches) averaged over the DP
             # ranks in one all_reduce, where it is now: in the device slot, before the copy-out
@@ -224,7 +286,7 @@ class PassExecutor:
         self._copies.append(("d2h", block, handle))
         self._grad_valid[block] = True
         if streamed:
-            self.updates.submit_update(block, handle, hyper=self.stepper.hyper(self.stepper.next_step),
+            self.updates.submit_update(block, handle, hyper=self.stepper.block_hyper(block),
                                        lease=lease)
             if block > 0:
                 self.store.prefetch(block - 1, self.updates.update_states)
@@ -248,7 +310,9 @@ class PassExecutor:
         self._grad_out.clear()
 
     def end_accumulation(self) -> None:
-        """After a step (taken or skipped): the next backward starts a new gradient sum."""
+        """After a step (taken or skipped): the next backward starts a new gradient sum (and, with
+        layer drop, the next training forward draws the blocks anew)."""
+        self.layer_drop.end_step()
         self.micro_batches = 0
         self._grad_valid = [False] * self.n_streamed
         self.flush_copies(calibrate=True)
@@ -256,6 +320,7 @@ class PassExecutor:
     def forget_grads(self) -> None:
         """``zero_grad`` between passes: the block gradients accumulated so far are dropped."""
         if self._plan is None and self.micro_batches:
+            self.layer_drop.end_step()
             self.micro_batches = 0
             self._grad_valid = [False] * self.n_streamed
 

@@ -12,8 +12,8 @@ least time to hide before the next forward needs them again.
 Why the update runs in ``step()`` rather than right after each block's backward: on one compute
 stream a device update costs the same wherever it is issued, and issuing it in ``step()`` keeps
 clipping, fp16 overflow skips and accumulation exactly plain PyTorch's (the update needs the whole
-gradient's norm first). The engine keeps one step count for all blocks; moments written into a
-resident block (a checkpoint or optimizer state load) take the engine's count at the next step.
+gradient's norm first). Resident blocks use the engine's step count (layer drop, whose skipped
+streamed blocks keep their own, is refused with them); moments written into a resident block (a checkpoint or optimizer state load) take the engine's count at the next step.
 """
 
 from __future__ import annotations

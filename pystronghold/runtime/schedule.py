@@ -56,6 +56,14 @@ class Plan:
     """``after[k]``: releases then loads to issue once use k has finished."""
     slot_at: list[int] = field(default_factory=list)
     """``slot_at[k]``: the slot holding the block of use k."""
+    micro_batches: int = 1
+    """Micro-batches each block use runs over in a row (the relay schedule, ``runtime/relay.py``):
+    every use is repeated this many times, and the plan's actions follow the last of the repeats."""
+
+    def run_bounds(self, k: int) -> tuple[bool, bool]:
+        """(first, last): whether use k opens / closes its run of repeats of one (phase, block)."""
+        uses = self.uses
+        return k == 0 or uses[k - 1] != uses[k], k + 1 == len(uses) or uses[k + 1] != uses[k]
 
     def max_resident(self) -> int:
         """Largest number of blocks resident at once (loaded or loading) over the pass."""
@@ -68,15 +76,22 @@ class Plan:
         return peak
 
 
-def build_plan(n_blocks: int, window: int, train: bool) -> Plan:
-    """Plan one pass over ``n_blocks`` blocks with ``window`` slots (1 <= window <= n_blocks)."""
-    if n_blocks < 1:
-        raise ValueError(f"build_plan: n_blocks must be >= 1, got {n_blocks}")
-    if not 1 <= window <= n_blocks:
-        raise ValueError(f"build_plan: window must be in [1, {n_blocks}], got {window}")
-    uses = [Use("fwd", i) for i in range(n_blocks)]
+def build_plan(n_blocks: int, window: int, train: bool, micro_batches: int = 1,
+               blocks: list[int] | None = None) -> Plan:
+    """Plan one pass over ``n_blocks`` blocks with ``window`` slots (1 <= window <= n_blocks);
+    ``micro_batches`` > 1: each use repeated that many times in a row (layer-major, the relay);
+    ``blocks``: the blocks this pass runs, in order (a layer-drop step skips the others; then
+    ``window`` <= len(blocks)), default all ``n_blocks``."""
+    order = list(range(n_blocks)) if blocks is None else list(blocks)
+    if len(order) < 1:
+        raise ValueError(f"build_plan: a pass needs >= 1 block, got n_blocks={n_blocks}, blocks={blocks}")
+    if not 1 <= window <= len(order):
+        raise ValueError(f"build_plan: window must be in [1, {len(order)}], got {window}")
+    if micro_batches < 1:
+        raise ValueError(f"build_plan: micro_batches must be >= 1, got {micro_batches}")
+    uses = [Use("fwd", i) for i in order for _ in range(micro_batches)]
     if train:
-        uses += [Use("bwd", i) for i in reversed(range(n_blocks))]
+        uses += [Use("bwd", i) for i in reversed(order) for _ in range(micro_batches)]
 
     def next_distinct(k: int) -> list[int]:
         """The first `window` distinct blocks used from position k on, in order of use."""
@@ -90,7 +105,7 @@ def build_plan(n_blocks: int, window: int, train: bool) -> Plan:
 
     free = list(range(window))
     slot_of: dict[int, int] = {}
-    plan = Plan(uses=uses, window=window, prologue=[])
+    plan = Plan(uses=uses, window=window, prologue=[], micro_batches=micro_batches)
     for b in next_distinct(0):
         slot_of[b] = free.pop(0)
         plan.prologue.append(Load(b, slot_of[b]))

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EngineStates", "install_model_hooks", "optimizer_state_dict", "load_optimizer_state_dict"]
+__all__ = ["EngineStates", "install_model_hooks", "optimizer_state_dict", "load_optimizer_state_dict",
+           "block_step_counts", "set_block_step_counts"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """The AdamW states kept per parameter besides its value (torch's names)."""
@@ -221,13 +222,15 @@ def optimizer_state_dict(engine) -> dict:
     index = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict] = {}
     states = engine.states
-    if engine.steps > 0:  # every block parameter is updated at every step
-        for b in range(engine.n_blocks):
-            moments = states.read_block(b, MOMENTS)
-            for k, p in enumerate(states.block_params(b)):
-                name = states.block_names[b][k]
-                state[index[id(p)]] = {"step": torch.tensor(float(engine.steps)),
-                                       **{m: moments[m][name] for m in MOMENTS}}
+    steps = block_step_counts(engine)
+    for b in range(engine.n_blocks):
+        if steps[b] == 0:  # never updated (no step yet, or layer drop skipped it so far): no state, as torch
+            continue
+        moments = states.read_block(b, MOMENTS)
+        for k, p in enumerate(states.block_params(b)):
+            name = states.block_names[b][k]
+            state[index[id(p)]] = {"step": torch.tensor(float(steps[b])),
+                                   **{m: moments[m][name] for m in MOMENTS}}
     for _, p, _, st in states.head_tail():
         if st:
             state[index[id(p)]] = dict(st)
@@ -240,6 +243,22 @@ def optimizer_state_dict(engine) -> dict:
         start += len(g["params"])
         saved_groups.append(group)
     return {"state": dict(sorted(state.items())), "param_groups": saved_groups}
+
+
+def block_step_counts(engine) -> list[int]:
+    """AdamW step count of every block of the model, resident ones (updated at every step) first."""
+    return [engine.steps] * (engine.n_blocks - engine.n_streamed) + list(engine.block_steps)
+
+
+def set_block_step_counts(engine, counts: list[int], what: str) -> None:
+    """Set each block's AdamW step count from ``counts`` (one per model block, ``block_step_counts``'s
+    order), after ``engine.steps``; ValueError naming ``what`` when a resident block's count is not
+    the engine's (a resident block is updated at every step)."""
+    k = engine.n_blocks - engine.n_streamed
+    if len(counts) != engine.n_blocks or any(c != engine.steps for c in counts[:k]):
+        raise ValueError(f"{what}: step counts per block {list(counts)} do not fit {engine.n_blocks} blocks whose "
+                         f"first {k} (resident, updated at every step) are at the engine's {engine.steps}")
+    engine.block_steps = [int(c) for c in counts[k:]]
 
 
 def _check_group(group: dict) -> None:
@@ -282,22 +301,29 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
                              "not in the param group")
         by_id[id(by_saved[saved])] = st
     states = engine.states
-    # ---- blocks: one step count for all (the engine updates every block parameter at every step)
-    block_moments, steps = [], set()
+    # ---- blocks: one step count per block (its parameters are updated together; layer drop may skip
+    # a block in some steps, so blocks may differ), resident blocks at the engine's count
+    block_moments, block_steps = [], []
     for b in range(engine.n_blocks):
-        per_block = []
+        per_block, steps = [], set()
         for name, p, shape in zip(states.block_names[b], states.block_params(b), states.block_shapes(b)):
             st = by_id[id(p)]
             if st:
                 _check_moments(name, st, shape)
-                steps.add(float(st["step"]))
+            steps.add(float(st["step"]) if st else 0.0)
             per_block.append(st)
+        if len(steps) > 1:
+            raise ValueError(f"optimizer.load_state_dict: the parameters of block {b} must all have AdamW state "
+                             f"with one step count, or none (the engine updates a block as a whole); got steps "
+                             f"{sorted(steps)}")
         block_moments.append(per_block)
-    present = [st is not None and len(st) > 0 for per in block_moments for st in per]
-    if any(present) and not all(present) or len(steps) > 1:
-        raise ValueError(f"optimizer.load_state_dict: block parameters must all have AdamW state with one "
-                         f"step count (the engine keeps one for every block); got steps {sorted(steps)} "
-                         f"and {present.count(False)} of {len(present)} without state")
+        block_steps.append(int(steps.pop()) if steps else 0)
+    head_tail_steps = [float(by_id[id(p)]["step"]) for _, p, _, _ in states.head_tail() if by_id[id(p)]]
+    engine_steps = int(max([*block_steps, *head_tail_steps], default=0))
+    k_resident = engine.n_blocks - engine.n_streamed
+    if any(s != engine_steps for s in block_steps[:k_resident]):
+        raise ValueError(f"optimizer.load_state_dict: resident blocks are updated at every step; their step "
+                         f"counts {block_steps[:k_resident]} must be the engine's {engine_steps}")
     head_tail = states.head_tail()
     for name, p, m, _ in head_tail:
         if by_id[id(p)]:
@@ -310,7 +336,8 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
                                for m in MOMENTS})
     for i, (_, p, _, _) in enumerate(head_tail):
         states.write_head_tail(i, state=by_id[id(p)] or {})
-    engine.steps = int(steps.pop()) if steps else 0
+    engine.steps = engine_steps
+    set_block_step_counts(engine, block_steps, "optimizer.load_state_dict")
     for k, group in enumerate(groups):
         mine[k] = {**{key: v for key, v in group.items() if key != "params"}, "params": mine[k]["params"]}
 

@@ -41,12 +41,30 @@ class OptimizerStep:
         self.overlap = config.overlap_mode
         self.scaler = scaler
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
-        self.steps = 0
-        """Optimizer steps taken (skipped fp16 steps not counted)."""
+        self._steps = 0
+        self.block_steps = [0] * self.n_streamed
+        """AdamW steps each streamed block has taken: its bias correction's count. Equal to ``steps``
+        unless layer drop skipped the block in some steps (no gradient: no update, no count, as
+        ``torch.optim.AdamW`` does for a parameter whose ``.grad`` is None)."""
         self.skipped_steps = 0
         """fp16 steps skipped for an overflow."""
         self.grad_norm: float | None = None
         """The last step's global gradient norm (only computed for clipping or fp16)."""
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped fp16 steps not counted). Setting it (a checkpoint or state
+        dict loaded) sets every block's count too (``block_steps``)."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._steps = int(value)
+        self.block_steps = [self._steps] * self.n_streamed
+
+    def block_hyper(self, block: int, grad_scale: float = 1.0) -> list:
+        """``hyper`` for streamed ``block``'s next update (its own step count, ``block_steps``)."""
+        return self.hyper(self.block_steps[block] + 1, grad_scale=grad_scale)
 
     @property
     def next_step(self) -> int:
@@ -62,9 +80,11 @@ class OptimizerStep:
         """Factor that turns a stored gradient into the true one (1 / loss scale in fp16, else 1)."""
         return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
-    def run(self) -> None:
+    def run(self, blocks: list[int] | None = None) -> None:
         """One step over head, tail, resident and streamed blocks; the caller has waited for every
-        gradient copy-out. An fp16 overflow skips the whole step (``skipped_steps`` counts it)."""
+        gradient copy-out. An fp16 overflow skips the whole step (``skipped_steps`` counts it).
+        ``blocks``: the streamed blocks that ran this step (a layer-drop step; None: all); the
+        others are not updated."""
         average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
         step = self.next_step
         if self.overlap == "backward":
@@ -92,13 +112,16 @@ class OptimizerStep:
                     coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
                                              max=1.0))
             hyper = self.hyper(step, grad_scale=scale * coef)
-            for block in range(self.n_streamed):  # 0, 1, 2, ...: the order the next forward loads them
-                self.updates.submit_update(block, None, hyper=hyper)
+            # 0, 1, 2, ...: the order the next forward loads them (layer drop: the blocks that ran)
+            for block in range(self.n_streamed) if blocks is None else blocks:
+                self.updates.submit_update(block, None, hyper=self.block_hyper(block, scale * coef))
             self.device_optimizer.step(hyper)
             self.resident.step(hyper, self.steps)
             if self.overlap == "none":
                 self.updates.drain()
-        self.steps = step
+        self._steps = step
+        for block in range(self.n_streamed) if blocks is None else blocks:
+            self.block_steps[block] += 1
 
     def _global_grad_norm(self, grad_scale: float) -> float:
         """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;

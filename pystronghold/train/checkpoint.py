@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load as st_load, save as st_save
 
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
+from pystronghold.runtime.state_dict import block_step_counts, set_block_step_counts
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
            "newest_valid_checkpoint", "latest_checkpoint", "read_manifest", "checkpoint_weights",
@@ -204,6 +205,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
 
     buf = io.BytesIO()
     torch.save({"step": trainer.step, "engine_steps": engine.steps, "skipped_steps": engine.skipped_steps,
+                "block_steps": block_step_counts(engine),
                 "scheduler": trainer.scheduler.state_dict(), "hyper": engine.optimizer.group_settings(),
                 "sampler": trainer.sampler.state_dict(), "rng": _rng_state(),
                 "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
@@ -324,6 +326,12 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     state = torch.load(io.BytesIO(data), weights_only=False)
     trainer.step = state["step"]
     engine.steps, engine.skipped_steps = state["engine_steps"], state["skipped_steps"]
+    # NOTE: absent from checkpoints written before layer drop: every block at engine_steps
+    if any(c != engine.steps for c in state.get("block_steps", ())):
+        try:
+            set_block_step_counts(engine, state["block_steps"], f"checkpoint {path}")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     trainer.scheduler.load_state_dict(state["scheduler"])
     saved_decay = getattr(trainer.scheduler.lr_lambdas[0], "decay_steps", None)
     if saved_decay is not None and saved_decay != trainer.config.run.steps:

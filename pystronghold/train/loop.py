@@ -213,12 +213,11 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step (``accumulation`` micro-batches); returns the mean micro-batch loss."""
         acc = self.config.runtime.accumulation_steps
-        total = 0.0
-        for _ in range(acc):
-            x, y = self.sampler.next_batch()  # (B, T) int64 each
-            loss = self.loss(self._to_device(x), self._to_device(y))
-            self.engine.backward(loss / acc if acc > 1 else loss)
-            total += float(loss.detach())
+        batches = [self.sampler.next_batch() for _ in range(acc)]  # (B, T) int64 each
+        # NOTE: through engine.accumulate, which runs the micro-batches one after the other or, with
+        # --schedule relay, layer-major; each back-propagates loss / acc
+        losses = self.engine.accumulate(batches, lambda b: self.loss(self._to_device(b[0]), self._to_device(b[1])))
+        total = sum(float(v) for v in losses)
         self.engine.step()
         self.scheduler.step()
         self.engine.zero_grad()

@@ -13,13 +13,14 @@ from pystronghold.options import ConfigError
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train.command import config_from_args
 
-# Every option `pystronghold train` had before the runtime settings moved into RuntimeConfig.
+# Every option `pystronghold train` had before the runtime settings moved into RuntimeConfig, and the
+# relay schedule's and layer drop's (issue 20).
 TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --lr --warmup --min-lr-ratio "
                "--weight-decay --decay --beta2 --clip --accumulation --window --device --precision "
                "--device-budget-mb --resident-blocks --host-memory --nvme --nvme-states --nvme-cache-blocks "
                "--nvme-sparse --steps --seed --log-every --eval-every --eval-batches --trace --quiet "
                "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --tp --dp "
-               "--dist-timeout").split()
+               "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed").split()
 
 
 def _train(*argv):

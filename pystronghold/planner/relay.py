@@ -1,0 +1,116 @@
+"""The relay schedule in the cost model: link bytes, boundary activations and step time of a step of
+m micro-batches under the default (micro-batch-major) and the relay (layer-major, L2L's) schedule,
+and the choice between them (``--schedule auto``). See docs/DESIGN.md "Relay schedule".
+
+Per step, with N blocks, W slots, P_b·s bytes per block (parameters or gradient in compute
+precision) and one block input of I = B·T·C·s bytes:
+
+- default: each micro-batch is a whole pass: H2D m·(N + N − W)·P_b·s (forward loads, backward
+  reloads of the blocks not kept) + (m − 1)·N·P_b·s (the host sum uploaded before the next
+  micro-batch's backward); D2H m·N·P_b·s. Saved block inputs on the device: N·I.
+- relay: one pass: H2D (N + N − W)·P_b·s, D2H N·P_b·s. Saved block inputs: m·N·I; when they do
+  not fit the device they are staged through host memory, adding m·N·I bytes in each direction.
+
+Step time: the relay is the runtime's one-pass schedule with m times the compute per block use
+(``timeline.simulate_step`` with ``fwd_s``, ``bwd_s`` and the loss scaled by m); staged inputs add
+m·I per block to its backward load (counted on every load: an upper bound). The default is m
+passes without host updates, the passes after the first also uploading each block's gradient sum
+(counted on every load: an upper bound), plus the host updates' exposed time of one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from pystronghold.planner.cost import block_layout_numel
+from pystronghold.planner.timeline import simulate_step
+
+__all__ = ["ScheduleEstimate", "schedule_estimates", "choose_schedule", "schedule_report"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleEstimate:
+    """One schedule's figures for a step of ``micro_batches`` micro-batches on one rank."""
+
+    schedule: str
+    """"default" or "relay"."""
+    micro_batches: int
+    """m."""
+    h2d_bytes: int
+    """Host-to-device bytes per step: block loads, gradient sums uploaded back (default), staged
+    block inputs brought back (relay, staged)."""
+    d2h_bytes: int
+    """Device-to-host bytes per step: gradient copy-outs, block inputs staged out (relay, staged)."""
+    saved_input_bytes: int
+    """Bytes of the saved block inputs of a step (default: N·I, relay: m·N·I)."""
+    activations: str
+    """Where the saved block inputs live: "device", or "host" (relay: staged, they do not fit)."""
+    device_budget_bytes: int
+    """Device bytes left for saved block inputs once window, head/tail, working set and reserve are
+    counted (``relay_activation_bytes`` for the runtime)."""
+    step_s: float
+    """Predicted step time, seconds."""
+
+
+def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
+    """Both schedules' figures for ``plan`` (a fitting ``planner.plan.Plan``) with m micro-batches."""
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"schedule_estimates: micro_batches must be an int >= 1, got {micro_batches!r}")
+    if plan.step is None:
+        raise ValueError("schedule_estimates: the plan does not fit this machine")
+    m, c, n, w = micro_batches, plan.costs, plan.config.layers, min(plan.window, plan.config.layers)
+    block = block_layout_numel(plan.config) * plan.work.dtype_bytes  # what one load or copy-out moves
+    loads = n + max(0, n - w)
+    # the device bytes the saved inputs may use: capacity minus everything else at the peak
+    others = plan.device.peak_bytes - n * c.block_input_bytes
+    budget = max(0, plan.device.capacity_bytes - others)
+    overlap = plan.work.overlap
+    out = {}
+    # default: m passes without updates, the later ones uploading the gradient sum as well
+    free = replace(c, adam_s=0.0)
+    first = simulate_step(free, n, w, overlap).total_s
+    later = simulate_step(replace(free, load_s=c.load_s + c.grad_s), n, w, overlap).total_s
+    default_s = first + (m - 1) * later + plan.step.exposed_optimizer_s
+    out["default"] = ScheduleEstimate(
+        schedule="default", micro_batches=m, h2d_bytes=m * loads * block + (m - 1) * n * block,
+        d2h_bytes=m * n * block, saved_input_bytes=n * c.block_input_bytes, activations="device",
+        device_budget_bytes=budget, step_s=default_s)
+    saved = m * n * c.block_input_bytes
+    staged = saved > budget
+    relay_costs = replace(c, fwd_s=m * c.fwd_s, bwd_s=m * c.bwd_s, head_tail_s=m * c.head_tail_s)
+    if staged:
+        stage_s = m * c.block_input_bytes / plan.hardware.gpu.h2d_bytes_per_s
+        relay_costs = replace(relay_costs, load_s=c.load_s + stage_s)
+    relay_s = simulate_step(relay_costs, n, w, overlap).total_s
+    out["relay"] = ScheduleEstimate(
+        schedule="relay", micro_batches=m, h2d_bytes=loads * block + (saved if staged else 0),
+        d2h_bytes=n * block + (saved if staged else 0), saved_input_bytes=saved,
+        activations="host" if staged else "device", device_budget_bytes=budget, step_s=relay_s)
+    return out
+
+
+def choose_schedule(plan, micro_batches: int) -> tuple[str, dict[str, ScheduleEstimate]]:
+    """"relay" when it is predicted faster than the default (never with one micro-batch: the two
+    are the same), else "default"; and both estimates."""
+    estimates = schedule_estimates(plan, micro_batches)
+    if micro_batches == 1:
+        return "default", estimates
+    return ("relay" if estimates["relay"].step_s < estimates["default"].step_s else "default"), estimates
+
+
+def schedule_report(plan, micro_batches: int, schedule: str) -> tuple[dict, str]:
+    """What ``pystronghold plan`` says about the accumulation schedule of a fitting ``plan``: the
+    schedule ``schedule`` names ("auto": ``choose_schedule``'s pick), both estimates; as a dict for
+    ``--json`` and as text lines."""
+    chosen, estimates = choose_schedule(plan, micro_batches)
+    if schedule != "auto":
+        chosen = schedule
+    record = dict(requested=schedule, chosen=chosen, micro_batches=micro_batches,
+                  estimates={name: asdict(e) for name, e in estimates.items()})
+    lines = [f"schedule ({micro_batches} micro-batches per step): {chosen}"
+             + (" (--schedule auto: the faster predicted)" if schedule == "auto" else "")]
+    for name, e in estimates.items():
+        lines.append(f"  {name:<8} step {e.step_s:.3f} s, link H2D {e.h2d_bytes / 2**30:.2f} GiB, "
+                     f"D2H {e.d2h_bytes / 2**30:.2f} GiB per step, saved block inputs "
+                     f"{e.saved_input_bytes / 2**30:.2f} GiB on the {e.activations}")
+    return record, "\n".join(lines)

@@ -1,0 +1,344 @@
+"""The relay schedule (L2L, Pudipeddi et al. 2020, arXiv 2002.05645): a step's m micro-batches
+run *layer-major*, so each streamed block crosses the link once per pass however large m is.
+
+Forward: block 0 runs over every micro-batch while it is loaded, then block 1, ... The model's
+forward is the user's code, so it cannot be re-ordered from outside; instead each micro-batch's
+forward runs in a thread of its own (the first on the calling thread), and a *baton* lets exactly
+one of them run at a time: a thread hands the baton on (round-robin) each time it reaches a
+streamed block, and gets it back once every other micro-batch has reached that block too. Everything between blocks (head, tail,
+resident blocks, the user's own code) therefore runs for one micro-batch at a time, in a fixed
+order, and the engine sees the block uses ``fwd 0 x m, fwd 1 x m, ...`` that its relay plan
+(``schedule.build_plan(..., micro_batches=m)``) expects.
+
+Backward is driven explicitly, block by block. NOTE: autograd alone would not run it layer-major:
+it orders ready nodes by sequence number, which is *thread-local*, so nodes made by the m threads
+tie or compare by how much each thread did before: checked by hand with torch 2.13, the backward
+of ``sum(losses)`` of m fresh threads ran micro-batch after micro-batch, and with the first
+micro-batch on the calling thread it ran layer-major: an order that depends on thread history is
+not one to rely on. So the graph is cut at every streamed block's outputs: the model
+continues from detached leaves, and the backward runs in stages, the tail (``loss_j / m``, for
+each j) first, then, from the last block to the first, for each micro-batch the block's real
+outputs with the gradients its leaves collected. Each stage stops at the leaves of the block
+before, so block k's m backward uses are consecutive. A block's gradient adds up in its device
+slot over the m uses and leaves the device once (``Engine._grad_to_host``).
+
+Exactness: every micro-batch sees the same arithmetic as micro-batch-major accumulation (the same
+forward, the same gradients into each block, the block gradients summed in the same order, head
+and tail ``.grad`` accumulated in the same order), so fp32 results equal the default schedule's;
+a block output used by several later stages collects its gradient in stage order, which may round
+differently (tests allow 1e-6 relative). Dropout masks differ: the micro-batches draw from torch's
+generator in another order.
+
+Limits: the user's forward is run in other threads, with the caller's grad mode, autocast (a
+``torch.autocast`` around ``engine.accumulate``: its state is thread-local) and CUDA device and
+current stream; other thread-local state (a user's own ``threading.local``, torch function modes)
+is not carried. A block output modified in place by the model is refused by autograd (the leaf).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["Relay", "RelayAborted", "accumulate"]
+
+log = logging.getLogger(__name__)
+
+
+class RelayAborted(RuntimeError):
+    """Raised in a micro-batch thread when another micro-batch failed."""
+
+
+class _Staged:
+    """One storage of a saved block input staged to host memory (its device bytes freed)."""
+
+    __slots__ = ("storage", "host", "handle", "freed", "back")
+
+    def __init__(self, storage, host: torch.Tensor, handle) -> None:
+        self.storage, self.host, self.handle, self.freed = storage, host, handle, False
+        self.back = None  # the copy bringing it back, once issued
+
+
+def caller_autocast(device: torch.device) -> list[dict]:
+    """The calling thread's autocast state on the CPU and on ``device``'s type, as the arguments of
+    the ``torch.autocast`` contexts that reproduce it (autocast is thread-local: a micro-batch
+    thread enters a context of its own for each, to compute as the caller would)."""
+    cache = torch.is_autocast_cache_enabled()
+    return [dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), cache_enabled=cache)
+            for kind in dict.fromkeys(("cpu", device.type)) if torch.is_autocast_enabled(kind)]
+
+
+def _bytes_of(storage, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class Relay:
+    """One relay pass in progress: the baton of the micro-batch threads, the cut block outputs and
+    the block inputs staged to host memory."""
+
+    def __init__(self, micro_batches: int, backend=None, device_budget_bytes: int | None = None,
+                 strict: bool = False) -> None:
+        """``device_budget_bytes``: device bytes the saved block inputs of the pass may hold; those
+        beyond are staged through host memory (``backend``'s copies). None: all stay on the device.
+        ``strict``: a restored storage is filled with NaN bytes before its copy back, so a missing
+        copy or wait shows up as wrong numbers."""
+        self.micro_batches = micro_batches
+        self._strict = strict
+        self._backend = backend
+        self._budget = device_budget_bytes
+        self.device_bytes = 0  # saved block inputs kept on the device
+        self.staged_bytes = 0  # ... and staged to host memory
+        self._staged: list[dict[int, list[_Staged]]] = [{} for _ in range(micro_batches)]  # j -> call -> stages
+        self._seen: dict[int, object] = {}  # data_ptr -> the storage counted there
+        self._cond = threading.Condition()
+        self._holder = 0
+        self._finished = [False] * micro_batches
+        self._failed = False
+        self._local = threading.local()
+        # per micro-batch, per block call in call order: (block, real outputs, leaves handed on)
+        self.cuts: list[list[tuple[int, list[torch.Tensor], list[torch.Tensor]] | None]] = \
+            [[] for _ in range(micro_batches)]
+
+    # ---- the baton
+
+    def _index(self) -> int:
+        index = getattr(self._local, "index", None)
+        if index is None:
+            raise RuntimeError("relay: a block ran outside the micro-batch threads of engine.accumulate "
+                               "(a training forward in another thread during the relay pass)")
+        return index
+
+    def _wait(self, j: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._holder == j or self._failed)
+            if self._failed:
+                raise RelayAborted("relay: another micro-batch failed")
+
+    def _hand_on(self, j: int) -> None:
+        """Give the baton to the next unfinished micro-batch after j (round-robin); call holding it."""
+        m = self.micro_batches
+        for step in range(1, m + 1):
+            nxt = (j + step) % m
+            if not self._finished[nxt]:
+                self._holder = nxt
+                break
+        self._cond.notify_all()
+
+    def arrive(self) -> None:
+        """A micro-batch reached a streamed block: every other one reaches it before this one runs it."""
+        j = self._index()
+        with self._cond:
+            self._hand_on(j)
+        self._wait(j)
+
+    def micro_batch(self) -> int | None:
+        """The micro-batch of the calling thread (None outside the relay's threads)."""
+        return getattr(self._local, "index", None)
+
+    # ---- forward
+
+    def cut(self, block: int, outputs: tuple) -> tuple:
+        """Outputs of a block call -> what the model continues with: every output that requires grad
+        becomes a detached leaf; the real outputs are kept for the backward stage of this block."""
+        reals, leaves, handed = [], [], []
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                leaf = t.detach().requires_grad_()
+                reals.append(t)
+                leaves.append(leaf)
+                handed.append(leaf)
+            else:
+                handed.append(t)
+        self.cuts[self._index()].append((block, reals, leaves))
+        return tuple(handed)
+
+    def forward(self, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor],
+                device: torch.device) -> list[torch.Tensor]:
+        """Run ``loss_fn(micro_batches[j])`` for every j, layer-major; returns the m losses (graphs kept)."""
+        m = self.micro_batches
+        losses: list[torch.Tensor | None] = [None] * m
+        errors: list[BaseException | None] = [None] * m
+        grad_enabled = torch.is_grad_enabled()
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        autocast = caller_autocast(device)
+
+        def run(j: int) -> None:
+            self._local.index = j
+            try:
+                with contextlib.ExitStack() as thread_state:
+                    if j > 0:  # a new thread: the caller's grad mode, autocast, device and stream
+                        torch.set_grad_enabled(grad_enabled)
+                        for kwargs in autocast:
+                            thread_state.enter_context(torch.autocast(**kwargs))
+                        if stream is not None:
+                            torch.cuda.set_device(device)
+                            torch.cuda.set_stream(stream)
+                    self._wait(j)
+                    loss = loss_fn(micro_batches[j])
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise TypeError(f"accumulate: loss_fn must return a one-element tensor, got "
+                                    f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
+                losses[j] = loss
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+                errors[j] = exc
+                with self._cond:
+                    self._failed = True
+                    self._cond.notify_all()
+            finally:
+                with self._cond:
+                    self._finished[j] = True
+                    if self._holder == j:
+                        self._hand_on(j)
+                self._local.index = None
+
+        # NOTE: micro-batch 0 runs on the calling thread (with m = 1 no thread and no hand-off at all)
+        threads = [threading.Thread(target=run, args=(j,), name=f"pystronghold-relay-{j}", daemon=True)
+                   for j in range(1, m)]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not isinstance(e, RelayAborted)), None)
+        if first is None:
+            first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return losses
+
+    def keep_or_stage(self, saved: list[torch.Tensor]) -> None:
+        """The tensors a block call saves for its recompute: kept on the device while the budget
+        allows, else copied to host memory and their device storage freed (restored before the
+        block's backward stage). Only storages made by this forward are staged (a cut leaf, an op's
+        output or a view of one): a user's input tensor or a parameter view is never touched."""
+        j = self._index()
+        call = len(self.cuts[j])  # the call being made: its cut is appended after the forward
+        leaves = {id(leaf) for c in self.cuts[j] if c is not None for leaf in c[2]}
+        for t in saved:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if storage.nbytes() == 0 or self._still_there(ptr):
+                continue
+            self._seen[ptr] = storage
+            root = t._base if t._base is not None else t  # a view's storage belongs to its base
+            own = id(t) in leaves or root.grad_fn is not None
+            nbytes = storage.nbytes()
+            if not own or self._budget is None or self.device_bytes + nbytes <= self._budget:
+                self.device_bytes += nbytes
+                continue
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.device.type == "cuda")
+            handle = self._backend.d2h(host, _bytes_of(storage, t.device),
+                                       after=[self._backend.compute_marker()])
+            self._staged[j].setdefault(call, []).append(_Staged(storage, host, handle))
+            self.staged_bytes += nbytes
+        self._free_copied(wait=False)
+
+    def _still_there(self, ptr: int) -> bool:
+        """Whether the storage counted at address ``ptr`` still holds it. NOTE: a staged storage's
+        freed memory may be reused by the next allocation (its storage object lives on, 0 bytes,
+        held by the saved tensors), so an address alone does not name a storage."""
+        seen = self._seen.get(ptr)
+        return seen is not None and seen.nbytes() > 0 and seen.data_ptr() == ptr
+
+    def _free_copied(self, wait: bool) -> None:
+        """Free the device storage of staged inputs whose copy-out finished (all of them: ``wait``)."""
+        for per_call in self._staged:
+            for stages in per_call.values():
+                for st in stages:
+                    if not st.freed and (wait or st.handle.done()):
+                        st.handle.wait()
+                        st.storage.resize_(0)
+                        st.freed = True
+
+    def _issue_restores(self, call: int) -> None:
+        """Start bringing back the staged inputs of block call ``call`` of every micro-batch."""
+        for per_call in self._staged:
+            for st in per_call.get(call, []):
+                if st.back is None:
+                    st.storage.resize_(st.host.numel())
+                    if self._strict:
+                        _bytes_of(st.storage, self._backend.device).fill_(255)  # NaN in every float type
+                    # NOTE: after the compute issued so far: on CUDA the re-allocated memory may
+                    # still be read by kernels queued on the compute stream
+                    st.back = self._backend.h2d(_bytes_of(st.storage, self._backend.device), st.host,
+                                                after=[self._backend.compute_marker()])
+
+    def _restored(self, j: int, call: int) -> None:
+        """Compute waits for micro-batch j's staged inputs of block call ``call``."""
+        for st in self._staged[j].pop(call, []):
+            self._backend.compute_wait(st.back)
+
+    # ---- backward
+
+    def backward(self, losses: list[torch.Tensor], scale_loss: Callable[[torch.Tensor], torch.Tensor],
+                 mean: bool) -> None:
+        """Back-propagate ``sum(losses) (/ m when mean)`` in stages: the tails, then each block's m
+        micro-batches from the last block to the first (see the module docstring)."""
+        m = self.micro_batches
+        self._free_copied(wait=True)
+        calls = {len(c) for c in self.cuts}
+        if len(calls) != 1:
+            raise RuntimeError(f"relay: the micro-batches called different numbers of blocks {sorted(calls)}")
+        for j, loss in enumerate(losses):
+            # NOTE: loss / m, as the default loop back-propagates each micro-batch (not x (1/m))
+            torch.autograd.backward(scale_loss(loss / m if mean and m > 1 else loss), retain_graph=True)
+            losses[j] = None
+        for pos in reversed(range(calls.pop())):
+            # staged inputs of this stage, and of the next one while this one computes
+            self._issue_restores(pos)
+            if pos > 0:
+                self._issue_restores(pos - 1)
+            for j in range(m):
+                block, reals, leaves = self.cuts[j][pos]
+                self.cuts[j][pos] = None  # the stage's graph goes once the backward has run
+                self._restored(j, pos)
+                pairs = [(r, leaf.grad) for r, leaf in zip(reals, leaves) if leaf.grad is not None]
+                if not pairs:
+                    raise RuntimeError(f"relay: block {block}'s outputs got no gradient in micro-batch {j}: "
+                                       "the loss does not depend on every block")
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs], retain_graph=True)
+
+
+def accumulate(engine, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
+               mean: bool = True) -> torch.Tensor:
+    """``engine.accumulate``: forward and backward of every micro-batch, layer-major with the relay
+    schedule (one relay pass), else one after the other; returns the detached losses, shape (m,)."""
+    executor, config = engine.executor, engine.config
+    m = len(micro_batches)
+    if m < 1:
+        raise ValueError("accumulate: micro_batches is empty")
+    if engine.micro_batches + m > config.accumulation_steps:
+        raise ValueError(f"accumulate: {m} micro-batches after {engine.micro_batches} backward passes exceed "
+                         f"accumulation_steps={config.accumulation_steps}")
+    if config.schedule_mode != "relay" or not engine.n_streamed:
+        losses = []
+        for item in micro_batches:
+            loss = loss_fn(item)
+            engine.backward(loss / m if mean and m > 1 else loss)
+            losses.append(loss.detach().reshape(()))
+        return torch.stack(losses)
+    if executor.in_pass():
+        raise RuntimeError("accumulate: a forward/backward pass is already in progress")
+    relay = Relay(m, engine.backend, config.relay_activation_bytes, strict=config.strict)
+    executor.relay = relay
+    try:
+        losses = relay.forward(micro_batches, loss_fn, engine.device)
+        values = torch.stack([loss.detach().reshape(()) for loss in losses])
+        relay.backward(losses, engine.scale_loss, mean)
+    except BaseException:
+        executor.abandon_pass()
+        raise
+    finally:
+        executor.relay = None
+    if executor.in_pass():
+        executor.abandon_pass()
+        raise RuntimeError("accumulate: the relay backward did not reach the first block")
+    executor.relay_activations = dict(device_bytes=relay.device_bytes, staged_bytes=relay.staged_bytes)
+    log.debug("relay pass: saved block inputs %d bytes on the device, %d staged to host memory",
+              relay.device_bytes, relay.staged_bytes)
+    return values
