@@ -13,7 +13,8 @@ import pystronghold as ph
 from _dist import run_ranks
 from pystronghold.models import GPT
 from pystronghold.parallel import init_parallel
-from test_parallel_runtime import CFG, CLIP, HYPER, _assert_matches, _assert_replicas_identical, _data, _full, _reference
+from parallel_training import (CFG, CLIP, HYPER, assert_matches_single_process, assert_replicas_identical, full_params,
+                               parallel_data, single_process_run)
 
 
 def _train(model: GPT, data: torch.Tensor, groups, schedule: str, **options):
@@ -40,14 +41,14 @@ def _train(model: GPT, data: torch.Tensor, groups, schedule: str, **options):
 def _relay_dp_tp(rank: int, world: int, tp: int) -> None:
     groups = init_parallel(tp_size=tp, heads=CFG.heads, timeout_s=30)
     cfg = dataclasses.replace(CFG, tp_size=tp)
-    data = _data(steps=3, micro=3, batch=2 * groups.dp_size)
+    data = parallel_data(steps=3, micro=3, batch=2 * groups.dp_size)
     runs = {s: _train(GPT(cfg, seed=7, tp_group=groups.tp_group), data, groups, s, clip_grad_norm=CLIP)
             for s in ("default", "relay")}
     for s, (losses, norms, params) in runs.items():
-        _assert_matches((losses, norms, _full(GPT(cfg, seed=7, tp_group=groups.tp_group), params, groups.tp_group)),
-                        _reference(data, clip=CLIP), clipped=True)
+        full = full_params(GPT(cfg, seed=7, tp_group=groups.tp_group), params, groups.tp_group)
+        assert_matches_single_process((losses, norms, full), single_process_run(data, clip=CLIP), clipped=True)
         if groups.dp_size > 1:
-            _assert_replicas_identical(params, groups.dp_group)
+            assert_replicas_identical(params, groups.dp_group)
     torch.testing.assert_close(torch.tensor(runs["relay"][0]), torch.tensor(runs["default"][0]), rtol=1e-6, atol=0)
 
 

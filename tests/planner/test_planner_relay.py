@@ -13,7 +13,7 @@ from pystronghold.planner import Hardware, Workload, gpu_preset, make_plan
 from pystronghold.planner.hardware import GiB
 from pystronghold.planner.relay import choose_schedule, schedule_estimates
 from runtime_models import gpt_batches, one_torch_thread, tiny_gpt
-from test_runtime_relay import train
+from relay_training import train
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 

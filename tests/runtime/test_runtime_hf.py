@@ -10,35 +10,14 @@ import torch
 from torch import nn
 
 import pystronghold as ph
+from hf_small import MODELS, VOCAB, hf_llama, token_batches
 from runtime_models import assert_same_training, het_batches, one_torch_thread, run_both, train_engine, train_reference
 
 transformers = pytest.importorskip("transformers")
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 
-VOCAB, STEPS = 97, 10
-
-
-def hf_gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(n_layer=5, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def hf_llama() -> nn.Module:
-    """GQA (2 key/value heads for 4 query heads), rotary, RMSNorm, SwiGLU."""
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-MODELS = {"gpt2": hf_gpt2, "llama": hf_llama}
-
-
-def token_batches(steps: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(steps)]
+STEPS = 10
 
 
 def lm_loss(model, x):

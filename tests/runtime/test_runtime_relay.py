@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import pystronghold as ph
+from relay_training import STEPS, train
 from runtime_models import HYPER, HetStack, het_batches, one_torch_thread, train_reference
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 
-STEPS = 3
 
 
 class SkipStack(nn.Module):
@@ -41,26 +41,6 @@ class SkipStack(nn.Module):
 def skip_batches(n: int, seed: int = 2):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(3, 5, 6, generator=g), torch.randn(3, 5, 2, generator=g)) for _ in range(n)]
-
-
-def train(model, batches, m, *, schedule, steps=STEPS, mean=True, **options):
-    """``steps`` optimizer steps of ``m`` micro-batches through engine.accumulate. Returns (losses
-    (steps, m), fp32 parameters, h2d events, d2h events, engine)."""
-    engine = ph.wrap(model, blocks=model.blocks, optimizer=ph.AdamW(**HYPER, bitwise_torch=True),
-                     accumulation_steps=m, schedule=schedule, trace=True, **options)
-    try:
-        losses = []
-        for s in range(steps):
-            losses.append(engine.accumulate(batches[s * m:(s + 1) * m], lambda b: engine(*b), mean=mean))
-            engine.step()
-            engine.zero_grad()
-        engine.synchronize()
-        events = engine.trace.events()
-        params = {k: v.clone() for k, v in engine.master_parameters().items()}
-    finally:
-        engine.close()
-    return (torch.stack(losses), params, [e for e in events if e.kind == "h2d"],
-            [e for e in events if e.kind == "d2h"], engine)
 
 
 def assert_same(a, b, rtol=1e-6, atol=1e-7):
@@ -203,7 +183,7 @@ def test_relay_on_hugging_face_models_equals_default(kind):
     """Models we did not write: blocks called with masks and rotary embeddings made before them,
     tuple outputs (GPT-2 with its default dropout off: the relay draws masks in another order)."""
     pytest.importorskip("transformers")
-    from test_runtime_hf import MODELS, token_batches
+    from hf_small import MODELS, token_batches
 
     model = MODELS[kind]()
     if kind == "gpt2":
