@@ -17,13 +17,14 @@ import math
 import torch
 
 from pystronghold.io.scratch import check_io_directory
-from pystronghold.parallel.data import any_rank, average_, average_grads_, global_grad_norm, is_tp_shard
+from pystronghold.parallel.data import (any_rank, average_, average_grads_, global_grad_norm, is_pipeline_copy,
+                                        is_tp_shard)
 from pystronghold.runtime import block_fn
 from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.optimizer import DeviceAdamW, WindowOptimizer
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
-from pystronghold.runtime.schedule import Load, Release, build_plan
+from pystronghold.runtime.schedule import Load, Plan, Release, Use, build_plan
 from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.inputs import forward_signature, move_inputs
@@ -61,6 +62,7 @@ class Engine:
         self.overlap = config.overlap_mode
         par = config.parallel
         self.dp_group, self.tp_group = (par.dp_group, par.tp_group) if par is not None else (None, None)
+        self.pp_group = par.pp_group if par is not None else None  # norms summed over the stages
         self.parallel = par is not None and par.world_size > 1
         if config.nvme_dir is not None:
             check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
@@ -215,6 +217,13 @@ class Engine:
         """fp32 value of every parameter by its model name (host store for blocks); synchronizes first."""
         return self.states.master_parameters()
 
+    def use_step_plan(self, plan: Plan) -> None:
+        """Train with ``plan`` (``schedule.plan_uses``) covering a whole optimizer step instead of
+        one forward and backward: a pipeline stage runs its micro-batches' passes interleaved in its
+        schedule's order (``pystronghold.parallel.pipeline``). Each use is checked as it happens,
+        so a schedule that runs in another order raises instead of computing with wrong blocks."""
+        self.plans[True] = plan
+
     def in_pass(self) -> bool:
         """True between a forward's first block and the end of its backward (or of an inference pass)."""
         return self._plan is not None
@@ -251,10 +260,12 @@ class Engine:
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
-        if phase == "fwd" and block == 0:
-            self._begin_pass(train)
         plan = self._plan
         use = plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
+        if phase == "fwd" and block == 0 and use != Use("fwd", 0):  # (a step plan continues)
+            self._begin_pass(train)
+            plan = self._plan
+            use = plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
         if use is None or (use.phase, use.block) != (phase, block):
             raise RuntimeError(
                 f"block {block} ran its {phase} out of the expected order (expected {use}); the window "
@@ -293,6 +304,8 @@ class Engine:
         """After ``block`` computed: in backward hand its gradient out; then run the plan's actions."""
         if phase == "bwd":
             self._grad_to_host(block, param_grads)
+            if block == 0:  # a backward pass ends with block 0
+                self.micro_batches += 1
         for action in self._plan.after[self._pos]:
             if isinstance(action, Release):
                 self._release(action)
@@ -300,8 +313,6 @@ class Engine:
                 self._load(action)
         self._pos += 1
         if self._pos == len(self._plan.uses):
-            if len(self._plan.uses) > self.n_streamed:
-                self.micro_batches += 1
             self._plan = None
             self._flush_copies()  # finished copies go to the trace and are dropped
 
@@ -460,8 +471,9 @@ class Engine:
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
         params = [p for p in self.model.parameters() if id(p) in norms]
+        params = [p for p in params if not is_pipeline_copy(p)]  # a tied weight counted once
         return global_grad_norm([norms[id(p)] for p in params], [is_tp_shard(p) for p in params],
-                                self.tp_group)
+                                self.tp_group, pp_group=self.pp_group)
 
     def _end_step(self) -> None:
         self.micro_batches = 0
