@@ -29,7 +29,7 @@ from torch import nn
 from pystronghold.parallel.groups import ParallelGroups
 
 __all__ = ["SCHEDULES", "balance_stages", "stage_passes", "PipelineStageModule", "build_stage",
-           "Pipeline", "gpt_stage", "gpt_stage_costs", "gpt_loss", "validate_pipeline"]
+           "Pipeline", "gpt_stage", "gpt_pipeline", "gpt_stage_costs", "gpt_loss", "validate_pipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,28 @@ class Pipeline:
                 dist.all_reduce(g, group=self.groups.embedding_group)
         self.engine.step()
         self.engine.zero_grad()
+        return self._broadcast_loss()
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Mean loss of a batch without gradients (forward passes only, through the window in eval
+        mode: no dropout); the same value on every stage. Same arguments as ``step``."""
+        schedule = self._schedule_for(x)
+        self._losses.clear()
+        self.engine.eval()
+        try:
+            if self.first:
+                schedule.eval(x.to(self.engine.device))
+            elif self.last:
+                schedule.eval(target=y.to(self.engine.device))
+            else:
+                schedule.eval()
+        finally:
+            self.engine.train()
+        return self._broadcast_loss()
+
+    def _broadcast_loss(self) -> float:
+        """The last stage's mean micro-batch loss, sent to every stage of this pipeline."""
         loss = torch.zeros(1, dtype=torch.float64)
         if self.last:
             loss[0] = float(torch.stack([l.double() for l in self._losses]).mean())
@@ -328,6 +350,19 @@ def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
             weight.pp_tied_copy = True  # parallel.data.is_pipeline_copy
             tied = [weight]
     return stage, tied
+
+
+def gpt_pipeline(model, groups: ParallelGroups, *, micro_batches: int, schedule: str = "1f1b",
+                 seq: int | None = None, **options) -> Pipeline:
+    """``Pipeline`` of this rank's balanced stage of a ``GPT`` (``gpt_stage``), with its loss and
+    tied embeddings; ``options`` are ``wrap``'s."""
+    config = model.config
+    if options.pop("parallel", groups) is not groups:
+        raise ValueError("gpt_pipeline: parallel= must be the groups given (or left out)")
+    stage, tied = gpt_stage(model, groups, seq=seq)
+    return Pipeline(stage, groups, loss_fn=gpt_loss(config, groups.tp_group), micro_batches=micro_batches,
+                    hidden=config.hidden, output_size=config.padded_vocab_size // config.tp_size,
+                    schedule=schedule, tied=tied, **options)
 
 
 class _LogitsTail(nn.Module):

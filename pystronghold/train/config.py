@@ -287,12 +287,18 @@ class CheckpointOptions:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelOptions:
-    """Tensor and data parallelism (launch with torchrun --nproc-per-node TP*DP)."""
+    """Tensor, data and pipeline parallelism (launch with torchrun --nproc-per-node PP*TP*DP)."""
 
     tp: int = 1
     """Tensor-parallel ranks per model replica (attention heads, MLP columns and vocabulary split)."""
     dp: int = 0
-    """Data-parallel replicas, each fed its slice of every batch; 0: the world size / --tp."""
+    """Data-parallel replicas, each fed its slice of every batch; 0: the world size / (--tp x --pp)."""
+    pp: int = 1
+    """Pipeline stages the blocks are split across (balanced by compute, each with its own window)."""
+    micro_batches: int = 0
+    """Micro-batches each replica's batch is cut into for the pipeline; 0: --pp."""
+    pp_schedule: str = field(default="1f1b", metadata={"choices": ("1f1b", "gpipe")})
+    """Pipeline schedule (torch.distributed.pipelining's Schedule1F1B or ScheduleGPipe)."""
     dist_timeout: float = 300.0
     """Seconds a collective waits for the other ranks before the run fails."""
 
@@ -301,6 +307,10 @@ class ParallelOptions:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         if self.dp < 0:
             raise ValueError(f"--dp must be >= 1 (or 0: world size / --tp), got {self.dp}")
+        if self.pp < 1:
+            raise ValueError(f"--pp must be >= 1, got {self.pp}")
+        if self.micro_batches < 0:
+            raise ValueError(f"--micro-batches must be >= 1 (or 0: --pp), got {self.micro_batches}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be > 0, got {self.dist_timeout}")
 
@@ -312,12 +322,17 @@ class ParallelOptions:
     @property
     def dp_size(self) -> int:
         """--dp in effect (0 resolved against the world size)."""
-        return self.dp or max(self.world_size // self.tp, 1)
+        return self.dp or max(self.world_size // (self.tp * self.pp), 1)
+
+    @property
+    def micro_batch_count(self) -> int:
+        """--micro-batches in effect (0 resolved to --pp)."""
+        return self.micro_batches or self.pp
 
     @property
     def distributed(self) -> bool:
         """Whether this run needs torch.distributed (several processes or sizes above 1)."""
-        return self.world_size > 1 or self.tp * self.dp_size > 1
+        return self.world_size > 1 or self.pp * self.tp * self.dp_size > 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -345,12 +360,14 @@ class TrainConfig:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
         if isinstance(cfg, HFModelConfig) and self.window.window == "auto":
             raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
+        if par.pp > 1:
+            self._check_pipeline(cfg)
         if world == 1 and tp * dp > 1:
             raise ValueError(f"--tp {tp} x --dp {dp} needs {tp * dp} processes; launch with "
                              f"torchrun --nproc-per-node {tp * dp} -m pystronghold train ...")
         if world % tp:
             raise ValueError(f"--tp {tp} must divide the number of processes {world}")
-        if tp * dp != world:
+        if tp * dp * par.pp != world:
             raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} processes, but there are {world}")
         if cfg.heads % tp:
             raise ValueError(f"--tp {tp} must divide the model's {cfg.heads} attention heads")
@@ -361,6 +378,32 @@ class TrainConfig:
                              "(each replica takes an equal slice of every batch)")
         if par.distributed and self.window.window == "auto":
             raise ValueError("--window auto is not supported with several processes yet; give --window N")
+
+    def _check_pipeline(self, cfg) -> None:
+        """--pp layouts (local arithmetic: the same on every rank, before any collective)."""
+        from pystronghold.parallel.pipeline import validate_pipeline
+
+        par = self.parallel
+        pp, tp, dp, world, m = par.pp, par.tp, par.dp_size, par.world_size, par.micro_batch_count
+        if isinstance(cfg, HFModelConfig):
+            raise ValueError(f"--pp {pp}: --model {HF_PREFIX}DIR trains with --pp 1 only")
+        if pp * tp * dp != world:
+            launch = (f"; launch with torchrun --nproc-per-node {pp * tp * dp} -m pystronghold train ..."
+                      if world == 1 else "")
+            raise ValueError(f"--pp {pp} x --tp {tp} x --dp {dp} = {pp * tp * dp} processes, but there are "
+                             f"{world}{launch}")
+        try:
+            validate_pipeline(pp, cfg.layers, m, par.pp_schedule)
+        except ValueError as err:
+            raise ValueError(f"--pp {pp}: {err}".replace("micro_batches=", "--micro-batches ")) from None
+        if self.data.batch % (dp * m):
+            raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} x --micro-batches {m} "
+                             "(each replica cuts its slice into equal micro-batches)")
+        if self.optim.accumulation > 1:
+            raise ValueError("--accumulation with --pp: the pipeline accumulates over --micro-batches; "
+                             "use that instead")
+        if self.checkpoint.checkpoint_dir or self.checkpoint.resume:
+            raise ValueError("--checkpoint-dir with --pp > 1 is not supported yet")
 
     @property
     def gpt(self) -> GPTConfig | HFModelConfig:

@@ -1,0 +1,55 @@
+"""``torchrun -m pystronghold train --pp P``: pipeline stages launched by torch.distributed.run.
+
+A --pp 2 run (2 micro-batches per step) logs the losses of the single-process run on the same
+global batches (fp32; the metrics lines print 4 decimals and must be equal: |difference| <= 1e-4,
+while one step moves the loss by ~0.1). The exact equivalence at 1e-6 is in
+test_parallel_pipeline.py; this file checks the CLI's plumbing: the split printed at start, the
+stage groups, rank-0 output, and bad layouts failing on every rank with one line from rank 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_train_torchrun import _losses, _run
+
+
+@pytest.fixture(scope="module")
+def reference():
+    p = _run(1)
+    assert p.returncode == 0, p.stderr
+    return _losses(p.stdout)
+
+
+def test_pp2_logs_the_single_process_losses_and_prints_the_split(reference):
+    p = _run(2, "--pp", "2", "--micro-batches", "2")
+    assert p.returncode == 0, p.stderr
+    train, val = _losses(p.stdout)
+    assert train == pytest.approx(reference[0], abs=1e-4)
+    assert val == pytest.approx(reference[1], abs=1e-4)
+    assert p.stdout.count("trained steps 1..3") == 1
+    # tiny: 4 equal blocks; the LM head (V=256) outweighs the embedding, so no block moves
+    assert p.stdout.count("pipeline split over 2 stages: stage 0: head + blocks 0-1 (") == 1
+    assert "stage 1: blocks 2-3 + LM head" in p.stdout
+
+
+def test_pp_misconfiguration_fails_on_every_rank_with_one_message():
+    p = _run(3, "--pp", "2")
+    assert p.returncode != 0
+    ours = [line for line in p.stderr.splitlines() if line.startswith("pystronghold train: error:")]
+    assert len(ours) == 1 and "--pp 2 x --tp 1 x --dp 1 = 2 processes, but there are 3" in ours[0]
+    assert "exitcode: 2" in p.stderr
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    (dict(pp=6), 6, "--pp 6: pp=6 stages are more than the model's 4 blocks"),
+    (dict(pp=2, micro_batches=1), 2, "--pp 2: --micro-batches 1 must be at least the pp=2 stages"),
+    (dict(pp=2, micro_batches=8), 2, "--batch 4 must be divisible by --dp 1 x --micro-batches 8"),
+    (dict(pp=2), 1, "launch with torchrun --nproc-per-node 2"),
+], ids=["more-stages-than-blocks", "too-few-micro-batches", "batch-not-divisible", "one-process"])
+def test_pp_layouts_checked_before_any_collective(monkeypatch, extra, world, message):
+    """TrainConfig's checks: local arithmetic that every rank runs alike before init_parallel."""
+    from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4), parallel=ParallelOptions(**extra))
