@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from pystronghold.parallel.groups import group_rank, group_size
 
-__all__ = ["average_", "average_grads_", "is_tp_shard", "is_pipeline_copy", "global_grad_norm", "any_rank"]
+__all__ = ["average_", "average_grads_", "is_tp_shard", "is_pipeline_copy", "tied_source", "global_grad_norm", "any_rank"]
 
 
 def average_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -66,7 +66,12 @@ def is_tp_shard(param: torch.Tensor) -> bool:
 def is_pipeline_copy(param: torch.Tensor) -> bool:
     """True for the last pipeline stage's copy of a weight tied to the first stage's (the LM head
     tied to the embedding): its gradient is all-reduced with the original, so it counts once."""
-    return getattr(param, "pp_tied_copy", False)
+    return bool(getattr(param, "pp_tied_copy", None))
+
+
+def tied_source(param: torch.Tensor) -> str | None:
+    """The model name of the weight a pipeline copy is tied to (its checkpoint key), else None."""
+    return getattr(param, "pp_tied_copy", None) or None
 
 
 def global_grad_norm(norms: list[torch.Tensor], sharded: list[bool],

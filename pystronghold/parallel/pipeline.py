@@ -200,6 +200,10 @@ class Pipeline:
         self._stage_cls, self._schedule_cls = PipelineStage, {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
         self._schedules: dict[tuple, object] = {}  # by micro-batch input shape
         self._losses: list[torch.Tensor] = []
+        spans = [None] * groups.pp_size  # every stage's global block range (a collective, once)
+        dist.all_gather_object(spans, (stage.first_block, len(stage.blocks)), group=groups.pp_group)
+        self.stage_blocks = [range(first, first + n) for first, n in spans]
+        """The global block indices of each stage, stage 0 first."""
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.user_loss_fn(output, target)
@@ -283,18 +287,31 @@ class Pipeline:
             dist.broadcast(loss, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
         return float(loss[0])
 
+    def global_name(self, name: str) -> str:
+        """A parameter's name in the whole model from its name in this stage (``blocks.{i}.*`` gets
+        the global block index; head and tail names are the model's)."""
+        if name.startswith("blocks."):
+            _, index, rest = name.split(".", 2)
+            return f"blocks.{self.stage_module.first_block + int(index)}.{rest}"
+        return name
+
+    def stage_of_block(self, block: int) -> int:
+        """The stage holding global block ``block``."""
+        for stage, blocks in enumerate(self.stage_blocks):
+            if block in blocks:
+                return stage
+        raise ValueError(f"block {block} is on no stage (stages hold {self.stage_blocks})")
+
+    def share_from(self, stage: int, value):
+        """``value`` of stage ``stage`` on every stage of this pipeline (a broadcast of a picklable
+        object over the pp group; every stage calls it, ``value`` is ignored elsewhere)."""
+        box = [value if self.groups.pp_rank == stage else None]
+        dist.broadcast_object_list(box, src=self.groups.pp_ranks[stage], group=self.groups.pp_group)
+        return box[0]
+
     def master_parameters(self) -> dict[str, torch.Tensor]:
-        """fp32 value of this stage's parameters by their name in the whole model (``blocks.{i}``
-        with the global block index i, ``head.*``, ``tail.*``)."""
-        local = self.engine.master_parameters()
-        first = self.stage_module.first_block
-        out = {}
-        for name, value in local.items():
-            if name.startswith("blocks."):
-                _, index, rest = name.split(".", 2)
-                name = f"blocks.{first + int(index)}.{rest}"
-            out[name] = value
-        return out
+        """fp32 value of this stage's parameters by their name in the whole model (``global_name``)."""
+        return {self.global_name(name): value for name, value in self.engine.master_parameters().items()}
 
     def close(self) -> None:
         """Stop the stage's engine (its worker threads)."""
@@ -347,7 +364,7 @@ def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
             tied = [model.head.tok.weight]
         if last:
             weight = model.tail.lm_head.weight
-            weight.pp_tied_copy = True  # parallel.data.is_pipeline_copy
+            weight.pp_tied_copy = "head.tok.weight"  # parallel.data.is_pipeline_copy / tied_source
             tied = [weight]
     return stage, tied
 

@@ -402,8 +402,6 @@ class TrainConfig:
         if self.optim.accumulation > 1:
             raise ValueError("--accumulation with --pp: the pipeline accumulates over --micro-batches; "
                              "use that instead")
-        if self.checkpoint.checkpoint_dir or self.checkpoint.resume:
-            raise ValueError("--checkpoint-dir with --pp > 1 is not supported yet")
 
     @property
     def gpt(self) -> GPTConfig | HFModelConfig:
