@@ -26,6 +26,7 @@ EXAMPLES = """examples:
   pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b --batch 4
   pystronghold plan --gpu rtx4090 --host-memory 128 --nvme 2000 --layers 48 --hidden 6144 --heads 48
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
+  pystronghold plan --gpu h100-80gb --host-memory 512 --model gpt3-13b --pp 4 --tp 2 --micro-batches 8
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
@@ -77,6 +78,12 @@ class PlanRequest:
     """Tensor-parallel ranks."""
     dp: int = 1
     """Data-parallel ranks (all tp * dp ranks on this one host)."""
+    pp: int = 1
+    """Pipeline stages (one host each); the window, memory and step time are then the largest stage's."""
+    micro_batches: int = 0
+    """Micro-batches per step through the pipeline (0: --pp); --batch is one micro-batch."""
+    pp_schedule: str = field(default="1f1b", metadata={"choices": ("1f1b", "gpipe")})
+    """Pipeline schedule: in-flight activations differ (1F1B: p - s micro-batches, GPipe: all)."""
     overlap: str = field(default="backward", metadata={"choices": ("backward", "forward")})
     """Host updates during backward, or after it (forward; what clipping and fp16 need)."""
     widths: str | None = field(default=None, metadata={"metavar": "C,C,..."})
@@ -99,7 +106,7 @@ class PlanRequest:
             raise ValueError("give --model PRESET, or --layers, --hidden and --heads")
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
                      "nvme_bandwidth", "efficiency", "layers", "hidden", "heads", "vocab", "seq",
-                     "batch", "tp", "dp"):
+                     "batch", "tp", "dp", "pp"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -211,12 +218,32 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         request = PlanRequest(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanRequest)})
         config, work, hw, window, widths = request.resolve()
+        pipeline = None
+        if request.pp > 1:
+            from pystronghold.planner.pipeline import plan_pipeline
+
+            if request.micro_batches < 0:
+                raise ValueError(f"--micro-batches must be >= 1 (or 0: --pp), got {request.micro_batches}")
+            pipeline = plan_pipeline(config, work, request.pp, request.micro_batches or request.pp,
+                                     request.pp_schedule)
+            config = dataclasses.replace(config, layers=max(len(r) for r in pipeline.split))  # the largest stage
         plan = make_plan(config, work, hw, window)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:
         print(f"pystronghold plan: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_to_dict(plan), indent=2) if request.json else format_plan(plan))
+    if request.json:
+        out = plan_to_dict(plan)
+        if pipeline is not None:
+            out["pipeline"] = pipeline.to_dict()
+        print(json.dumps(out, indent=2))
+    else:
+        text = format_plan(plan)
+        if pipeline is not None:
+            text += "\n" + "\n".join(pipeline.lines() + [
+                f"  (window, memory and step time above: the largest stage, {config.layers} blocks, with "
+                "both head and tail counted)"])
+        print(text)
     return 0 if plan.fits else 1
 
 
