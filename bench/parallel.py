@@ -132,9 +132,11 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, pp: int, port: int, ctl:
     if pp > 1:
         from pystronghold.parallel.pipeline import gpt_pipeline
 
+        per_block = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+        ends = sum(p.numel() for p in (model.head if groups.pp_rank == 0 else model.tail).parameters())
         pipe = gpt_pipeline(model, groups, micro_batches=MICRO_BATCHES, **options)
-        engine = pipe.engine
-        n_local = sum(p.numel() for p in pipe.stage_module.parameters())
+        engine = pipe.engine  # (its blocks' parameters are placeholders now: counted before)
+        n_local = ends + sum(per_block[i] for i in pipe.stage_blocks[groups.pp_rank])
     else:
         n_local = sum(p.numel() for p in model.parameters())
         engine = ph.wrap(model, blocks=model.blocks, parallel=groups, **options)
