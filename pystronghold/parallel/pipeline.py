@@ -19,6 +19,7 @@ gradient is the global batch's mean; clipping uses the norm summed over the stag
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pystronghold.parallel.groups import ParallelGroups
+from pystronghold.runtime.config import RuntimeConfig
 
 __all__ = ["SCHEDULES", "balance_stages", "stage_passes", "PipelineStageModule", "build_stage",
            "Pipeline", "gpt_stage", "gpt_pipeline", "gpt_stage_costs", "gpt_loss", "validate_pipeline"]
@@ -169,13 +171,14 @@ class Pipeline:
     passed between stages, (B/m, T, hidden); ``output_size``: last dimension of the last stage's
     output; ``tied``: parameters of this stage tied to one on the other end of the pipeline (the
     embedding and the LM head): their gradients are summed over ``groups.embedding_group``.
-    ``options`` are ``wrap``'s (window, optimizer, clip_grad_norm, precision, ...);
-    ``accumulation_steps`` is set to ``micro_batches``.
+    ``options`` are ``wrap``'s (window, optimizer, clip_grad_norm, precision, ...), or ``config=``
+    one whole ``RuntimeConfig``; ``accumulation_steps`` is set to ``micro_batches`` and
+    ``parallel`` to ``groups``.
     """
 
     def __init__(self, stage: PipelineStageModule, groups: ParallelGroups, *, loss_fn: Callable,
                  micro_batches: int, hidden: int, output_size: int, schedule: str = "1f1b",
-                 tied: Sequence[torch.Tensor] = (), **options) -> None:
+                 tied: Sequence[torch.Tensor] = (), config: RuntimeConfig | None = None, **options) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         from pystronghold.runtime.api import wrap
@@ -184,15 +187,20 @@ class Pipeline:
         if groups.pp_size < 2:
             raise ValueError(f"Pipeline needs init_parallel(..., pp=P) with P >= 2, got pp={groups.pp_size}")
         validate_pipeline(groups.pp_size, groups.pp_size, micro_batches, schedule)  # (blocks: gpt_stage)
-        if "accumulation_steps" in options:
+        if config is not None and options:
+            raise TypeError(f"Pipeline: give config= or options ({', '.join(options)}), not both")
+        config = config if config is not None else RuntimeConfig(**options)
+        if config.accumulation_steps != 1:
             raise ValueError("Pipeline: accumulation_steps= is set by micro_batches= (the stage "
                              "accumulates the gradients of every micro-batch of a step)")
+        if config.parallel not in (None, groups):
+            raise ValueError("Pipeline: parallel= must be the groups given (or left out)")
         self.groups, self.micro_batches, self.schedule_name = groups, micro_batches, schedule
         self.first, self.last = groups.pp_rank == 0, groups.pp_rank == groups.pp_size - 1
         self.stage_module, self.user_loss_fn, self.tied = stage, loss_fn, list(tied)
         self.hidden, self.output_size = hidden, output_size
-        self.engine = wrap(stage, blocks=stage.blocks, parallel=groups, accumulation_steps=micro_batches,
-                           **options)
+        self.engine = wrap(stage, blocks=stage.blocks,
+                           config=dataclasses.replace(config, accumulation_steps=micro_batches, parallel=groups))
         passes = stage_passes(schedule, groups.pp_rank, groups.pp_size, micro_batches)
         if self.engine.n_streamed:
             self.engine.use_step_plan(plan_uses(pass_uses(self.engine.n_streamed, passes),
@@ -370,13 +378,13 @@ def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
 
 
 def gpt_pipeline(model, groups: ParallelGroups, *, micro_batches: int, schedule: str = "1f1b",
-                 seq: int | None = None, **options) -> Pipeline:
-    """``Pipeline`` of this rank's balanced stage of a ``GPT`` (``gpt_stage``), with its loss and
-    tied embeddings; ``options`` are ``wrap``'s."""
+                 seq: int | None = None, split: Sequence[range] | None = None, **options) -> Pipeline:
+    """``Pipeline`` of this rank's stage of a ``GPT`` (``gpt_stage``: ``split`` given, or balanced),
+    with its loss and tied embeddings; ``options`` are ``wrap``'s (or ``config=`` a RuntimeConfig)."""
     config = model.config
     if options.pop("parallel", groups) is not groups:
         raise ValueError("gpt_pipeline: parallel= must be the groups given (or left out)")
-    stage, tied = gpt_stage(model, groups, seq=seq)
+    stage, tied = gpt_stage(model, groups, seq=seq, split=split)
     return Pipeline(stage, groups, loss_fn=gpt_loss(config, groups.tp_group), micro_batches=micro_batches,
                     hidden=config.hidden, output_size=config.padded_vocab_size // config.tp_size,
                     schedule=schedule, tied=tied, **options)
