@@ -331,6 +331,17 @@ class TrainConfig:
         if self.data.batch % (dp * m):
             raise ConfigError(par, "micro_batches=", f": --batch {self.data.batch} must be divisible by {dp} data-parallel "
                               f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
+        # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
+        # after the others entered a collective. The split is local arithmetic (gpt_stage's).
+        from pystronghold.parallel.pipeline import balance_stages, gpt_stage_costs
+
+        costs, head, tail = gpt_stage_costs(self.gpt, self.seq)
+        split = balance_stages(costs, pp, head_cost=head, tail_cost=tail)
+        smallest = min(range(pp), key=lambda s: len(split[s]))
+        if self.runtime.resident_blocks > len(split[smallest]):
+            raise ConfigError(self.runtime, "resident_blocks=", f"is more than the {len(split[smallest])} blocks of "
+                              f"pipeline stage {smallest} (--pp {pp} splits the blocks "
+                              f"{[len(r) for r in split]}); each stage keeps that many of its own blocks resident")
         if self.runtime.accumulation_steps > 1:
             raise ConfigError(self.runtime, "accumulation_steps=", "with a pipeline: it accumulates over "
                               "--micro-batches; use that instead")

@@ -56,6 +56,25 @@ def test_pp_layouts_checked_before_any_collective(monkeypatch, extra, world, mes
         TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4), parallel=ParallelOptions(**extra))
 
 
+def test_resident_blocks_must_fit_every_stage(monkeypatch):
+    """Each stage keeps --resident-blocks of its own blocks on the device: a stage with fewer
+    blocks would fail alone in wrap, after the others entered a collective (a hang)."""
+    from pystronghold.options import ConfigError
+    from pystronghold.runtime.config import RuntimeConfig
+    from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def config(resident):
+        return TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4),
+                           runtime=RuntimeConfig(resident_blocks=resident), parallel=ParallelOptions(pp=2))
+
+    assert config(2).runtime.resident_blocks == 2  # tiny: 4 blocks, 2 per stage
+    with pytest.raises(ConfigError, match=r"RuntimeConfig.resident_blocks=3 is more than the 2 blocks of "
+                                          r"pipeline stage 0 \(--pp 2 splits the blocks \[2, 2\]\)"):
+        config(3)
+
+
 @pytest.mark.parametrize("writer, reader", [(("--pp", "2"), ()), ((), ("--pp", "2"))],
                          ids=["pp2-resumed-by-one-process", "one-process-resumed-by-pp2"])
 def test_checkpoints_cross_resume_between_pipeline_and_one_process(reference, tmp_path, writer, reader):
