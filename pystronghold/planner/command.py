@@ -189,8 +189,10 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise ValueError(f"--micro-batches must be >= 1 (or 0: --pp), got {request.micro_batches}")
             pipeline = plan_pipeline(config, work, request.pp, request.micro_batches or request.pp,
                                      request.pp_schedule)
-            config = dataclasses.replace(config, layers=max(len(r) for r in pipeline.split))  # the largest stage
-        plan = make_plan(config, work, hw, window)
+            # NOTE: an upper bound over the stages: the most blocks of any stage, holding the
+            # activations of the most micro-batches in flight on any stage (stage 0's under 1F1B)
+            config = dataclasses.replace(config, layers=max(len(r) for r in pipeline.split))
+        plan = make_plan(config, work, hw, window, in_flight=max(pipeline.in_flight) if pipeline else 1)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:
         print(f"pystronghold plan: error: {e}", file=sys.stderr)
@@ -205,7 +207,8 @@ def run_plan(args: argparse.Namespace) -> int:
         if pipeline is not None:
             text += "\n" + "\n".join(pipeline.lines() + [
                 f"  (window, memory and step time above: the largest stage, {config.layers} blocks, with "
-                "both head and tail counted)"])
+                f"both head and tail counted and the activations of {max(pipeline.in_flight)} micro-batches "
+                "in flight)"])
         print(text)
     return 0 if plan.fits else 1
 

@@ -14,7 +14,9 @@ from torch import nn
 
 from pystronghold.cli import main
 from pystronghold.models import GPTConfig
+from pystronghold.planner import Hardware, gpu_preset, make_plan
 from pystronghold.planner.cost import Workload
+from pystronghold.planner.hardware import GiB
 from pystronghold.planner.pipeline import bubble_fraction, in_flight_micro_batches, plan_pipeline
 
 
@@ -53,6 +55,27 @@ def test_cli_plan_prints_the_pipeline(capsys):
     assert pipe["bubble_fraction"] == pytest.approx(3 / 8) and pipe["in_flight"] == [4, 3, 2, 1]
     assert main(["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "tiny", "--pp", "8"]) == 2
     assert "pp=8 stages are more than the model's 4 blocks" in capsys.readouterr().err
+
+
+def test_plan_pp_counts_the_in_flight_activations_in_device_memory(capsys):
+    """The device peak of a pipeline plan holds the saved activations of every micro-batch in
+    flight (1F1B: p on stage 0), not one micro-batch's: the planner must not pick a window that
+    only fits one micro-batch's activations."""
+    base = ["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "gpt3-1.3b", "--json"]
+    assert main(base + ["--pp", "4", "--micro-batches", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    stage_blocks = max(b - a for a, b in out["pipeline"]["split"])
+    assert out["pipeline"]["in_flight"][0] == 4
+    # the same stage alone (one micro-batch in flight), and the difference: 3 more micro-batches'
+    # block inputs (recompute keeps only those), B*T*C*s bytes each per block
+    assert main(base + ["--layers", str(stage_blocks)]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    held = out["device"]["activation_bytes"] - alone["device"]["activation_bytes"]
+    assert held == 3 * stage_blocks * out["pipeline"]["p2p_bytes_per_micro_batch"]
+    cfg = GPTConfig(vocab_size=256, seq_len=64, layers=8, hidden=64, heads=4)
+    hw = Hardware(gpu=gpu_preset("h100-80gb"), host_memory_bytes=512 * GiB)
+    with pytest.raises(ValueError, match="in_flight must be a positive int"):
+        make_plan(cfg, Workload(batch=2), hw, in_flight=0)
 
 
 # ---- the bubble of a real run
