@@ -248,14 +248,7 @@ class Pipeline:
         """One optimizer step on this replica's batch: inputs ``x`` (B, T) and targets ``y`` (B, T),
         B divisible by ``micro_batches`` (every rank of the pipeline passes the same batch; the
         first stage reads ``x``, the last ``y``). Returns the batch's mean loss (on every stage)."""
-        schedule = self._schedule_for(x)
-        self._losses.clear()
-        if self.first:
-            schedule.step(x.to(self.engine.device))
-        elif self.last:
-            schedule.step(target=y.to(self.engine.device))
-        else:
-            schedule.step()
+        self._run(self._schedule_for(x).step, x, y)
         if self.tied and self.groups.embedding_group is not None:
             grads = [p.grad for p in self.tied if p.grad is not None]
             if len(grads) != len(self.tied):
@@ -271,18 +264,23 @@ class Pipeline:
         """Mean loss of a batch without gradients (forward passes only, through the window in eval
         mode: no dropout); the same value on every stage. Same arguments as ``step``."""
         schedule = self._schedule_for(x)
-        self._losses.clear()
         self.engine.eval()
         try:
-            if self.first:
-                schedule.eval(x.to(self.engine.device))
-            elif self.last:
-                schedule.eval(target=y.to(self.engine.device))
-            else:
-                schedule.eval()
+            self._run(schedule.eval, x, y)
         finally:
             self.engine.train()
         return self._broadcast_loss()
+
+    def _run(self, run: Callable, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``run`` (a schedule's step or eval) with what this stage feeds it: the first stage the
+        inputs, the last the targets, the others nothing (they receive activations)."""
+        self._losses.clear()
+        if self.first:
+            run(x.to(self.engine.device))
+        elif self.last:
+            run(target=y.to(self.engine.device))
+        else:
+            run()
 
     def _broadcast_loss(self) -> float:
         """The last stage's mean micro-batch loss, sent to every stage of this pipeline."""
@@ -360,6 +358,10 @@ def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
                 for s, r in enumerate(split)))
     if len(split) != p:
         raise ValueError(f"split has {len(split)} stages, the layout pp={p}")
+    starts = [0] + [r.stop for r in split[:-1]]
+    if any(r.step != 1 or r.start != a or len(r) < 1 for r, a in zip(split, starts)) or split[-1].stop != config.layers:
+        raise ValueError(f"split must be contiguous non-empty ranges covering blocks 0..{config.layers - 1} "
+                         f"in order, got {list(split)}")
     mine = split[groups.pp_rank]
     first, last = groups.pp_rank == 0, groups.pp_rank == p - 1
     stage = build_stage(model.head if first else None, [model.blocks[i] for i in mine],

@@ -213,3 +213,16 @@ def test_bad_pipeline_layouts_raise_naming_the_size():
         validate_pipeline(2, 4, 1, "1f1b")
     with pytest.raises(ValueError, match="schedule must be one of"):
         validate_pipeline(2, 4, 2, "zero-bubble")
+
+
+@pytest.mark.parametrize("split", [[range(0, 2), range(3, 4)], [range(0, 2), range(2, 3)], [range(0, 0), range(0, 4)],
+                                   [range(0, 3), range(2, 4)]], ids=["gap", "short", "empty", "overlap"])
+def test_gpt_stage_refuses_a_split_that_does_not_cover_the_blocks_once(split):
+    """A given split (whale's stage() scopes) must hold every block exactly once, in order: else a
+    block would be trained twice or never, silently."""
+    from pystronghold.parallel.groups import ParallelGroups
+
+    groups = ParallelGroups(rank=0, world_size=2, tp_size=1, dp_size=1, tp_rank=0, dp_rank=0, tp_group=None,
+                            dp_group=None, pp_size=2, pp_rank=0)
+    with pytest.raises(ValueError, match="split must be contiguous non-empty ranges covering blocks 0..3"):
+        gpt_stage(GPT(CFG, seed=7), groups, split=split)
