@@ -1,4 +1,5 @@
-"""Parallelism benchmark: a tiny GPT through the window runtime at TP 1/2 x DP 1/2, gloo on CPU.
+"""Parallelism benchmark: a tiny GPT through the window runtime at TP 1/2 x DP 1/2 and with two
+pipeline stages (PP 2, PP 2 x TP 2), gloo on CPU.
 
 Every configuration trains the same model (same initial weights, same global batches: strong
 scaling, each DP rank gets global_batch / dp sequences) with W=2 blocks resident, one process per
@@ -22,6 +23,11 @@ padded vocabulary V, checkpointing on so each block's forward runs twice):
       + 16 * b*T  [the vocab-parallel cross-entropy's two all_reduces of per-row fp32 stats: the max,
       then sum-exp, target logit and logit sum] + 8 (clipping norm, float64)
   DP: 4 * (this rank's parameters)  [every gradient averaged once]
+  PP (rank 0 = stage 0, L/2 blocks, head, no tail; m = 2 micro-batches): p2p 4 * b*T*C [its m
+      activations of b/m sequences sent forward; the gradients come back (received, not counted)],
+      pp 8 (the clipping norm summed over the stages, float64); its TP figure is that of its own
+      blocks and head: 4 * b*T*C * (6 L/2 + 1) + 8.
+      p2p bytes are measured by a wrapper around the schedules' ``_batch_p2p`` (sends only).
 The measured DP figure is larger when a block's flat buffer carries alignment padding (store.py:
 parameters start at multiples of 16 elements; the default shapes here need none).
 
@@ -54,7 +60,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from common import MIN_PAIRS, LoadWatch, Timing, paired_ratio, print_table, write_json  # noqa: E402
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, dp)
+CONFIGS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]  # (tp, dp, pp)
+MICRO_BATCHES = 2  # per step through a pipeline
 
 
 # ---- counting the bytes handed to collectives
@@ -65,16 +72,28 @@ class Counter:
 
     def __init__(self, groups) -> None:
         self.groups, self.on = groups, False
-        self.bytes = {"tp": 0, "dp": 0, "world": 0}
+        self.bytes = {"tp": 0, "dp": 0, "pp": 0, "world": 0, "p2p": 0}
         self._all_reduce, self._all_gather = dist.all_reduce, dist.all_gather
         dist.all_reduce, dist.all_gather = self.all_reduce, self.all_gather
+        # NOTE: torch's schedules send through this (private) helper, batched or not
+        from torch.distributed.pipelining import schedules
+        self._schedules, self._batch_p2p = schedules, schedules._batch_p2p
+        schedules._batch_p2p = self.batch_p2p
+
+    def batch_p2p(self, ops, desc=None):
+        if self.on:
+            self.bytes["p2p"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                                     if op.op is dist.isend)
+        return self._batch_p2p(ops, desc=desc)
 
     def _kind(self, group) -> str:
         # NOTE: with tp=1 the TP group holds one rank and no collective reaches it; with dp=1 the
         # same holds for the DP group. World is the default group (None).
         if group is None:
             return "world"
-        return "tp" if group is self.groups.tp_group else "dp"
+        if group is self.groups.tp_group:
+            return "tp"
+        return "dp" if group is self.groups.dp_group else "pp"
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if self.on:
@@ -95,8 +114,8 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.005)
 
 
-def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, ctl: str) -> None:
-    world = tp * dp
+def _rank_main(rank: int, args: dict, tp: int, dp: int, pp: int, port: int, ctl: str) -> None:
+    world = tp * dp * pp
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     logging.basicConfig(level=logging.WARNING)
@@ -104,13 +123,23 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, ctl: str) -> 
     from pystronghold.models import GPT, GPTConfig
     from pystronghold.parallel import init_parallel
 
-    groups = init_parallel(tp_size=tp, dp_size=dp, backend="gloo", timeout_s=120)
+    groups = init_parallel(tp_size=tp, dp_size=dp, pp=pp, backend="gloo", timeout_s=120)
     cfg = GPTConfig(vocab_size=args["vocab"], seq_len=args["seq"], layers=args["layers"],
                     hidden=args["hidden"], heads=args["heads"], vocab_pad_multiple=2, tp_size=tp)
     model = GPT(cfg, seed=0, tp_group=groups.tp_group)
-    n_local = sum(p.numel() for p in model.parameters())
-    engine = ph.wrap(model, blocks=model.blocks, window=2, optimizer=ph.AdamW(**HYPER),
-                     clip_grad_norm=1.0, parallel=groups)
+    options = dict(window=2, optimizer=ph.AdamW(**HYPER), clip_grad_norm=1.0)
+    pipe = None
+    if pp > 1:
+        from pystronghold.parallel.pipeline import gpt_pipeline
+
+        per_block = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+        ends = sum(p.numel() for p in (model.head if groups.pp_rank == 0 else model.tail).parameters())
+        pipe = gpt_pipeline(model, groups, micro_batches=MICRO_BATCHES, **options)
+        engine = pipe.engine  # (its blocks' parameters are placeholders now: counted before)
+        n_local = ends + sum(per_block[i] for i in pipe.stage_blocks[groups.pp_rank])
+    else:
+        n_local = sum(p.numel() for p in model.parameters())
+        engine = ph.wrap(model, blocks=model.blocks, parallel=groups, **options)
     counter = Counter(groups)
     g = torch.Generator().manual_seed(0)
     steps = args["warmup"] + args["steps"]
@@ -118,7 +147,7 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, ctl: str) -> 
     b = args["batch"] // dp
     mine = data[:, groups.dp_rank * b:(groups.dp_rank + 1) * b]  # (steps, b, T + 1)
     times, losses, measured = [], [], []
-    ctl, name, per_round = Path(ctl), f"{tp}x{dp}", args["steps"] // args["rounds"]
+    ctl, name, per_round = Path(ctl), f"{tp}x{dp}x{pp}", args["steps"] // args["rounds"]
     try:
         for k, tokens in enumerate(mine):
             timed = k - args["warmup"]
@@ -128,10 +157,13 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, port: int, ctl: str) -> 
             before = dict(counter.bytes)
             counter.on = True
             t0 = time.perf_counter()
-            loss = engine(tokens[:, :-1], tokens[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
+            if pipe is not None:
+                loss = torch.tensor(pipe.step(tokens[:, :-1], tokens[:, 1:]))
+            else:
+                loss = engine(tokens[:, :-1], tokens[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                engine.zero_grad()
             times.append(time.perf_counter() - t0)
             counter.on = False
             measured.append({key: counter.bytes[key] - before[key] for key in before})
@@ -169,19 +201,19 @@ def run_configs(args: dict) -> dict:
         ports.add(_free_port())
     with tempfile.TemporaryDirectory() as tmp:
         ctl = Path(tmp)
-        contexts = {(tp, dp): mp.start_processes(_rank_main, args=(args, tp, dp, port, tmp), nprocs=tp * dp,
-                                                 start_method="spawn", join=False)
-                    for (tp, dp), port in zip(CONFIGS, sorted(ports))}
+        contexts = {(tp, dp, pp): mp.start_processes(_rank_main, args=(args, tp, dp, pp, port, tmp),
+                                                     nprocs=tp * dp * pp, start_method="spawn", join=False)
+                    for (tp, dp, pp), port in zip(CONFIGS, sorted(ports))}
         for r in range(args["rounds"]):
-            for tp, dp in CONFIGS:
-                (ctl / f"go-{tp}x{dp}-{r}").touch()
-                while not (ctl / f"done-{tp}x{dp}-{r}").exists():
+            for tp, dp, pp in CONFIGS:
+                (ctl / f"go-{tp}x{dp}x{pp}-{r}").touch()
+                while not (ctl / f"done-{tp}x{dp}x{pp}-{r}").exists():
                     for ctx in contexts.values():
                         ctx.join(timeout=0.002)  # raises when a rank failed
         for ctx in contexts.values():
             while not ctx.join():
                 pass
-        return {(tp, dp): json.loads((ctl / f"rank0-{tp}x{dp}.json").read_text()) for tp, dp in CONFIGS}
+        return {cfg: json.loads((ctl / f"rank0-{cfg[0]}x{cfg[1]}x{cfg[2]}.json").read_text()) for cfg in CONFIGS}
 
 
 def round_medians(times: list[float], rounds: int) -> list[float]:
@@ -190,12 +222,14 @@ def round_medians(times: list[float], rounds: int) -> list[float]:
     return [Timing.of(times[r * per:(r + 1) * per]).median_s for r in range(rounds)]
 
 
-def computed_bytes(args: dict, tp: int, dp: int, rec: dict) -> dict:
-    """Bytes per rank per step from the formulas in the module docstring."""
+def computed_bytes(args: dict, tp: int, dp: int, pp: int, rec: dict) -> dict:
+    """Bytes per rank (rank 0) per step from the formulas in the module docstring."""
     b, T, C, L = args["batch"] // dp, args["seq"], args["hidden"], args["layers"]
-    tp_bytes = 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8 if tp > 1 else 0
-    dp_bytes = 4 * rec["n_local"] if dp > 1 else 0
-    return {"tp": tp_bytes, "dp": dp_bytes}
+    if pp == 1:
+        tp_bytes = 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8 if tp > 1 else 0
+        return {"tp": tp_bytes, "dp": 4 * rec["n_local"] if dp > 1 else 0, "pp": 0, "p2p": 0}
+    tp_bytes = 4 * b * T * C * (6 * L // pp + 1) + 8 if tp > 1 else 0  # stage 0: L/pp blocks and the head
+    return {"tp": tp_bytes, "dp": 4 * rec["n_local"] if dp > 1 else 0, "pp": 8, "p2p": 4 * b * T * C}
 
 
 def main(argv=None) -> int:
@@ -221,21 +255,23 @@ def main(argv=None) -> int:
     watch = LoadWatch()
     results = run_configs(args)
     load = watch.stop().fields()
-    base = results[(1, 1)]
-    for (tp, dp), rec in results.items():  # correctness before timing
+    base = results[(1, 1, 1)]
+    for (tp, dp, pp), rec in results.items():  # correctness before timing
         # NOTE: summation order differs across layouts; over the steps losses agree to ~1e-6
         torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(base["losses"]),
-                                   rtol=1e-4, atol=0, msg=f"tp={tp} dp={dp}: losses differ from tp=1 dp=1")
+                                   rtol=1e-4, atol=0, msg=f"tp={tp} dp={dp} pp={pp}: losses differ from 1x1x1")
     base_rounds = round_medians(base["times"], args["rounds"])
     rows = []
-    for (tp, dp), rec in results.items():
-        t, comp, meas = Timing.of(rec["times"]), computed_bytes(args, tp, dp, rec), rec["measured"]
+    for (tp, dp, pp), rec in results.items():
+        t, comp, meas = Timing.of(rec["times"]), computed_bytes(args, tp, dp, pp, rec), rec["measured"]
         vs = paired_ratio(round_medians(rec["times"], args["rounds"]), base_rounds)  # time ratio, per round
-        rows.append({"tp": tp, "dp": dp, "procs": tp * dp, "threads/proc": rec["threads"],
+        rows.append({"tp": tp, "dp": dp, "pp": pp, "procs": tp * dp * pp, "threads/proc": rec["threads"],
                      "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s,
                      "vs_1x1": vs.median, "vs_1x1_p20": vs.p20, "vs_1x1_p80": vs.p80, "params/rank": rec["n_local"],
                      "tp_bytes_computed": comp["tp"], "tp_bytes_measured": meas["tp"],
                      "dp_bytes_computed": comp["dp"], "dp_bytes_measured": meas["dp"],
+                     "pp_bytes_computed": comp["pp"], "pp_bytes_measured": meas["pp"],
+                     "p2p_bytes_computed": comp["p2p"], "p2p_bytes_measured": meas["p2p"],
                      "world_bytes_measured": meas["world"], **load})
     title = (f"GPT {args['layers']} blocks, hidden {args['hidden']}, heads {args['heads']}, seq "
              f"{args['seq']}, vocab {args['vocab']}, global batch {args['batch']}, W=2, fp32, clip 1.0; "

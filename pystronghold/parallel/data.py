@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from pystronghold.parallel.groups import group_rank, group_size
 
-__all__ = ["average_", "average_grads_", "is_tp_shard", "global_grad_norm", "any_rank"]
+__all__ = ["average_", "average_grads_", "is_tp_shard", "is_pipeline_copy", "tied_source", "global_grad_norm", "any_rank"]
 
 
 def average_(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -63,8 +63,20 @@ def is_tp_shard(param: torch.Tensor) -> bool:
     return getattr(param, "tp_split", (0, 0, 1))[2] > 1
 
 
+def is_pipeline_copy(param: torch.Tensor) -> bool:
+    """True for the last pipeline stage's copy of a weight tied to the first stage's (the LM head
+    tied to the embedding): its gradient is all-reduced with the original, so it counts once."""
+    return bool(getattr(param, "pp_tied_copy", None))
+
+
+def tied_source(param: torch.Tensor) -> str | None:
+    """The model name of the weight a pipeline copy is tied to (its checkpoint key), else None."""
+    return getattr(param, "pp_tied_copy", None) or None
+
+
 def global_grad_norm(norms: list[torch.Tensor], sharded: list[bool],
-                     tp_group: dist.ProcessGroup | None) -> float:
+                     tp_group: dist.ProcessGroup | None,
+                     pp_group: dist.ProcessGroup | None = None) -> float:
     """The L2 norm of the whole model's gradient, from per-parameter L2 norms (fp32 scalars).
 
     ``sharded[i]`` says whether ``norms[i]`` is the norm of one tensor-parallel shard. Without
@@ -73,7 +85,18 @@ def global_grad_norm(norms: list[torch.Tensor], sharded: list[bool],
     group, and replicated parameters (LayerNorms, row-parallel biases: equal on every TP rank) are
     counted once, by TP rank 0; the sum is accumulated in float64 and is the same on every rank.
     Data-parallel ranks need no reduction here: their gradients are already averaged, so equal.
+    With pipeline stages (``pp_group``), each stage holds other parameters: the squares are summed
+    over the stages too (float64), so every stage clips with the same norm.
     """
+    if group_size(pp_group) > 1:
+        own = torch.zeros((), dtype=torch.float64)
+        if norms:
+            own = torch.tensor(global_grad_norm(norms, sharded, tp_group), dtype=torch.float64) ** 2
+        total = own.reshape(1)
+        if dist.get_backend(pp_group) == "nccl":
+            total = total.cuda()
+        dist.all_reduce(total, group=pp_group)
+        return float(total.sqrt())
     if not norms:
         return 0.0
     stacked = torch.stack([n.detach().float().cpu() for n in norms])  # (P,)

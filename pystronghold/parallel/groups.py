@@ -1,10 +1,13 @@
-"""Tensor-parallel (TP) and data-parallel (DP) process groups over the torch.distributed world.
+"""Tensor-parallel (TP), data-parallel (DP) and pipeline (PP) process groups over the world.
 
 Layout (as Megatron-LM): the TP ranks of one model replica are adjacent, so TP traffic stays
-inside a node. With world = tp * dp, global rank r is TP rank ``r % tp`` of replica ``r // tp``:
+inside a node; pipeline stages are the outermost (across nodes). With world = pp * dp * tp,
+global rank r is TP rank ``r % tp`` of replica ``(r // tp) % dp`` in stage ``r // (tp * dp)``:
 
-    tp groups: [0, 1, .., tp-1], [tp, .., 2tp-1], ...        (one per replica)
-    dp groups: [0, tp, 2tp, ..], [1, tp+1, ..], ...          (one per TP rank)
+    tp groups: [0, 1, .., tp-1], [tp, .., 2tp-1], ...        (one per replica and stage)
+    dp groups: [0, tp, 2tp, ..], [1, tp+1, ..], ...          (one per TP rank and stage)
+    pp groups: [t + d*tp, t + d*tp + tp*dp, ...]             (one per TP rank and replica)
+    embedding groups: the first and last rank of each pp group (tied embeddings, pp > 1)
 
 Sizes are checked on every rank before any group is made, with the same deterministic test, so a
 bad configuration raises the same ValueError everywhere (logged as an error on rank 0) and no rank
@@ -46,34 +49,51 @@ class ParallelGroups:
     """The TP group of this rank (None when tp_size == 1 and the world has one process)."""
     dp_group: dist.ProcessGroup | None
     """The DP group of this rank (None when the world has one process)."""
+    pp_size: int = 1
+    """Pipeline stages the blocks are split across."""
+    pp_rank: int = 0
+    """This rank's stage."""
+    pp_group: dist.ProcessGroup | None = None
+    """The ranks holding the stages of this rank's replica and TP shard (None when pp_size == 1)."""
+    embedding_group: dist.ProcessGroup | None = None
+    """First and last stage of this pipeline, for tied embeddings (None unless pp_size > 1 and
+    this rank is the first or the last stage)."""
+    pp_ranks: tuple[int, ...] = ()
+    """Global ranks of this pipeline's stages, stage 0 first (empty when pp_size == 1)."""
 
 
 def validate_parallel_sizes(world_size: int, tp_size: int, dp_size: int | None = None,
-                            heads: int | None = None) -> int:
-    """Check a TP x DP layout and return the DP size (world_size // tp_size when dp_size is None).
+                            heads: int | None = None, pp_size: int = 1) -> int:
+    """Check a PP x TP x DP layout and return the DP size (world_size // (tp_size * pp_size) when
+    dp_size is None).
 
-    Raises ValueError naming the size that does not fit: tp_size or dp_size below 1, a world
-    size not divisible by tp_size, tp_size * dp_size != world_size, heads not divisible by tp_size.
+    Raises ValueError naming the size that does not fit: a size below 1, a world size not divisible
+    by tp_size * pp_size, pp_size * tp_size * dp_size != world_size, heads not divisible by tp_size.
     """
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
-    if world_size % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide the world size {world_size}")
+    if not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
+    if world_size % (tp_size * pp_size):
+        what = f"tp_size={tp_size}" if pp_size == 1 else f"pp_size={pp_size} x tp_size={tp_size}"
+        raise ValueError(f"{what} must divide the world size {world_size}")
     if dp_size is None:
-        dp_size = world_size // tp_size
+        dp_size = world_size // (tp_size * pp_size)
     if not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
-    if tp_size * dp_size != world_size:
-        raise ValueError(f"tp_size={tp_size} x dp_size={dp_size} = {tp_size * dp_size} processes, "
-                         f"but the world size is {world_size}")
+    if pp_size * tp_size * dp_size != world_size:
+        pp = f"pp_size={pp_size} x " if pp_size > 1 else ""
+        raise ValueError(f"{pp}tp_size={tp_size} x dp_size={dp_size} = {pp_size * tp_size * dp_size} "
+                         f"processes, but the world size is {world_size}")
     if heads is not None and heads % tp_size:
         raise ValueError(f"tp_size={tp_size} must divide the number of attention heads {heads}")
     return dp_size
 
 
-def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, heads: int | None = None,
+def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, pp: int = 1, heads: int | None = None,
                   backend: str | None = None, timeout_s: float = 600.0) -> ParallelGroups:
-    """Make the TP and DP groups, initialising torch.distributed first when needed.
+    """Make the TP, DP (and, with ``pp`` > 1, pipeline) groups, initialising torch.distributed first
+    when needed. ``pp``: pipeline stages (``pystronghold.parallel.pipeline``).
 
     When the default process group does not exist yet and the environment names a world
     (``WORLD_SIZE``, as torchrun sets), it is created with ``backend`` (default: nccl when CUDA is
@@ -88,7 +108,7 @@ def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, heads: int | 
         dist.init_process_group(backend, timeout=timeout)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     try:
-        dp_size = validate_parallel_sizes(world, tp_size, dp_size, heads)
+        dp_size = validate_parallel_sizes(world, tp_size, dp_size, heads, pp_size=pp)
     except ValueError as err:
         if rank == 0:
             log.error("bad parallel configuration: %s", err)
@@ -98,22 +118,39 @@ def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, heads: int | 
                               tp_group=None, dp_group=None)
     # NOTE: every rank must create every group, in the same order (torch.distributed.new_group).
     # A new group does not inherit the default group's timeout (it gets torch's 30 min): pass it.
-    tp_group = dp_group = None
-    for replica in range(dp_size):
-        ranks = list(range(replica * tp_size, (replica + 1) * tp_size))
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            tp_group = group
-    for tp_index in range(tp_size):
-        ranks = list(range(tp_index, world, tp_size))
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            dp_group = group
+    tp_group = dp_group = pp_group = embedding_group = None
+    stage_size = tp_size * dp_size  # ranks per pipeline stage
+    for stage in range(pp):
+        for replica in range(dp_size):
+            ranks = list(range(stage * stage_size + replica * tp_size, stage * stage_size + (replica + 1) * tp_size))
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                tp_group = group
+    for stage in range(pp):
+        for tp_index in range(tp_size):
+            ranks = list(range(stage * stage_size + tp_index, (stage + 1) * stage_size, tp_size))
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                dp_group = group
+    pp_ranks: tuple[int, ...] = ()
+    if pp > 1:
+        for first in range(stage_size):
+            ranks = list(range(first, world, stage_size))
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                pp_group, pp_ranks = group, tuple(ranks)
+        for first in range(stage_size):
+            ends = [first, first + (pp - 1) * stage_size]
+            group = dist.new_group(ends, timeout=timeout)
+            if rank in ends:
+                embedding_group = group
+    within = rank % stage_size
     groups = ParallelGroups(rank=rank, world_size=world, tp_size=tp_size, dp_size=dp_size,
-                            tp_rank=rank % tp_size, dp_rank=rank // tp_size,
-                            tp_group=tp_group, dp_group=dp_group)
+                            tp_rank=within % tp_size, dp_rank=within // tp_size,
+                            tp_group=tp_group, dp_group=dp_group, pp_size=pp, pp_rank=rank // stage_size,
+                            pp_group=pp_group, embedding_group=embedding_group, pp_ranks=pp_ranks)
     if rank == 0:
-        log.info("parallel layout: world %d = tp %d x dp %d", world, tp_size, dp_size)
+        log.info("parallel layout: world %d = pp %d x tp %d x dp %d", world, pp, tp_size, dp_size)
     return groups
 
 

@@ -28,6 +28,7 @@ EXAMPLES = """examples:
   pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b --batch 4
   pystronghold plan --gpu rtx4090 --host-memory 128 --nvme 2000 --layers 48 --hidden 6144 --heads 48
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
+  pystronghold plan --gpu h100-80gb --host-memory 512 --model gpt3-13b --pp 4 --tp 2 --micro-batches 8
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
@@ -78,6 +79,12 @@ class PlanRequest:
     """Tensor-parallel ranks."""
     dp: int = 1
     """Data-parallel ranks (all tp * dp ranks on this one host)."""
+    pp: int = 1
+    """Pipeline stages (one host each); the window, memory and step time are then the largest stage's."""
+    micro_batches: int = 0
+    """Micro-batches per step through the pipeline (0: --pp); --batch is one micro-batch."""
+    pp_schedule: str = field(default="1f1b", metadata={"choices": ("1f1b", "gpipe")})
+    """Pipeline schedule: in-flight activations differ (1F1B: p - s micro-batches, GPipe: all)."""
     overlap: str = field(default="backward", metadata={"choices": ("backward", "forward")})
     """Host updates during backward, or after it (forward; what clipping and fp16 need)."""
     widths: str | None = field(default=None, metadata={"metavar": "C,C,..."})
@@ -104,7 +111,7 @@ class PlanRequest:
             raise ValueError("give --model PRESET, or --layers, --hidden and --heads")
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
                      "nvme_bandwidth", "efficiency", "layers", "hidden", "heads", "vocab", "seq",
-                     "batch", "tp", "dp"):
+                     "batch", "tp", "dp", "pp"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -176,13 +183,30 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         request = from_args(PlanRequest, args)
         config, work, hw, window, widths = request.resolve()
-        plan = make_plan(config, work, hw, window)
+        pipeline = None
+        if request.pp > 1:
+            from pystronghold.planner.pipeline import plan_pipeline
+
+            if request.micro_batches < 0:
+                raise ValueError(f"--micro-batches must be >= 1 (or 0: --pp), got {request.micro_batches}")
+            pipeline = plan_pipeline(config, work, request.pp, request.micro_batches or request.pp,
+                                     request.pp_schedule)
+            # NOTE: an upper bound over the stages: the most blocks of any stage, holding the
+            # activations of the most micro-batches in flight on any stage (stage 0's under 1F1B)
+            config = dataclasses.replace(config, layers=max(len(r) for r in pipeline.split))
+        plan = make_plan(config, work, hw, window, in_flight=max(pipeline.in_flight) if pipeline else 1)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:
         print(f"pystronghold plan: error: {e}", file=sys.stderr)
         return 2
     record, text = plan_to_dict(plan), format_plan(plan)
-    if plan.fits:  # the accumulation schedule (planner/relay.py) of the plan's step
+    if pipeline is not None:
+        record["pipeline"] = pipeline.to_dict()
+        text += "\n" + "\n".join(pipeline.lines() + [
+            f"  (window, memory and step time above: the largest stage, {config.layers} blocks, with "
+            f"both head and tail counted and the activations of {max(pipeline.in_flight)} micro-batches "
+            "in flight)"])
+    elif plan.fits:  # the accumulation schedule (planner/relay.py) of the plan's step
         record["schedule"], lines = schedule_report(plan, request.runtime.accumulation_steps,
                                                     request.runtime.schedule)
         text += "\n" + lines

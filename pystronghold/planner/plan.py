@@ -77,15 +77,20 @@ class HostMemory:
 
 
 def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
-                  capacity_bytes: int) -> DeviceMemory:
-    """Peak device bytes of ``n_blocks`` blocks with ``window`` slots (see ``DeviceMemory``)."""
+                  capacity_bytes: int, in_flight: int = 1) -> DeviceMemory:
+    """Peak device bytes of ``n_blocks`` blocks with ``window`` slots (see ``DeviceMemory``).
+    ``in_flight``: micro-batches whose forward is done and backward not (a pipeline stage holds
+    several, ``planner.pipeline.in_flight_micro_batches``): each keeps its saved activations; the
+    working set of one block's backward is there once."""
+    if not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight must be a positive int, got {in_flight!r}")
     c = costs
     working = c.block_activation_bytes + 2 * c.block_input_bytes  # recompute + dy, dx of one block
     if work.checkpointing:
-        acts = n_blocks * c.block_input_bytes + max(working, c.tail_activation_bytes)
+        acts = in_flight * n_blocks * c.block_input_bytes + max(working, c.tail_activation_bytes)
     else:
-        acts = (n_blocks - 1) * c.block_activation_bytes + max(working, c.block_activation_bytes
-                                                                + c.tail_activation_bytes)
+        acts = (in_flight * n_blocks - 1) * c.block_activation_bytes + max(working, c.block_activation_bytes
+                                                                            + c.tail_activation_bytes)
     return DeviceMemory(window_bytes=min(window, n_blocks) * c.slot_bytes,
                         head_tail_bytes=c.head_tail_bytes, activation_bytes=acts,
                         reserve_bytes=work.device_reserve_bytes, capacity_bytes=capacity_bytes)
@@ -175,14 +180,16 @@ def _costs(config: GPTConfig, work: Workload, hw: Hardware) -> tuple[BlockCosts,
     return costs, host
 
 
-def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | None = None) -> Plan:
+def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | None = None, *,
+              in_flight: int = 1) -> Plan:
     """Plan ``config`` trained as ``work`` on ``hw`` with ``window`` slots (None: the smallest W
-    whose step time is within 1% of the best that fits, see ``choose_window``)."""
+    whose step time is within 1% of the best that fits, see ``choose_window``). ``in_flight``:
+    micro-batches whose activations are held at once (a pipeline stage's; see ``device_memory``)."""
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     n = config.layers
     costs, host = _costs(config, work, hw)
-    base = device_memory(costs, work, n, 0, hw.gpu.memory_bytes)
+    base = device_memory(costs, work, n, 0, hw.gpu.memory_bytes, in_flight)
     max_window = min(n, max(0, (hw.gpu.memory_bytes - base.peak_bytes) // costs.slot_bytes))
     step = None
     if window is not None:
@@ -196,7 +203,7 @@ def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | Non
     plan = Plan(config=config, work=work, hardware=hw, params=param_count(config), costs=costs,
                 window=w, window_asked=window, max_window=max_window,
                 stronghold_window=analytic_window(costs),
-                device=device_memory(costs, work, n, w, hw.gpu.memory_bytes), host=host, step=step)
+                device=device_memory(costs, work, n, w, hw.gpu.memory_bytes, in_flight), host=host, step=step)
     if not plan.fits:
         plan.step = None
     return plan

@@ -87,6 +87,8 @@ class EngineParts:
     """Data-parallel process group, or None."""
     tp_group: object | None
     """Tensor-parallel process group, or None."""
+    pp_group: object | None
+    """Pipeline group (this rank's stages), or None: gradient norms are summed over the stages."""
     parallel: bool
     """More than one rank."""
 
@@ -185,7 +187,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
         plans={train: build_plan(n, window, train) for train in (True, False)} if n else {},
         trace=Tracer(enabled=config.trace, block_offset=k),  # the model's block numbers
         dp_group=par.dp_group if par is not None else None, tp_group=par.tp_group if par is not None else None,
-        parallel=par is not None and par.world_size > 1)
+        pp_group=par.pp_group if par is not None else None, parallel=par is not None and par.world_size > 1)
 
 
 def build_optimizers(parts: EngineParts, config: RuntimeConfig, group_of: dict[int, int]) -> OptimizerParts:

@@ -21,6 +21,7 @@ from pystronghold.runtime import block_fn, relay
 from pystronghold.runtime.build import build_optimizers, build_parts
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.executor import PassExecutor
+from pystronghold.runtime.schedule import Plan
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.optim.window_optimizer import WindowOptimizer
 from pystronghold.runtime.state_dict import (EngineStates, install_model_hooks, load_optimizer_state_dict,
@@ -67,7 +68,8 @@ class Engine:
         self.stepper = OptimizerStep(model=model, config=config, optimizer=self.optimizer,
                                      device_optimizer=self.device_optimizer, resident=self.resident,
                                      updates=self.updates, window=self.window, scaler=updaters.scaler,
-                                     dp_group=self.dp_group, tp_group=self.tp_group, parallel=self.parallel)
+                                     dp_group=self.dp_group, tp_group=self.tp_group, pp_group=parts.pp_group,
+                                     parallel=self.parallel)
         self.executor = PassExecutor(config=config, window=self.window, store=self.store, backend=self.backend,
                                      updates=self.updates, stepper=self.stepper, trace=self.trace,
                                      plans=self.plans, model=model, dp_group=self.dp_group)
@@ -153,6 +155,13 @@ class Engine:
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """fp32 value of every parameter by its model name (host store for blocks); synchronizes first."""
         return self.states.master_parameters()
+
+    def use_step_plan(self, plan: Plan) -> None:
+        """Train with ``plan`` (``schedule.plan_uses``) covering a whole optimizer step instead of
+        one forward and backward: a pipeline stage runs its micro-batches' passes interleaved in its
+        schedule's order (``pystronghold.parallel.pipeline``). Each use is checked as it happens,
+        so a schedule that runs in another order raises instead of computing with wrong blocks."""
+        self.executor.use_step_plan(plan)
 
     def in_pass(self) -> bool:
         """True between a forward's first block and the end of its backward (or of an inference pass)."""

@@ -22,7 +22,7 @@ import logging
 
 from pystronghold.parallel.data import average_
 from pystronghold.runtime.layer_drop import LayerDrop
-from pystronghold.runtime.schedule import Load, Release, build_plan
+from pystronghold.runtime.schedule import Load, Release, Use, build_plan
 from pystronghold.runtime.timing import copy_marks
 
 __all__ = ["PassExecutor"]
@@ -93,10 +93,13 @@ class PassExecutor:
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
-        if phase == "fwd" and block == self._first_block(train) and not self._continues_relay_forward():
+        use = self._next_use()
+        # a relay pass's later micro-batches and a pipeline step plan's later passes continue the plan
+        if phase == "fwd" and block == self._first_block(train) and use != Use("fwd", block) \
+                and not self._continues_relay_forward():
             self._begin_pass(train)
+            use = self._next_use()
         plan = self._plan
-        use = plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
         if use is None or (use.phase, use.block) != (phase, block):
             raise RuntimeError(
                 f"block {block} ran its {phase} out of the expected order (expected {use}); the window "
@@ -136,6 +139,9 @@ class PassExecutor:
         """After ``block`` computed: in backward hand its gradient out; then run the plan's actions."""
         if phase == "bwd":
             self._grad_to_host(block, param_grads)
+            if self._plan.micro_batches == 1 and block == self._plan.uses[-1].block:
+                # a backward pass ends with its first block (a pipeline step plan holds several)
+                self.micro_batches += 1
         for action in self._plan.after[self._pos]:
             if isinstance(action, Release):
                 self._release(action)
@@ -143,10 +149,22 @@ class PassExecutor:
                 self._load(action)
         self._pos += 1
         if self._pos == len(self._plan.uses):
-            if self._plan.uses[-1].phase == "bwd":  # a training pass: m micro-batches in a relay pass
-                self.micro_batches += self._plan.micro_batches
+            if self._plan.micro_batches > 1 and self._plan.uses[-1].phase == "bwd":
+                self.micro_batches += self._plan.micro_batches  # a relay pass: its m micro-batches at once
             self._plan = None
             self.flush_copies()  # finished copies go to the trace and are dropped
+
+    def use_step_plan(self, plan) -> None:
+        """Train with ``plan`` (``schedule.plan_uses``) over a whole step's passes instead of one
+        forward and backward (``Engine.use_step_plan``); each use is still checked as it happens."""
+        if self._plan is not None:
+            raise RuntimeError("use_step_plan during a forward/backward pass")
+        self.plans[True] = plan
+
+    def _next_use(self):
+        """The use the plan in progress expects next (None outside a pass)."""
+        plan = self._plan
+        return plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
 
     def count_backward(self, grad) -> None:
         """Multi-grad hook when every block is resident: a backward pass reached their gradients."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Use", "Load", "Release", "Plan", "build_plan"]
+__all__ = ["Use", "Load", "Release", "Plan", "build_plan", "plan_uses", "pass_uses"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,30 @@ def build_plan(n_blocks: int, window: int, train: bool, micro_batches: int = 1,
     uses = [Use("fwd", i) for i in order for _ in range(micro_batches)]
     if train:
         uses += [Use("bwd", i) for i in reversed(order) for _ in range(micro_batches)]
+    return plan_uses(uses, window, micro_batches)
+
+
+def pass_uses(n_blocks: int, passes: list[str]) -> list[Use]:
+    """The block uses of a sequence of whole passes: "fwd" uses blocks 0 .. N-1, "bwd" N-1 .. 0.
+    A pipeline stage runs several micro-batches' passes in its schedule's order (e.g. 1F1B:
+    fwd fwd bwd fwd bwd bwd); one plan over all of them keeps prefetching across passes."""
+    uses: list[Use] = []
+    for kind in passes:
+        if kind not in ("fwd", "bwd"):
+            raise ValueError(f"pass_uses: a pass is 'fwd' or 'bwd', got {kind!r}")
+        order = range(n_blocks) if kind == "fwd" else reversed(range(n_blocks))
+        uses += [Use(kind, i) for i in order]
+    return uses
+
+
+def plan_uses(uses: list[Use], window: int, micro_batches: int = 1) -> Plan:
+    """Plan ``uses`` (any sequence of block uses) with ``window`` slots, by the simulation above;
+    ``micro_batches``: how many times in a row each use repeats (recorded on the plan)."""
+    if not uses:
+        raise ValueError("plan_uses: no block uses to plan")
+    n_blocks = len({u.block for u in uses})
+    if not 1 <= window <= n_blocks:
+        raise ValueError(f"plan_uses: window must be in [1, {n_blocks}], got {window}")
 
     def next_distinct(k: int) -> list[int]:
         """The first `window` distinct blocks used from position k on, in order of use."""

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from pystronghold.parallel.data import any_rank, average_grads_, global_grad_norm, is_tp_shard
+from pystronghold.parallel.data import any_rank, average_grads_, global_grad_norm, is_pipeline_copy, is_tp_shard
 
 __all__ = ["OptimizerStep"]
 
@@ -32,12 +32,13 @@ class OptimizerStep:
     """
 
     def __init__(self, *, model, config, optimizer, device_optimizer, resident, updates, window,
-                 scaler, dp_group=None, tp_group=None, parallel: bool = False) -> None:
+                 scaler, dp_group=None, tp_group=None, pp_group=None, parallel: bool = False) -> None:
         # NOTE: the engine's names for its parts, so the step reads as it did inside Engine
         self.model, self.config, self.optimizer = model, config, optimizer
         self.device_optimizer, self.resident, self.updates = device_optimizer, resident, updates
         self.window, self.n_streamed = window, len(window.params)
         self.dp_group, self.tp_group, self.parallel = dp_group, tp_group, parallel
+        self.pp_group = pp_group  # pipeline stages: gradient norms summed over them
         self.overlap = config.overlap_mode
         self.scaler = scaler
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
@@ -130,9 +131,10 @@ class OptimizerStep:
         for block, per_param in self.updates.block_norms().items():
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
-        params = [p for p in self.model.parameters() if id(p) in norms]
+        # a pipeline's last-stage copy of a tied weight is counted once (by the first stage)
+        params = [p for p in self.model.parameters() if id(p) in norms and not is_pipeline_copy(p)]
         return global_grad_norm([norms[id(p)] for p in params], [is_tp_shard(p) for p in params],
-                                self.tp_group)
+                                self.tp_group, pp_group=self.pp_group)
 
     def zero_grad(self) -> None:
         """Head/tail and resident gradients forgotten (``.grad`` None); the executor resets blocks'."""

@@ -10,11 +10,14 @@ Layout of one checkpoint (``<dir>/step-00000100/``)::
     manifest.json                        format, version, model config, step, sha256 of every file
 
 Nothing in it depends on the window size or the number of ranks that wrote it: tensors are keyed
-by parameter name and hold whole parameters (``manifest.json`` records the TP x DP layout that
+by parameter name and hold whole parameters (``manifest.json`` records the PP x TP x DP layout that
 wrote it, as information only). With tensor parallelism saving is a collective: the TP ranks of DP
 replica 0 gather every split tensor (master and moments, along the parameter's ``tp_split`` dim)
 one block at a time and global rank 0 writes; loading reads the whole tensors on every rank and
-keeps each rank's slice, so a checkpoint written with any TP size resumes with any other. Writing
+keeps each rank's slice, so a checkpoint written with any TP size resumes with any other. With
+pipeline stages (--pp), the stage holding each block sends it (model names, global block index) to
+rank 0 in block order, and each stage reads back only its blocks' files; the last stage's copy of a
+tied embedding is saved once, under the embedding's name, and restored from it. Writing
 goes into ``<dir>/.tmp-step-...`` one block at a time (at most one block's serialised bytes in
 extra memory), each file fsynced, the manifest
 last; only then is the directory renamed to ``step-...``. A crash or kill leaves at most a ``.tmp``
@@ -36,6 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
+from pystronghold.parallel.data import is_pipeline_copy, tied_source
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 from pystronghold.runtime.state_dict import block_step_counts, set_block_step_counts
 
@@ -115,6 +119,14 @@ def _tp_group(trainer):
     return groups.tp_group if groups is not None and groups.tp_size > 1 else None
 
 
+def _pipeline(trainer):
+    """(pipeline or None, global index of this rank's first block, local -> model name)."""
+    pipe = getattr(trainer, "pipeline", None)
+    if pipe is None:
+        return None, 0, lambda name: name
+    return pipe, pipe.stage_module.first_block, pipe.global_name
+
+
 def _model_dict(config) -> dict:
     """The model config as the manifest keeps it: ``tp_size`` 1 (the format holds whole tensors)."""
     return dataclasses.asdict(dataclasses.replace(config, tp_size=1))
@@ -178,26 +190,37 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
                 _after_file(rel)
 
     states = engine.states
+    pipe, first, rename = _pipeline(trainer)
+    total = trainer.config.gpt.layers if pipe is not None else len(states.block_names)
     # NOTE: the format is keyed by full model names. Every TP rank walks the same blocks, states and
     # parameters in the same order, so the gathers match; a gathered block is written and dropped
-    # before the next one is read (engine.states reads one block, from disk if it is there).
-    for b, names in enumerate(states.block_names):
-        splits = [_split(p) for p in states.block_params(b)]
-        values = states.read_block(b, [tier for tier, _ in _BLOCK_STATES])
-        tensors = {}
-        for tier, suffix in _BLOCK_STATES:
-            for n, split in zip(names, splits):
-                tensors[n + suffix] = gather_tp_tensor(values[tier][n], split, tp_group)
-        del values
-        write(f"blocks/block-{b:05d}.safetensors", tensors)
+    # before the next one is read (engine.states reads one block, from disk if it is there). With
+    # pipeline stages, the stage holding block g sends it to the others (rank 0 writes it).
+    for g in range(total):
+        b, tensors = g - first, None
+        if 0 <= b < len(states.block_names):
+            splits = [_split(p) for p in states.block_params(b)]
+            values = states.read_block(b, [tier for tier, _ in _BLOCK_STATES])
+            tensors = {}
+            for tier, suffix in _BLOCK_STATES:
+                for n, split in zip(states.block_names[b], splits):
+                    tensors[rename(n) + suffix] = gather_tp_tensor(values[tier][n], split, tp_group)
+            del values
+        if pipe is not None:
+            tensors = pipe.share_from(pipe.stage_of_block(g), tensors)
+        write(f"blocks/block-{g:05d}.safetensors", tensors)
     tensors = {}
     for n, p, m, st in states.head_tail():
+        if is_pipeline_copy(p):
+            continue  # the last stage's copy of a tied weight: saved once, under the original's name
         split = _split(p)  # a fp16/bf16 run's master is a copy: p has the split
         tensors[n] = gather_tp_tensor(m.float(), split, tp_group).cpu()
         if st:
             tensors[n + ".exp_avg"] = gather_tp_tensor(st["exp_avg"].detach(), split, tp_group).cpu()
             tensors[n + ".exp_avg_sq"] = gather_tp_tensor(st["exp_avg_sq"].detach(), split, tp_group).cpu()
             tensors[n + ".step"] = torch.as_tensor(st["step"]).detach().float().cpu().reshape(1)
+    if pipe is not None:  # head on the first stage, tail on the last
+        tensors = {k: v for stage in range(pipe.groups.pp_size) for k, v in pipe.share_from(stage, tensors).items()}
     write("head_tail.safetensors", tensors)
     if not writer:
         return None
@@ -211,9 +234,10 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
                 "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
     files["state.pt"] = _write(tmp / "state.pt", buf.getvalue())
     manifest = {"format": FORMAT, "version": VERSION, "step": trainer.step,
-                "model": _model_dict(trainer.config.gpt), "blocks": engine.n_blocks,
+                "model": _model_dict(trainer.config.gpt), "blocks": total,
                 "precision": trainer.config.runtime.precision,
-                "written_by": {"tp": groups.tp_size if groups else 1, "dp": groups.dp_size if groups else 1},
+                "written_by": {"tp": groups.tp_size if groups else 1, "dp": groups.dp_size if groups else 1,
+                               "pp": groups.pp_size if groups else 1},
                 "files": files}
     _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
     _fsync_dir(tmp / "blocks")
@@ -303,15 +327,19 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
         raise CheckpointError(f"checkpoint {path} was made for another model: (saved, this run) {diff}")
     engine = trainer.engine
     states = engine.states
+    _, first, rename = _pipeline(trainer)
     for b, names in enumerate(states.block_names):
-        rel = f"blocks/block-{b:05d}.safetensors"
+        rel = f"blocks/block-{first + b:05d}.safetensors"  # a pipeline stage reads its own blocks
+        if rel not in manifest["files"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} is missing (it has {manifest.get('blocks')} blocks)")
         saved = _load_file(path, rel, manifest["files"][rel])
         params, shapes = states.block_params(b), states.block_shapes(b)
-        states.write_block(b, {tier: [_mine(saved, n + suffix, p, shape, path)
+        states.write_block(b, {tier: [_mine(saved, rename(n) + suffix, p, shape, path)
                                       for n, p, shape in zip(names, params, shapes)]
                                for tier, suffix in _BLOCK_STATES})
     saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
     for i, (n, p, m, _) in enumerate(states.head_tail()):
+        n = tied_source(p) or n  # a pipeline's copy of a tied weight: the original's values
         state = None
         if n + ".exp_avg" in saved:
             state = {"step": torch.tensor(float(saved[n + ".step"][0])),

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from pystronghold.models import GPTConfig
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
-from pystronghold.options import component
+from pystronghold.options import ConfigError, component, option
+from pystronghold.parallel.pipeline import SCHEDULES
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train.model_spec import HF_DEFAULT_SEQ, model_lr, resolve_model
 
@@ -193,12 +194,22 @@ class CheckpointOptions:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelOptions:
-    """Tensor and data parallelism (launch with torchrun --nproc-per-node TP*DP)."""
+    """Tensor, data and pipeline parallelism (launch with torchrun --nproc-per-node PP*TP*DP)."""
 
     tp: int = 1
     """Tensor-parallel ranks per model replica (attention heads, MLP columns and vocabulary split)."""
     dp: int = 0
-    """Data-parallel replicas, each fed its slice of every batch; 0: the world size / --tp."""
+    """Data-parallel replicas, each fed its slice of every batch; 0: the world size / (--tp x --pp)."""
+    pp: int = option(1, help="Pipeline stages the blocks are split across (balanced by compute).")
+    """Pipeline stages the blocks are split across (``parallel.pipeline``): contiguous block ranges
+    balanced by compute (the embedding on the first stage, the LM head on the last), each stage
+    with its own window, store and host optimizer. 1: no pipeline."""
+    micro_batches: int = option(0, help="Micro-batches each replica's batch is cut into for the pipeline; 0: --pp.")
+    """Micro-batches each replica's batch is cut into for the pipeline (m); their gradients are
+    summed into one optimizer step. 0: --pp (the fewest the 1F1B schedule takes)."""
+    pp_schedule: str = option("1f1b", choices=SCHEDULES, help="Pipeline schedule (torch's Schedule1F1B or ScheduleGPipe).")
+    """Pipeline schedule, by its ``torch.distributed.pipelining`` class: "1f1b" (Schedule1F1B: at
+    most p - s micro-batches in flight on stage s) or "gpipe" (ScheduleGPipe: all m in flight)."""
     dist_timeout: float = 300.0
     """Seconds a collective waits for the other ranks before the run fails."""
 
@@ -206,7 +217,13 @@ class ParallelOptions:
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         if self.dp < 0:
-            raise ValueError(f"--dp must be >= 1 (or 0: world size / --tp), got {self.dp}")
+            raise ValueError(f"--dp must be >= 1 (or 0: world size / (--tp x --pp)), got {self.dp}")
+        if not isinstance(self.pp, int) or self.pp < 1:
+            raise ConfigError(self, "pp", f"must be an int >= 1, got {self.pp!r}")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 0:
+            raise ConfigError(self, "micro_batches", f"must be an int >= 1 (or 0: `pp`), got {self.micro_batches!r}")
+        if self.pp_schedule not in SCHEDULES:
+            raise ConfigError(self, "pp_schedule", f"must be one of {SCHEDULES}, got {self.pp_schedule!r}")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be > 0, got {self.dist_timeout}")
 
@@ -218,12 +235,17 @@ class ParallelOptions:
     @property
     def dp_size(self) -> int:
         """--dp in effect (0 resolved against the world size)."""
-        return self.dp or max(self.world_size // self.tp, 1)
+        return self.dp or max(self.world_size // (self.tp * self.pp), 1)
+
+    @property
+    def micro_batch_count(self) -> int:
+        """--micro-batches in effect (0 resolved to --pp)."""
+        return self.micro_batches or self.pp
 
     @property
     def distributed(self) -> bool:
         """Whether this run needs torch.distributed (several processes or sizes above 1)."""
-        return self.world_size > 1 or self.tp * self.dp_size > 1
+        return self.world_size > 1 or self.pp * self.tp * self.dp_size > 1
 
 
 TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0}
@@ -271,12 +293,14 @@ class TrainConfig:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
         if isinstance(cfg, HFModelConfig) and self.runtime.window == "auto":
             raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
+        if par.pp > 1:
+            self._check_pipeline(cfg)
         if world == 1 and tp * dp > 1:
             raise ValueError(f"--tp {tp} x --dp {dp} needs {tp * dp} processes; launch with "
                              f"torchrun --nproc-per-node {tp * dp} -m pystronghold train ...")
         if world % tp:
             raise ValueError(f"--tp {tp} must divide the number of processes {world}")
-        if tp * dp != world:
+        if tp * dp * par.pp != world:
             raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} processes, but there are {world}")
         if cfg.heads % tp:
             raise ValueError(f"--tp {tp} must divide the model's {cfg.heads} attention heads")
@@ -287,6 +311,40 @@ class TrainConfig:
                              "(each replica takes an equal slice of every batch)")
         if par.distributed and self.runtime.window == "auto":
             raise ValueError("--window auto is not supported with several processes yet; give --window N")
+
+    def _check_pipeline(self, cfg) -> None:
+        """--pp layouts (local arithmetic: the same on every rank, before any collective)."""
+        par = self.parallel
+        pp, tp, dp, world, m = par.pp, par.tp, par.dp_size, par.world_size, par.micro_batch_count
+        if isinstance(cfg, HFModelConfig):
+            raise ConfigError(par, "pp=", f": --model {HF_PREFIX}DIR trains without a pipeline only")
+        if pp * tp * dp != world:
+            launch = (f"; launch with torchrun --nproc-per-node {pp * tp * dp} -m pystronghold train ..."
+                      if world == 1 else "")
+            raise ConfigError(par, "pp=", f"x `tp=` x {dp} data-parallel replicas = {pp * tp * dp} processes, but there are "
+                              f"{world}{launch}")
+        if pp > cfg.layers:
+            raise ConfigError(par, "pp=", f"stages are more than the model's {cfg.layers} blocks "
+                              "(every stage needs at least one block)")
+        if par.pp_schedule == "1f1b" and m < pp:
+            raise ConfigError(par, "micro_batches=", "must be at least `pp=` stages for the 1F1B schedule")
+        if self.data.batch % (dp * m):
+            raise ConfigError(par, "micro_batches=", f": --batch {self.data.batch} must be divisible by {dp} data-parallel "
+                              f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
+        # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
+        # after the others entered a collective. The split is local arithmetic (gpt_stage's).
+        from pystronghold.parallel.pipeline import balance_stages, gpt_stage_costs
+
+        costs, head, tail = gpt_stage_costs(self.gpt, self.seq)
+        split = balance_stages(costs, pp, head_cost=head, tail_cost=tail)
+        smallest = min(range(pp), key=lambda s: len(split[s]))
+        if self.runtime.resident_blocks > len(split[smallest]):
+            raise ConfigError(self.runtime, "resident_blocks=", f"is more than the {len(split[smallest])} blocks of "
+                              f"pipeline stage {smallest} (--pp {pp} splits the blocks "
+                              f"{[len(r) for r in split]}); each stage keeps that many of its own blocks resident")
+        if self.runtime.accumulation_steps > 1:
+            raise ConfigError(self.runtime, "accumulation_steps=", "with a pipeline: it accumulates over "
+                              "--micro-batches; use that instead")
 
     @property
     def gpt(self) -> GPTConfig | HFModelConfig:

@@ -118,7 +118,7 @@ class Trainer:
                 config.runtime.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             if backend == "nccl":
                 torch.cuda.set_device(torch.device(config.runtime.device))
-            self.groups = init_parallel(par.tp, par.dp_size, heads=cfg.heads, backend=backend,
+            self.groups = init_parallel(par.tp, par.dp_size, pp=par.pp, heads=cfg.heads, backend=backend,
                                         timeout_s=par.dist_timeout)
         self.rank = self.groups.rank if self.groups is not None else 0
         seed_everything(run.seed)
@@ -159,7 +159,15 @@ class Trainer:
             config.runtime, window=window, trace=True, parallel=self.groups,
             optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
                                          decay=o.decay))
-        self.engine = pystronghold.wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)
+        self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.parallel.pipeline)
+        if par.pp > 1:
+            from pystronghold.parallel.pipeline import gpt_pipeline
+
+            self.pipeline = gpt_pipeline(self.model, self.groups, seq=self.seq, micro_batches=par.micro_batch_count,
+                                         schedule=par.pp_schedule, config=runtime)
+            self.engine = self.pipeline.engine
+        else:
+            self.engine = pystronghold.wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0
@@ -212,6 +220,12 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer step (``accumulation`` micro-batches); returns the mean micro-batch loss."""
+        if self.pipeline is not None:  # the micro-batches go through the stages in one schedule step
+            x, y = self.sampler.next_batch()
+            loss = self.pipeline.step(self._to_device(x), self._to_device(y))
+            self.scheduler.step()
+            self.step += 1
+            return self._dp_mean(loss)
         acc = self.config.runtime.accumulation_steps
         batches = [self.sampler.next_batch() for _ in range(acc)]  # (B, T) int64 each
         # NOTE: through engine.accumulate, which runs the micro-batches one after the other or, with
@@ -228,6 +242,9 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the fixed validation batches (the same value on every rank), in eval mode
         (no dropout) through the window without gradients."""
+        if self.pipeline is not None:
+            losses = [self.pipeline.evaluate(self._to_device(x), self._to_device(y)) for x, y in self.val]
+            return self._dp_mean(sum(losses) / len(losses))
         self.engine.eval()
         try:
             losses = [float(self.loss(self._to_device(x), self._to_device(y))) for x, y in self.val]

@@ -95,7 +95,7 @@ def test_tp2_resume_reproduces_the_uninterrupted_tp2_losses(runs):
 def test_tp2_checkpoint_holds_whole_parameters(runs):
     tmp, _, _ = runs
     tp2, single = read_manifest(tmp / "tp2" / STEP3), read_manifest(tmp / "single" / STEP3)
-    assert tp2["written_by"] == {"tp": 2, "dp": 1} and single["written_by"] == {"tp": 1, "dp": 1}
+    assert tp2["written_by"] == {"tp": 2, "dp": 1, "pp": 1} and single["written_by"] == {"tp": 1, "dp": 1, "pp": 1}
     assert tp2["model"] == single["model"] and tp2["model"]["tp_size"] == 1
     assert tp2["files"].keys() == single["files"].keys()
     for rel in tp2["files"]:

@@ -1,0 +1,410 @@
+"""Pipeline parallelism: each stage runs the window runtime over its own blocks, on
+``torch.distributed.pipelining`` (its schedules move activations and run the micro-batches; we
+write no scheduler).
+
+- ``balance_stages``: contiguous split of the blocks whose largest stage compute is smallest, the
+  first stage's head and the last stage's tail (LM head) counted.
+- ``PipelineStageModule`` / ``build_stage``: one rank's part of the model (head? blocks, tail?), the
+  module torch's ``PipelineStage`` runs. Any list of blocks works (``whale`` maps its scopes here).
+- ``stage_passes``: the forward/backward passes a stage runs in one step, in its schedule's order;
+  the engine plans its window over all of them (``Engine.use_step_plan``) and checks each use.
+- ``Pipeline``: one rank's stage through ``wrap``, a torch schedule, tied-embedding gradients
+  all-reduced between the first and last stage, and ``step(x, y)`` = one optimizer step.
+- ``gpt_stage``: this rank's stage of a ``GPT`` (balanced split, tied embeddings marked).
+
+Exactness (fp32): the loss of each micro-batch is divided by their number, so the summed
+gradient is the global batch's mean; clipping uses the norm summed over the stages
+(``parallel.data.global_grad_norm``); an fp16 overflow anywhere skips the step on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pystronghold.parallel.groups import ParallelGroups
+from pystronghold.runtime.config import RuntimeConfig
+
+__all__ = ["SCHEDULES", "balance_stages", "stage_passes", "PipelineStageModule", "build_stage",
+           "Pipeline", "gpt_stage", "gpt_pipeline", "gpt_stage_costs", "gpt_loss", "validate_pipeline"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("1f1b", "gpipe")
+"""Pipeline schedules, by their torch.distributed.pipelining class (Schedule1F1B, ScheduleGPipe)."""
+
+
+def validate_pipeline(stages: int, blocks: int, micro_batches: int, schedule: str) -> None:
+    """Check a pipeline layout with local arithmetic only (the same on every rank, so every rank
+    raises before any collective). ValueError naming the argument that does not fit."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+    if stages > blocks:
+        raise ValueError(f"pp={stages} stages are more than the model's {blocks} blocks "
+                         "(every stage needs at least one block)")
+    if schedule == "1f1b" and micro_batches < stages:
+        raise ValueError(f"micro_batches={micro_batches} must be at least the pp={stages} stages "
+                         "for the 1F1B schedule")
+
+
+def balance_stages(block_costs: Sequence[float], stages: int, *, head_cost: float = 0.0,
+                   tail_cost: float = 0.0) -> list[range]:
+    """Split blocks ``0 .. N-1`` into ``stages`` contiguous non-empty ranges minimising the largest
+    stage cost, where stage 0 also pays ``head_cost`` and the last stage ``tail_cost`` (any unit,
+    e.g. FLOPs per token). Ties go to the split with the earliest boundaries. Exact (dynamic
+    programming, O(stages * N^2))."""
+    n = len(block_costs)
+    if stages < 1 or stages > n:
+        raise ValueError(f"stages={stages} must be in [1, {n}] (the number of blocks)")
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def cost(stage: int, lo: int, hi: int) -> float:
+        extra = (head_cost if stage == 0 else 0.0) + (tail_cost if stage == stages - 1 else 0.0)
+        return prefix[hi] - prefix[lo] + extra
+
+    inf = float("inf")
+    # best[s][j]: smallest max cost placing blocks 0..j-1 on stages 0..s-1; cut[s][j]: the start of stage s-1
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], cost(s - 1, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    bounds, j = [], n
+    for s in range(stages, 0, -1):
+        i = cut[s][j]
+        bounds.append(range(i, j))
+        j = i
+    return bounds[::-1]
+
+
+def stage_passes(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
+    """The passes ("fwd"/"bwd", one per micro-batch each) stage ``stage`` runs in one step, in the
+    order torch's schedule runs them (Schedule1F1B: ``min(m, p - stage)`` forwards, then one
+    backward and one forward alternately, then the remaining backwards; ScheduleGPipe: every
+    forward, then every backward). The engine checks each block use against this order."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return ["fwd"] * m + ["bwd"] * m
+    if schedule == "1f1b":
+        warmup = min(m, stages - stage)
+        passes = ["fwd"] * warmup
+        forwards = warmup
+        backwards = 0
+        while backwards < m:
+            passes.append("bwd")
+            backwards += 1
+            if forwards < m:
+                passes.append("fwd")
+                forwards += 1
+        return passes
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+class PipelineStageModule(nn.Module):
+    """One stage: ``head`` (first stage), ``blocks`` (an ``nn.ModuleList``: what the window streams),
+    ``tail`` (last stage). ``forward(x)`` = tail(blocks(head(x))), skipping the parts that are None.
+
+    ``first_block`` is the global index of ``blocks[0]`` (for names and logs); ``materialize(i)``,
+    when given, builds global block ``i`` of a model made on ``meta`` (``wrap`` calls it through
+    ``materialize_block_`` with the local index).
+    """
+
+    def __init__(self, head: nn.Module | None, blocks: Sequence[nn.Module], tail: nn.Module | None, *,
+                 first_block: int = 0, materialize: Callable[[int], nn.Module] | None = None,
+                 materialize_thread_safe: bool = False) -> None:
+        super().__init__()
+        if not blocks:
+            raise ValueError("build_stage: blocks is empty; every pipeline stage needs at least one block")
+        self.head = head
+        self.blocks = blocks if isinstance(blocks, nn.ModuleList) else nn.ModuleList(blocks)
+        self.tail = tail
+        self.first_block = first_block
+        self._materialize = materialize
+        self.materialize_block_thread_safe = materialize_thread_safe
+
+    def materialize_block_(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        """Build local block ``index`` (global ``first_block + index``) with the model's materializer."""
+        if self._materialize is None:
+            raise ValueError("PipelineStageModule: blocks on meta but no materialize= was given")
+        self._materialize(self.first_block + index)
+        return self.blocks[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            x = self.head(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.tail is not None:
+            x = self.tail(x)
+        return x
+
+
+def build_stage(head: nn.Module | None, blocks: Sequence[nn.Module], tail: nn.Module | None, *,
+                first_block: int = 0, materialize: Callable[[int], nn.Module] | None = None,
+                materialize_thread_safe: bool = False) -> PipelineStageModule:
+    """The public way to make a pipeline stage from a given list of blocks (``Pipeline`` runs it):
+    ``head`` on the first stage only, ``tail`` on the last only (None elsewhere). Each block maps
+    one activation tensor to one of the same shape."""
+    return PipelineStageModule(head, blocks, tail, first_block=first_block, materialize=materialize,
+                               materialize_thread_safe=materialize_thread_safe)
+
+
+class Pipeline:
+    """This rank's pipeline stage trained through the window runtime.
+
+    ``stage``: this rank's ``PipelineStageModule`` (stage ``groups.pp_rank``); ``loss_fn(output,
+    target)``: mean loss of one micro-batch from the last stage's output; ``micro_batches``: m, the
+    micro-batches each step's batch is cut into; ``activation``: (hidden size, dtype) of the tensor
+    passed between stages, (B/m, T, hidden); ``output_size``: last dimension of the last stage's
+    output; ``tied``: parameters of this stage tied to one on the other end of the pipeline (the
+    embedding and the LM head): their gradients are summed over ``groups.embedding_group``.
+    ``options`` are ``wrap``'s (window, optimizer, clip_grad_norm, precision, ...), or ``config=``
+    one whole ``RuntimeConfig``; ``accumulation_steps`` is set to ``micro_batches`` and
+    ``parallel`` to ``groups``.
+    """
+
+    def __init__(self, stage: PipelineStageModule, groups: ParallelGroups, *, loss_fn: Callable,
+                 micro_batches: int, hidden: int, output_size: int, schedule: str = "1f1b",
+                 tied: Sequence[torch.Tensor] = (), config: RuntimeConfig | None = None, **options) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from pystronghold.runtime.api import wrap
+        from pystronghold.runtime.schedule import pass_uses, plan_uses
+
+        if groups.pp_size < 2:
+            raise ValueError(f"Pipeline needs init_parallel(..., pp=P) with P >= 2, got pp={groups.pp_size}")
+        validate_pipeline(groups.pp_size, groups.pp_size, micro_batches, schedule)  # (blocks: gpt_stage)
+        if config is not None and options:
+            raise TypeError(f"Pipeline: give config= or options ({', '.join(options)}), not both")
+        config = config if config is not None else RuntimeConfig(**options)
+        if config.accumulation_steps != 1:
+            raise ValueError("Pipeline: accumulation_steps= is set by micro_batches= (the stage "
+                             "accumulates the gradients of every micro-batch of a step)")
+        if config.parallel not in (None, groups):
+            raise ValueError("Pipeline: parallel= must be the groups given (or left out)")
+        self.groups, self.micro_batches, self.schedule_name = groups, micro_batches, schedule
+        self.first, self.last = groups.pp_rank == 0, groups.pp_rank == groups.pp_size - 1
+        self.stage_module, self.user_loss_fn, self.tied = stage, loss_fn, list(tied)
+        self.hidden, self.output_size = hidden, output_size
+        self.engine = wrap(stage, blocks=stage.blocks,
+                           config=dataclasses.replace(config, accumulation_steps=micro_batches, parallel=groups))
+        passes = stage_passes(schedule, groups.pp_rank, groups.pp_size, micro_batches)
+        if self.engine.n_streamed:
+            self.engine.use_step_plan(plan_uses(pass_uses(self.engine.n_streamed, passes),
+                                                self.engine.window_size))
+        self._stage_cls, self._schedule_cls = PipelineStage, {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        self._schedules: dict[tuple, object] = {}  # by micro-batch input shape
+        self._losses: list[torch.Tensor] = []
+        spans = [None] * groups.pp_size  # every stage's global block range (a collective, once)
+        dist.all_gather_object(spans, (stage.first_block, len(stage.blocks)), group=groups.pp_group)
+        self.stage_blocks = [range(first, first + n) for first, n in spans]
+        """The global block indices of each stage, stage 0 first."""
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.user_loss_fn(output, target)
+        self._losses.append(loss.detach())
+        scaler = self.engine.scaler
+        scaled = loss * scaler.scale if scaler is not None else loss
+        return scaled / self.micro_batches  # the summed gradient is the global batch's mean
+
+    def _schedule_for(self, x: torch.Tensor):
+        """A PipelineStage and schedule for micro-batches of ``x``'s shape (made once per shape,
+        with the activation shapes given, so torch runs no shape inference through the stage)."""
+        m = self.micro_batches
+        if x.shape[0] % m:
+            raise ValueError(f"Pipeline.step: the batch of {x.shape[0]} samples must be divisible by "
+                             f"micro_batches={m}")
+        key = tuple(x.shape)
+        if key not in self._schedules:
+            mb = (x.shape[0] // m, *x.shape[1:])
+            act = torch.empty(*mb, self.hidden, dtype=self.engine.dtype, device="meta")
+            # NOTE: a received activation requires grad only when its meta says so (else no
+            # gradient would flow back to the previous stage)
+            inputs = (torch.empty(mb, dtype=x.dtype, device="meta") if self.first
+                      else act.clone().requires_grad_(True))
+            outputs = (torch.empty(*mb, self.output_size, dtype=self.engine.dtype, device="meta")
+                       if self.last else act)
+            stage = self._stage_cls(self.stage_module, self.groups.pp_rank, self.groups.pp_size,
+                                    self.engine.device, input_args=inputs, output_args=outputs,
+                                    input_grads=None if self.first else act,
+                                    output_grads=None if self.last else act, group=self.groups.pp_group)
+            self._schedules[key] = self._schedule_cls(stage, m, loss_fn=self._loss, scale_grads=False)
+        return self._schedules[key]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One optimizer step on this replica's batch: inputs ``x`` (B, T) and targets ``y`` (B, T),
+        B divisible by ``micro_batches`` (every rank of the pipeline passes the same batch; the
+        first stage reads ``x``, the last ``y``). Returns the batch's mean loss (on every stage)."""
+        self._run(self._schedule_for(x).step, x, y)
+        if self.tied and self.groups.embedding_group is not None:
+            grads = [p.grad for p in self.tied if p.grad is not None]
+            if len(grads) != len(self.tied):
+                raise RuntimeError("Pipeline: a tied parameter got no gradient this step")
+            for g in grads:  # the embedding's and the LM head's contributions: both sides get the sum
+                dist.all_reduce(g, group=self.groups.embedding_group)
+        self.engine.step()
+        self.engine.zero_grad()
+        return self._broadcast_loss()
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Mean loss of a batch without gradients (forward passes only, through the window in eval
+        mode: no dropout); the same value on every stage. Same arguments as ``step``."""
+        schedule = self._schedule_for(x)
+        self.engine.eval()
+        try:
+            self._run(schedule.eval, x, y)
+        finally:
+            self.engine.train()
+        return self._broadcast_loss()
+
+    def _run(self, run: Callable, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``run`` (a schedule's step or eval) with what this stage feeds it: the first stage the
+        inputs, the last the targets, the others nothing (they receive activations)."""
+        self._losses.clear()
+        if self.first:
+            run(x.to(self.engine.device))
+        elif self.last:
+            run(target=y.to(self.engine.device))
+        else:
+            run()
+
+    def _broadcast_loss(self) -> float:
+        """The last stage's mean micro-batch loss, sent to every stage of this pipeline."""
+        loss = torch.zeros(1, dtype=torch.float64)
+        if self.last:
+            loss[0] = float(torch.stack([l.double() for l in self._losses]).mean())
+        if self.groups.pp_group is not None:
+            if dist.get_backend(self.groups.pp_group) == "nccl":
+                loss = loss.cuda()
+            dist.broadcast(loss, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
+        return float(loss[0])
+
+    def global_name(self, name: str) -> str:
+        """A parameter's name in the whole model from its name in this stage (``blocks.{i}.*`` gets
+        the global block index; head and tail names are the model's)."""
+        if name.startswith("blocks."):
+            _, index, rest = name.split(".", 2)
+            return f"blocks.{self.stage_module.first_block + int(index)}.{rest}"
+        return name
+
+    def stage_of_block(self, block: int) -> int:
+        """The stage holding global block ``block``."""
+        for stage, blocks in enumerate(self.stage_blocks):
+            if block in blocks:
+                return stage
+        raise ValueError(f"block {block} is on no stage (stages hold {self.stage_blocks})")
+
+    def share_from(self, stage: int, value):
+        """``value`` of stage ``stage`` on every stage of this pipeline (a broadcast of a picklable
+        object over the pp group; every stage calls it, ``value`` is ignored elsewhere)."""
+        box = [value if self.groups.pp_rank == stage else None]
+        dist.broadcast_object_list(box, src=self.groups.pp_ranks[stage], group=self.groups.pp_group)
+        return box[0]
+
+    def master_parameters(self) -> dict[str, torch.Tensor]:
+        """fp32 value of this stage's parameters by their name in the whole model (``global_name``)."""
+        return {self.global_name(name): value for name, value in self.engine.master_parameters().items()}
+
+    def close(self) -> None:
+        """Stop the stage's engine (its worker threads)."""
+        self.engine.close()
+
+
+def gpt_stage_costs(config, seq: int) -> tuple[list[float], float, float]:
+    """(per-block, head, tail) forward FLOPs per sample of a ``GPTConfig``: blocks by the planner's
+    formula; the head's embedding lookup and add (2*T*C); the tail's LM head (2*T*C*V)."""
+    from pystronghold.planner.cost import block_forward_flops
+
+    block = block_forward_flops(config, 1, seq)
+    head = 2.0 * seq * config.hidden
+    tail = 2.0 * seq * config.hidden * config.padded_vocab_size / config.tp_size
+    return [block] * config.layers, head, tail
+
+
+def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
+              split: Sequence[range] | None = None) -> tuple[PipelineStageModule, list[torch.Tensor]]:
+    """This rank's stage of a ``GPT`` and its tied parameters (for ``Pipeline(tied=...)``).
+
+    ``split``: the block ranges of the stages; default ``balance_stages`` on ``gpt_stage_costs``
+    (logged by rank 0). With tied embeddings the last stage's LM head weight is marked as the copy
+    (counted once in the gradient norm)."""
+    config = model.config
+    p = groups.pp_size
+    if p > config.layers:
+        raise ValueError(f"pp={p} stages are more than the model's {config.layers} blocks "
+                         "(every stage needs at least one block)")
+    if split is None:
+        costs, head, tail = gpt_stage_costs(config, seq or config.seq_len)
+        split = balance_stages(costs, p, head_cost=head, tail_cost=tail)
+        if groups.rank == 0:
+            total = sum(costs) + head + tail
+            log.info("pipeline split over %d stages: %s", p, "; ".join(
+                f"stage {s}: {'head + ' if s == 0 else ''}blocks {r.start}-{r.stop - 1}"
+                f"{' + LM head' if s == p - 1 else ''} ({100 * (sum(costs[r.start:r.stop]) + (head if s == 0 else 0) + (tail if s == p - 1 else 0)) / total:.1f}% of the FLOPs)"
+                for s, r in enumerate(split)))
+    if len(split) != p:
+        raise ValueError(f"split has {len(split)} stages, the layout pp={p}")
+    starts = [0] + [r.stop for r in split[:-1]]
+    if any(r.step != 1 or r.start != a or len(r) < 1 for r, a in zip(split, starts)) or split[-1].stop != config.layers:
+        raise ValueError(f"split must be contiguous non-empty ranges covering blocks 0..{config.layers - 1} "
+                         f"in order, got {list(split)}")
+    mine = split[groups.pp_rank]
+    first, last = groups.pp_rank == 0, groups.pp_rank == p - 1
+    stage = build_stage(model.head if first else None, [model.blocks[i] for i in mine],
+                        _LogitsTail(model.tail) if last else None, first_block=mine.start,
+                        materialize=model.materialize_block_,
+                        materialize_thread_safe=getattr(model, "materialize_block_thread_safe", False))
+    tied: list[torch.Tensor] = []
+    if config.tie_embeddings and p > 1:
+        if first:
+            tied = [model.head.tok.weight]
+        if last:
+            weight = model.tail.lm_head.weight
+            weight.pp_tied_copy = "head.tok.weight"  # parallel.data.is_pipeline_copy / tied_source
+            tied = [weight]
+    return stage, tied
+
+
+def gpt_pipeline(model, groups: ParallelGroups, *, micro_batches: int, schedule: str = "1f1b",
+                 seq: int | None = None, split: Sequence[range] | None = None, **options) -> Pipeline:
+    """``Pipeline`` of this rank's stage of a ``GPT`` (``gpt_stage``: ``split`` given, or balanced),
+    with its loss and tied embeddings; ``options`` are ``wrap``'s (or ``config=`` a RuntimeConfig)."""
+    config = model.config
+    if options.pop("parallel", groups) is not groups:
+        raise ValueError("gpt_pipeline: parallel= must be the groups given (or left out)")
+    stage, tied = gpt_stage(model, groups, seq=seq, split=split)
+    return Pipeline(stage, groups, loss_fn=gpt_loss(config, groups.tp_group), micro_batches=micro_batches,
+                    hidden=config.hidden, output_size=config.padded_vocab_size // config.tp_size,
+                    schedule=schedule, tied=tied, **options)
+
+
+class _LogitsTail(nn.Module):
+    """A GPT tail that returns this TP rank's logits shard (B, T, V_padded / tp) for the loss."""
+
+    def __init__(self, tail: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = tail.ln_f, tail.lm_head  # the GPT's parameter names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, V_padded / tp)
+
+
+def gpt_loss(config, tp_group: dist.ProcessGroup | None) -> Callable:
+    """The loss function of a GPT's last stage: ``models.gpt.lm_loss`` of its logits shard."""
+    from pystronghold.models.gpt import lm_loss
+
+    return lambda logits, targets: lm_loss(logits, targets, config.vocab_size, tp_group)

@@ -1,0 +1,228 @@
+"""Pipeline parallelism (PP) through the window runtime, on real gloo processes.
+
+Every run is compared with plain PyTorch training of the single-process model on the same global
+batch (the mean loss of the whole batch; clipping by ``clip_grad_norm_``). Stated tolerances (fp32):
+rtol 1e-6 on losses and gradient norms (the pipeline sums the same products per micro-batch, then
+over micro-batches: rounding only), and the parameter tolerance of test_parallel_runtime (rtol and
+atol 1e-5: Adam divides by sqrt(v), so an element whose gradient is near zero turns rounding into
+a parameter difference). One AdamW step moves a weight by ~lr = 3e-3, 300 times that tolerance, so
+a stage that does not train, a missing tied-gradient sum or a wrong micro-batch scale fails.
+The model ties its embeddings (first stage) to its LM head (last stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+
+import pystronghold as ph
+from pystronghold.models import GPT, GPTConfig
+from pystronghold.parallel import gather_tp_param, init_parallel, validate_parallel_sizes
+from pystronghold.parallel.pipeline import (Pipeline, balance_stages, gpt_loss, gpt_stage, stage_passes,
+                                            validate_pipeline)
+
+CFG = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=16, layers=4, hidden=32, heads=4,
+                tie_embeddings=True)
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+TOL = dict(rtol=1e-6, atol=1e-7)
+PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
+CLIP = 0.05  # below every step's gradient norm (asserted), so clipping changes every update
+MICRO = 4
+
+
+def _data(steps: int, batch: int) -> torch.Tensor:
+    """(steps, batch, T + 1) token ids: inputs are [..., :-1], targets [..., 1:]."""
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, CFG.vocab_size, (steps, batch, CFG.seq_len + 1), generator=g)
+
+
+def _reference(data: torch.Tensor, clip: float):
+    """Plain PyTorch on each whole global batch: (losses, grad norms, params by name)."""
+    model = GPT(CFG, seed=7)
+    opt = torch.optim.AdamW(model.parameters(), **HYPER)
+    losses, norms = [], []
+    for tokens in data:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _train(groups, data: torch.Tensor, schedule: str = "1f1b", **options):
+    """This rank's stage trained on its replica's slice: (global mean losses, grad norms, the whole
+    model's fp32 masters gathered from every stage and TP rank, the pipeline's engine stats)."""
+    cfg = dataclasses.replace(CFG, tp_size=groups.tp_size)
+    model = GPT(cfg, seed=7, tp_group=groups.tp_group)
+    stage, tied = gpt_stage(model, groups)
+    pipe = Pipeline(stage, groups, loss_fn=gpt_loss(cfg, groups.tp_group), micro_batches=MICRO,
+                    hidden=cfg.hidden, output_size=cfg.padded_vocab_size // groups.tp_size,
+                    schedule=schedule, tied=tied, window=1, strict=True, optimizer=ph.AdamW(**HYPER),
+                    **options)
+    per = data.shape[1] // groups.dp_size
+    mine = data[:, groups.dp_rank * per:(groups.dp_rank + 1) * per]
+    losses, norms = [], []
+    try:
+        for tokens in mine:
+            loss = torch.tensor([pipe.step(tokens[:, :-1], tokens[:, 1:])], dtype=torch.float64)
+            if groups.dp_size > 1:
+                dist.all_reduce(loss, group=groups.dp_group)
+            losses.append(float(loss) / groups.dp_size)
+            norms.append(pipe.engine.grad_norm)
+        local = {}
+        for name, value in pipe.master_parameters().items():
+            value = value.clone()
+            value.tp_split = getattr(model.get_parameter(name), "tp_split", (0, 0, 1))
+            local[name] = gather_tp_param(value, groups.tp_group)
+        stats = pipe.engine.stats()
+    finally:
+        pipe.close()
+    parts = [None] * groups.pp_size
+    dist.all_gather_object(parts, local, group=groups.pp_group)
+    params = {k: v for part in parts for k, v in part.items()}
+    return losses, norms, params, stats
+
+
+def _assert_matches(got, ref) -> None:
+    (losses, norms, params, _), (ref_losses, ref_norms, ref_params) = got, ref
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    assert min(ref_norms) > CLIP, ref_norms  # clipping really changed every step
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL)
+    # the last stage's LM head is its own copy of the embedding: trained to the same values
+    assert params.keys() == ref_params.keys() | {"tail.lm_head.weight"}
+    torch.testing.assert_close(params["tail.lm_head.weight"], ref_params["head.tok.weight"], **PARAM_TOL)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(params[name], p, **PARAM_TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _pp(rank: int, world: int, tp: int, schedules: tuple[str, ...]) -> None:
+    groups = init_parallel(tp, pp=2, heads=CFG.heads, timeout_s=30)
+    data = _data(steps=3, batch=2 * MICRO * groups.dp_size)
+    ref = _reference(data, CLIP)
+    for schedule in schedules:
+        got = _train(groups, data, schedule, clip_grad_norm=CLIP)
+        _assert_matches(got, ref)
+
+
+def test_pp2_1f1b_and_gpipe_equal_single_process():
+    run_ranks(_pp, 2, 1, ("1f1b", "gpipe"), timeout_s=150)
+
+
+def test_pp2_tp2_equals_single_process():
+    run_ranks(_pp, 4, 2, ("1f1b",), timeout_s=150)
+
+
+def test_pp2_dp2_equals_single_process():
+    run_ranks(_pp, 4, 1, ("1f1b",), timeout_s=150)
+
+
+def _fp16_overflow_on_one_stage(rank: int, world: int) -> None:
+    """An inf in the last stage's LM-head gradient only (the activations' gradients stay finite):
+    every stage skips that step and halves its loss scale."""
+    groups = init_parallel(1, pp=2, timeout_s=30)
+    cfg = dataclasses.replace(CFG, tie_embeddings=False)
+    model = GPT(cfg, seed=7)
+    stage, tied = gpt_stage(model, groups)
+    pipe = Pipeline(stage, groups, loss_fn=gpt_loss(cfg, None), micro_batches=2, hidden=cfg.hidden,
+                    output_size=cfg.padded_vocab_size, window=1, precision="fp16",
+                    optimizer=ph.AdamW(**HYPER))
+    poison = {"on": False}
+    if groups.pp_rank == 1:
+        model.tail.lm_head.weight.register_hook(lambda g: g * float("inf") if poison["on"] else g)
+    try:
+        for step, tokens in enumerate(_data(steps=3, batch=4)):
+            poison["on"] = step == 1
+            pipe.step(tokens[:, :-1], tokens[:, 1:])
+        stats = pipe.engine.stats()
+        assert (stats["steps"], stats["skipped_steps"]) == (2, 1), stats
+    finally:
+        pipe.close()
+    scales = [None, None]
+    dist.all_gather_object(scales, stats["loss_scale"])
+    assert scales[0] == scales[1]
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage():
+    run_ranks(_fp16_overflow_on_one_stage, 2, timeout_s=120)
+
+
+# ---- without processes
+
+
+def test_balance_stages_minimises_the_largest_stage_with_head_and_tail_counted():
+    import itertools
+
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    for stages in (1, 2, 3, 4):
+        split = balance_stages(costs, stages, head_cost=2.0, tail_cost=7.0)
+        assert [r.start for r in split] == [0] + [r.stop for r in split[:-1]] and split[-1].stop == 8
+
+        def worst(cuts):
+            bounds = [0, *cuts, 8]
+            loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+            loads[0] += 2.0
+            loads[-1] += 7.0
+            return max(loads)
+
+        best = min(worst(c) for c in itertools.combinations(range(1, 8), stages - 1))
+        assert worst([r.start for r in split[1:]]) == best
+    # the LM head's cost moves blocks off the last stage
+    assert [len(r) for r in balance_stages([1.0] * 4, 2, tail_cost=2.0)] == [3, 1]
+    with pytest.raises(ValueError, match="stages=5"):
+        balance_stages([1.0] * 4, 5)
+
+
+def test_stage_passes_follow_torch_schedules():
+    assert stage_passes("1f1b", 0, 2, 4) == ["fwd", "fwd", "bwd", "fwd", "bwd", "fwd", "bwd", "bwd"]
+    assert stage_passes("1f1b", 1, 2, 4) == ["fwd", "bwd"] * 4
+    assert stage_passes("gpipe", 1, 2, 2) == ["fwd", "fwd", "bwd", "bwd"]
+
+
+def test_a_stage_run_in_another_order_than_its_plan_raises():
+    """The engine checks every block use against the step plan: a schedule that runs the passes
+    in another order fails loudly instead of computing with the wrong blocks."""
+    from pystronghold.runtime.schedule import pass_uses, plan_uses
+
+    model = GPT(dataclasses.replace(CFG, tie_embeddings=False), seed=7)
+    engine = ph.wrap(model, blocks=model.blocks, window=2, accumulation_steps=2)
+    try:
+        engine.use_step_plan(plan_uses(pass_uses(4, ["fwd", "fwd", "bwd", "bwd"]), 2))
+        tokens = _data(steps=1, batch=2)[0]
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        with pytest.raises(RuntimeError, match="out of the expected order"):
+            loss.backward()
+    finally:
+        engine.close()
+
+
+def test_bad_pipeline_layouts_raise_naming_the_size():
+    with pytest.raises(ValueError, match="pp_size=2 x tp_size=1 x dp_size=1 = 2 processes, but the world size is 4"):
+        validate_parallel_sizes(4, 1, 1, pp_size=2)
+    with pytest.raises(ValueError, match="pp_size=3 x tp_size=1 must divide the world size 4"):
+        validate_parallel_sizes(4, 1, pp_size=3)
+    assert validate_parallel_sizes(8, 2, pp_size=2) == 2
+    with pytest.raises(ValueError, match="pp=5 stages are more than the model's 4 blocks"):
+        validate_pipeline(5, 4, 8, "1f1b")
+    with pytest.raises(ValueError, match="micro_batches=1 must be at least the pp=2 stages"):
+        validate_pipeline(2, 4, 1, "1f1b")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        validate_pipeline(2, 4, 2, "zero-bubble")
+
+
+@pytest.mark.parametrize("split", [[range(0, 2), range(3, 4)], [range(0, 2), range(2, 3)], [range(0, 0), range(0, 4)],
+                                   [range(0, 3), range(2, 4)]], ids=["gap", "short", "empty", "overlap"])
+def test_gpt_stage_refuses_a_split_that_does_not_cover_the_blocks_once(split):
+    """A given split (whale's stage() scopes) must hold every block exactly once, in order: else a
+    block would be trained twice or never, silently."""
+    from pystronghold.parallel.groups import ParallelGroups
+
+    groups = ParallelGroups(rank=0, world_size=2, tp_size=1, dp_size=1, tp_rank=0, dp_rank=0, tp_group=None,
+                            dp_group=None, pp_size=2, pp_rank=0)
+    with pytest.raises(ValueError, match="split must be contiguous non-empty ranges covering blocks 0..3"):
+        gpt_stage(GPT(CFG, seed=7), groups, split=split)

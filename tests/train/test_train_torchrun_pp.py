@@ -1,0 +1,95 @@
+"""``torchrun -m pystronghold train --pp P``: pipeline stages launched by torch.distributed.run.
+
+A --pp 2 run (2 micro-batches per step) logs the losses of the single-process run on the same
+global batches (fp32; the metrics lines print 4 decimals and must be equal: |difference| <= 1e-4,
+while one step moves the loss by ~0.1). The exact equivalence at 1e-6 is in
+test_parallel_pipeline.py; this file checks the CLI's plumbing: the split printed at start, the
+stage groups, rank-0 output, and bad layouts failing on every rank with one line from rank 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_train_torchrun import _losses, _run
+
+
+@pytest.fixture(scope="module")
+def reference():
+    p = _run(1)
+    assert p.returncode == 0, p.stderr
+    return _losses(p.stdout)
+
+
+def test_pp2_logs_the_single_process_losses_and_prints_the_split(reference):
+    p = _run(2, "--pp", "2", "--micro-batches", "2")
+    assert p.returncode == 0, p.stderr
+    train, val = _losses(p.stdout)
+    assert train == pytest.approx(reference[0], abs=1e-4)
+    assert val == pytest.approx(reference[1], abs=1e-4)
+    assert p.stdout.count("trained steps 1..3") == 1
+    # tiny: 4 equal blocks; the LM head (V=256) outweighs the embedding, so no block moves
+    assert p.stdout.count("pipeline split over 2 stages: stage 0: head + blocks 0-1 (") == 1
+    assert "stage 1: blocks 2-3 + LM head" in p.stdout
+
+
+def test_pp_misconfiguration_fails_on_every_rank_with_one_message():
+    p = _run(3, "--pp", "2")
+    assert p.returncode != 0
+    ours = [line for line in p.stderr.splitlines() if line.startswith("pystronghold train: error:")]
+    assert len(ours) == 1 and "--pp 2 x --tp 1 x 1 data-parallel replicas = 2 processes, but there are 3" in ours[0]
+    assert "exitcode: 2" in p.stderr
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    (dict(pp=6), 6, "ParallelOptions.pp=6 stages are more than the model's 4 blocks"),
+    (dict(pp=2, micro_batches=1), 2, "ParallelOptions.micro_batches=1 must be at least pp=2 stages"),
+    (dict(pp=2, micro_batches=8), 2, "--batch 4 must be divisible by 1 data-parallel replicas x 8 micro-batches"),
+    (dict(pp=2), 1, "launch with torchrun --nproc-per-node 2"),
+], ids=["more-stages-than-blocks", "too-few-micro-batches", "batch-not-divisible", "one-process"])
+def test_pp_layouts_checked_before_any_collective(monkeypatch, extra, world, message):
+    """TrainConfig's checks: local arithmetic that every rank runs alike before init_parallel."""
+    from pystronghold.options import ConfigError
+    from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
+        TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4), parallel=ParallelOptions(**extra))
+
+
+def test_resident_blocks_must_fit_every_stage(monkeypatch):
+    """Each stage keeps --resident-blocks of its own blocks on the device: a stage with fewer
+    blocks would fail alone in wrap, after the others entered a collective (a hang)."""
+    from pystronghold.options import ConfigError
+    from pystronghold.runtime.config import RuntimeConfig
+    from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def config(resident):
+        return TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4),
+                           runtime=RuntimeConfig(resident_blocks=resident), parallel=ParallelOptions(pp=2))
+
+    assert config(2).runtime.resident_blocks == 2  # tiny: 4 blocks, 2 per stage
+    with pytest.raises(ConfigError, match=r"RuntimeConfig.resident_blocks=3 is more than the 2 blocks of "
+                                          r"pipeline stage 0 \(--pp 2 splits the blocks \[2, 2\]\)"):
+        config(3)
+
+
+@pytest.mark.parametrize("writer, reader", [(("--pp", "2"), ()), ((), ("--pp", "2"))],
+                         ids=["pp2-resumed-by-one-process", "one-process-resumed-by-pp2"])
+def test_checkpoints_cross_resume_between_pipeline_and_one_process(reference, tmp_path, writer, reader):
+    """The stages send their blocks (global names) to rank 0, which writes the usual format; each
+    stage reads back only its own blocks. Step 3 of the resumed run is step 3 of the reference."""
+    import os
+    import shutil
+
+    ck = str(tmp_path / "ck")
+    p = _run(2 if writer else 1, *writer, "--checkpoint-dir", ck, "--checkpoint-every", "2")
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]
+    shutil.rmtree(os.path.join(ck, "step-00000003"))
+    p = _run(2 if reader else 1, *reader, "--checkpoint-dir", ck, "--resume")
+    assert p.returncode == 0, p.stderr
+    train, val = _losses(p.stdout)
+    assert train == pytest.approx(reference[0][2:], abs=1e-4)
+    assert val == pytest.approx(reference[1], abs=1e-4)
