@@ -11,48 +11,25 @@ rank 0 only, within a timeout (no rank left waiting).
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
-
-ARGS = ["--model", "tiny", "--steps", "3", "--log-every", "1", "--batch", "4", "--seq", "32",
-        "--max-bytes", "65536", "--eval-batches", "1", "--quiet"]
-TIMEOUT_S = 90
-
-
-def _run(nproc: int, *extra: str):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "pystronghold", "train", *ARGS, *extra]
-        env.pop("WORLD_SIZE", None)
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "pystronghold", "train", *ARGS, *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
-
-
-def _losses(stdout: str) -> tuple[list[float], list[float]]:
-    train = [float(x) for x in re.findall(r"^step \d+ \| loss ([0-9.]+)", stdout, re.M)]
-    val = [float(x) for x in re.findall(r"^step \d+ \| validation loss ([0-9.]+)", stdout, re.M)]
-    return train, val
+from torchrun_cli import logged_losses, run_train
 
 
 @pytest.fixture(scope="module")
 def reference():
-    p = _run(1)
+    p = run_train(1)
     assert p.returncode == 0, p.stderr
-    train, val = _losses(p.stdout)
+    train, val = logged_losses(p.stdout)
     assert len(train) == 3 and len(val) == 1
     return train, val
 
 
 @pytest.mark.parametrize("layout", [("--tp", "2"), ("--dp", "2")], ids=["tp2", "dp2"])
-def test_two_processes_log_the_single_process_losses(reference, layout):
-    p = _run(2, *layout)
+def test_two_processes_log_the_single_processlogged_losses(reference, layout):
+    p = run_train(2, *layout)
     assert p.returncode == 0, p.stderr
-    train, val = _losses(p.stdout)
+    train, val = logged_losses(p.stdout)
     assert train == pytest.approx(reference[0], abs=1e-4)
     assert val == pytest.approx(reference[1], abs=1e-4)
     # rank 0 alone logs: one metrics line per step, one summary
@@ -65,7 +42,7 @@ def test_two_processes_log_the_single_process_losses(reference, layout):
     (("--dp", "3"), "--batch 4 must be divisible by --dp 3"),
 ], ids=["world-not-divisible", "heads-not-divisible", "batch-not-divisible"])
 def test_misconfiguration_fails_on_every_rank_with_one_message(extra, message):
-    p = _run(3, *extra)  # subprocess.run's timeout: a hang fails the test
+    p = run_train(3, *extra)  # subprocess.run's timeout: a hang fails the test
     assert p.returncode != 0
     ours = [line for line in p.stderr.splitlines() if line.startswith("pystronghold train: error:")]
     assert len(ours) == 1 and message in ours[0]  # printed by rank 0 only
@@ -75,7 +52,7 @@ def test_misconfiguration_fails_on_every_rank_with_one_message(extra, message):
 
 
 def test_single_process_with_tp_says_how_to_launch():
-    p = _run(1, "--tp", "2")
+    p = run_train(1, "--tp", "2")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "pystronghold train: error: --tp 2 x --dp 1 needs 2 processes; launch with torchrun "
@@ -96,13 +73,13 @@ def test_dp_checkpoint_written_by_rank_0_resumed_by_every_rank(reference, tmp_pa
     import shutil
 
     ck = str(tmp_path / "ck")
-    p = _run(2, "--dp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
+    p = run_train(2, "--dp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
     assert p.returncode == 0, p.stderr
     assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]  # one writer: no clashes
     shutil.rmtree(os.path.join(ck, "step-00000003"))
-    p = _run(2, "--dp", "2", "--checkpoint-dir", ck, "--resume")
+    p = run_train(2, "--dp", "2", "--checkpoint-dir", ck, "--resume")
     assert p.returncode == 0, p.stderr
-    train, val = _losses(p.stdout)
+    train, val = logged_losses(p.stdout)
     assert train == pytest.approx(reference[0][2:], abs=1e-4)  # step 3 continues the same run
     assert val == pytest.approx(reference[1], abs=1e-4)
 
@@ -113,12 +90,12 @@ def test_tp_checkpoint_resumed_by_one_process(reference, tmp_path):
     import shutil
 
     ck = str(tmp_path / "ck")
-    p = _run(2, "--tp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
+    p = run_train(2, "--tp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
     assert p.returncode == 0, p.stderr
     assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
-    p = _run(1, "--checkpoint-dir", ck, "--resume")
+    p = run_train(1, "--checkpoint-dir", ck, "--resume")
     assert p.returncode == 0, p.stderr
-    train, val = _losses(p.stdout)
+    train, val = logged_losses(p.stdout)
     assert train == pytest.approx(reference[0][2:], abs=1e-4)
     assert val == pytest.approx(reference[1], abs=1e-4)

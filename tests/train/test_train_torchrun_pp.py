@@ -10,20 +10,20 @@ stage groups, rank-0 output, and bad layouts failing on every rank with one line
 from __future__ import annotations
 
 import pytest
-from test_train_torchrun import _losses, _run
+from torchrun_cli import logged_losses, run_train
 
 
 @pytest.fixture(scope="module")
 def reference():
-    p = _run(1)
+    p = run_train(1)
     assert p.returncode == 0, p.stderr
-    return _losses(p.stdout)
+    return logged_losses(p.stdout)
 
 
 def test_pp2_logs_the_single_process_losses_and_prints_the_split(reference):
-    p = _run(2, "--pp", "2", "--micro-batches", "2")
+    p = run_train(2, "--pp", "2", "--micro-batches", "2")
     assert p.returncode == 0, p.stderr
-    train, val = _losses(p.stdout)
+    train, val = logged_losses(p.stdout)
     assert train == pytest.approx(reference[0], abs=1e-4)
     assert val == pytest.approx(reference[1], abs=1e-4)
     assert p.stdout.count("trained steps 1..3") == 1
@@ -33,7 +33,7 @@ def test_pp2_logs_the_single_process_losses_and_prints_the_split(reference):
 
 
 def test_pp_misconfiguration_fails_on_every_rank_with_one_message():
-    p = _run(3, "--pp", "2")
+    p = run_train(3, "--pp", "2")
     assert p.returncode != 0
     ours = [line for line in p.stderr.splitlines() if line.startswith("pystronghold train: error:")]
     assert len(ours) == 1 and "--pp 2 x --tp 1 x 1 data-parallel replicas = 2 processes, but there are 3" in ours[0]
@@ -84,12 +84,12 @@ def test_checkpoints_cross_resume_between_pipeline_and_one_process(reference, tm
     import shutil
 
     ck = str(tmp_path / "ck")
-    p = _run(2 if writer else 1, *writer, "--checkpoint-dir", ck, "--checkpoint-every", "2")
+    p = run_train(2 if writer else 1, *writer, "--checkpoint-dir", ck, "--checkpoint-every", "2")
     assert p.returncode == 0, p.stderr
     assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
-    p = _run(2 if reader else 1, *reader, "--checkpoint-dir", ck, "--resume")
+    p = run_train(2 if reader else 1, *reader, "--checkpoint-dir", ck, "--resume")
     assert p.returncode == 0, p.stderr
-    train, val = _losses(p.stdout)
+    train, val = logged_losses(p.stdout)
     assert train == pytest.approx(reference[0][2:], abs=1e-4)
     assert val == pytest.approx(reference[1], abs=1e-4)
