@@ -34,7 +34,8 @@ class PlanRequest:
     """What ``pystronghold plan`` is asked, in the units people use. Validated on construction."""
 
     gpu: str | None = field(default=None, metadata={"metavar": "NAME"})
-    """GPU preset: v100-16gb, v100-32gb, a100-40gb, a100-80gb, h100-80gb, rtx3090, rtx4090."""
+    """GPU preset: v100-16gb, v100-32gb, v100-pcie-32gb, p100-16gb, p100-pcie-16gb, a100-40gb,
+    a100-80gb, h100-80gb, rtx3090, rtx4090."""
     gpu_memory: float | None = field(default=None, metadata={"metavar": "GB"})
     """Device memory in GiB of a GPU without a preset (with --gpu-tflops), or overriding the preset's."""
     gpu_tflops: float | None = None
