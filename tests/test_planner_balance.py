@@ -119,3 +119,41 @@ def test_larger_memory_takes_the_earlier_stage_and_faster_devices_more_blocks():
 
 def test_split_throughput_is_limited_by_the_slowest_member():
     assert split_throughput([15.7, 9.3]) == pytest.approx(18.6)
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_cost_model_splits_are_brute_force_optima(seed):
+    """The general forms the planner uses: non-linear, non-decreasing times with fixed parts and
+    infeasible (inf) points, for the batch and for stage block counts."""
+    from pystronghold.planner.balance import balance_batch_times, balance_stage_counts
+
+    rng = random.Random(200 + seed)
+    n = rng.randint(2, 3)
+    batch = rng.randint(n, 10)
+    fixed = [rng.uniform(0, 2) for _ in range(n)]
+    rate = [rng.uniform(0.5, 2) for _ in range(n)]
+    cap = [rng.randint(max(1, batch // n), batch) for _ in range(n)]
+    times = [lambda b, i=i: math.inf if b > cap[i] else fixed[i] + (b / rate[i]) ** 1.3 for i in range(n)]
+    best = min((max(t(b) for t, b in zip(times, comp)) for comp in _compositions(batch, n)), default=math.inf)
+    if math.isinf(best):
+        with pytest.raises(ValueError, match="does not fit"):
+            balance_batch_times(batch, times)
+    else:
+        sizes = balance_batch_times(batch, times)
+        assert sum(sizes) == batch and max(t(b) for t, b in zip(times, sizes)) == pytest.approx(best)
+    blocks, S = rng.randint(3, 9), rng.randint(2, 3)
+    over = [rng.uniform(0, 3) for _ in range(S)]
+    speed = [rng.uniform(0.5, 2) for _ in range(S)]
+    limit = [rng.randint(1, blocks) for _ in range(S)]
+
+    def stage_time(s, k):
+        return math.inf if k > limit[s] else over[s] + k / speed[s]
+
+    best = min((max(stage_time(s, k) for s, k in enumerate(comp)) for comp in _compositions(blocks, S)),
+               default=math.inf)
+    if math.isinf(best):
+        with pytest.raises(ValueError, match="fits the devices' memory"):
+            balance_stage_counts(blocks, S, stage_time)
+    else:
+        counts = balance_stage_counts(blocks, S, stage_time)
+        assert sum(counts) == blocks and max(stage_time(s, k) for s, k in enumerate(counts)) == pytest.approx(best)

@@ -23,8 +23,8 @@ import heapq
 import math
 from dataclasses import dataclass
 
-__all__ = ["proportional_batch", "balance_batch", "dp_loss_weight", "batch_slices", "StageSplit",
-           "balance_stages", "split_throughput"]
+__all__ = ["proportional_batch", "balance_batch", "balance_batch_times", "dp_loss_weight", "batch_slices",
+           "StageSplit", "balance_stages", "balance_stage_counts", "split_throughput"]
 
 
 def _positive_list(name: str, values) -> list[float]:
@@ -69,15 +69,42 @@ def balance_batch(global_batch: int, speeds: list[float], capacities: list[int] 
     if sum(min(c, global_batch) for c in caps) < global_batch:
         raise ValueError(f"global_batch={global_batch} does not fit: the devices' memory holds "
                          f"{sum(caps)} samples in all")
+    return balance_batch_times(global_batch, [lambda b, s=s: b / s for s in speeds], caps)
+
+
+def balance_batch_times(global_batch: int, times, capacities: list[int] | None = None) -> list[int]:
+    """Whole-sample batches summing to ``global_batch`` that minimise max_i times[i](b_i), for
+    per-device time functions that do not decrease with the batch (a cost model's step time, with
+    its fixed parts: optimizer, transfers); ``math.inf`` marks a batch that does not fit.
+
+    Samples are handed out one at a time to the device whose time after taking it is least: for
+    separable non-decreasing times this greedy reaches the least maximum (an exchange argument:
+    any optimum can be reordered into the greedy's sequence of increments). Every device gets at
+    least one sample. ValueError when the batch does not fit.
+    """
+    _positive_int("global_batch", global_batch)
+    times = list(times)
+    n = len(times)
+    if n == 0:
+        raise ValueError("times must not be empty")
+    caps = [global_batch] * n if capacities is None else list(capacities)
+    if global_batch < n:
+        raise ValueError(f"global_batch={global_batch} is smaller than the {n} devices (each needs a sample)")
+    if any(math.isinf(times[i](1)) for i in range(n)):
+        raise ValueError("global_batch does not fit: a device cannot hold even one sample")
     sizes = [1] * n
-    # heap of (time after one more sample, device): the next sample goes where it ends soonest
-    heap = [((sizes[i] + 1) / speeds[i], i) for i in range(n) if sizes[i] < caps[i]]
+    heap = []
+    for i in range(n):
+        if sizes[i] < caps[i] and math.isfinite(t := times[i](2)):
+            heap.append((t, i))
     heapq.heapify(heap)
     for _ in range(global_batch - n):
+        if not heap:
+            raise ValueError(f"global_batch={global_batch} does not fit: the devices hold {sum(sizes)} samples")
         _, i = heapq.heappop(heap)
         sizes[i] += 1
-        if sizes[i] < caps[i]:
-            heapq.heappush(heap, ((sizes[i] + 1) / speeds[i], i))
+        if sizes[i] < caps[i] and math.isfinite(t := times[i](sizes[i] + 1)):
+            heapq.heappush(heap, (t, i))
     return sizes
 
 
@@ -128,14 +155,15 @@ class StageSplit:
 
 def balance_stages(block_flops: list[float], device_flops: list[float], device_memory: list[float],
                    block_bytes: list[float] | None = None, block_activation_bytes: list[float] | None = None,
-                   *, stages: int | None = None) -> StageSplit:
+                   *, stages: int | None = None, last_stage_flops: float = 0.0) -> StageSplit:
     """Contiguous blocks -> stages minimising the slowest stage, within each device's memory.
 
     ``block_flops``: FLOPs of each block per micro-batch; ``device_flops``: FLOP/s of each device
     (one stage per device; ``stages`` defaults to their count); ``device_memory``: bytes each may
     use. A stage s of S holding blocks K needs sum(block_bytes[K]) + (S - s) *
     sum(block_activation_bytes[K]) bytes (1F1B keeps S - s micro-batches in flight at stage s).
-    ValueError when no split fits.
+    ``last_stage_flops``: work only the last stage does (the loss and LM head). ValueError when no
+    split fits.
     """
     flops = _positive_list("block_flops", block_flops)
     dev_flops = _positive_list("device_flops", device_flops)
@@ -163,7 +191,8 @@ def balance_stages(block_flops: list[float], device_flops: list[float], device_m
     def cost(s: int, i: int, j: int) -> float:  # blocks i..j-1 on stage s; inf when they do not fit
         d = order[s]
         need = pb[j] - pb[i] + (S - s) * (pa[j] - pa[i])
-        return math.inf if need > dev_mem[d] else (pf[j] - pf[i]) / dev_flops[d]
+        work = pf[j] - pf[i] + (last_stage_flops if s == S - 1 else 0.0)
+        return math.inf if need > dev_mem[d] else work / dev_flops[d]
 
     best = [[math.inf] * (n + 1) for _ in range(S + 1)]  # best[s][j]: first j blocks on s stages
     cut = [[0] * (n + 1) for _ in range(S + 1)]
@@ -183,3 +212,32 @@ def balance_stages(block_flops: list[float], device_flops: list[float], device_m
     bounds.reverse()
     return StageSplit(devices=tuple(order), blocks=tuple(j - i for i, j in bounds),
                       stage_s=tuple(cost(s, i, j) for s, (i, j) in enumerate(bounds)))
+
+
+def balance_stage_counts(n_blocks: int, stages: int, stage_time) -> tuple[int, ...]:
+    """Blocks per stage (contiguous, each >= 1, summing to ``n_blocks``) minimising
+    max_s stage_time(s, count_s), for identical blocks and any per-stage time (a cost model's,
+    with its fixed parts; ``math.inf`` where the stage does not fit). Exact, O(stages * n^2)
+    calls at most. ValueError when no split fits."""
+    _positive_int("n_blocks", n_blocks)
+    S = _positive_int("stages", stages)
+    if S > n_blocks:
+        raise ValueError(f"{S} stages need at least {S} blocks, got {n_blocks}")
+    best = [[math.inf] * (n_blocks + 1) for _ in range(S + 1)]  # best[s][j]: j blocks on s stages
+    take = [[0] * (n_blocks + 1) for _ in range(S + 1)]
+    best[0][0] = 0.0
+    for s in range(1, S + 1):
+        for j in range(s, n_blocks - (S - s) + 1):
+            for k in range(1, j - (s - 1) + 1):
+                if math.isinf(best[s - 1][j - k]):
+                    continue
+                value = max(best[s - 1][j - k], stage_time(s - 1, k))
+                if value < best[s][j]:
+                    best[s][j], take[s][j] = value, k
+    if math.isinf(best[S][n_blocks]):
+        raise ValueError(f"no split of {n_blocks} blocks over {S} stages fits the devices' memory")
+    counts, j = [], n_blocks
+    for s in range(S, 0, -1):
+        counts.append(take[s][j])
+        j -= take[s][j]
+    return tuple(reversed(counts))
