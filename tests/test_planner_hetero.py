@@ -71,8 +71,9 @@ def test_auto_plan_ranks_every_layout_and_explains_the_winner():
             assert sum(c.stage_blocks) == 24 and sum(c.replica_batches) * c.micro_batches == 32
     text = format_hetero_plan(result)
     lines = text.splitlines()
-    assert lines[1].startswith("winner: ") and lines[2].startswith("#2: ") and lines[3].startswith("#3: ")
-    assert "x the winner's step time" in lines[2]
+    assert lines[1].startswith("winner: ") and lines[2].startswith("  placement (largest memory first): stage 0")
+    assert lines[4].startswith("#2: ") and lines[5].startswith("#3: ")
+    assert "x the winner's step time" in lines[4]
 
 
 def test_plan_follows_the_scopes_of_the_model():
@@ -102,3 +103,23 @@ def test_bad_input():
     assert not result.fits and "does not fit" in format_hetero_plan(result)
     c = evaluate(BERT_LARGE, cluster, global_batch=2)
     assert not math.isfinite(c.step_s) and "2 samples per micro-batch for 4 replicas" in c.note
+
+
+def test_plan_command_with_a_cluster_file(tmp_path, capsys):
+    import json
+
+    from pystronghold.cli import main
+
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"nodes": [{"host_memory_gib": 64, "devices": [
+        {"type": "v100-32gb", "count": 1}, {"type": "p100-pcie-16gb", "count": 1}]}]}))
+    assert main(["plan", "--cluster", str(path), "--model", "tiny", "--global-batch", "8",
+                 "--precision", "fp32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["global_batch"] == 8
+    best = out["ranked"][0]
+    assert best["tp"] * best["pp"] * best["dp"] == 2 and best["step_s"] > 0
+    assert main(["plan", "--cluster", str(path), "--model", "tiny", "--precision", "fp32"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("winner: ")
+    assert main(["plan", "--cluster", str(path), "--gpu", "v100-32gb", "--model", "tiny"]) == 2
+    assert "--cluster gives the devices and host memory" in capsys.readouterr().err

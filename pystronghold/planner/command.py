@@ -26,6 +26,7 @@ EXAMPLES = """examples:
   pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b --batch 4
   pystronghold plan --gpu rtx4090 --host-memory 128 --nvme 2000 --layers 48 --hidden 6144 --heads 48
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
+  pystronghold plan --cluster cluster.yaml --model gpt3-350m --global-batch 512 --precision fp32
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
@@ -84,23 +85,33 @@ class PlanRequest:
     """Comma-separated widths of the largest-model table (default: the model's, 2048 ... 16384)."""
     json: bool = False
     """Print one JSON object (bytes, seconds) instead of tables."""
+    cluster: str | None = field(default=None, metadata={"metavar": "PATH"})
+    """Cluster file of unlike GPUs (JSON, or YAML with PyYAML): search TP/PP/DP, stage and batch
+    splits over it and print the best layouts (replaces --gpu and --host-memory)."""
+    global_batch: int | None = None
+    """Samples per step over all ranks, with --cluster (default: --batch x the devices)."""
 
     def __post_init__(self) -> None:
-        if self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
+        if self.cluster is not None:
+            if self.gpu is not None or self.gpu_memory is not None or self.host_memory is not None:
+                raise ValueError("--cluster gives the devices and host memory: drop --gpu, --gpu-memory "
+                                 "and --host-memory")
+        elif self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
             from pystronghold.planner.hardware import gpu_preset
 
             gpu_preset(self.gpu)
-        if self.gpu is None and self.gpu_memory is None and self.gpu_tflops is None:
-            raise ValueError("give --gpu NAME, or --gpu-memory GB and --gpu-tflops X")
-        if self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
-            raise ValueError("a GPU without a preset needs both --gpu-memory and --gpu-tflops")
-        if self.host_memory is None:
-            raise ValueError("--host-memory GB is required")
+        if self.cluster is None:
+            if self.gpu is None and self.gpu_memory is None and self.gpu_tflops is None:
+                raise ValueError("give --gpu NAME, or --gpu-memory GB and --gpu-tflops X")
+            if self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
+                raise ValueError("a GPU without a preset needs both --gpu-memory and --gpu-tflops")
+            if self.host_memory is None:
+                raise ValueError("--host-memory GB is required")
         if self.model is None and None in (self.layers, self.hidden, self.heads):
             raise ValueError("give --model PRESET, or --layers, --hidden and --heads")
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
                      "nvme_bandwidth", "efficiency", "layers", "hidden", "heads", "vocab", "seq",
-                     "batch", "tp", "dp"):
+                     "batch", "tp", "dp", "global_batch"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -118,10 +129,28 @@ class PlanRequest:
             if min(widths) < 1:
                 raise ValueError(f"--widths must be positive, got {self.widths!r}")
 
-    def resolve(self):
-        """(GPTConfig, Workload, Hardware, window or None, widths or None); ValueError on bad values."""
+    def model_config(self):
+        """The GPTConfig of --model (or --layers/--hidden/--heads) at --tp and --seq."""
         from pystronghold.models.gpt import GPTConfig
         from pystronghold.models.presets import PRESETS
+
+        if self.model is not None:
+            if self.model not in PRESETS:
+                raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(PRESETS)}")
+            base = PRESETS[self.model]
+            shape = {k: v for k, v in dict(layers=self.layers, hidden=self.hidden, heads=self.heads).items()
+                     if v is not None}
+            config = dataclasses.replace(base, tp_size=self.tp, **shape)
+        else:
+            config = GPTConfig(vocab_size=self.vocab, vocab_pad_multiple=128, seq_len=self.seq or 2048,
+                               layers=self.layers, hidden=self.hidden, heads=self.heads,
+                               tie_embeddings=True, tp_size=self.tp)
+        if self.seq is not None and self.seq > config.seq_len:
+            config = dataclasses.replace(config, seq_len=self.seq)
+        return config
+
+    def resolve(self):
+        """(GPTConfig, Workload, Hardware, window or None, widths or None); ValueError on bad values."""
         from pystronghold.planner.cost import Workload
         from pystronghold.planner.hardware import GB, GPU, PCIE_GEN4, GiB, TFLOPS, Hardware, gpu_preset
 
@@ -142,19 +171,7 @@ class PlanRequest:
         hw = Hardware(gpu=gpu, host_memory_bytes=int(self.host_memory * GiB),
                       cpu_adam_params_per_s=self.cpu_adam_rate * 1e9, nvme_bytes=int(self.nvme * GiB),
                       nvme_bytes_per_s=self.nvme_bandwidth * GB)
-        if self.model is not None:
-            if self.model not in PRESETS:
-                raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(PRESETS)}")
-            base = PRESETS[self.model]
-            shape = {k: v for k, v in dict(layers=self.layers, hidden=self.hidden, heads=self.heads).items()
-                     if v is not None}
-            config = dataclasses.replace(base, tp_size=self.tp, **shape)
-        else:
-            config = GPTConfig(vocab_size=self.vocab, vocab_pad_multiple=128, seq_len=self.seq or 2048,
-                               layers=self.layers, hidden=self.hidden, heads=self.heads,
-                               tie_embeddings=True, tp_size=self.tp)
-        if self.seq is not None and self.seq > config.seq_len:
-            config = dataclasses.replace(config, seq_len=self.seq)
+        config = self.model_config()
         work = Workload(batch=self.batch, seq=self.seq, precision=self.precision,
                         checkpointing=self.checkpointing, dp_size=self.dp, overlap=self.overlap,
                         compute_efficiency=self.efficiency)
@@ -211,6 +228,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
     try:
         request = PlanRequest(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanRequest)})
+        if request.cluster is not None:
+            from pystronghold.planner.hetero import run_cluster_plan
+
+            return run_cluster_plan(request)
         config, work, hw, window, widths = request.resolve()
         plan = make_plan(config, work, hw, window)
         plan.largest = largest_models(config, work, hw, widths)

@@ -34,7 +34,8 @@ from pystronghold.planner.cost import (Workload, block_params_per_rank, head_tai
 from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.plan import make_plan
 
-__all__ = ["Candidate", "HeteroPlan", "evaluate", "plan", "auto_plan", "format_hetero_plan"]
+__all__ = ["Candidate", "HeteroPlan", "evaluate", "plan", "auto_plan", "format_hetero_plan",
+           "hetero_plan_to_dict", "run_cluster_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,8 @@ class HeteroPlan:
     """Samples per step."""
     ranked: tuple[Candidate, ...]
     """Every candidate that fits, fastest first, then those that do not."""
+    device_names: tuple[str, ...] = ()
+    """The cluster's device names, by device index (for the explanation)."""
 
     @property
     def winner(self) -> Candidate:
@@ -249,9 +252,10 @@ def _cluster_of(cluster, precision: str) -> Cluster:
     return cluster if isinstance(cluster, Cluster) else load_cluster(cluster, precision)
 
 
-def _rank(config, global_batch, candidates) -> HeteroPlan:
+def _rank(config, global_batch, candidates, cluster: Cluster) -> HeteroPlan:
     ranked = sorted(candidates, key=lambda c: (c.step_s, c.tp * c.pp, c.tp))
-    return HeteroPlan(config=config, global_batch=global_batch, ranked=tuple(ranked))
+    return HeteroPlan(config=config, global_batch=global_batch, ranked=tuple(ranked),
+                      device_names=tuple(d.name for d in cluster.devices))
 
 
 def plan(model, cluster, *, global_batch: int, work: Workload | None = None) -> HeteroPlan:
@@ -271,7 +275,7 @@ def plan(model, cluster, *, global_batch: int, work: Workload | None = None) -> 
             raise ValueError(f"stages with TP degrees {sorted(tps)}: the planner needs one split size")
         tp, pp, micro = tps.pop(), layout.pp_size, layout.num_micro_batch
     return _rank(config, global_batch, [evaluate(config, cluster, tp=tp, pp=pp, micro_batches=micro,
-                                                 global_batch=global_batch, work=work)])
+                                                 global_batch=global_batch, work=work)], cluster)
 
 
 def auto_plan(model, cluster, *, global_batch: int, work: Workload | None = None,
@@ -294,16 +298,62 @@ def auto_plan(model, cluster, *, global_batch: int, work: Workload | None = None
                                         global_batch=global_batch, work=work))
     if not out:
         raise ValueError(f"no layout of {n} devices runs a global batch of {global_batch}")
-    return _rank(config, global_batch, out)
+    return _rank(config, global_batch, out, cluster)
+
+
+def _placement(result: HeteroPlan, c: Candidate) -> str:
+    stages = []
+    for s, stage in enumerate(c.devices):
+        names: dict[str, int] = {}
+        for group in stage:
+            for d in group:
+                names[result.device_names[d]] = names.get(result.device_names[d], 0) + 1
+        stages.append(f"stage {s}: " + " + ".join(f"{n}x {name}" for name, n in names.items()))
+    return "; ".join(stages)
 
 
 def format_hetero_plan(result: HeteroPlan, runners_up: int = 2) -> str:
-    """The winner and ``runners_up`` more, each with why it ranks where it does."""
+    """The winner, where its pieces run, and ``runners_up`` more, each with why it ranks there."""
     win = result.winner
     lines = [f"global batch {result.global_batch}, {result.config.layers} blocks of width "
              f"{result.config.hidden}", f"winner: {win.describe()}"]
+    if math.isfinite(win.step_s) and result.device_names:
+        lines.append(f"  placement (largest memory first): {_placement(result, win)}")
+        lines.append(f"  hardware-aware splits: {win.even_step_s * 1e3:.1f} ms with even ones"
+                     if math.isfinite(win.even_step_s) else "  the even splits do not fit")
     for i, c in enumerate(result.ranked[1:1 + runners_up], 2):
         why = (f"{c.step_s / win.step_s:.2f}x the winner's step time" if math.isfinite(c.step_s)
                else c.note)
         lines.append(f"#{i}: {c.describe()}  [{why}]")
     return "\n".join(lines)
+
+
+def hetero_plan_to_dict(result: HeteroPlan) -> dict:
+    """The ranking as plain data (seconds; inf as None), for ``--json``."""
+    def one(c: Candidate) -> dict:
+        finite = math.isfinite(c.step_s)
+        return dict(tp=c.tp, pp=c.pp, dp=c.dp, micro_batches=c.micro_batches,
+                    stage_blocks=list(c.stage_blocks), replica_batches=list(c.replica_batches),
+                    devices=[[list(g) for g in stage] for stage in c.devices],
+                    windows=[list(w) for w in c.windows], step_s=c.step_s if finite else None,
+                    even_step_s=c.even_step_s if math.isfinite(c.even_step_s) else None,
+                    speedup=c.speedup if finite else None, note=c.note)
+
+    return dict(global_batch=result.global_batch, fits=result.fits, ranked=[one(c) for c in result.ranked])
+
+
+def run_cluster_plan(request) -> int:
+    """``pystronghold plan --cluster PATH``: 0 when the winner fits, 1 when nothing does; a bad
+    request raises ValueError (the command prints it and exits 2)."""
+    import json
+    import sys
+
+    config = request.model_config()
+    work = Workload(seq=request.seq, precision=request.precision, checkpointing=request.checkpointing,
+                    overlap=request.overlap, compute_efficiency=request.efficiency)
+    cluster = load_cluster(request.cluster, request.precision)
+    global_batch = request.global_batch or request.batch * len(cluster.devices)
+    result = auto_plan(config, cluster, global_batch=global_batch, work=work)
+    print(json.dumps(hetero_plan_to_dict(result), indent=2) if request.json else format_hetero_plan(result),
+          file=sys.stdout)
+    return 0 if result.fits else 1
