@@ -123,3 +123,8 @@ def test_plan_command_with_a_cluster_file(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1].startswith("winner: ")
     assert main(["plan", "--cluster", str(path), "--gpu", "v100-32gb", "--model", "tiny"]) == 2
     assert "--cluster gives the devices and host memory" in capsys.readouterr().err
+
+
+def test_rank_devices_follow_the_stage_outermost_order():
+    c = evaluate(BERT_LARGE, _cluster(2, 2, one_node=True), pp=2, micro_batches=2, global_batch=8)
+    assert c.rank_devices == [0, 1, 2, 3] and c.devices == (((0,), (1,)), ((2,), (3,)))

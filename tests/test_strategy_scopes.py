@@ -54,8 +54,9 @@ def test_issue_example_replicate_two_stages_split_in_the_second():
     assert layout.stages[1].modules == ("blocks.2", "blocks.3", "head")
     assert [s.tp_size for s in layout.stages] == [1, 2]
     assert layout.devices_per_replica == 3 and layout.world_size == 12
-    assert layout.stage_ranks(1, 1) == [4, 5]
-    assert layout.dp_groups() == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+    # stage 0: ranks 0..3 (one per replica); stage 1: ranks 4..11, two per replica
+    assert layout.stage_ranks(1, 0) == [1] and layout.stage_ranks(1, 1) == [6, 7]
+    assert layout.dp_groups() == [[0, 1, 2, 3], [4, 6, 8, 10], [5, 7, 9, 11]]
 
 
 def test_pipeline_micro_batches_and_gpt_blocks_annotated_after_construction():
@@ -148,3 +149,29 @@ def test_bad_arguments():
         with ph.split(2):
             lin = nn.Linear(2, 2)
         layout_of(lin, world_size=5)
+
+
+def _init_layout_dp_tp(rank: int, world: int) -> None:
+    from pystronghold.strategy import init_layout
+
+    with ph.replicate(2), ph.split(2):
+        model = nn.Linear(2, 2)
+    groups = init_layout(layout_of(model, world_size=world), heads=4)
+    assert (groups.tp_size, groups.dp_size, groups.tp_rank, groups.dp_rank) == (2, 2, rank % 2, rank // 2)
+
+
+def test_init_layout_makes_the_tp_and_dp_groups_of_the_scopes():
+    from _dist import run_ranks
+
+    run_ranks(_init_layout_dp_tp, 4, timeout_s=120)
+
+
+def test_init_layout_refuses_stages_until_the_pipeline_runtime_is_there():
+    from pystronghold.strategy import init_layout
+
+    with ph.stage():
+        a = nn.Linear(2, 2)
+    with ph.stage():
+        b = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="2 stage\\(\\) scopes; running stages needs the pipeline runtime"):
+        init_layout(layout_of(nn.Sequential(a, b), world_size=2))

@@ -66,6 +66,12 @@ class Candidate:
     """Why it does not fit, or what limits it."""
 
     @property
+    def rank_devices(self) -> list[int]:
+        """The cluster device each global rank runs on, in the runtime's rank order (stage
+        outermost, then replica, TP rank innermost): launch rank r on device rank_devices[r]."""
+        return [d for stage in self.devices for group in stage for d in group]
+
+    @property
     def speedup(self) -> float:
         """even_step_s / step_s: what hardware-aware balancing gains."""
         return self.even_step_s / self.step_s if math.isfinite(self.step_s) else 0.0

@@ -7,9 +7,10 @@ annotates joins the stage of the next module in registration order that has one 
 before the first stage join it), or the last stage when none follows (the final norm and the LM
 head join the last stage): data flows through the stages in module order.
 
-Ranks: replica-major, stage next, TP rank innermost. With R = sum of the stages' TP degrees,
-replica d owns ranks [d*R, (d+1)*R); stage s of it the ``tp_size`` ranks after the TP degrees of
-stages 0..s-1. The DP group of (stage s, TP rank t) is that rank in every replica.
+Ranks: stage outermost, then replica, TP rank innermost (the pipeline runtime's order, issue 16:
+with one TP degree t, rank r is TP rank r % t of replica (r // t) % dp in stage r // (t * dp)).
+Stage s owns dp * tp_s consecutive ranks, after those of stages 0..s-1; replica d of it the tp_s
+ranks at offset d * tp_s. The DP group of (stage s, TP rank t) is that rank in every replica.
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ class Layout:
 
     def stage_ranks(self, replica: int, stage: int) -> list[int]:
         """Global ranks of ``stage`` in ``replica`` (its TP group)."""
-        offset = replica * self.devices_per_replica + sum(s.tp_size for s in self.stages[:stage])
-        return list(range(offset, offset + self.stages[stage].tp_size))
+        dp = self.world_size // self.devices_per_replica
+        tp = self.stages[stage].tp_size
+        offset = dp * sum(s.tp_size for s in self.stages[:stage]) + replica * tp
+        return list(range(offset, offset + tp))
 
     def dp_groups(self) -> list[list[int]]:
         """Every DP group (same stage and TP rank in each replica), in a fixed order."""
