@@ -175,3 +175,32 @@ def test_init_layout_refuses_stages_until_the_pipeline_runtime_is_there():
         b = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="2 stage\\(\\) scopes; running stages needs the pipeline runtime"):
         init_layout(layout_of(nn.Sequential(a, b), world_size=2))
+
+
+def test_block_ranges_for_the_pipeline_runtime():
+    model = GPT(CFG, seed=0)
+    with ph.pipeline(4):
+        with ph.stage():
+            annotate(model.head, *model.blocks[:1])
+        with ph.stage():
+            annotate(*model.blocks[1:])
+    layout = layout_of(model, world_size=2)
+    assert layout.block_ranges(model, model.blocks) == [range(0, 1), range(1, 4)]
+    with pytest.raises(ValueError, match="blocks is not a submodule"):
+        layout.block_ranges(model, nn.ModuleList())
+
+
+@pytest.mark.parametrize("assign, message", [
+    (lambda m: ([m.blocks[0], m.blocks[2]], [m.blocks[1], m.blocks[3]]), r"do not run 0..1 in block order"),
+    (lambda m: ([m.blocks[0], m.blocks[1].ln1], [m.blocks[1], *m.blocks[2:]]), r"block blocks.1 is spread over stages \[0, 1\]"),
+    (lambda m: ([*m.blocks[:2]], [m.head, *m.blocks[2:]]), r"module 'head.tok' comes before the first block"),
+], ids=["interleaved", "split-block", "head-on-last-stage"])
+def test_block_ranges_refuses_what_is_not_a_pipeline(assign, message):
+    model = GPT(CFG, seed=0)
+    first, second = assign(model)
+    with ph.stage():
+        annotate(*first)
+    with ph.stage():
+        annotate(*second)
+    with pytest.raises(ValueError, match=message):
+        layout_of(model).block_ranges(model, model.blocks)

@@ -93,6 +93,36 @@ class Layout:
         return [[self.stage_ranks(d, s)[t] for d in range(dp)]
                 for s in range(self.pp_size) for t in range(self.stages[s].tp_size)]
 
+    def block_ranges(self, model: nn.Module, blocks: nn.ModuleList) -> list[range]:
+        """The blocks (indices into ``blocks``, a ModuleList of ``model``) of each stage, as the
+        pipeline runtime takes them (``gpt_stage(..., split=...)``). ValueError when the stages do
+        not cut the model into a pipeline: a block spread over two stages, stages out of block
+        order, a stage without a block, or a module before the first block (the head) off the
+        first stage, or after the last (the tail) off the last stage."""
+        names = {id(m): n for n, m in model.named_modules()}
+        if id(blocks) not in names:
+            raise ValueError("block_ranges: blocks is not a submodule of model")
+        prefix = names[id(blocks)]
+        owner = {name: s.index for s in self.stages for name in s.modules}
+        order = [n for n, _ in model.named_modules() if n in owner]  # registration order
+        per_block = []
+        for i, block in enumerate(blocks):
+            inside = {owner[n] for n in owner if n == f"{prefix}.{i}" or n.startswith(f"{prefix}.{i}.")}
+            if len(inside) != 1:
+                raise ValueError(f"block {prefix}.{i} is spread over stages {sorted(inside)}" if inside
+                                 else f"block {prefix}.{i} has no parameters")
+            per_block.append(inside.pop())
+        if per_block != sorted(per_block) or sorted(set(per_block)) != list(range(self.pp_size)):
+            raise ValueError(f"the stages of the blocks {per_block} do not run 0..{self.pp_size - 1} in "
+                             "block order, each with at least one block")
+        in_blocks = [n.startswith(prefix + ".") for n in order]
+        first, last = in_blocks.index(True), len(in_blocks) - 1 - in_blocks[::-1].index(True)
+        for k, name in enumerate(order):
+            if k < first and owner[name] != 0 or k > last and owner[name] != self.pp_size - 1:
+                where = "before the first block: the first" if k < first else "after the last block: the last"
+                raise ValueError(f"module {name!r} comes {where} stage must run it, not stage {owner[name]}")
+        return [range(per_block.index(s), len(per_block) - per_block[::-1].index(s)) for s in range(self.pp_size)]
+
     def stage_of(self, module_name: str) -> int:
         """The stage that runs the parameter-owning module ``module_name``; KeyError if none."""
         for s in self.stages:
