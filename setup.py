@@ -317,6 +317,7 @@ def main():
             "plots": ["matplotlib"],   # --trace: timeline.png, loss.png
             "kernels": ["triton"],     # the Triton kernels on CUDA (torch's CUDA wheels bring it)
             "hf": ["transformers", "tokenizers"],  # --model hf:DIR, export --hf, from_pretrained
+            "yaml": ["pyyaml"],        # plan --cluster FILE.yaml (JSON needs nothing)
             "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers",
                     "tensorboard"],
         },

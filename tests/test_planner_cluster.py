@@ -30,7 +30,7 @@ def test_presets_and_custom_devices_resolve_to_datasheet_figures(tmp_path):
 
 
 def test_yaml_file(tmp_path):
-    yaml = pytest.importorskip("yaml")  # PyYAML comes with transformers (the [hf] extra)
+    yaml = pytest.importorskip("yaml")  # the [yaml] extra; the dev venv has it (transformers needs it)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(SPEC))
     assert len(load_cluster(path).devices) == 4
@@ -59,3 +59,13 @@ def test_bf16_on_a_v100_is_refused_and_bad_files_name_the_path(tmp_path):
     bad.write_text("{nodes: ")
     with pytest.raises(ValueError, match="cluster file .*bad.json"):
         load_cluster(bad)
+
+
+def test_yaml_without_pyyaml_says_how_to_install(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "yaml", None)  # find_spec now answers "not installed"
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes: []")
+    with pytest.raises(ValueError, match=r"YAML needs PyYAML \(pip install 'pystronghold\[yaml\]'\)"):
+        load_cluster(path)

@@ -87,7 +87,8 @@ def test_plan_follows_the_scopes_of_the_model():
     result = plan(model, _cluster(2, 2, one_node=True), global_batch=16)
     win = result.winner
     assert (win.tp, win.pp, win.dp, win.micro_batches) == (1, 2, 2, 4) and len(result.ranked) == 1
-    assert plan(cfg, _cluster(2, 2, one_node=True), global_batch=16).winner.dp == 4  # bare config: DP
+    bare = plan(cfg, _cluster(2, 2, one_node=True))  # a bare config: plain DP, one sample per device
+    assert bare.winner.dp == 4 and bare.global_batch == 4
 
 
 def test_bad_input():

@@ -1,6 +1,6 @@
 """A cluster of unlike machines: nodes, their devices and links, read from a JSON or YAML file.
 
-The file (JSON; YAML too when PyYAML is installed, as it is with the [hf] extra)::
+The file (JSON; YAML too with PyYAML, the ``yaml`` extra: ``pip install 'pystronghold[yaml]'``)::
 
     {"inter_node_gbps": 12.5,
      "nodes": [
@@ -166,11 +166,13 @@ def load_cluster(path: str | os.PathLike, precision: str = "fp32") -> Cluster:
         text = f.read()
     try:
         if path.endswith((".yaml", ".yml")):
-            try:
-                import yaml
-            except ImportError:
-                raise ValueError(f"cluster file {path}: YAML needs PyYAML (pip install pyyaml), "
-                                 "or write the file as JSON") from None
+            from pystronghold.extras import missing
+
+            if missing("yaml"):
+                raise ValueError(f"cluster file {path}: YAML needs PyYAML (pip install 'pystronghold[yaml]'), "
+                                 "or write the file as JSON")
+            import yaml
+
             spec = yaml.safe_load(text)
         else:
             spec = json.loads(text)

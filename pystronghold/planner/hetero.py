@@ -264,13 +264,15 @@ def _rank(config, global_batch, candidates, cluster: Cluster) -> HeteroPlan:
                       device_names=tuple(d.name for d in cluster.devices))
 
 
-def plan(model, cluster, *, global_batch: int, work: Workload | None = None) -> HeteroPlan:
+def plan(model, cluster, *, global_batch: int | None = None, work: Workload | None = None) -> HeteroPlan:
     """The layout ``model``'s scopes describe (``pystronghold.strategy.layout_of``; a bare config:
     plain DP), costed on ``cluster`` (a ``Cluster`` or a file path) with hardware-aware splits.
-    The stages' TP degrees must be equal (one TP size per model in the runtime)."""
+    ``global_batch`` defaults to ``work.batch`` samples per device. The stages' TP degrees must be
+    equal (one TP size per model in the runtime)."""
     work = work or Workload(precision="fp32")
     config = _config_of(model)
     cluster = _cluster_of(cluster, work.precision)
+    global_batch = global_batch or work.batch * len(cluster.devices)
     tp, pp, micro = 1, 1, 1
     if not isinstance(model, GPTConfig):
         from pystronghold.strategy import layout_of
@@ -284,14 +286,15 @@ def plan(model, cluster, *, global_batch: int, work: Workload | None = None) -> 
                                                  global_batch=global_batch, work=work)], cluster)
 
 
-def auto_plan(model, cluster, *, global_batch: int, work: Workload | None = None,
+def auto_plan(model, cluster, *, global_batch: int | None = None, work: Workload | None = None,
               max_micro_batches: int = 16) -> HeteroPlan:
     """Search TP (within a node, dividing the heads), PP (dividing the rest), DP, and M in
     {1} without a pipeline, {pp, 2pp, 4pp, ...} <= ``max_micro_batches`` with one; every layout
-    costed by ``evaluate``. Returns them all ranked, fastest first."""
+    costed by ``evaluate`` (``global_batch`` as in ``plan``). Returns them all ranked, fastest first."""
     work = work or Workload(precision="fp32")
     config = _config_of(model)
     cluster = _cluster_of(cluster, work.precision)
+    global_batch = global_batch or work.batch * len(cluster.devices)
     n = len(cluster.devices)
     per_node = min(len(node.devices) for node in cluster.nodes)
     out = []
