@@ -318,7 +318,7 @@ def main():
             "kernels": ["triton"],     # the Triton kernels on CUDA (torch's CUDA wheels bring it)
             "hf": ["transformers", "tokenizers"],  # --model hf:DIR, export --hf, from_pretrained
             "yaml": ["pyyaml"],        # plan --cluster FILE.yaml (JSON needs nothing)
-            "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers",
+            "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers", "pyyaml",
                     "tensorboard"],
         },
         entry_points={"console_scripts": ["pystronghold=pystronghold.cli:main"]},
