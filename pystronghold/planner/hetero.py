@@ -2,8 +2,9 @@
 piece's window W, from the planner's per-block cost model (Whale, Jia et al., ATC'22, 3.3).
 
 A *piece* is one stage of one replica: ``tp`` devices running that stage's blocks through the
-window runtime. Its time per micro-batch is ``make_plan``'s step time for its blocks on its device
-(the slowest of its TP group: even shards), without the loss on stages other than the last; the
+window runtime. Its time per micro-batch is ``make_plan``'s compute plus exposed transfer for its
+blocks on its device (the slowest of its TP group: even shards), without the loss on stages other
+than the last; its host update (once per step) is ``make_plan``'s exposed optimizer time; the
 window W is the one ``make_plan`` chooses. A replica's step is (M + S - 1) times its slowest stage's
 micro-batch (compute and exposed transfers; a 1F1B pipeline of S stages and M micro-batches; M = 1,
 S = 1 without one) with the activation sends between stages, plus the slowest exposed host update
@@ -14,10 +15,11 @@ Devices are placed as Whale places them: sorted by memory, then FLOP/s, largest 
 are consecutive devices; stage s takes the s-th group of ``dp`` pieces (larger memory earlier).
 Blocks go to stages by ``balance.balance_stage_counts`` with each stage's cost-model time (the
 same split in every replica: they share weights; the FLOP-only split of Whale's formula is
-``balance.balance_stages``), the batch to replicas by ``balance.balance_batch_times`` (the cost model's replica step time
-as a function of its batch, inf where it does not fit). Every plan is also costed with the even splits, and the
-gain is reported. Simplifications, stated: every stage keeps the head and tail parameters on its
-device (the planner has no headless piece), and host memory is shared evenly by a node's devices.
+``balance.balance_stages``), the batch to replicas by ``balance.balance_batch_times`` (the cost
+model's replica step time as a function of its batch, inf where it does not fit). Every plan is
+also costed with the even splits, and the gain is reported. Simplifications, stated: every stage
+keeps the head and tail parameters on its device (the planner has no headless piece), and host
+memory is shared evenly by a node's devices.
 """
 
 from __future__ import annotations
@@ -272,7 +274,8 @@ def plan(model, cluster, *, global_batch: int | None = None, work: Workload | No
     work = work or Workload(precision="fp32")
     config = _config_of(model)
     cluster = _cluster_of(cluster, work.precision)
-    global_batch = global_batch or work.batch * len(cluster.devices)
+    if global_batch is None:
+        global_batch = work.batch * len(cluster.devices)
     tp, pp, micro = 1, 1, 1
     if not isinstance(model, GPTConfig):
         from pystronghold.strategy import layout_of
@@ -294,7 +297,8 @@ def auto_plan(model, cluster, *, global_batch: int | None = None, work: Workload
     work = work or Workload(precision="fp32")
     config = _config_of(model)
     cluster = _cluster_of(cluster, work.precision)
-    global_batch = global_batch or work.batch * len(cluster.devices)
+    if global_batch is None:
+        global_batch = work.batch * len(cluster.devices)
     n = len(cluster.devices)
     per_node = min(len(node.devices) for node in cluster.nodes)
     out = []
