@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["proportional_batch", "balance_batch", "balance_batch_times", "dp_loss_weight", "batch_slices",
-           "StageSplit", "balance_stages", "balance_stage_counts", "split_throughput"]
+           "StageSplit", "balance_stages", "balance_stage_counts", "contiguous_split", "split_throughput"]
 
 
 def _positive_list(name: str, values) -> list[float]:
@@ -174,8 +174,6 @@ def balance_stages(block_flops: list[float], device_flops: list[float], device_m
     S = len(dev_flops) if stages is None else _positive_int("stages", stages)
     if S > len(dev_flops):
         raise ValueError(f"stages={S} needs at least {S} devices, got {len(dev_flops)}")
-    if S > n:
-        raise ValueError(f"{S} stages need at least {S} blocks, got {n}")
     static = [0.0] * n if block_bytes is None else [float(b) for b in block_bytes]
     acts = [0.0] * n if block_activation_bytes is None else [float(b) for b in block_activation_bytes]
     if len(static) != n or len(acts) != n:
@@ -194,24 +192,9 @@ def balance_stages(block_flops: list[float], device_flops: list[float], device_m
         work = pf[j] - pf[i] + (last_stage_flops if s == S - 1 else 0.0)
         return math.inf if need > dev_mem[d] else work / dev_flops[d]
 
-    best = [[math.inf] * (n + 1) for _ in range(S + 1)]  # best[s][j]: first j blocks on s stages
-    cut = [[0] * (n + 1) for _ in range(S + 1)]
-    best[0][0] = 0.0
-    for s in range(1, S + 1):
-        for j in range(s, n - (S - s) + 1):
-            for i in range(s - 1, j):
-                value = max(best[s - 1][i], cost(s - 1, i, j))
-                if value < best[s][j]:
-                    best[s][j], cut[s][j] = value, i
-    if math.isinf(best[S][n]):
-        raise ValueError(f"no split of {n} blocks over {S} stages fits the devices' memory")
-    bounds, j = [], n
-    for s in range(S, 0, -1):
-        bounds.append((cut[s][j], j))
-        j = cut[s][j]
-    bounds.reverse()
-    return StageSplit(devices=tuple(order), blocks=tuple(j - i for i, j in bounds),
-                      stage_s=tuple(cost(s, i, j) for s, (i, j) in enumerate(bounds)))
+    ranges = contiguous_split(n, S, cost)
+    return StageSplit(devices=tuple(order), blocks=tuple(len(r) for r in ranges),
+                      stage_s=tuple(cost(s, r.start, r.stop) for s, r in enumerate(ranges)))
 
 
 def balance_stage_counts(n_blocks: int, stages: int, stage_time) -> tuple[int, ...]:
@@ -219,25 +202,33 @@ def balance_stage_counts(n_blocks: int, stages: int, stage_time) -> tuple[int, .
     max_s stage_time(s, count_s), for identical blocks and any per-stage time (a cost model's,
     with its fixed parts; ``math.inf`` where the stage does not fit). Exact, O(stages * n^2)
     calls at most. ValueError when no split fits."""
-    _positive_int("n_blocks", n_blocks)
-    S = _positive_int("stages", stages)
-    if S > n_blocks:
-        raise ValueError(f"{S} stages need at least {S} blocks, got {n_blocks}")
-    best = [[math.inf] * (n_blocks + 1) for _ in range(S + 1)]  # best[s][j]: j blocks on s stages
-    take = [[0] * (n_blocks + 1) for _ in range(S + 1)]
+    ranges = contiguous_split(n_blocks, stages, lambda s, i, j: stage_time(s, j - i))
+    return tuple(len(r) for r in ranges)
+
+
+def contiguous_split(n_blocks: int, stages: int, cost) -> list[range]:
+    """Blocks ``0 .. n_blocks-1`` cut into ``stages`` contiguous non-empty ranges minimising the
+    largest ``cost(s, i, j)`` (blocks i..j-1 on stage s, in any unit; ``math.inf`` where they do
+    not fit). Exact dynamic programming, O(stages * n^2) calls; ties go to the earliest
+    boundaries. ValueError when no split fits."""
+    n, S = _positive_int("n_blocks", n_blocks), _positive_int("stages", stages)
+    if S > n:
+        raise ValueError(f"{S} stages need at least {S} blocks, got {n}")
+    best = [[math.inf] * (n + 1) for _ in range(S + 1)]  # best[s][j]: blocks 0..j-1 on stages 0..s-1
+    cut = [[0] * (n + 1) for _ in range(S + 1)]  # cut[s][j]: where stage s-1 starts in that split
     best[0][0] = 0.0
     for s in range(1, S + 1):
-        for j in range(s, n_blocks - (S - s) + 1):
-            for k in range(1, j - (s - 1) + 1):
-                if math.isinf(best[s - 1][j - k]):
+        for j in range(s, n - (S - s) + 1):
+            for i in range(s - 1, j):
+                if math.isinf(best[s - 1][i]):
                     continue
-                value = max(best[s - 1][j - k], stage_time(s - 1, k))
+                value = max(best[s - 1][i], cost(s - 1, i, j))
                 if value < best[s][j]:
-                    best[s][j], take[s][j] = value, k
-    if math.isinf(best[S][n_blocks]):
-        raise ValueError(f"no split of {n_blocks} blocks over {S} stages fits the devices' memory")
-    counts, j = [], n_blocks
+                    best[s][j], cut[s][j] = value, i
+    if math.isinf(best[S][n]):
+        raise ValueError(f"no split of {n} blocks over {S} stages fits the devices' memory")
+    ranges, j = [], n
     for s in range(S, 0, -1):
-        counts.append(take[s][j])
-        j -= take[s][j]
-    return tuple(reversed(counts))
+        ranges.append(range(cut[s][j], j))
+        j = cut[s][j]
+    return ranges[::-1]

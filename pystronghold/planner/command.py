@@ -1,24 +1,26 @@
 """``pystronghold plan``: the request dataclass, the argparse parser generated from it, the command.
 
-Every field of ``PlanRequest`` becomes one option (``gpu_memory`` -> ``--gpu-memory``); its type
-comes from the annotation, its help from the docstring under the field, choices from the field's
-metadata. Sizes are in GiB (2**30 bytes) and bandwidths in GB/s (1e9 bytes/s), as people say them.
+Every field of ``PlanRequest`` becomes one option (``gpu_memory`` -> ``--gpu-memory``;
+``pystronghold.options``): its type comes from the annotation, its help from the docstring under
+the field, choices from the field's metadata. The runtime settings the plan assumes (--window,
+--precision, --checkpointing) are ``RuntimeConfig``'s fields, declared and validated there. Sizes
+are in GiB (2**30 bytes) and bandwidths in GB/s (1e9 bytes/s), as people say them.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import json
 import logging
 import math
 import sys
-import textwrap
 from dataclasses import dataclass, field
 
-__all__ = ["PlanRequest", "add_dataclass_arguments", "field_docs", "add_plan_command", "run_plan"]
+from pystronghold.options import ConfigError, add_options, component, from_args, option
+from pystronghold.runtime.config import RuntimeConfig
+
+__all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,11 @@ EXAMPLES = """examples:
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
   pystronghold plan --cluster cluster.yaml --model gpt3-350m --global-batch 512 --precision fp32
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
+
+
+PLAN_RUNTIME_DEFAULTS = {"window": "auto", "precision": "bf16"}
+"""Where ``pystronghold plan``'s runtime defaults differ from ``RuntimeConfig``'s: it picks W and
+plans in bf16 unless told otherwise."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,12 +74,6 @@ class PlanRequest:
     """Tokens per sample (default: the model's context, 2048 without a preset)."""
     batch: int = 1
     """Micro-batch per rank, samples."""
-    precision: str = field(default="bf16", metadata={"choices": ("fp32", "bf16", "fp16")})
-    """Compute precision."""
-    window: str = field(default="auto", metadata={"metavar": "N|auto"})
-    """Blocks on the device at once: a number, or auto (the smallest that hides transfers)."""
-    checkpointing: bool = True
-    """Recompute blocks in backward (--no-checkpointing keeps every activation)."""
     efficiency: float = 0.5
     """Fraction of the peak FLOP/s a block reaches."""
     tp: int = 1
@@ -85,22 +86,33 @@ class PlanRequest:
     """Comma-separated widths of the largest-model table (default: the model's, 2048 ... 16384)."""
     json: bool = False
     """Print one JSON object (bytes, seconds) instead of tables."""
-    cluster: str | None = field(default=None, metadata={"metavar": "PATH"})
+    cluster: str | None = option(None, metavar="PATH")
     """Cluster file of unlike GPUs (JSON, or YAML with PyYAML): search TP/PP/DP, stage and batch
-    splits over it and print the best layouts (replaces --gpu and --host-memory)."""
-    global_batch: int | None = None
+    splits and each piece's window over it and print the best layouts (replaces --gpu and
+    --host-memory)."""
+    global_batch: int | None = option(None)
     """Samples per step over all ranks, with --cluster (default: --batch x the devices)."""
+    runtime: RuntimeConfig = component(lambda: RuntimeConfig(**PLAN_RUNTIME_DEFAULTS),
+                                       only=("window", "precision", "checkpointing"))
+    """The runtime settings the plan assumes"""
 
     def __post_init__(self) -> None:
         if self.cluster is not None:
             if self.gpu is not None or self.gpu_memory is not None or self.host_memory is not None:
-                raise ValueError("--cluster gives the devices and host memory: drop --gpu, --gpu-memory "
-                                 "and --host-memory")
-        elif self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
-            from pystronghold.planner.hardware import gpu_preset
-
-            gpu_preset(self.gpu)
+                raise ConfigError(self, "cluster", "gives the devices and host memory: drop `gpu`, "
+                                  "`gpu_memory` and `host_memory`")
+            if self.runtime.window != "auto":
+                raise ConfigError(self, "cluster", "picks each piece's window itself: leave the window at "
+                                  f"auto (got {self.runtime.window!r})")
+        elif self.global_batch is not None:
+            raise ConfigError(self, "global_batch", "is the step of a cluster plan: give `cluster` too")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ConfigError(self, "global_batch=", "must be a positive number of samples")
         if self.cluster is None:
+            if self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
+                from pystronghold.planner.hardware import gpu_preset
+
+                gpu_preset(self.gpu)
             if self.gpu is None and self.gpu_memory is None and self.gpu_tflops is None:
                 raise ValueError("give --gpu NAME, or --gpu-memory GB and --gpu-tflops X")
             if self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
@@ -111,7 +123,7 @@ class PlanRequest:
             raise ValueError("give --model PRESET, or --layers, --hidden and --heads")
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
                      "nvme_bandwidth", "efficiency", "layers", "hidden", "heads", "vocab", "seq",
-                     "batch", "tp", "dp", "global_batch"):
+                     "batch", "tp", "dp"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -119,8 +131,6 @@ class PlanRequest:
             raise ValueError(f"--nvme must be >= 0 GiB, got {self.nvme}")
         if self.efficiency > 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
-        if self.window != "auto" and not (self.window.isdigit() and int(self.window) >= 1):
-            raise ValueError(f"--window must be a positive number or auto, got {self.window!r}")
         if self.widths is not None:
             try:
                 widths = [int(w) for w in self.widths.split(",")]
@@ -172,53 +182,14 @@ class PlanRequest:
                       cpu_adam_params_per_s=self.cpu_adam_rate * 1e9, nvme_bytes=int(self.nvme * GiB),
                       nvme_bytes_per_s=self.nvme_bandwidth * GB)
         config = self.model_config()
-        work = Workload(batch=self.batch, seq=self.seq, precision=self.precision,
-                        checkpointing=self.checkpointing, dp_size=self.dp, overlap=self.overlap,
+        rt = self.runtime
+        work = Workload(batch=self.batch, seq=self.seq, precision=rt.precision,
+                        checkpointing=rt.checkpointing, dp_size=self.dp, overlap=self.overlap,
                         compute_efficiency=self.efficiency)
-        hw.gpu.flops(self.precision)  # refuses bf16 on a GPU without it
-        window = None if self.window == "auto" else int(self.window)
+        hw.gpu.flops(rt.precision)  # refuses bf16 on a GPU without it
+        window = {"auto": None, "all": config.layers}.get(rt.window, rt.window)
         widths = None if self.widths is None else [int(w) for w in self.widths.split(",")]
         return config, work, hw, window, widths
-
-
-# ---- argparse from a dataclass
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of dataclass ``cls`` (attribute docstrings, read from source)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
-                and isinstance(nxt.value.value, str):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-_TYPES = {"str": str, "int": int, "float": float}
-
-
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """One option per field of ``cls``: ``--name-with-dashes``; bools as --x/--no-x."""
-    docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = docs.get(f.name, "")
-        default = f.default
-        kind = str(f.type).replace("| None", "").strip()
-        if kind == "bool":  # --x for an off-by-default switch, --x/--no-x for an on-by-default one
-            action = argparse.BooleanOptionalAction if default else "store_true"
-            parser.add_argument(flag, dest=f.name, action=action, default=default, help=help_text)
-            continue
-        if kind not in _TYPES:
-            raise TypeError(f"add_dataclass_arguments: field {cls.__name__}.{f.name} has type {f.type!r}")
-        if default is not None:
-            help_text += f" (default: {default})"
-        parser.add_argument(flag, dest=f.name, type=_TYPES[kind], default=default,
-                            choices=f.metadata.get("choices"), help=help_text,
-                            metavar=f.metadata.get("metavar", None if "choices" in f.metadata
-                                                   else {"int": "N", "float": "X", "str": "TEXT"}[kind]))
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -227,7 +198,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from pystronghold.planner.report import format_plan, plan_to_dict
 
     try:
-        request = PlanRequest(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanRequest)})
+        request = from_args(PlanRequest, args)
         if request.cluster is not None:
             from pystronghold.planner.hetero import run_cluster_plan
 
@@ -248,7 +219,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         "plan", help="window, memory, step time and the largest model for a GPU and host (no GPU needed)",
         description="Predict what training a GPT with the layer window needs and how fast it runs.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_arguments(parser, PlanRequest)
+    add_options(parser, PlanRequest)
 
     def one_line_error(message: str):
         print(f"pystronghold plan: error: {message}", file=sys.stderr)

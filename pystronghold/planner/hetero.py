@@ -362,9 +362,10 @@ def run_cluster_plan(request) -> int:
     import sys
 
     config = request.model_config()
-    work = Workload(seq=request.seq, precision=request.precision, checkpointing=request.checkpointing,
+    rt = request.runtime
+    work = Workload(seq=request.seq, precision=rt.precision, checkpointing=rt.checkpointing,
                     overlap=request.overlap, compute_efficiency=request.efficiency)
-    cluster = load_cluster(request.cluster, request.precision)
+    cluster = load_cluster(request.cluster, rt.precision)
     global_batch = request.global_batch or request.batch * len(cluster.devices)
     result = auto_plan(config, cluster, global_batch=global_batch, work=work)
     print(json.dumps(hetero_plan_to_dict(result), indent=2) if request.json else format_hetero_plan(result),

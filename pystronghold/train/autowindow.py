@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pystronghold.optim.functional import adam_step_
+from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
 from pystronghold.planner.hardware import GPU, Hardware
 from pystronghold.planner.plan import device_memory
@@ -100,8 +101,8 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
     load_s = _timed(lambda: dev.copy_(host, non_blocking=True), device, reps)
     grad_s = _timed(lambda: host.copy_(dev, non_blocking=True), device, reps)
     p, g, m, v = (torch.zeros(numel) for _ in range(4))
-    adam_s = _timed(lambda: adam_step_(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                       weight_decay=0.0, adamw=True), torch.device("cpu"), reps)
+    hyper = AdamWHyper(step=1, lr=1e-3, weight_decay=0.0)
+    adam_s = _timed(lambda: adam_step_(p, g, m, v, hyper), torch.device("cpu"), reps)
     nbytes = numel * dtype.itemsize
     gpu = GPU(name=f"{device.type} (measured)", memory_bytes=budget_bytes, fp32_flops=1e12, bf16_flops=1e12,
               fp16_flops=1e12, h2d_bytes_per_s=nbytes / max(load_s, 1e-9), d2h_bytes_per_s=nbytes / max(grad_s, 1e-9))
@@ -114,17 +115,16 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
 
 def choose_runtime_window(model, config) -> AutoWindow:
     """W for ``model`` trained with ``config`` (a TrainConfig) within its device budget; logs why."""
-    w = config.window
-    device = torch.device(w.device)
-    clip = config.optim.clip > 0
-    work = Workload(batch=config.data.batch, seq=config.seq, precision=w.precision,
-                    overlap="forward" if clip or w.precision == "fp16" else "backward",
+    rt = config.runtime
+    device = torch.device(rt.device)
+    work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
+                    overlap="forward" if rt.needs_global_grad else "backward",
                     device_reserve_bytes=0, host_reserve_bytes=0)
     n = model.config.layers
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
-    if w.device_budget_mb:
-        budget = int(w.device_budget_mb * 2**20)
+    if config.auto_window.device_budget_mb:
+        budget = int(config.auto_window.device_budget_mb * 2**20)
     elif device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(device)[0])
     else:
