@@ -19,7 +19,7 @@ TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --lr --w
                "--device-budget-mb --resident-blocks --host-memory --nvme --nvme-states --nvme-cache-blocks "
                "--nvme-sparse --steps --seed --log-every --eval-every --eval-batches --trace --quiet "
                "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --tp --dp "
-               "--dist-timeout").split()
+               "--dp-split --dist-timeout").split()
 
 
 def _train(*argv):
