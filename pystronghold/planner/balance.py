@@ -11,7 +11,9 @@
   sum(block FLOPs) / device FLOP/s is least, subject to each device's memory; devices are sorted
   by memory, largest first, because an earlier stage of a 1F1B pipeline holds more micro-batches
   in flight (stage s of S keeps S - s). ``balance_stages`` solves this exactly by dynamic
-  programming over contiguous splits (O(S n^2)), the optimum Whale's greedy approximates.
+  programming over contiguous splits (O(S n^2), ``contiguous_split``), the optimum Whale's greedy
+  approximates. Without device figures it is the pipeline runtime's split: identical devices,
+  the embeddings' cost on the first stage and the LM head's on the last.
 - **split** (tensor parallelism): not balanced. pystronghold's TP layers need even shards (heads,
   MLP columns and vocabulary rows are divided by the TP size, ``pystronghold.parallel.layers``),
   so a split over unlike devices runs at its slowest device: ``split_throughput``.
@@ -145,35 +147,51 @@ class StageSplit:
     blocks: tuple[int, ...]
     """Blocks of each stage, in order (contiguous, every stage at least one)."""
     stage_s: tuple[float, ...]
-    """Compute time of each stage per micro-batch, seconds."""
+    """Compute time of each stage per micro-batch, seconds (FLOPs without device speeds)."""
 
     @property
     def bottleneck_s(self) -> float:
         """The slowest stage's time: what a steady pipeline advances at."""
         return max(self.stage_s)
 
+    @property
+    def ranges(self) -> list[range]:
+        """The block indices of each stage, as the pipeline runtime takes them (``split=``)."""
+        starts = [sum(self.blocks[:s]) for s in range(len(self.blocks))]
+        return [range(a, a + k) for a, k in zip(starts, self.blocks)]
 
-def balance_stages(block_flops: list[float], device_flops: list[float], device_memory: list[float],
-                   block_bytes: list[float] | None = None, block_activation_bytes: list[float] | None = None,
-                   *, stages: int | None = None, last_stage_flops: float = 0.0) -> StageSplit:
+
+def balance_stages(block_flops: list[float], device_flops: list[float] | None = None,
+                   device_memory: list[float] | None = None, block_bytes: list[float] | None = None,
+                   block_activation_bytes: list[float] | None = None, *, stages: int | None = None,
+                   first_stage_flops: float = 0.0, last_stage_flops: float = 0.0) -> StageSplit:
     """Contiguous blocks -> stages minimising the slowest stage, within each device's memory.
 
-    ``block_flops``: FLOPs of each block per micro-batch; ``device_flops``: FLOP/s of each device
-    (one stage per device; ``stages`` defaults to their count); ``device_memory``: bytes each may
-    use. A stage s of S holding blocks K needs sum(block_bytes[K]) + (S - s) *
+    ``block_flops``: FLOPs of each block per micro-batch (or any cost unit); ``device_flops``:
+    FLOP/s of each device (one stage per device; ``stages`` defaults to their count; None: ``stages``
+    identical devices, stage times in FLOPs); ``device_memory``: bytes each may use (None:
+    unbounded). A stage s of S holding blocks K needs sum(block_bytes[K]) + (S - s) *
     sum(block_activation_bytes[K]) bytes (1F1B keeps S - s micro-batches in flight at stage s).
-    ``last_stage_flops``: work only the last stage does (the loss and LM head). ValueError when no
-    split fits.
+    ``first_stage_flops`` / ``last_stage_flops``: work only the first stage (the embeddings) or the
+    last (the final norm, LM head and loss) does. ValueError when no split fits.
     """
     flops = _positive_list("block_flops", block_flops)
-    dev_flops = _positive_list("device_flops", device_flops)
-    dev_mem = _positive_list("device_memory", device_memory)
     n = len(flops)
+    if device_flops is None:
+        if stages is None:
+            raise ValueError("balance_stages: give device_flops or stages")
+        dev_flops = [1.0] * _positive_int("stages", stages)
+    else:
+        dev_flops = _positive_list("device_flops", device_flops)
+    dev_mem = [math.inf] * len(dev_flops) if device_memory is None else _positive_list("device_memory", device_memory)
     if len(dev_mem) != len(dev_flops):
         raise ValueError(f"device_memory has {len(dev_mem)} entries for {len(dev_flops)} devices")
     S = len(dev_flops) if stages is None else _positive_int("stages", stages)
     if S > len(dev_flops):
         raise ValueError(f"stages={S} needs at least {S} devices, got {len(dev_flops)}")
+    for name, value in (("first_stage_flops", first_stage_flops), ("last_stage_flops", last_stage_flops)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     static = [0.0] * n if block_bytes is None else [float(b) for b in block_bytes]
     acts = [0.0] * n if block_activation_bytes is None else [float(b) for b in block_activation_bytes]
     if len(static) != n or len(acts) != n:
@@ -189,7 +207,7 @@ def balance_stages(block_flops: list[float], device_flops: list[float], device_m
     def cost(s: int, i: int, j: int) -> float:  # blocks i..j-1 on stage s; inf when they do not fit
         d = order[s]
         need = pb[j] - pb[i] + (S - s) * (pa[j] - pa[i])
-        work = pf[j] - pf[i] + (last_stage_flops if s == S - 1 else 0.0)
+        work = pf[j] - pf[i] + (first_stage_flops if s == 0 else 0.0) + (last_stage_flops if s == S - 1 else 0.0)
         return math.inf if need > dev_mem[d] else work / dev_flops[d]
 
     ranges = contiguous_split(n, S, cost)

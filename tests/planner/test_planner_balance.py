@@ -157,3 +157,31 @@ def test_cost_model_splits_are_brute_force_optima(seed):
     else:
         counts = balance_stage_counts(blocks, S, stage_time)
         assert sum(counts) == blocks and max(stage_time(s, k) for s, k in enumerate(counts)) == pytest.approx(best)
+
+
+def test_stage_split_of_identical_devices_counts_the_head_and_the_tail():
+    """What the pipeline runtime asks (``gpt_stage``: no device list, the embeddings on the first
+    stage and the LM head on the last): the brute-force optimum, contiguous ranges."""
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    for stages in (1, 2, 3, 4):
+        split = balance_stages(costs, stages=stages, first_stage_flops=2.0, last_stage_flops=7.0)
+        ranges = split.ranges
+        assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]] and ranges[-1].stop == 8
+
+        def worst(cuts):
+            bounds = [0, *cuts, 8]
+            loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+            loads[0] += 2.0
+            loads[-1] += 7.0
+            return max(loads)
+
+        best = min(worst(c) for c in itertools.combinations(range(1, 8), stages - 1))
+        assert worst([r.start for r in ranges[1:]]) == best == split.bottleneck_s
+    # the LM head's cost moves blocks off the last stage
+    assert balance_stages([1.0] * 4, stages=2, last_stage_flops=2.0).blocks == (3, 1)
+    with pytest.raises(ValueError, match="5 stages need at least 5 blocks, got 4"):
+        balance_stages([1.0] * 4, stages=5)
+    with pytest.raises(ValueError, match="give device_flops or stages"):
+        balance_stages([1.0] * 4)
+    with pytest.raises(ValueError, match="first_stage_flops must be a finite number >= 0"):
+        balance_stages([1.0] * 4, stages=2, first_stage_flops=-1.0)
