@@ -317,7 +317,8 @@ def main():
             "plots": ["matplotlib"],   # --trace: timeline.png, loss.png
             "kernels": ["triton"],     # the Triton kernels on CUDA (torch's CUDA wheels bring it)
             "hf": ["transformers", "tokenizers"],  # --model hf:DIR, export --hf, from_pretrained
-            "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers",
+            "yaml": ["pyyaml"],        # plan --cluster FILE.yaml (JSON needs nothing)
+            "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers", "pyyaml",
                     "tensorboard"],
         },
         entry_points={"console_scripts": ["pystronghold=pystronghold.cli:main"]},

@@ -40,7 +40,10 @@ class _TorchBeforeExtension(importlib.abc.MetaPathFinder):
 if not any(isinstance(f, _TorchBeforeExtension) for f in sys.meta_path):
     sys.meta_path.insert(0, _TorchBeforeExtension())
 
-__all__ = ["wrap", "AdamW", "from_pretrained", "save_pretrained", "__version__"]
+__all__ = ["wrap", "AdamW", "from_pretrained", "save_pretrained", "replicate", "split", "stage",
+           "pipeline", "plan", "auto_plan", "__version__"]
+
+_STRATEGY = {"replicate", "split", "stage", "pipeline", "annotate", "set_default_strategy", "layout_of"}
 
 
 def __getattr__(name: str):
@@ -60,4 +63,12 @@ def __getattr__(name: str):
         from pystronghold.train.export_hf import save_pretrained
 
         return save_pretrained
+    if name in _STRATEGY:  # Whale's scopes (pystronghold/strategy/)
+        import pystronghold.strategy as strategy
+
+        return getattr(strategy, name)
+    if name in ("plan", "auto_plan"):
+        from pystronghold.planner import hetero
+
+        return getattr(hetero, name)
     raise AttributeError(f"module 'pystronghold' has no attribute {name!r}")

@@ -15,6 +15,7 @@ EXTRAS = {
     "plots": ("matplotlib",),
     "kernels": ("triton",),
     "hf": ("transformers", "tokenizers"),
+    "yaml": ("yaml",),
 }
 """pip extra -> the importable modules it provides (setup.py's ``extras_require`` installs them)."""
 

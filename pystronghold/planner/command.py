@@ -17,7 +17,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from pystronghold.options import add_options, component, from_args
+from pystronghold.options import ConfigError, add_options, component, from_args, option
 from pystronghold.runtime.config import RuntimeConfig
 
 __all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan"]
@@ -29,6 +29,7 @@ EXAMPLES = """examples:
   pystronghold plan --gpu rtx4090 --host-memory 128 --nvme 2000 --layers 48 --hidden 6144 --heads 48
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
   pystronghold plan --gpu h100-80gb --host-memory 512 --model gpt3-13b --pp 4 --tp 2 --micro-batches 8
+  pystronghold plan --cluster cluster.yaml --model gpt3-350m --global-batch 512 --precision fp32
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
@@ -42,7 +43,8 @@ class PlanRequest:
     """What ``pystronghold plan`` is asked, in the units people use. Validated on construction."""
 
     gpu: str | None = field(default=None, metadata={"metavar": "NAME"})
-    """GPU preset: v100-16gb, v100-32gb, a100-40gb, a100-80gb, h100-80gb, rtx3090, rtx4090."""
+    """GPU preset: v100-16gb, v100-32gb, v100-pcie-32gb, p100-16gb, p100-pcie-16gb, a100-40gb,
+    a100-80gb, h100-80gb, rtx3090, rtx4090."""
     gpu_memory: float | None = field(default=None, metadata={"metavar": "GB"})
     """Device memory in GiB of a GPU without a preset (with --gpu-tflops), or overriding the preset's."""
     gpu_tflops: float | None = None
@@ -91,22 +93,40 @@ class PlanRequest:
     """Comma-separated widths of the largest-model table (default: the model's, 2048 ... 16384)."""
     json: bool = False
     """Print one JSON object (bytes, seconds) instead of tables."""
+    cluster: str | None = option(None, metavar="PATH")
+    """Cluster file of unlike GPUs (JSON, or YAML with PyYAML): search TP/PP/DP, stage and batch
+    splits and each piece's window over it and print the best layouts (replaces --gpu and
+    --host-memory)."""
+    global_batch: int | None = option(None)
+    """Samples per step over all ranks, with --cluster (default: --batch x the devices)."""
     runtime: RuntimeConfig = component(lambda: RuntimeConfig(**PLAN_RUNTIME_DEFAULTS),
                                        only=("window", "precision", "checkpointing", "accumulation_steps",
                                              "schedule"))
     """The runtime settings the plan assumes"""
 
     def __post_init__(self) -> None:
-        if self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
-            from pystronghold.planner.hardware import gpu_preset
+        if self.cluster is not None:
+            if self.gpu is not None or self.gpu_memory is not None or self.host_memory is not None:
+                raise ConfigError(self, "cluster", "gives the devices and host memory: drop `gpu`, "
+                                  "`gpu_memory` and `host_memory`")
+            if self.runtime.window != "auto":
+                raise ConfigError(self, "cluster", "picks each piece's window itself: leave the window at "
+                                  f"auto (got {self.runtime.window!r})")
+        elif self.global_batch is not None:
+            raise ConfigError(self, "global_batch", "is the step of a cluster plan: give `cluster` too")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ConfigError(self, "global_batch=", "must be a positive number of samples")
+        if self.cluster is None:
+            if self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
+                from pystronghold.planner.hardware import gpu_preset
 
-            gpu_preset(self.gpu)
-        if self.gpu is None and self.gpu_memory is None and self.gpu_tflops is None:
-            raise ValueError("give --gpu NAME, or --gpu-memory GB and --gpu-tflops X")
-        if self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
-            raise ValueError("a GPU without a preset needs both --gpu-memory and --gpu-tflops")
-        if self.host_memory is None:
-            raise ValueError("--host-memory GB is required")
+                gpu_preset(self.gpu)
+            if self.gpu is None and self.gpu_memory is None and self.gpu_tflops is None:
+                raise ValueError("give --gpu NAME, or --gpu-memory GB and --gpu-tflops X")
+            if self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
+                raise ValueError("a GPU without a preset needs both --gpu-memory and --gpu-tflops")
+            if self.host_memory is None:
+                raise ValueError("--host-memory GB is required")
         if self.model is None and None in (self.layers, self.hidden, self.heads):
             raise ValueError("give --model PRESET, or --layers, --hidden and --heads")
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
@@ -127,10 +147,28 @@ class PlanRequest:
             if min(widths) < 1:
                 raise ValueError(f"--widths must be positive, got {self.widths!r}")
 
-    def resolve(self):
-        """(GPTConfig, Workload, Hardware, window or None, widths or None); ValueError on bad values."""
+    def model_config(self):
+        """The GPTConfig of --model (or --layers/--hidden/--heads) at --tp and --seq."""
         from pystronghold.models.gpt import GPTConfig
         from pystronghold.models.presets import PRESETS
+
+        if self.model is not None:
+            if self.model not in PRESETS:
+                raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(PRESETS)}")
+            base = PRESETS[self.model]
+            shape = {k: v for k, v in dict(layers=self.layers, hidden=self.hidden, heads=self.heads).items()
+                     if v is not None}
+            config = dataclasses.replace(base, tp_size=self.tp, **shape)
+        else:
+            config = GPTConfig(vocab_size=self.vocab, vocab_pad_multiple=128, seq_len=self.seq or 2048,
+                               layers=self.layers, hidden=self.hidden, heads=self.heads,
+                               tie_embeddings=True, tp_size=self.tp)
+        if self.seq is not None and self.seq > config.seq_len:
+            config = dataclasses.replace(config, seq_len=self.seq)
+        return config
+
+    def resolve(self):
+        """(GPTConfig, Workload, Hardware, window or None, widths or None); ValueError on bad values."""
         from pystronghold.planner.cost import Workload
         from pystronghold.planner.hardware import GB, GPU, PCIE_GEN4, GiB, TFLOPS, Hardware, gpu_preset
 
@@ -151,19 +189,7 @@ class PlanRequest:
         hw = Hardware(gpu=gpu, host_memory_bytes=int(self.host_memory * GiB),
                       cpu_adam_params_per_s=self.cpu_adam_rate * 1e9, nvme_bytes=int(self.nvme * GiB),
                       nvme_bytes_per_s=self.nvme_bandwidth * GB)
-        if self.model is not None:
-            if self.model not in PRESETS:
-                raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(PRESETS)}")
-            base = PRESETS[self.model]
-            shape = {k: v for k, v in dict(layers=self.layers, hidden=self.hidden, heads=self.heads).items()
-                     if v is not None}
-            config = dataclasses.replace(base, tp_size=self.tp, **shape)
-        else:
-            config = GPTConfig(vocab_size=self.vocab, vocab_pad_multiple=128, seq_len=self.seq or 2048,
-                               layers=self.layers, hidden=self.hidden, heads=self.heads,
-                               tie_embeddings=True, tp_size=self.tp)
-        if self.seq is not None and self.seq > config.seq_len:
-            config = dataclasses.replace(config, seq_len=self.seq)
+        config = self.model_config()
         rt = self.runtime
         work = Workload(batch=self.batch, seq=self.seq, precision=rt.precision,
                         checkpointing=rt.checkpointing, dp_size=self.dp, overlap=self.overlap,
@@ -182,6 +208,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
     try:
         request = from_args(PlanRequest, args)
+        if request.cluster is not None:
+            from pystronghold.planner.hetero import run_cluster_plan
+
+            return run_cluster_plan(request)
         config, work, hw, window, widths = request.resolve()
         pipeline = None
         if request.pp > 1:

@@ -103,6 +103,13 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     # PCIe gen3 x16 host link; NVLink 2 300 GB/s total -> 150 GB/s per direction.
     _gpu("v100-16gb", 16, 15.7, None, 125, PCIE_GEN3, 150 * GB),
     _gpu("v100-32gb", 32, 15.7, None, 125, PCIE_GEN3, 150 * GB),
+    # NVIDIA Tesla V100 datasheet (PCIe): fp32 14 TFLOPS, tensor fp16 112 TFLOPS; no NVLink.
+    _gpu("v100-pcie-32gb", 32, 14, None, 112, PCIE_GEN3),
+    # NVIDIA Tesla P100 datasheet (SXM2, NVLink): fp32 10.6, fp16 21.2 TFLOPS (no tensor cores,
+    # no bf16); NVLink 1 160 GB/s total -> 80 GB/s per direction.
+    _gpu("p100-16gb", 16, 10.6, None, 21.2, PCIE_GEN3, 80 * GB),
+    # NVIDIA Tesla P100 datasheet (PCIe, 16 GB): fp32 9.3, fp16 18.7 TFLOPS; peers over PCIe gen3.
+    _gpu("p100-pcie-16gb", 16, 9.3, None, 18.7, PCIE_GEN3),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM): fp32 19.5, bf16/fp16 tensor 312 TFLOPS dense;
     # PCIe gen4 x16; NVLink 3 600 GB/s total -> 300 GB/s per direction.
     _gpu("a100-40gb", 40, 19.5, 312, 312, PCIE_GEN4, 300 * GB),

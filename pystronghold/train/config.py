@@ -192,6 +192,18 @@ class CheckpointOptions:
                 raise ValueError(f"--checkpoint-dir {self.checkpoint_dir}: {probe} is not a writable directory")
 
 
+def _sizes_from_text(text: str, flag: str) -> tuple[int, ...]:
+    """'3,1' -> (3, 1); ValueError naming ``flag`` for anything but comma-separated integers."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated sample counts like 3,1, got {text!r}") from None
+
+
+def _sizes_text(sizes: tuple[int, ...]) -> str:
+    return ",".join(str(b) for b in sizes)
+
+
 @dataclass(kw_only=True, slots=True)
 class ParallelOptions:
     """Tensor, data and pipeline parallelism (launch with torchrun --nproc-per-node PP*TP*DP)."""
@@ -200,6 +212,11 @@ class ParallelOptions:
     """Tensor-parallel ranks per model replica (attention heads, MLP columns and vocabulary split)."""
     dp: int = 0
     """Data-parallel replicas, each fed its slice of every batch; 0: the world size / (--tp x --pp)."""
+    dp_split: tuple[int, ...] | None = option(None, parse=_sizes_from_text, metavar="B0,B1,...")
+    """Samples of every batch each data-parallel replica takes, in DP-rank order, for unlike devices
+    (Whale's hardware-aware split, as pystronghold plan --cluster prints it; sum: --batch); each
+    replica's loss is weighted by its share so the gradient is the whole batch's. Default: equal
+    slices. Not with --pp."""
     pp: int = option(1, help="Pipeline stages the blocks are split across (balanced by compute).")
     """Pipeline stages the blocks are split across (``parallel.pipeline``): contiguous block ranges
     balanced by compute (the embedding on the first stage, the LM head on the last), each stage
@@ -224,6 +241,13 @@ class ParallelOptions:
             raise ConfigError(self, "micro_batches", f"must be an int >= 1 (or 0: `pp`), got {self.micro_batches!r}")
         if self.pp_schedule not in SCHEDULES:
             raise ConfigError(self, "pp_schedule", f"must be one of {SCHEDULES}, got {self.pp_schedule!r}")
+        if self.dp_split is not None:
+            if not isinstance(self.dp_split, tuple) or not self.dp_split or any(
+                    isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.dp_split):
+                raise ValueError(f"--dp-split must be positive sample counts, got {self.dp_split!r}")
+        if self.dp_split is not None and self.pp > 1:
+            raise ConfigError(self, "dp_split", "is not supported with a pipeline (pp > 1): the stages cut "
+                                                "every replica's batch into equal micro-batches")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist-timeout must be > 0, got {self.dist_timeout}")
 
@@ -306,7 +330,14 @@ class TrainConfig:
             raise ValueError(f"--tp {tp} must divide the model's {cfg.heads} attention heads")
         if cfg.padded_vocab_size % tp:
             raise ValueError(f"--tp {tp} must divide the model's padded vocabulary {cfg.padded_vocab_size}")
-        if self.data.batch % dp:
+        if par.dp_split is not None:
+            if len(par.dp_split) != dp:
+                raise ValueError(f"--dp-split {_sizes_text(par.dp_split)} gives {len(par.dp_split)} replicas' "
+                                 f"samples, but there are --dp {dp}")
+            if sum(par.dp_split) != self.data.batch:
+                raise ValueError(f"--dp-split {_sizes_text(par.dp_split)} sums to {sum(par.dp_split)} samples, "
+                                 f"not --batch {self.data.batch}")
+        elif self.data.batch % dp:
             raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} "
                              "(each replica takes an equal slice of every batch)")
         if par.distributed and self.runtime.window == "auto":

@@ -138,6 +138,11 @@ class Trainer:
         self.val = validation_batches(self.corpus.val, self.batch, self.seq, run.eval_batches)
         self.dp_size = self.groups.dp_size if self.groups is not None else 1
         self.dp_rank = self.groups.dp_rank if self.groups is not None else 0
+        self.uneven = None  # --dp-split: this replica's share of every batch and its loss weight
+        if par.dp_split is not None and self.dp_size > 1:
+            from pystronghold.parallel.uneven import UnevenBatch
+
+            self.uneven = UnevenBatch(sizes=par.dp_split, dp_rank=self.dp_rank)
         materialize = None
         if self.hf:  # blocks always built one at a time from the shards (a model larger than the host)
             self.model, blocks, materialize = hf_model.model, hf_model.blocks, hf_model.materialize
@@ -201,18 +206,27 @@ class Trainer:
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """This DP rank's slice of a global batch, on the device."""
-        if self.dp_size > 1:
+        if self.uneven is not None:
+            t = self.uneven.local(t)
+        elif self.dp_size > 1:
             per = t.shape[0] // self.dp_size
             t = t[self.dp_rank * per:(self.dp_rank + 1) * per]
         return t.to(self.engine.device, non_blocking=True)
 
+    @property
+    def loss_weight(self) -> float:
+        """What this replica's mean loss is multiplied by: 1, or with --dp-split its share of the
+        batch times the DP size (``UnevenBatch.weight``), so the DP average is the batch's mean."""
+        return 1.0 if self.uneven is None else self.uneven.weight
+
     def _dp_mean(self, value: float) -> float:
-        """The mean of ``value`` over the DP replicas (equal slices: the global batch's mean loss)."""
+        """The global batch's mean of ``value``, this replica's mean loss: the DP average of the
+        weighted means (``loss_weight``)."""
         if self.dp_size == 1:
             return value
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value * self.loss_weight], dtype=torch.float64)
         if dist.get_backend(self.groups.dp_group) == "nccl":
             t = t.to(self.engine.device)
         dist.all_reduce(t, group=self.groups.dp_group)
@@ -229,9 +243,16 @@ class Trainer:
         acc = self.config.runtime.accumulation_steps
         batches = [self.sampler.next_batch() for _ in range(acc)]  # (B, T) int64 each
         # NOTE: through engine.accumulate, which runs the micro-batches one after the other or, with
-        # --schedule relay, layer-major; each back-propagates loss / acc
-        losses = self.engine.accumulate(batches, lambda b: self.loss(self._to_device(b[0]), self._to_device(b[1])))
-        total = sum(float(v) for v in losses)
+        # --schedule relay, layer-major; each back-propagates loss / acc. Uneven data parallelism
+        # (--dp-split) weights this replica's loss by its share of the batch.
+        weight = self.loss_weight if self.uneven is not None else None
+
+        def micro_batch_loss(b):
+            loss = self.loss(self._to_device(b[0]), self._to_device(b[1]))
+            return loss if weight is None else loss * weight
+
+        losses = self.engine.accumulate(batches, micro_batch_loss)
+        total = sum(float(v) for v in losses) / (1.0 if weight is None else weight)
         self.engine.step()
         self.scheduler.step()
         self.engine.zero_grad()

@@ -139,7 +139,8 @@ def test_cli_bad_input_in_a_real_process():
                            "--model", "tiny"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["pystronghold plan: error: unknown GPU 'nope'; known: "
-                                                "v100-16gb, v100-32gb, a100-40gb, a100-80gb, h100-80gb, "
+                                                "v100-16gb, v100-32gb, v100-pcie-32gb, p100-16gb, "
+                                                "p100-pcie-16gb, a100-40gb, a100-80gb, h100-80gb, "
                                                 "rtx3090, rtx4090"]
 
 

@@ -19,8 +19,8 @@ TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --lr --w
                "--weight-decay --decay --beta2 --clip --accumulation --window --device --precision "
                "--device-budget-mb --resident-blocks --host-memory --nvme --nvme-states --nvme-cache-blocks "
                "--nvme-sparse --steps --seed --log-every --eval-every --eval-batches --trace --quiet "
-               "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --tp --dp --pp "
-               "--micro-batches --pp-schedule "
+               "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --tp --dp "
+               "--dp-split --pp --micro-batches --pp-schedule "
                "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed").split()
 
 
