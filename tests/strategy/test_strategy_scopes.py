@@ -182,17 +182,6 @@ def test_init_layout_makes_the_tp_and_dp_groups_of_the_scopes():
     run_ranks(_init_layout_dp_tp, 4, timeout_s=120)
 
 
-def test_init_layout_refuses_stages_until_the_pipeline_runtime_is_there():
-    from pystronghold.strategy import init_layout
-
-    with ph.stage():
-        a = nn.Linear(2, 2)
-    with ph.stage():
-        b = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="2 stage\\(\\) scopes; running stages needs the pipeline runtime"):
-        init_layout(layout_of(nn.Sequential(a, b), world_size=2))
-
-
 def test_block_ranges_for_the_pipeline_runtime():
     model = GPT(CFG, seed=0)
     with ph.pipeline(4):
