@@ -2,8 +2,8 @@
 ``torch.distributed.pipelining`` (its schedules move activations and run the micro-batches; we
 write no scheduler).
 
-- ``balance_stages``: contiguous split of the blocks whose largest stage compute is smallest, the
-  first stage's head and the last stage's tail (LM head) counted.
+- the split: ``planner.balance.stage_ranges`` (contiguous blocks whose largest stage compute is
+  smallest, the first stage's head and the last stage's tail, the LM head, counted).
 - ``PipelineStageModule`` / ``build_stage``: one rank's part of the model (head? blocks, tail?), the
   module torch's ``PipelineStage`` runs. Any list of blocks works (``whale`` maps its scopes here).
 - ``stage_passes``: the forward/backward passes a stage runs in one step, in its schedule's order;
@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from pystronghold.parallel.groups import ParallelGroups
+from pystronghold.planner.balance import stage_ranges
 from pystronghold.runtime.config import RuntimeConfig
 
-__all__ = ["SCHEDULES", "balance_stages", "stage_passes", "PipelineStageModule", "build_stage",
+__all__ = ["SCHEDULES", "stage_passes", "PipelineStageModule", "build_stage",
            "Pipeline", "gpt_stage", "gpt_pipeline", "gpt_stage_costs", "gpt_loss", "validate_pipeline"]
 
 log = logging.getLogger(__name__)
@@ -52,42 +53,6 @@ def validate_pipeline(stages: int, blocks: int, micro_batches: int, schedule: st
     if schedule == "1f1b" and micro_batches < stages:
         raise ValueError(f"micro_batches={micro_batches} must be at least the pp={stages} stages "
                          "for the 1F1B schedule")
-
-
-def balance_stages(block_costs: Sequence[float], stages: int, *, head_cost: float = 0.0,
-                   tail_cost: float = 0.0) -> list[range]:
-    """Split blocks ``0 .. N-1`` into ``stages`` contiguous non-empty ranges minimising the largest
-    stage cost, where stage 0 also pays ``head_cost`` and the last stage ``tail_cost`` (any unit,
-    e.g. FLOPs per token). Ties go to the split with the earliest boundaries. Exact (dynamic
-    programming, O(stages * N^2))."""
-    n = len(block_costs)
-    if stages < 1 or stages > n:
-        raise ValueError(f"stages={stages} must be in [1, {n}] (the number of blocks)")
-    prefix = [0.0]
-    for c in block_costs:
-        prefix.append(prefix[-1] + float(c))
-
-    def cost(stage: int, lo: int, hi: int) -> float:
-        extra = (head_cost if stage == 0 else 0.0) + (tail_cost if stage == stages - 1 else 0.0)
-        return prefix[hi] - prefix[lo] + extra
-
-    inf = float("inf")
-    # best[s][j]: smallest max cost placing blocks 0..j-1 on stages 0..s-1; cut[s][j]: the start of stage s-1
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for j in range(s, n - (stages - s) + 1):
-            for i in range(s - 1, j):
-                value = max(best[s - 1][i], cost(s - 1, i, j))
-                if value < best[s][j]:
-                    best[s][j], cut[s][j] = value, i
-    bounds, j = [], n
-    for s in range(stages, 0, -1):
-        i = cut[s][j]
-        bounds.append(range(i, j))
-        j = i
-    return bounds[::-1]
 
 
 def stage_passes(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
@@ -339,7 +304,7 @@ def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
               split: Sequence[range] | None = None) -> tuple[PipelineStageModule, list[torch.Tensor]]:
     """This rank's stage of a ``GPT`` and its tied parameters (for ``Pipeline(tied=...)``).
 
-    ``split``: the block ranges of the stages; default ``balance_stages`` on ``gpt_stage_costs``
+    ``split``: the block ranges of the stages; default ``planner.balance.stage_ranges`` on ``gpt_stage_costs``
     (logged by rank 0). With tied embeddings the last stage's LM head weight is marked as the copy
     (counted once in the gradient norm)."""
     config = model.config
@@ -349,7 +314,7 @@ def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
                          "(every stage needs at least one block)")
     if split is None:
         costs, head, tail = gpt_stage_costs(config, seq or config.seq_len)
-        split = balance_stages(costs, p, head_cost=head, tail_cost=tail)
+        split = stage_ranges(costs, p, head_cost=head, tail_cost=tail)
         if groups.rank == 0:
             total = sum(costs) + head + tail
             log.info("pipeline split over %d stages: %s", p, "; ".join(

@@ -26,7 +26,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["proportional_batch", "balance_batch", "balance_batch_times", "dp_loss_weight", "batch_slices",
-           "StageSplit", "balance_stages", "balance_stage_counts", "contiguous_split", "split_throughput"]
+           "StageSplit", "balance_stages", "balance_stage_counts", "contiguous_split", "split_throughput",
+           "stage_ranges"]
 
 
 def _positive_list(name: str, values) -> list[float]:
@@ -214,6 +215,16 @@ def balance_stages(block_flops: list[float], device_flops: list[float] | None = 
     return StageSplit(devices=tuple(order), blocks=tuple(len(r) for r in ranges),
                       stage_s=tuple(cost(s, r.start, r.stop) for s, r in enumerate(ranges)))
 
+
+
+def stage_ranges(block_costs: list[float], stages: int, *, head_cost: float = 0.0,
+                 tail_cost: float = 0.0) -> list[range]:
+    """The block ranges of ``stages`` pipeline stages on identical devices (``balance_stages`` with
+    ``stages=``): contiguous, non-empty, the largest stage cost smallest, stage 0 also paying
+    ``head_cost`` and the last ``tail_cost`` (any unit, e.g. FLOPs per token). What the pipeline
+    runtime (``parallel.pipeline``) and its planner split by."""
+    return balance_stages(list(block_costs), stages=stages, first_stage_flops=head_cost,
+                          last_stage_flops=tail_cost).ranges
 
 def balance_stage_counts(n_blocks: int, stages: int, stage_time) -> tuple[int, ...]:
     """Blocks per stage (contiguous, each >= 1, summing to ``n_blocks``) minimising

@@ -47,7 +47,7 @@ class PipelinePlan:
     micro_batches: int
     schedule: str
     split: list[range]
-    """Blocks of each stage (``parallel.pipeline.balance_stages`` on FLOPs, head and LM head counted)."""
+    """Blocks of each stage (``balance.stage_ranges`` on FLOPs, head and LM head counted)."""
     stage_flop_share: list[float]
     """Each stage's share of the forward FLOPs."""
     bubble: float
@@ -84,12 +84,13 @@ class PipelinePlan:
 def plan_pipeline(config: GPTConfig, work: Workload, stages: int, micro_batches: int,
                   schedule: str = "1f1b") -> PipelinePlan:
     """The pipeline figures of ``config`` trained as ``work`` (``work.batch``: the micro-batch)."""
-    from pystronghold.parallel.pipeline import balance_stages, gpt_stage_costs, validate_pipeline
+    from pystronghold.parallel.pipeline import gpt_stage_costs, validate_pipeline
+    from pystronghold.planner.balance import stage_ranges
 
     validate_pipeline(stages, config.layers, micro_batches, schedule)
     seq = work.seq or config.seq_len
     costs, head, tail = gpt_stage_costs(config, seq)
-    split = balance_stages(costs, stages, head_cost=head, tail_cost=tail)
+    split = stage_ranges(costs, stages, head_cost=head, tail_cost=tail)
     total = sum(costs) + head + tail
     share = [(sum(costs[r.start:r.stop]) + (head if s == 0 else 0.0) + (tail if s == stages - 1 else 0.0)) / total
              for s, r in enumerate(split)]

@@ -364,10 +364,11 @@ class TrainConfig:
                               f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
         # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
         # after the others entered a collective. The split is local arithmetic (gpt_stage's).
-        from pystronghold.parallel.pipeline import balance_stages, gpt_stage_costs
+        from pystronghold.parallel.pipeline import gpt_stage_costs
+        from pystronghold.planner.balance import stage_ranges
 
         costs, head, tail = gpt_stage_costs(self.gpt, self.seq)
-        split = balance_stages(costs, pp, head_cost=head, tail_cost=tail)
+        split = stage_ranges(costs, pp, head_cost=head, tail_cost=tail)
         smallest = min(range(pp), key=lambda s: len(split[s]))
         if self.runtime.resident_blocks > len(split[smallest]):
             raise ConfigError(self.runtime, "resident_blocks=", f"is more than the {len(split[smallest])} blocks of "
