@@ -41,14 +41,18 @@ HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 class Plain:
-    """Plain PyTorch + torch.optim.AdamW, everything resident."""
+    """Plain PyTorch + torch.optim.AdamW, everything resident (``clip``: torch.nn.utils.clip_grad_norm_
+    to this norm before each step; None: no clipping)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, clip: float | None = None) -> None:
         self.model, self.opt = model, torch.optim.AdamW(model.parameters(), **HYPER)
+        self.clip = clip
 
     def step(self, x, y) -> float:
         loss = self.model(x, y)
         loss.backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad()
         return loss.item()
