@@ -69,6 +69,9 @@ class PlanRequest:
     """Compute precision."""
     window: str = field(default="auto", metadata={"metavar": "N|auto"})
     """Blocks on the device at once: a number, or auto (the smallest that hides transfers)."""
+    resident_blocks: str = field(default="auto", metadata={"metavar": "K|auto"})
+    """Blocks kept on the device with a device AdamW (the first K): a number, or auto (the planner
+    chooses K, the resident blocks' recompute and W for the best step that fits)."""
     checkpointing: bool = True
     """Recompute blocks in backward (--no-checkpointing keeps every activation)."""
     efficiency: float = 0.5
@@ -109,6 +112,8 @@ class PlanRequest:
             raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
         if self.window != "auto" and not (self.window.isdigit() and int(self.window) >= 1):
             raise ValueError(f"--window must be a positive number or auto, got {self.window!r}")
+        if self.resident_blocks != "auto" and not self.resident_blocks.isdigit():
+            raise ValueError(f"--resident-blocks must be a number >= 0 or auto, got {self.resident_blocks!r}")
         if self.widths is not None:
             try:
                 widths = [int(w) for w in self.widths.split(",")]
@@ -118,7 +123,8 @@ class PlanRequest:
                 raise ValueError(f"--widths must be positive, got {self.widths!r}")
 
     def resolve(self):
-        """(GPTConfig, Workload, Hardware, window or None, widths or None); ValueError on bad values."""
+        """(GPTConfig, Workload, Hardware, window or None, widths or None, resident blocks or None);
+        ValueError on bad values."""
         from pystronghold.models.gpt import GPTConfig
         from pystronghold.models.presets import PRESETS
         from pystronghold.planner.cost import Workload
@@ -160,7 +166,10 @@ class PlanRequest:
         hw.gpu.flops(self.precision)  # refuses bf16 on a GPU without it
         window = None if self.window == "auto" else int(self.window)
         widths = None if self.widths is None else [int(w) for w in self.widths.split(",")]
-        return config, work, hw, window, widths
+        resident = None if self.resident_blocks == "auto" else int(self.resident_blocks)
+        if resident is not None and resident > config.layers:
+            raise ValueError(f"--resident-blocks {resident} is more than the model's {config.layers} blocks")
+        return config, work, hw, window, widths, resident
 
 
 # ---- argparse from a dataclass
@@ -210,8 +219,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     try:
         request = PlanRequest(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanRequest)})
-        config, work, hw, window, widths = request.resolve()
-        plan = make_plan(config, work, hw, window)
+        config, work, hw, window, widths, resident = request.resolve()
+        plan = make_plan(config, work, hw, window, resident)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:
         print(f"pystronghold plan: error: {e}", file=sys.stderr)

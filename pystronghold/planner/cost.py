@@ -18,10 +18,14 @@ from pystronghold.planner.hardware import GiB, Hardware
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
            "block_forward_flops", "block_activation_bytes", "tail_activation_bytes",
            "host_bytes_per_param", "ring_allreduce_s", "block_costs", "PRECISION_BYTES",
-           "OVERLAP_MODES", "analytic_window", "block_param_numels", "slot_bytes"]
+           "OVERLAP_MODES", "DEVICE_ADAM_BYTES", "analytic_window", "block_param_numels", "slot_bytes"]
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of each compute precision."""
+DEVICE_ADAM_BYTES = {"fp32": 28, "bf16": 40, "fp16": 40}
+"""Device memory traffic of the fused AdamW per parameter, bytes: read master, grad, exp_avg,
+exp_avg_sq and write master, exp_avg, exp_avg_sq (7 x 4); in bf16/fp16 also the fp32 copy of the
+gradient (read 2, write 4) and the compute copy of the master (read 4, write 2)."""
 OVERLAP_MODES = ("backward", "forward")
 """When the host updates run: during backward, or after it, ahead of the next forward's loads."""
 
@@ -223,6 +227,14 @@ class BlockCosts:
     adam_s: float
     """Host update of one block, seconds: P_b / (CPU Adam rate / ranks), or the NVMe tier's
     read + write of its states when that is slower."""
+    recompute_s: float = 0.0
+    """The part of ``bwd_s`` that recomputes the forward (``fwd_s`` with checkpointing, else 0):
+    what a device-resident block that keeps its activations does not spend."""
+    resident_block_bytes: int = 0
+    """Device bytes of one device-resident block: parameters and gradients in compute precision,
+    fp32 AdamW moments and (bf16/fp16) fp32 masters and their fp32 gradients, as for head + tail."""
+    device_adam_s: float = 0.0
+    """Device AdamW of one resident block, seconds: P_b * DEVICE_ADAM_BYTES / device memory bandwidth."""
 
 
 def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_per_param: float = 0.0
@@ -247,10 +259,11 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     adam = p_b / (hw.cpu_adam_params_per_s / ranks)
     if nvme_bytes_per_param:
         adam = max(adam, nvme_bytes_per_param * p_b / (hw.nvme_bytes_per_s / ranks))
+    per_param = s + s + 8 + (4 + 4 if half else 0)  # params, grads, moments (+ masters, fp32 grads)
     return BlockCosts(
         block_params=p_b,
         slot_bytes=slot_bytes(config, s),
-        head_tail_bytes=p_ht * (s + s + 8 + (4 + 4 if half else 0)),
+        head_tail_bytes=p_ht * per_param,
         block_input_bytes=btc_bytes,
         block_activation_bytes=block_activation_bytes(config, work, seq),
         tail_activation_bytes=tail_activation_bytes(config, work, seq),
@@ -261,6 +274,9 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
         grad_s=p_b * s / hw.gpu.d2h_bytes_per_s,
         allreduce_s=ring_allreduce_s(p_b * s, work.dp_size, hw.gpu.interconnect_bytes_per_s),
         adam_s=adam,
+        recompute_s=recompute,
+        resident_block_bytes=p_b * per_param,
+        device_adam_s=p_b * DEVICE_ADAM_BYTES[work.precision] / hw.gpu.memory_bytes_per_s,
     )
 
 
