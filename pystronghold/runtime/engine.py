@@ -30,6 +30,7 @@ from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
                                           slot_bytes, split_parameters, window_slots)
+from pystronghold.runtime.grad_norms import BlockGradNorms
 from pystronghold.runtime.resident import ResidentBlocks
 from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
 from pystronghold.runtime.timing import copy_marks
@@ -130,6 +131,9 @@ class Engine:
         self.updates = HostUpdates(self.store, self.trace, bitwise_torch=config.optimizer.bitwise_torch,
                                    prefetch_depth=max(1, config.nvme_cache_blocks - 2),
                                    param_groups=[[group_of[id(p)] for p in ps] for ps in block_params])
+        # ---- norms-planner: per-parameter gradient norms where the gradients are (runtime/grad_norms.py)
+        self.grad_norms = BlockGradNorms(self.updates, on_device=self.device.type == "cuda")
+        # ---- end norms-planner
         self.scaler = (DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                        if config.precision == "fp16" else None)
         names = {id(p): name for name, p in model.named_parameters()}
@@ -386,6 +390,8 @@ class Engine:
         streamed = last and self.overlap == "backward"
         # NOTE: a streamed update stages its optimizer states now, so their disk reads overlap the copy-out
         states = ["grad", *self.updates.update_states] if streamed else ["grad"]
+        if last and self.config.needs_global_grad:  # norms-planner: the device path's norms, pre copy-out
+            self.grad_norms.before_copy_out(block, self.window.grad_views(block), self._unscale())
         lease = self.store.acquire(block, states, fresh=["grad"])
         handle = self.backend.d2h(lease.tensors["grad"], slot.grads[:layout.numel],
                                   after=[self.backend.compute_marker()])
@@ -401,7 +407,7 @@ class Engine:
             return
         self.store.release(lease, dirty=["grad"], after=[handle])
         if last and self.config.needs_global_grad:
-            self.updates.submit_norm(block, handle, self._unscale())
+            self.grad_norms.after_copy_out(block, handle, self._unscale())  # norms-planner: the host path
 
     # ---- optimizer step
 
@@ -456,7 +462,7 @@ class Engine:
         """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;
         tensor-parallel shards summed over the TP group (pystronghold.parallel.data)."""
         norms = {**self.device_optimizer.grad_norms(grad_scale), **self.resident.grad_norms(grad_scale)}
-        for block, per_param in self.updates.block_norms().items():
+        for block, per_param in self.grad_norms.take().items():  # norms-planner
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
         params = [p for p in self.model.parameters() if id(p) in norms]
