@@ -150,11 +150,13 @@ class Trainer:
             from pystronghold.train.autowindow import choose_runtime_window
 
             self.auto_window = choose_runtime_window(self.model, config)
-            window = self.auto_window.window
+            window = self.auto_window.window or "all"  # W=0: every block resident
+        auto = self.auto_window  # norms-planner: with --window auto the planner's split, else the options'
         o = config.optim
         self.engine = pystronghold.wrap(
             self.model, blocks=blocks, materialize=materialize, window=window, device=config.window.device,
-            resident_blocks=config.window.resident_blocks,
+            resident_blocks=auto.resident_blocks if auto else config.window.resident_blocks,
+            resident_recompute=auto.resident_recompute if auto else False,
             precision=config.window.precision, clip_grad_norm=o.clip or None,
             accumulation_steps=o.accumulation, trace=True, parallel=self.groups,
             host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,
