@@ -6,6 +6,9 @@ Configurations (all from the same initial weights, on the same batches, taking t
                    for the global norm, then run block 0, 1, ... ahead of the next forward)
   no clip, fwd     no clipping with overlap="forward": the same schedule as "clip" without the norms,
                    so clip / this isolates the norm pass itself
+and, apart, the host norm pass of one block (the CPU backend's, runtime/grad_norms.py): the native
+multi-threaded ``param_grad_norms`` against the loop of ``torch.linalg.vector_norm`` it replaced,
+taking turns (bench/common.interleave), results checked bit for bit first.
 Correctness first: "clip" must give the losses of plain PyTorch with torch.nn.utils.clip_grad_norm_,
 and the unclipped runs those of plain PyTorch without it (fp32, rtol 1e-5), before any time is
 reported. Reported: median step time and the paired ratios clip / no clip and clip / no clip fwd
@@ -28,13 +31,38 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, paired_ratio, print_table, write_json  # noqa: E402
+from common import (MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, interleave, paired_ratio,  # noqa: E402
+                    print_table, write_json)
 from window import HYPER, Plain, Windowed  # noqa: E402
 
 from pystronghold.models import GPT  # noqa: E402
 from pystronghold.models.presets import PRESETS  # noqa: E402
 
 CLIP = 1.0
+
+
+def _norm_pass_row(model) -> dict | None:
+    """One block's host norm pass: native threads vs the one-thread torch loop, paired (None in a
+    checkout without the native pass)."""
+    try:
+        from pystronghold.runtime.grad_norms import param_grad_norms
+    except ImportError:  # a checkout before the native norm pass (a "before" run)
+        return None
+    grads = [torch.randn(p.shape) for p in model.blocks[0].parameters()]
+    scale = 0.5  # the clip coefficient / loss scale path (a scaled fp32 copy per parameter)
+
+    def torch_loop():
+        return torch.stack([torch.linalg.vector_norm(g.float() * scale) for g in grads])
+
+    assert torch.equal(param_grad_norms(grads, scale), torch_loop()), "native norms differ from torch's"
+    watch = LoadWatch()
+    t = interleave({"torch loop": torch_loop, "native": lambda: param_grad_norms(grads, scale)},
+                   rounds=40, warmup=3)
+    r = paired_ratio(t["torch loop"], t["native"])
+    return {"pass": f"block 0's norms, {len(grads)} parameters, {torch.get_num_threads()} threads",
+            "native_ms": 1e3 * t["native"].median_s, "torch_loop_ms": 1e3 * t["torch loop"].median_s,
+            "x_torch_loop": 1 / r.median, "x_torch_loop (p20-p80)": f"{1 / r.median:.2f} ({1 / r.p80:.2f}-{1 / r.p20:.2f})",
+            **watch.stop().fields()}
 
 
 def main(argv=None) -> int:
@@ -89,12 +117,16 @@ def main(argv=None) -> int:
         rows.append({"config": name, "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s,
                      "x_no_clip": vs_none.median, "x_no_clip (p20-p80)": vs_none.label(),
                      "x_no_clip_fwd": vs_fwd.median, "x_no_clip_fwd (p20-p80)": vs_fwd.label(), **load})
+    norm_row = _norm_pass_row(base)
     title = (f"GPT {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32, W={window}, "
              f"clip {CLIP}: {args.steps} timed steps after {args.warmup} warm-up (CPU backend); "
              "x_*: this step time / the other's, paired")
     hidden = ("load_start", "load_end", "loaded")
     print_table(rows, [c for c in rows[0] if c not in hidden], title)
-    write_json(args.json, "clip", rows, {"args": vars(args), "hyper": HYPER})
+    if norm_row is not None:
+        print_table([norm_row], [c for c in norm_row if c not in hidden],
+                    "host norm pass: native param_grad_norms / the torch.linalg.vector_norm loop, paired")
+    write_json(args.json, "clip", rows, {"args": vars(args), "hyper": HYPER, "norm_pass": norm_row})
     return 0
 
 
