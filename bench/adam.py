@@ -42,9 +42,15 @@ from common import MIN_PAIRS, LoadWatch, interleave, machine_facts, paired_ratio
 from roofline import Probe, ceiling_fraction, measure  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
-from pystronghold.optim.functional import adam_step_, adam_step_multi_  # noqa: E402
+from pystronghold.optim import AdamWHyper, adam_step_, adam_step_multi_  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def hyper(step: int) -> AdamWHyper:
+    """HP at ``step``; made at every call, as the runtime makes one per update."""
+    return AdamWHyper(step=step, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                      weight_decay=HP["weight_decay"])
 
 
 # ---- optional DeepSpeed
@@ -91,11 +97,11 @@ def case_ours(n, tensors, check_finite=True, offload=False, bitwise_torch=False)
         step[0] += 1
         if len(bufs) == 1:
             p, g, m, v, sh = bufs[0]
-            adam_step_(p, g, m, v, step=step[0], shadow=sh, check_finite=check_finite,
-                       bitwise_torch=bitwise_torch, **HP)
+            adam_step_(p, g, m, v, hyper(step[0]), shadow=sh, check_finite=check_finite,
+                       bitwise_torch=bitwise_torch)
         else:
-            adam_step_multi_(*cols[:4], step=step[0], shadows=cols[4] if offload else None,
-                             check_finite=check_finite, bitwise_torch=bitwise_torch, **HP)
+            adam_step_multi_(*cols[:4], hyper(step[0]), shadows=cols[4] if offload else None,
+                             check_finite=check_finite, bitwise_torch=bitwise_torch)
     return fn
 
 
@@ -139,16 +145,16 @@ def check_correctness(ds_cls):
     start = ref[0].detach().clone()
     torch.optim.AdamW(ref, foreach=False, lr=HP["lr"], weight_decay=HP["weight_decay"]).step()
     p, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
-    adam_step_(p, ref[0].grad, m, v, step=1, bitwise_torch=True, **HP)
+    adam_step_(p, ref[0].grad, m, v, hyper(1), bitwise_torch=True)
     assert torch.equal(p, ref[0].detach()), "ours (bitwise_torch=True) differs from torch.optim.AdamW"
     p, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
-    adam_step_(p, ref[0].grad, m, v, step=1, **HP)
+    adam_step_(p, ref[0].grad, m, v, hyper(1))
     torch.testing.assert_close(p, ref[0].detach(), rtol=1e-6, atol=1e-5 * HP["lr"])
     halves = [t.split(n // 2) for t in (start.clone(), ref[0].grad, torch.zeros(n), torch.zeros(n))]
-    adam_step_multi_(*[list(h) for h in halves], step=1, **HP)
+    adam_step_multi_(*[list(h) for h in halves], hyper(1))
     assert torch.equal(torch.cat(halves[0]), p), "adam_step_multi_ differs from adam_step_"
     q, shadow = start.clone(), torch.empty(n, dtype=torch.bfloat16)
-    adam_step_(q, ref[0].grad.bfloat16(), torch.zeros(n), torch.zeros(n), step=1, shadow=shadow, **HP)
+    adam_step_(q, ref[0].grad.bfloat16(), torch.zeros(n), torch.zeros(n), hyper(1), shadow=shadow)
     assert torch.equal(shadow, q.bfloat16()), "offload shadow is not the cast of the master"
     for kind in ["fused", "foreach"] + (["deepspeed"] if ds_cls else []):
         q = [torch.nn.Parameter(start.clone())]

@@ -6,8 +6,8 @@ Configurations (all from the same initial weights, on the same batches, taking t
                    for the global norm, then run block 0, 1, ... ahead of the next forward)
   no clip, fwd     no clipping with overlap="forward": the same schedule as "clip" without the norms,
                    so clip / this isolates the norm pass itself
-and, apart, the host norm pass of one block (the CPU backend's, runtime/grad_norms.py): the native
-multi-threaded ``param_grad_norms`` against the loop of ``torch.linalg.vector_norm`` it replaced,
+and, apart, the host norm pass of one block (the CPU backend's, optim.functional.param_grad_norms):
+the native multi-threaded ``param_grad_norms`` against the loop of ``torch.linalg.vector_norm`` it replaced,
 taking turns (bench/common.interleave), results checked bit for bit first.
 Correctness first: "clip" must give the losses of plain PyTorch with torch.nn.utils.clip_grad_norm_,
 and the unclipped runs those of plain PyTorch without it (fp32, rtol 1e-5), before any time is
@@ -45,7 +45,7 @@ def _norm_pass_row(model) -> dict | None:
     """One block's host norm pass: native threads vs the one-thread torch loop, paired (None in a
     checkout without the native pass)."""
     try:
-        from pystronghold.runtime.grad_norms import param_grad_norms
+        from pystronghold.optim.functional import param_grad_norms
     except ImportError:  # a checkout before the native norm pass (a "before" run)
         return None
     grads = [torch.randn(p.shape) for p in model.blocks[0].parameters()]

@@ -122,11 +122,11 @@ class Windowed:
 def auto_window(model, args) -> int:
     """The W ``pystronghold train --window auto`` would pick for this model and batch, here."""
     from pystronghold.train.autowindow import choose_runtime_window
-    from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, TrainConfig, WindowOptions
+    from pystronghold.runtime.config import RuntimeConfig
+    from pystronghold.train.config import DataOptions, ModelOptions, TrainConfig
 
     config = TrainConfig(model=ModelOptions(model=args.model), data=DataOptions(batch=args.batch, seq=args.seq),
-                         optim=OptimOptions(clip=0.0),
-                         window=WindowOptions(window="auto", device=args.device, precision=args.precision))
+                         runtime=RuntimeConfig(window="auto", device=args.device, precision=args.precision))
     return choose_runtime_window(model, config).window
 
 

@@ -42,7 +42,7 @@ simd::Elem elem(const at::Tensor& t) {
 
 // Validates one tensor set (the k-th of a multi call when `k` >= 0) and returns its buffers.
 Buffers check_set(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                  const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& shadow, const char* fn, int64_t k) {
+                  const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& shadow, const char* fn, int64_t k) {
   // adam_step names "param"; adam_step_multi names the list element, "params[3]"
   const std::string sfx = k < 0 ? "" : "s[" + std::to_string(k) + "]";
   const std::string np = "param" + sfx, ng = "grad" + sfx, nm = "exp_avg" + sfx, nv = "exp_avg_sq" + sfx;
@@ -100,12 +100,11 @@ Coeffs coeffs(const char* fn, int64_t step, double lr, double beta1, double beta
 
 // Across the sets of a multi call no two buffers may overlap either (e.g. one tensor passed twice):
 // sort every buffer's [start, end) by address and compare neighbours, O(n log n).
-void check_sets_disjoint(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                         const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                         const c10::optional<std::vector<at::Tensor>>& shadows, const char* fn) {
+void check_sets_disjoint(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, const std::optional<at::TensorList>& shadows, const char* fn) {
   struct Span { uintptr_t lo, hi; const char* list; size_t k; };
   std::vector<Span> spans;
-  auto add = [&](const std::vector<at::Tensor>& ts, const char* list) {
+  auto add = [&](at::TensorList ts, const char* list) {
     for (size_t k = 0; k < ts.size(); ++k) {
       if (ts[k].numel() == 0) continue;
       const auto lo = reinterpret_cast<uintptr_t>(ts[k].data_ptr());
@@ -126,11 +125,11 @@ void check_sets_disjoint(const std::vector<at::Tensor>& params, const std::vecto
   }
 }
 
-bool adam_step_multi(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                     const c10::optional<std::vector<at::Tensor>>& shadows, int64_t step, double lr, double beta1,
-                     double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-                     bool check_finite, bool bitwise_torch, const char* fn, bool single) {
+// The one implementation of both entry points; `single`: called as adam_step (names "param", not "params[0]").
+bool update_sets(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                 const std::optional<at::TensorList>& shadows, int64_t step, double lr, double beta1, double beta2,
+                 double eps, double weight_decay, bool adamw, double grad_scale, bool check_finite,
+                 bool bitwise_torch, const char* fn, bool single) {
   const size_t count = params.size();
   TORCH_CHECK_VALUE(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count, fn,
                     ": params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", count, ", ",
@@ -144,7 +143,7 @@ bool adam_step_multi(const std::vector<at::Tensor>& params, const std::vector<at
   bufs.reserve(count);
   offsets.reserve(count + 1);
   for (size_t k = 0; k < count; ++k) {
-    const c10::optional<at::Tensor> sh = shadows.has_value() ? c10::optional<at::Tensor>((*shadows)[k]) : c10::nullopt;
+    const std::optional<at::Tensor> sh = shadows.has_value() ? std::optional<at::Tensor>((*shadows)[k]) : std::nullopt;
     bufs.push_back(check_set(params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], sh, fn, single ? -1 : int64_t(k)));
     if (k > 0) {
       TORCH_CHECK_VALUE(grads[k].scalar_type() == grads[0].scalar_type(), fn, ": grads[", k, "] must have the dtype of grads[0] (",
@@ -162,42 +161,29 @@ bool adam_step_multi(const std::vector<at::Tensor>& params, const std::vector<at
                                     has_shadow ? elem((*shadows)[0]) : simd::Elem::bf16, m);
 }
 
-bool adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-               c10::optional<at::Tensor> shadow, int64_t step, double lr, double beta1, double beta2,
-               double eps, double weight_decay, bool adamw, double grad_scale, bool check_finite,
-               bool bitwise_torch) {
-  c10::optional<std::vector<at::Tensor>> shadows;
-  if (shadow.has_value()) shadows = std::vector<at::Tensor>{*shadow};
-  return adam_step_multi({param}, {grad}, {exp_avg}, {exp_avg_sq}, shadows, step, lr, beta1, beta2, eps,
-                         weight_decay, adamw, grad_scale, check_finite, bitwise_torch, "adam_step", true);
-}
-
-bool adam_step_multi_py(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
-                        std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-                        c10::optional<std::vector<at::Tensor>> shadows, int64_t step, double lr, double beta1,
-                        double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
-                        bool check_finite, bool bitwise_torch) {
-  return adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, beta1, beta2, eps, weight_decay,
-                         adamw, grad_scale, check_finite, bitwise_torch, "adam_step_multi", false);
-}
-
 }  // namespace
+
+bool adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+               const std::optional<at::Tensor>& shadow, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool adamw, double grad_scale, bool check_finite, bool bitwise_torch) {
+  std::optional<at::TensorList> shadows;
+  if (shadow.has_value()) shadows = at::TensorList(*shadow);
+  return update_sets(param, grad, exp_avg, exp_avg_sq, shadows, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                     grad_scale, check_finite, bitwise_torch, "adam_step", true);
+}
+
+bool adam_step_multi(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     const std::optional<at::TensorList>& shadows, int64_t step, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+                     bool check_finite, bool bitwise_torch) {
+  return update_sets(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, beta1, beta2, eps, weight_decay,
+                     adamw, grad_scale, check_finite, bitwise_torch, "adam_step_multi", false);
+}
+
 }  // namespace adam
 }  // namespace pystronghold
 
-PYSTRONGHOLD_BINDINGS(adam) {
-  namespace py = pybind11;
-  m.def("adam_step", &pystronghold::adam::adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
-        py::arg("exp_avg_sq"), py::arg("shadow"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
-        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"),
-        py::arg("check_finite"), py::arg("bitwise_torch"), py::call_guard<py::gil_scoped_release>(),
-        "Fused Adam/AdamW step over flat CPU buffers, in place; False (nothing written) on a non-finite grad.");
-  m.def("adam_step_multi", &pystronghold::adam::adam_step_multi_py, py::arg("params"), py::arg("grads"),
-        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("shadows"), py::arg("step"), py::arg("lr"),
-        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
-        py::arg("grad_scale"), py::arg("check_finite"), py::arg("bitwise_torch"),
-        py::call_guard<py::gil_scoped_release>(),
-        "adam_step over lists of flat CPU buffers in one parallel region; all applied or none.");
+void pystronghold::bind_adam_info(pybind11::module_& m) {
   m.def("adam_torch_sqrt", []() { return std::string(::vmsSqrt ? "mkl-vml-ha" : "ieee"); },
         "The sqrt adam_step uses with bitwise_torch=True: MKL's vmsSqrt from libtorch_cpu (torch's CPU "
         "sqrt), or IEEE when torch has no MKL. The default path always uses the IEEE SIMD sqrt.");

@@ -1,10 +1,12 @@
-// Input validation of the fused CPU Adam (adam.cpp), the gradient norm (adam_norm.cpp) and the
-// roofline probe (roofline.cpp): each error names the tensor and the expected value.
+// Input validation of the fused CPU Adam (adam.cpp), the gradient norms (adam_norm.cpp,
+// grad_norms.cpp) and the roofline probe (roofline.cpp): each error names the tensor and the
+// expected value.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -51,6 +53,29 @@ inline void check_disjoint(const std::vector<std::pair<const char*, const at::Te
     }
   }
 }
+
+// ---- the kernels behind torch.ops.pystronghold.* (ops.cpp registers them; the arguments are
+// documented in pystronghold/optim/functional.py). Each validates its inputs (ValueError naming the
+// argument) and runs without touching Python objects; the dispatcher calls them without the GIL.
+
+// Fused Adam/AdamW over flat CPU buffers, in place (adam.cpp); false, nothing written, on a
+// non-finite grad*grad_scale when check_finite.
+bool adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+               const std::optional<at::Tensor>& shadow, int64_t step, double lr, double beta1, double beta2,
+               double eps, double weight_decay, bool adamw, double grad_scale, bool check_finite, bool bitwise_torch);
+
+// adam_step over lists of buffers in one parallel region: all applied or none (adam.cpp).
+bool adam_step_multi(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     const std::optional<at::TensorList>& shadows, int64_t step, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
+                     bool check_finite, bool bitwise_torch);
+
+// Sum of squares of grad*grad_scale in float64; inf/NaN when a value is not finite (adam_norm.cpp).
+double grad_sq_norm(const at::Tensor& grad, double grad_scale);
+
+// fp32 L2 norm of each grads[i]*grad_scale, shape (len(grads),), bit for bit
+// torch.linalg.vector_norm of the fp32 gradient; the parameters shared among threads (grad_norms.cpp).
+at::Tensor param_grad_norms(at::TensorList grads, double grad_scale);
 
 }  // namespace adam
 }  // namespace pystronghold

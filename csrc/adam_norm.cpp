@@ -1,15 +1,13 @@
 // Sum of squares of grad * grad_scale (fp32 product, as Adam sees the grad) with float64
 // accumulation: the runtime's global-norm clipping and overflow check. One read pass, OpenMP, in
-// the SIMD variant the CPU supports (simd_kernels.h); this file validates.
+// the SIMD variant the CPU supports (simd_kernels.h); this file validates (ops.cpp registers it).
 #include "adam.h"
-#include "bindings.h"
 #include "simd_dispatch.h"
 
 namespace pystronghold {
 namespace adam {
-namespace {
 
-double grad_sq_norm(at::Tensor grad, double grad_scale) {
+double grad_sq_norm(const at::Tensor& grad, double grad_scale) {
   constexpr const char* fn = "grad_sq_norm";
   check_cpu_contiguous(grad, fn, "grad");
   check_dtype_in(grad, fn, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
@@ -20,13 +18,5 @@ double grad_sq_norm(at::Tensor grad, double grad_scale) {
   return simd::active().grad_sq_sum(grad.data_ptr(), grad.numel(), static_cast<float>(grad_scale), type);
 }
 
-}  // namespace
 }  // namespace adam
 }  // namespace pystronghold
-
-PYSTRONGHOLD_BINDINGS(adam_norm) {
-  namespace py = pybind11;
-  m.def("grad_sq_norm", &pystronghold::adam::grad_sq_norm, py::arg("grad"), py::arg("grad_scale"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Sum of squares of grad*grad_scale (float64 accumulation); inf/NaN when a value is not finite.");
-}

@@ -1,32 +1,19 @@
-// Each C++ source registers its own Python bindings here, so adding a file never touches a
-// central list (module.cpp just runs every registered binder, in name order).
+// The pybind11 side of pystronghold._C: the stateful classes (HostArena, CopyEngine, RecordFile)
+// and the build/probe functions. module.cpp calls each binder below explicitly, in one visible
+// order. The stateless tensor kernels (adam_step, adam_step_multi, grad_sq_norm, param_grad_norms,
+// crc32c) are not here: they are torch.library operators with schemas (ops.cpp).
 #pragma once
 
 #include <torch/extension.h>
 
-#include <utility>
-#include <vector>
-
 namespace pystronghold {
 
-using BindFn = void (*)(pybind11::module_&);
-
-// Meyers singleton: safe to use from static initialisers of any translation unit.
-inline std::vector<std::pair<const char*, BindFn>>& binders() {
-  static std::vector<std::pair<const char*, BindFn>> all;
-  return all;
-}
-
-struct RegisterBindings {
-  RegisterBindings(const char* name, BindFn fn) { binders().emplace_back(name, fn); }
-};
+void bind_simd(pybind11::module_& m);         // simd_dispatch.cpp: simd_level, simd_variants, ...
+void bind_build_info(pybind11::module_& m);   // build_info.cpp: build_info, set/get_num_threads
+void bind_adam_info(pybind11::module_& m);    // adam.cpp: adam_torch_sqrt
+void bind_roofline(pybind11::module_& m);     // roofline.cpp: roofline_stream
+void bind_host_arena(pybind11::module_& m);   // host_arena.cpp: _HostArena
+void bind_copy_engine(pybind11::module_& m);  // copy_engine_bind.cpp: _CopyEngine, _CopyRequest, memcpy_probe
+void bind_file_store(pybind11::module_& m);   // file_store.cpp: _RecordFile
 
 }  // namespace pystronghold
-
-// Usage, at namespace scope in one .cpp file:
-//   PYSTRONGHOLD_BINDINGS(adam) { m.def("adam_step", ...); }
-#define PYSTRONGHOLD_BINDINGS(name)                                                   \
-  static void pystronghold_bind_##name(pybind11::module_& m);                         \
-  static ::pystronghold::RegisterBindings pystronghold_register_##name(#name,         \
-                                                             pystronghold_bind_##name); \
-  static void pystronghold_bind_##name(pybind11::module_& m)

@@ -9,7 +9,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-PYSTRONGHOLD_BINDINGS(build_info) {
+void pystronghold::bind_build_info(pybind11::module_& m) {
   m.def("build_info", []() {
     pybind11::dict info;
     info["version"] = PYSTRONGHOLD_VERSION;

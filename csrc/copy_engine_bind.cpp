@@ -97,7 +97,7 @@ struct EngineDeleter {
 
 }  // namespace pystronghold
 
-PYSTRONGHOLD_BINDINGS(copy_engine) {
+void pystronghold::bind_copy_engine(pybind11::module_& m) {
   using namespace pystronghold;
   py::class_<Request, std::shared_ptr<Request>>(m, "_CopyRequest",
                                                 "A submitted copy (wrapped by pystronghold.io.CopyHandle).")

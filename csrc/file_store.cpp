@@ -200,16 +200,8 @@ void RecordFile::close() {
 
 }  // namespace pystronghold
 
-PYSTRONGHOLD_BINDINGS(file_store) {
+void pystronghold::bind_file_store(pybind11::module_& m) {
   using namespace pystronghold;
-  m.def("crc32c", [](const at::Tensor& data, bool force_software) {
-    TORCH_CHECK(data.device().is_cpu() && data.is_contiguous(), "crc32c: data must be a contiguous cpu tensor");
-    const int64_t nbytes = tensor_nbytes(data);
-    const void* ptr = data.data_ptr();
-    py::gil_scoped_release nogil;
-    return crc32c(ptr, nbytes, force_software);
-  }, py::arg("data"), py::arg("force_software") = false,
-  "CRC32C of the tensor's bytes (the file tier's checksum); force_software skips the SSE4.2 path.");
   py::class_<RecordFile, std::shared_ptr<RecordFile>>(m, "_RecordFile", "One file of fixed-size records.")
       .def_static("create", [](const std::string& path, int64_t num_blocks, int64_t record_bytes,
                                int64_t segment_bytes, const std::string& state, const std::string& direct,

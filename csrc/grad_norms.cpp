@@ -1,4 +1,5 @@
-// Per-parameter L2 norms of a block's host gradient, for global-norm clipping: the parameters are
+// Per-parameter L2 norms of a block's host gradient, for global-norm clipping (the kernel of
+// torch.ops.pystronghold.param_grad_norms; ops.cpp registers it): the parameters are
 // shared among threads, each parameter's reduction is torch's own (at::linalg_vector_norm of the
 // fp32 gradient x grad_scale), so every norm is bit for bit what
 // torch.linalg.vector_norm(grad.float() * grad_scale) gives, which is what
@@ -8,7 +9,7 @@
 // its Vectorized<float> for the CPU capability it dispatched to, then a horizontal sum); a kernel of
 // ours would differ in the last bits, and Adam's eps turns last-bit differences of near-zero
 // gradients into visible ones. Torch reduces one tensor on one thread whatever its thread count
-// (tests/test_runtime_grad_norms.py checks it), so splitting by parameter leaves every result as is.
+// (tests/runtime/test_runtime_grad_norms.py checks it), so splitting by parameter leaves every result as is.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -19,10 +20,9 @@
 #include <vector>
 
 #include "adam.h"
-#include "bindings.h"
 
 namespace pystronghold {
-namespace norms {
+namespace adam {
 namespace {
 
 // Below this many elements in all, one thread does the whole list: waking threads costs more.
@@ -34,7 +34,10 @@ float one_norm(const at::Tensor& grad, double grad_scale) {
   return at::linalg_vector_norm(g).item<float>();
 }
 
-at::Tensor param_grad_norms(const std::vector<at::Tensor>& grads, double grad_scale) {
+}  // namespace
+
+// NOTE: the dispatcher calls this without the GIL; the loop below touches only ATen tensors.
+at::Tensor param_grad_norms(at::TensorList grads, double grad_scale) {
   constexpr const char* fn = "param_grad_norms";
   TORCH_CHECK_VALUE(std::isfinite(grad_scale), fn, ": grad_scale must be finite, got ", grad_scale);
   const int64_t n = static_cast<int64_t>(grads.size());
@@ -75,14 +78,5 @@ at::Tensor param_grad_norms(const std::vector<at::Tensor>& grads, double grad_sc
   return out;
 }
 
-}  // namespace
-}  // namespace norms
+}  // namespace adam
 }  // namespace pystronghold
-
-PYSTRONGHOLD_BINDINGS(grad_norms) {
-  namespace py = pybind11;
-  m.def("param_grad_norms", &pystronghold::norms::param_grad_norms, py::arg("grads"), py::arg("grad_scale"),
-        py::call_guard<py::gil_scoped_release>(),
-        "float32 tensor of the L2 norm of each grad x grad_scale (torch.linalg.vector_norm of the fp32 "
-        "gradient, bit for bit), the parameters shared among at::get_num_threads() threads.");
-}

@@ -201,7 +201,7 @@ class HostArena {
 }  // namespace pystronghold
 #pragma GCC visibility pop
 
-PYSTRONGHOLD_BINDINGS(host_arena) {
+void pystronghold::bind_host_arena(pybind11::module_& m) {
   using pystronghold::HostArena;
   py::class_<HostArena>(m, "_HostArena", "One aligned host allocation carved into named views.")
       .def(py::init<int64_t, int64_t, const std::string&, bool>(), py::arg("capacity_bytes"),

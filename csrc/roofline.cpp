@@ -31,7 +31,7 @@ int64_t roofline_stream(at::Tensor a, at::Tensor b, at::Tensor c, at::Tensor d, 
 }  // namespace adam
 }  // namespace pystronghold
 
-PYSTRONGHOLD_BINDINGS(roofline) {
+void pystronghold::bind_roofline(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("roofline_stream", &pystronghold::adam::roofline_stream, py::arg("a"), py::arg("b"), py::arg("c"),
         py::arg("d"), py::arg("s"), py::call_guard<py::gil_scoped_release>(),

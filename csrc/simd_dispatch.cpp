@@ -95,7 +95,7 @@ const Kernels& active() {
 }  // namespace simd
 }  // namespace pystronghold
 
-PYSTRONGHOLD_BINDINGS(simd) {
+void pystronghold::bind_simd(pybind11::module_& m) {
   namespace ps = pystronghold::simd;
   try {
     ps::active();  // NOTE: a bad PYSTRONGHOLD_SIMD_FORCE fails the import, before any kernel runs

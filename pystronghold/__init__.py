@@ -49,7 +49,7 @@ def __getattr__(name: str):
 
         return wrap
     if name == "AdamW":
-        from pystronghold.runtime.optimizer import AdamW
+        from pystronghold.optim.hyper import AdamW
 
         return AdamW
     if name == "from_pretrained":

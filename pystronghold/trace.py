@@ -42,7 +42,7 @@ import torch
 from pystronghold.runtime.timing import Calibration, is_host_mark, mark_done, to_host_s
 
 __all__ = ["Tracer", "TraceEvent", "TraceSummary", "COMPUTE_KINDS", "BACKGROUND_KINDS",
-           "TRANSFER_KINDS", "LANE_OF_KIND"]
+           "TRANSFER_KINDS", "LANE_OF_KIND", "lanes_of"]
 
 COMPUTE_KINDS = frozenset({"compute_fwd", "compute_bwd", "recompute"})
 """Kinds that are accelerator compute."""
@@ -231,7 +231,7 @@ class Tracer:
         """
         events = self.events()
         t0 = min((e.start_s for e in events), default=0.0)
-        lanes = _lanes(events)
+        lanes = lanes_of(events)
         tid = {lane: i for i, lane in enumerate(lanes)}
         pid = os.getpid()
         out: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -265,7 +265,7 @@ class Tracer:
         import matplotlib.pyplot as plt
         events = self.events()
         t0 = min((e.start_s for e in events), default=0.0)
-        lanes = _lanes(events)
+        lanes = lanes_of(events)
         colors = plt.get_cmap("tab10")
         fig, ax = plt.subplots(figsize=(12, 0.6 * max(len(lanes), 1) + 1.2))
         for row, lane in enumerate(lanes):
@@ -312,7 +312,7 @@ class Tracer:
                             bytes=nbytes, gbps=gbps)
 
 
-def _lanes(events: list[TraceEvent]) -> list[str]:
+def lanes_of(events: list[TraceEvent]) -> list[str]:
     """Lanes present, the known ones in display order first, then the others by name."""
     lanes = [lane for lane in _LANE_ORDER if any(e.lane == lane for e in events)]
     return lanes + sorted({e.lane for e in events} - set(lanes))

@@ -1,4 +1,4 @@
-"""Run a function on N real processes with gloo, never hanging: the helper for tests/test_parallel_*."""
+"""Run a function on N real processes with gloo, never hanging: the helper for tests/parallel/test_parallel_*."""
 
 from __future__ import annotations
 

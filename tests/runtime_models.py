@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import queue as queue_lib
+import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +86,83 @@ class HetStack(nn.Module):
 def het_batches(steps: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(4, 5, 10, generator=g), torch.randn(4, 5, 3, generator=g)) for _ in range(steps)]
+
+
+# ---- a slow copy link
+
+
+class SlowCopies:
+    """Test double of the CPU backend's copy engine (``backend.copies``): a slow link.
+
+    Each of ``queues`` gets one worker thread that runs its requests in order: it waits for the
+    request's ``after`` handles, then holds the request ``delay_s`` seconds (a sleep: no CPU used,
+    so the figure holds on a loaded machine) and moves the bytes with the wrapped engine. Other
+    queues pass straight through. Handles stamp ``start_s``/``end_s`` on ``time.monotonic()`` like
+    the real ones, so the trace shows the slow copies as they happened. ``served`` counts the
+    requests held so far.
+    """
+
+    def __init__(self, inner, delay_s: float, queues=(0, 1)) -> None:
+        self.inner, self.delay_s = inner, delay_s
+        self.served = 0
+        self._served_lock = threading.Lock()
+        self._work = {q: queue_lib.SimpleQueue() for q in queues}
+        self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True) for w in self._work.values()]
+        for t in self._threads:
+            t.start()
+
+    def copy(self, dst, src, *, queue=0, after=()):
+        if queue not in self._work:
+            return self.inner.copy(dst, src, queue=queue, after=after)
+        handle = _SlowHandle(dst.numel() * dst.element_size(), queue)
+        self._work[queue].put((handle, dst, src, list(after)))
+        return handle
+
+    def _serve(self, work) -> None:
+        while (item := work.get()) is not None:
+            handle, dst, src, after = item
+            try:
+                for h in after:
+                    h.wait()
+                handle.start_s = time.monotonic()
+                time.sleep(self.delay_s)
+                self.inner.copy(dst, src, queue=handle.queue).wait()
+            except BaseException as e:  # handed to whoever waits, like the engine's CopyError
+                handle.error = e
+            handle.end_s = time.monotonic()
+            with self._served_lock:  # counted before the handle reads as done
+                self.served += 1
+            handle.finished.set()
+
+    def close(self, wait: bool = True) -> None:
+        for work in self._work.values():
+            work.put(None)
+        for t in self._threads:
+            t.join()
+        self.inner.close(wait)
+
+
+class _SlowHandle:
+    """A ``CopyHandle`` look-alike for ``SlowCopies``."""
+
+    def __init__(self, nbytes: int, queue: int) -> None:
+        self.nbytes, self.queue = nbytes, queue
+        self.start_s = self.end_s = 0.0
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def wait(self, timeout_s=None) -> None:
+        if not self.finished.wait(timeout_s):
+            raise TimeoutError(f"slow copy of {self.nbytes} bytes not done after {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    @property
+    def failed(self) -> bool:
+        return self.done() and self.error is not None
 
 
 # ---- training loops

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pystronghold.train.config import (CheckpointOptions, DataOptions, ModelOptions, OptimOptions,
-                                       RunOptions, TrainConfig, WindowOptions)
+from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 TINY = {"vocab_size": 256, "seq_len": 32, "layers": 4, "hidden": 32, "heads": 2}
 
@@ -21,8 +21,8 @@ def text_dir(root: Path) -> Path:
     return d
 
 
-def tiny_config(tmp_path: Path, *, steps: int = 6, window: str = "2", ckpt: str | None = None,
-                every: int = 0, resume: bool = False, clip: float = 1.0, precision: str = "fp32",
+def tiny_config(tmp_path: Path, *, steps: int = 6, window: int | str = 2, ckpt: str | None = None,
+                every: int = 0, resume: bool = False, clip: float | None = 1.0, precision: str = "fp32",
                 trace: str | None = None, model: dict | None = None, accumulation: int = 1,
                 resident: int = 0) -> TrainConfig:
     model_file = tmp_path / "model.json"
@@ -30,8 +30,9 @@ def tiny_config(tmp_path: Path, *, steps: int = 6, window: str = "2", ckpt: str 
     return TrainConfig(
         model=ModelOptions(model=str(model_file)),
         data=DataOptions(data=[str(text_dir(tmp_path))], max_bytes=1 << 16, batch=4, seq=32),
-        optim=OptimOptions(lr=3e-3, warmup=2, clip=clip, accumulation=accumulation),
-        window=WindowOptions(window=window, precision=precision, resident_blocks=resident),
+        optim=OptimOptions(lr=3e-3, warmup=2),
+        runtime=RuntimeConfig(window=window, precision=precision, resident_blocks=resident, clip_grad_norm=clip,
+                              accumulation_steps=accumulation),
         run=RunOptions(steps=steps, log_every=2, eval_every=0, eval_batches=2, trace=trace, quiet=True),
         checkpoint=CheckpointOptions(checkpoint_dir=ckpt, checkpoint_every=every, resume=resume))
 

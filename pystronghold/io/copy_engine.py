@@ -95,7 +95,9 @@ class CopyHandle:
         return f"CopyHandle(nbytes={self.nbytes}, queue={self.queue}, {state})"
 
 
-def _native_requests(after: Sequence[CopyHandle]) -> list:
+def native_requests(after: Sequence[CopyHandle]) -> list:
+    """The native requests of ``after`` (handles, or one handle), for a native submit call of this
+    package (``CopyEngine.copy``, ``FileStore`` reads and writes); TypeError for another item."""
     if isinstance(after, CopyHandle):
         after = (after,)
     out = []
@@ -126,7 +128,13 @@ class CopyEngine:
         (requests on one queue complete in order). after: handles that must complete first.
         Raises RuntimeError when the engine is closed or the tensors do not qualify.
         """
-        return CopyHandle(self._engine.copy(dst, src, int(queue), _native_requests(after)))
+        return CopyHandle(self._engine.copy(dst, src, int(queue), native_requests(after)))
+
+    @property
+    def native(self):
+        """The native engine (``_C._CopyEngine``) whose workers run the requests: what a native
+        submit call of another io class takes (``FileStore`` reads and writes)."""
+        return self._engine
 
     def close(self, wait: bool = True) -> None:
         """Stop the engine. wait=True: every submitted request runs first. wait=False: requests not

@@ -41,7 +41,7 @@ from typing import Mapping, Sequence
 import torch
 
 from pystronghold._ext import native
-from pystronghold.io.copy_engine import CopyEngine, CopyHandle, _native_requests
+from pystronghold.io.copy_engine import CopyEngine, CopyHandle, native_requests
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class FileStore:
         """Write `src` (contiguous cpu tensor of exactly record_bytes(state) bytes) as the record of
         (block, state), asynchronously on the store's engine; the handle fails with CopyError on an
         I/O error (ENOSPC, EIO...) naming file, offset and size."""
-        req = self._file(state).write(self._engine._engine, int(block), src, int(queue), _native_requests(after))
+        req = self._file(state).write(self._engine.native, int(block), src, int(queue), native_requests(after))
         return CopyHandle(req)
 
     def read(self, block: int, state: str, dst: torch.Tensor, *, queue: int = 0,
@@ -145,7 +145,7 @@ class FileStore:
         """Read the record of (block, state) into `dst` (contiguous cpu tensor of record_bytes(state)
         bytes); the handle fails with CopyError when the record was never written, its checksum
         does not match, or the read fails."""
-        req = self._file(state).read(self._engine._engine, int(block), dst, int(queue), _native_requests(after))
+        req = self._file(state).read(self._engine.native, int(block), dst, int(queue), native_requests(after))
         return CopyHandle(req)
 
     def flush(self) -> None:

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 import torch
 
 from .functional import adam_step_multi_
+from .hyper import AdamWHyper
 
 __all__ = ["CPUAdam"]
 
@@ -26,26 +27,19 @@ _UNSUPPORTED = {"amsgrad": (False,), "maximize": (False,), "capturable": (False,
 
 
 def _check_group(group: dict) -> None:
+    """Options torch has and this optimizer does not; the values themselves: ``AdamWHyper``."""
     for key, allowed in _UNSUPPORTED.items():
         if group.get(key, allowed[0]) not in allowed:
             raise ValueError(f"CPUAdam does not support {key}={group[key]!r} (allowed: "
                              f"{' or '.join(map(repr, allowed))}); use torch.optim.AdamW for that")
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"CPUAdam: lr must be a number or a 1-element tensor, got shape {tuple(lr.shape)}")
-        lr = lr.item()
-    if not 0.0 <= lr:
-        raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
-    beta1, beta2 = group["betas"]
-    if not 0.0 <= float(beta1) < 1.0:
-        raise ValueError(f"CPUAdam: betas[0] must be in [0, 1), got {beta1}")
-    if not 0.0 <= float(beta2) < 1.0:
-        raise ValueError(f"CPUAdam: betas[1] must be in [0, 1), got {beta2}")
-    if not 0.0 <= group["eps"]:
-        raise ValueError(f"CPUAdam: eps must be >= 0, got {group['eps']}")
-    if not 0.0 <= group["weight_decay"]:
-        raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {group['weight_decay']}")
+
+
+def _hyper(group: dict, step: int) -> AdamWHyper:
+    """The group's values at ``step``, validated (``CPUAdam: ...`` naming the field)."""
+    try:
+        return AdamWHyper.from_group(group, step=step, adamw=group["decoupled_weight_decay"])
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"CPUAdam: {exc}") from None
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -81,6 +75,7 @@ class CPUAdam(torch.optim.Optimizer):
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused, decoupled_weight_decay=bool(adamw))
         _check_group(defaults)
+        _hyper(defaults, step=1)
         self.bitwise_torch = bool(bitwise_torch)
         super().__init__(params, defaults)
 
@@ -88,6 +83,7 @@ class CPUAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_group(group)
+        _hyper(group, step=1)
         for p in group["params"]:
             if p.device.type != "cpu" or p.dtype != torch.float32:
                 raise ValueError(f"CPUAdam: parameters must be fp32 CPU tensors, got {p.dtype} on {p.device}")
@@ -101,8 +97,6 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             _check_group(group)
-            lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-            beta1, beta2 = (float(b) for b in group["betas"])
             by_step: dict[int, list[torch.Tensor]] = {}  # one fused call per distinct step count
             for p in group["params"]:
                 if p.grad is None:
@@ -123,9 +117,7 @@ class CPUAdam(torch.optim.Optimizer):
                 adam_step_multi_(
                     [p.view(-1) for p in params], [p.grad.reshape(-1) for p in params],
                     [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
-                    step=step, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
-                    check_finite=False, bitwise_torch=self.bitwise_torch)
+                    _hyper(group, step), check_finite=False, bitwise_torch=self.bitwise_torch)
                 for s in states:
                     s["step"].fill_(float(step))
         return loss

@@ -1,9 +1,13 @@
 """Functional fused CPU Adam/AdamW over flat buffers (the runtime's entry point).
 
-Both functions run in C++ (`csrc/adam.cpp`, `csrc/adam_norm.cpp`): one SIMD pass, OpenMP threads,
-the GIL released. The arithmetic follows `torch.optim.AdamW` / `torch.optim.Adam` (single-tensor
-CPU path) operation by operation with the same roundings (torch's CPU kernels fuse the multiply-adds
-of lerp, addcmul and add(alpha=) into FMAs, vector and scalar loops alike).
+The native ones run in C++ (`csrc/adam.cpp`, `csrc/adam_norm.cpp`, `csrc/grad_norms.cpp`) as the
+torch operators ``torch.ops.pystronghold.adam_step``, ``adam_step_multi``, ``grad_sq_norm`` and
+``param_grad_norms`` (`pystronghold.ops`):
+one SIMD pass, OpenMP threads, the GIL released. The hyper-parameters travel as one frozen
+``AdamWHyper`` and are unpacked here, into the operator's arguments. The arithmetic follows
+`torch.optim.AdamW` / `torch.optim.Adam` (single-tensor CPU path) operation by operation with the
+same roundings (torch's CPU kernels fuse the multiply-adds of lerp, addcmul and add(alpha=) into
+FMAs, vector and scalar loops alike).
 
 Accuracy against torch's default CPU AdamW/Adam:
 - default: the correctly rounded (IEEE) SIMD sqrt. torch's CPU sqrt is MKL's ``vmsSqrt``, 1 ulp off
@@ -21,9 +25,10 @@ from typing import Sequence
 
 import torch
 
-from .._ext import native
+from ..ops import native_ops
+from .hyper import AdamWHyper
 
-__all__ = ["adam_step_", "adam_step_multi_", "grad_sq_norm"]
+__all__ = ["adam_step_", "adam_step_multi_", "grad_sq_norm", "param_grad_norms", "device_param_grad_norms"]
 
 
 def adam_step_(
@@ -31,15 +36,8 @@ def adam_step_(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
+    hyper: AdamWHyper,
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool = True,
-    grad_scale: float = 1.0,
     shadow: torch.Tensor | None = None,
     check_finite: bool = True,
     bitwise_torch: bool = False,
@@ -50,12 +48,8 @@ def adam_step_(
         param: fp32 master weights (updated in place), contiguous, on the CPU.
         grad: gradient, fp32, bf16 or fp16, same number of elements; read only.
         exp_avg, exp_avg_sq: fp32 first and second moments (updated in place).
-        step: 1-based step count after incrementing (torch's ``state['step']`` after the update).
-        lr: learning rate (per unit of normalised gradient). beta1, beta2: moment decay rates in [0, 1).
-        eps: added to the bias-corrected ``sqrt(exp_avg_sq)``.
-        weight_decay: decoupled (``param *= 1 - lr*wd``) when ``adamw``; else L2 (``grad += wd*param``).
-        adamw: True for ``torch.optim.AdamW`` semantics, False for ``torch.optim.Adam``.
-        grad_scale: factor applied to ``grad`` in the same pass (1/loss_scale times a clip coefficient).
+        hyper: step count, lr, betas, eps, weight_decay, AdamW or Adam, and the gradient scale
+            (``AdamWHyper``; the gradient is multiplied by ``grad_scale`` in the same pass).
         shadow: optional bf16/fp16 buffer that receives ``param.to(shadow.dtype)`` (round to nearest
             even, bit-identical to torch's cast) after the update.
         check_finite: scan ``grad*grad_scale`` for inf/NaN first (reads the grad once more: 4 or 2 of
@@ -70,15 +64,13 @@ def adam_step_(
         is not finite (overflow skip).
 
     Raises:
-        ValueError: a tensor has the wrong dtype, device, layout or size, or two buffers overlap,
-            or a hyperparameter is out of range.
+        TypeError: ``hyper`` is not an ``AdamWHyper``.
+        ValueError: a tensor has the wrong dtype, device, layout or size, or two buffers overlap.
     """
-    _check_step("adam_step_", step)
-    return native().adam_step(
-        param, grad, exp_avg, exp_avg_sq, shadow, int(step), float(lr), float(beta1), float(beta2),
-        float(eps), float(weight_decay), bool(adamw), float(grad_scale), bool(check_finite),
-        bool(bitwise_torch),
-    )
+    h = _checked("adam_step_", hyper)
+    return bool(native_ops().adam_step(
+        param, grad, exp_avg, exp_avg_sq, shadow, h.step, h.lr, h.betas[0], h.betas[1], h.eps, h.weight_decay,
+        h.adamw, h.grad_scale, bool(check_finite), bool(bitwise_torch)))
 
 
 def adam_step_multi_(
@@ -86,15 +78,8 @@ def adam_step_multi_(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
+    hyper: AdamWHyper,
     *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool = True,
-    grad_scale: float = 1.0,
     shadows: Sequence[torch.Tensor] | None = None,
     check_finite: bool = True,
     bitwise_torch: bool = False,
@@ -107,21 +92,23 @@ def adam_step_multi_(
     must all shadows; no two buffers of any list may overlap.
 
     Returns:
-        True when applied to every tensor; False, with nothing written anywhere, when any
-        ``grad*grad_scale`` of any tensor is not finite (``check_finite``).
+        True when applied to every tensor (also when the lists are empty); False, with nothing
+        written anywhere, when any ``grad*grad_scale`` of any tensor is not finite (``check_finite``).
     """
-    _check_step("adam_step_multi_", step)
-    return native().adam_step_multi(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-        None if shadows is None else list(shadows), int(step), float(lr), float(beta1), float(beta2),
-        float(eps), float(weight_decay), bool(adamw), float(grad_scale), bool(check_finite),
-        bool(bitwise_torch),
-    )
+    h = _checked("adam_step_multi_", hyper)
+    lists = [list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)]
+    shadows = None if shadows is None else list(shadows)
+    if not any(lists) and not shadows:
+        return True  # NOTE: the dispatcher needs a tensor to choose a kernel; nothing to update
+    return bool(native_ops().adam_step_multi(
+        *lists, shadows, h.step, h.lr, h.betas[0], h.betas[1], h.eps, h.weight_decay, h.adamw, h.grad_scale,
+        bool(check_finite), bool(bitwise_torch)))
 
 
-def _check_step(fn: str, step) -> None:
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError(f"{fn}: step must be an int, got {type(step).__name__}")
+def _checked(fn: str, hyper) -> AdamWHyper:
+    if not isinstance(hyper, AdamWHyper):
+        raise TypeError(f"{fn}: hyper must be a pystronghold.optim.AdamWHyper, got {type(hyper).__name__}")
+    return hyper
 
 
 def grad_sq_norm(grad: torch.Tensor, grad_scale: float = 1.0) -> float:
@@ -133,4 +120,42 @@ def grad_sq_norm(grad: torch.Tensor, grad_scale: float = 1.0) -> float:
     Raises:
         ValueError: ``grad`` is not a contiguous CPU fp32/bf16/fp16 tensor, or ``grad_scale`` is not finite.
     """
-    return native().grad_sq_norm(grad, float(grad_scale))
+    return native_ops().grad_sq_norm(grad, float(grad_scale)).item()
+
+
+# ---- per-parameter gradient norms, as torch.nn.utils.clip_grad_norm_ takes them
+
+def param_grad_norms(grads: Sequence[torch.Tensor], grad_scale: float = 1.0) -> torch.Tensor:
+    """fp32 L2 norm of each gradient x ``grad_scale``, shape (len(grads),), on the gradients' device.
+
+    CPU: ``torch.linalg.vector_norm(g.float() * grad_scale)`` for each g, bit for bit (what
+    ``clip_grad_norm_`` computes per parameter there), the parameters shared among threads by the
+    operator ``param_grad_norms`` (each reduction torch's own on one thread, so the thread count
+    changes nothing). Other devices: ``device_param_grad_norms``.
+
+    Raises:
+        ValueError: the gradients are on several devices, a dtype is not float32/bfloat16/float16,
+            or ``grad_scale`` is not finite.
+    """
+    if not grads:
+        return torch.zeros(0)
+    device = grads[0].device
+    if any(g.device != device for g in grads):
+        raise ValueError(f"param_grad_norms: grads must be on one device, got {sorted({str(g.device) for g in grads})}")
+    if device.type == "cpu":
+        return native_ops().param_grad_norms(list(grads), float(grad_scale))
+    return device_param_grad_norms(grads, grad_scale)
+
+
+def device_param_grad_norms(grads: Sequence[torch.Tensor], grad_scale: float = 1.0) -> torch.Tensor:
+    """fp32 L2 norm of each gradient x ``grad_scale`` with ``torch._foreach_norm`` (the kernel of
+    ``clip_grad_norm_`` on CUDA), stacked on the gradients' device without a host sync.
+
+    fp32 gradients at scale 1 go to one ``_foreach_norm`` call; others are scaled in fp32 one
+    parameter at a time (at most one parameter's fp32 copy alive), as the host path does."""
+    if not grads:
+        return torch.zeros(0)
+    if grad_scale == 1.0 and all(g.dtype == torch.float32 for g in grads):
+        return torch.stack(torch._foreach_norm(list(grads)))
+    return torch.stack([torch._foreach_norm([g.float() * grad_scale if grad_scale != 1.0 else g.float()])[0]
+                        for g in grads])

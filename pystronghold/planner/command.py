@@ -1,24 +1,27 @@
 """``pystronghold plan``: the request dataclass, the argparse parser generated from it, the command.
 
-Every field of ``PlanRequest`` becomes one option (``gpu_memory`` -> ``--gpu-memory``); its type
-comes from the annotation, its help from the docstring under the field, choices from the field's
-metadata. Sizes are in GiB (2**30 bytes) and bandwidths in GB/s (1e9 bytes/s), as people say them.
+Every field of ``PlanRequest`` becomes one option (``gpu_memory`` -> ``--gpu-memory``;
+``pystronghold.options``): its type comes from the annotation, its help from the docstring under
+the field, choices from the field's metadata. The runtime settings the plan assumes (--window,
+--resident-blocks, --precision, --checkpointing) are ``RuntimeConfig``'s fields, declared and
+validated there. Sizes are in GiB (2**30 bytes) and bandwidths in GB/s (1e9 bytes/s), as people
+say them.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import json
 import logging
 import math
 import sys
-import textwrap
 from dataclasses import dataclass, field
 
-__all__ = ["PlanRequest", "add_dataclass_arguments", "field_docs", "add_plan_command", "run_plan"]
+from pystronghold.options import ConfigError, add_options, component, from_args
+from pystronghold.runtime.config import RuntimeConfig
+
+__all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,11 @@ EXAMPLES = """examples:
   pystronghold plan --gpu rtx4090 --host-memory 128 --nvme 2000 --layers 48 --hidden 6144 --heads 48
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
+
+
+PLAN_RUNTIME_DEFAULTS = {"window": "auto", "resident_blocks": "auto", "precision": "bf16"}
+"""Where ``pystronghold plan``'s runtime defaults differ from ``RuntimeConfig``'s: it picks K and W
+and plans in bf16 unless told otherwise."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,15 +73,6 @@ class PlanRequest:
     """Tokens per sample (default: the model's context, 2048 without a preset)."""
     batch: int = 1
     """Micro-batch per rank, samples."""
-    precision: str = field(default="bf16", metadata={"choices": ("fp32", "bf16", "fp16")})
-    """Compute precision."""
-    window: str = field(default="auto", metadata={"metavar": "N|auto"})
-    """Blocks on the device at once: a number, or auto (the smallest that hides transfers)."""
-    resident_blocks: str = field(default="auto", metadata={"metavar": "K|auto"})
-    """Blocks kept on the device with a device AdamW (the first K): a number, or auto (the planner
-    chooses K, the resident blocks' recompute and W for the best step that fits)."""
-    checkpointing: bool = True
-    """Recompute blocks in backward (--no-checkpointing keeps every activation)."""
     efficiency: float = 0.5
     """Fraction of the peak FLOP/s a block reaches."""
     tp: int = 1
@@ -86,6 +85,9 @@ class PlanRequest:
     """Comma-separated widths of the largest-model table (default: the model's, 2048 ... 16384)."""
     json: bool = False
     """Print one JSON object (bytes, seconds) instead of tables."""
+    runtime: RuntimeConfig = component(lambda: RuntimeConfig(**PLAN_RUNTIME_DEFAULTS),
+                                       only=("window", "resident_blocks", "precision", "checkpointing"))
+    """The runtime settings the plan assumes"""
 
     def __post_init__(self) -> None:
         if self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
@@ -110,10 +112,6 @@ class PlanRequest:
             raise ValueError(f"--nvme must be >= 0 GiB, got {self.nvme}")
         if self.efficiency > 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
-        if self.window != "auto" and not (self.window.isdigit() and int(self.window) >= 1):
-            raise ValueError(f"--window must be a positive number or auto, got {self.window!r}")
-        if self.resident_blocks != "auto" and not self.resident_blocks.isdigit():
-            raise ValueError(f"--resident-blocks must be a number >= 0 or auto, got {self.resident_blocks!r}")
         if self.widths is not None:
             try:
                 widths = [int(w) for w in self.widths.split(",")]
@@ -160,56 +158,18 @@ class PlanRequest:
                                tie_embeddings=True, tp_size=self.tp)
         if self.seq is not None and self.seq > config.seq_len:
             config = dataclasses.replace(config, seq_len=self.seq)
-        work = Workload(batch=self.batch, seq=self.seq, precision=self.precision,
-                        checkpointing=self.checkpointing, dp_size=self.dp, overlap=self.overlap,
+        rt = self.runtime
+        work = Workload(batch=self.batch, seq=self.seq, precision=rt.precision,
+                        checkpointing=rt.checkpointing, dp_size=self.dp, overlap=self.overlap,
                         compute_efficiency=self.efficiency)
-        hw.gpu.flops(self.precision)  # refuses bf16 on a GPU without it
-        window = None if self.window == "auto" else int(self.window)
+        hw.gpu.flops(rt.precision)  # refuses bf16 on a GPU without it
+        window = {"auto": None, "all": config.layers}.get(rt.window, rt.window)
         widths = None if self.widths is None else [int(w) for w in self.widths.split(",")]
-        resident = None if self.resident_blocks == "auto" else int(self.resident_blocks)
+        resident = None if rt.resident_blocks == "auto" else rt.resident_blocks
         if resident is not None and resident > config.layers:
-            raise ValueError(f"--resident-blocks {resident} is more than the model's {config.layers} blocks")
+            raise ConfigError(rt, "resident_blocks",
+                              f"({resident}) is more than the model's {config.layers} blocks")
         return config, work, hw, window, widths, resident
-
-
-# ---- argparse from a dataclass
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of dataclass ``cls`` (attribute docstrings, read from source)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) \
-                and isinstance(nxt.value.value, str):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-_TYPES = {"str": str, "int": int, "float": float}
-
-
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """One option per field of ``cls``: ``--name-with-dashes``; bools as --x/--no-x."""
-    docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = docs.get(f.name, "")
-        default = f.default
-        kind = str(f.type).replace("| None", "").strip()
-        if kind == "bool":  # --x for an off-by-default switch, --x/--no-x for an on-by-default one
-            action = argparse.BooleanOptionalAction if default else "store_true"
-            parser.add_argument(flag, dest=f.name, action=action, default=default, help=help_text)
-            continue
-        if kind not in _TYPES:
-            raise TypeError(f"add_dataclass_arguments: field {cls.__name__}.{f.name} has type {f.type!r}")
-        if default is not None:
-            help_text += f" (default: {default})"
-        parser.add_argument(flag, dest=f.name, type=_TYPES[kind], default=default,
-                            choices=f.metadata.get("choices"), help=help_text,
-                            metavar=f.metadata.get("metavar", None if "choices" in f.metadata
-                                                   else {"int": "N", "float": "X", "str": "TEXT"}[kind]))
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -218,12 +178,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from pystronghold.planner.report import format_plan, plan_to_dict
 
     try:
-        request = PlanRequest(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanRequest)})
+        request = from_args(PlanRequest, args)
         config, work, hw, window, widths, resident = request.resolve()
         plan = make_plan(config, work, hw, window, resident)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:
-        print(f"pystronghold plan: error: {e}", file=sys.stderr)
+        message = e.on_command_line() if isinstance(e, ConfigError) else str(e)
+        print(f"pystronghold plan: error: {message}", file=sys.stderr)
         return 2
     print(json.dumps(plan_to_dict(plan), indent=2) if request.json else format_plan(plan))
     return 0 if plan.fits else 1
@@ -235,7 +196,7 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         "plan", help="window, memory, step time and the largest model for a GPU and host (no GPU needed)",
         description="Predict what training a GPT with the layer window needs and how fast it runs.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_dataclass_arguments(parser, PlanRequest)
+    add_options(parser, PlanRequest)
 
     def one_line_error(message: str):
         print(f"pystronghold plan: error: {message}", file=sys.stderr)

@@ -14,13 +14,16 @@ from dataclasses import dataclass
 
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.planner.hardware import GiB, Hardware
+from pystronghold.runtime import layout
+from pystronghold.runtime.precision import DTYPES, compute_dtype
 
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
            "block_forward_flops", "block_activation_bytes", "tail_activation_bytes",
            "host_bytes_per_param", "ring_allreduce_s", "block_costs", "PRECISION_BYTES",
-           "OVERLAP_MODES", "DEVICE_ADAM_BYTES", "analytic_window", "block_param_numels", "slot_bytes"]
+           "OVERLAP_MODES", "DEVICE_ADAM_BYTES", "analytic_window", "block_param_numels", "block_buffer_numel",
+           "slot_bytes"]
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 """Bytes per element of each compute precision."""
 DEVICE_ADAM_BYTES = {"fp32": 28, "bf16": 40, "fp16": 40}
 """Device memory traffic of the fused AdamW per parameter, bytes: read master, grad, exp_avg,
@@ -95,12 +98,6 @@ def block_params_per_rank(config: GPTConfig) -> int:
     return sum(block_param_numels(config))
 
 
-ALIGN_ELEMS = 16
-"""The runtime's store layout: each parameter of a block starts at a multiple of 16 elements."""
-ARENA_ALIGN = 4096
-"""The runtime's arenas round each per-block buffer up to 4096 bytes."""
-
-
 def block_param_numels(config: GPTConfig) -> list[int]:
     """Elements of each parameter of one block on one rank, in ``Block.named_parameters()`` order
     (ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2; weight then bias)."""
@@ -113,18 +110,18 @@ def block_param_numels(config: GPTConfig) -> list[int]:
             + layer(C * Fw // t, Fw // t) + layer(Fw * C // t, C))
 
 
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
+def block_buffer_numel(config: GPTConfig) -> int:
+    """Elements of one block's flat buffer on one rank as the runtime lays it out
+    (``runtime.layout.param_offsets``): the parameters at ``ALIGN_ELEMS`` offsets, padded; what the
+    window slots and every host store state of a block are sized from."""
+    return layout.param_offsets(block_param_numels(config))[1]
 
 
-def slot_bytes(config: GPTConfig, dtype_bytes: int) -> int:
-    """Device bytes of one window slot as the runtime lays it out: a parameter buffer and a
-    gradient buffer, each the block's parameters at 16-element offsets, rounded up to 4096 bytes."""
-    numel = 0
-    for n in block_param_numels(config):
-        numel = _round_up(numel, ALIGN_ELEMS) + n
-    numel = _round_up(numel, ALIGN_ELEMS)
-    return 2 * _round_up(numel * dtype_bytes, ARENA_ALIGN)
+def slot_bytes(config: GPTConfig, precision: str) -> int:
+    """Device bytes of one window slot as the runtime lays it out (``runtime.layout``): a parameter
+    buffer and a gradient buffer in ``precision``, each the block's parameters at aligned offsets,
+    rounded up to the arena alignment."""
+    return layout.slot_bytes(block_buffer_numel(config), compute_dtype(precision))
 
 
 def head_tail_params_per_rank(config: GPTConfig) -> int:
@@ -180,11 +177,10 @@ def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
 
 
 def host_bytes_per_param(precision: str) -> int:
-    """Host store bytes per block parameter: fp32 master, exp_avg, exp_avg_sq (12) plus the
-    gradient in compute precision (s) plus, in bf16/fp16, the compute-precision shadow (s):
-    16 bytes in every precision."""
-    s = PRECISION_BYTES[precision]
-    return 12 + s + (s if s < 4 else 0)
+    """Host store bytes per block parameter as the runtime lays it out (``runtime.layout``): fp32
+    master, exp_avg, exp_avg_sq (12) plus the gradient in compute precision (s) plus, in bf16/fp16,
+    the compute-precision shadow (s): 16 bytes in every precision."""
+    return layout.host_bytes_per_param(compute_dtype(precision))
 
 
 def ring_allreduce_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
@@ -200,6 +196,9 @@ class BlockCosts:
 
     block_params: int
     """Parameters of one block on this rank (P_b)."""
+    block_numel: int
+    """Elements of one block's flat buffer as the runtime lays it out: P_b plus the alignment
+    padding between parameters (``block_buffer_numel``); sizes the host store's buffers."""
     slot_bytes: int
     """Device bytes of one window slot: parameters and gradients in compute precision, 2*P_b*s
     (plus the runtime's alignment padding, see ``slot_bytes``)."""
@@ -248,7 +247,6 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     ranks = config.tp_size * work.dp_size
     p_b = block_params_per_rank(config)
     p_ht = head_tail_params_per_rank(config)
-    half = s < 4
     flops = hw.gpu.flops(work.precision) * work.compute_efficiency
     btc_bytes = work.batch * seq * config.hidden * s
     tp_ar = ring_allreduce_s(btc_bytes, config.tp_size, hw.gpu.interconnect_bytes_per_s)
@@ -259,10 +257,12 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     adam = p_b / (hw.cpu_adam_params_per_s / ranks)
     if nvme_bytes_per_param:
         adam = max(adam, nvme_bytes_per_param * p_b / (hw.nvme_bytes_per_s / ranks))
-    per_param = s + s + 8 + (4 + 4 if half else 0)  # params, grads, moments (+ masters, fp32 grads)
+    # params, grads, fp32 moments (+ fp32 masters and their grads): head, tail and resident blocks alike
+    per_param = layout.device_bytes_per_param(compute_dtype(work.precision))
     return BlockCosts(
         block_params=p_b,
-        slot_bytes=slot_bytes(config, s),
+        block_numel=block_buffer_numel(config),
+        slot_bytes=slot_bytes(config, work.precision),
         head_tail_bytes=p_ht * per_param,
         block_input_bytes=btc_bytes,
         block_activation_bytes=block_activation_bytes(config, work, seq),

@@ -13,14 +13,16 @@ __all__ = ["wrap"]
 log = logging.getLogger(__name__)
 
 
-def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, materialize=None, **options):
+def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, materialize=None,
+         config: RuntimeConfig | None = None, **options):
     """Train ``model`` with only ``window`` of its ``blocks`` on the device at a time.
 
     ``blocks`` is the model's stack of transformer blocks (an ``nn.ModuleList``); when omitted it is
     found with ``pystronghold.runtime.discovery.find_blocks``. ``options`` are the fields of
     :class:`pystronghold.runtime.config.RuntimeConfig` (window, device, precision, optimizer,
     clip_grad_norm, accumulation_steps, checkpointing, resident_blocks, resident_recompute, overlap,
-    strict, trace, host_memory_bytes, nvme_dir, parallel, ...). With ``resident_blocks=K`` the first K
+    strict, trace, host_memory_bytes, nvme_dir, parallel, ...), or ``config=`` one whole
+    ``RuntimeConfig`` (what ``pystronghold train`` passes). With ``resident_blocks=K`` the first K
     blocks never leave the device (device AdamW, no host update); the others stream through the window. With ``nvme_dir``, the block states the host budget cannot hold live
     on disk there (the file tier), staged through a bounded host cache. Blocks may be built on the
     ``meta`` device (a model larger than host memory): ``materialize(i)`` (default: the model's
@@ -35,7 +37,15 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
     """
     from pystronghold.runtime.engine import Engine
 
-    config = RuntimeConfig(**options)
+    if config is not None and options:
+        raise TypeError(f"wrap: give config= or options ({', '.join(options)}), not both")
+    config = config if config is not None else RuntimeConfig(**options)
+    if config.window == "auto":
+        raise ValueError("wrap: window='auto' is chosen from measured block times before wrap "
+                         "(pystronghold train --window auto); wrap takes an int >= 1 or 'all'")
+    if config.resident_blocks == "auto":
+        raise ValueError("wrap: resident_blocks='auto' is chosen by the planner before wrap "
+                         "(pystronghold train --window auto); wrap takes an int >= 0")
     if blocks is None:
         from pystronghold.runtime.discovery import find_blocks
 

@@ -15,6 +15,7 @@ import math
 import torch
 
 from pystronghold.io import CopyEngine, HostArena
+from pystronghold.runtime.layout import ARENA_ALIGN
 from pystronghold.runtime.timing import HostClock
 
 __all__ = ["CPUBackend"]
@@ -26,13 +27,18 @@ _FILE_WRITE_QUEUE = 3
 
 
 class CPUBackend:
-    """Device = host memory in its own HostArena of ``arena_bytes`` bytes; copies via CopyEngine."""
+    """Device = host memory in its own HostArena of ``arena_bytes`` bytes; copies via CopyEngine.
+
+    ``copies`` is that engine, read at each copy: a test may replace it with anything that has
+    ``CopyEngine``'s ``copy``/``close`` and returns handles with ``CopyHandle``'s ``wait``, ``done``,
+    ``nbytes``, ``start_s`` and ``end_s`` (e.g. a slow link, to show copies overlap compute).
+    """
 
     name = "cpu"
 
     def __init__(self, arena_bytes: int, *, copy_threads: int = 2, chunk_bytes: int = 8 << 20) -> None:
         self.device = torch.device("cpu")
-        self.arena = HostArena(int(arena_bytes), alignment=4096, pin="none")
+        self.arena = HostArena(int(arena_bytes), alignment=ARENA_ALIGN, pin="none")
         # file reads and writes (NVMe tier) get queues of their own, so a long disk read never
         # holds back a load queued behind it, and a load can name a read in after=
         self.copies = CopyEngine(threads=copy_threads, queues=4, chunk_bytes=chunk_bytes)
@@ -46,7 +52,7 @@ class CPUBackend:
 
     def host_arena(self, capacity_bytes: int) -> HostArena:
         """A host arena for one store tier."""
-        return HostArena(int(capacity_bytes), alignment=4096, pin="none")
+        return HostArena(int(capacity_bytes), alignment=ARENA_ALIGN, pin="none")
 
     @property
     def arena_capacity_bytes(self) -> int:

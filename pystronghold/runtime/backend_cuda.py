@@ -22,6 +22,7 @@ import math
 import torch
 
 from pystronghold.io import HostArena
+from pystronghold.runtime.layout import ARENA_ALIGN
 from pystronghold.runtime.timing import EventClock
 
 __all__ = ["CUDABackend", "EventHandle"]
@@ -94,7 +95,7 @@ class CUDABackend:
         the store's builder thread pins with this backend's device current, so no other device
         gets a CUDA context (the registration is portable to every device anyway)."""
         with torch.cuda.device(self.device):
-            return HostArena(int(capacity_bytes), alignment=4096, pin="auto")
+            return HostArena(int(capacity_bytes), alignment=ARENA_ALIGN, pin="auto")
 
     @property
     def arena_capacity_bytes(self) -> int:

@@ -1,46 +1,82 @@
-"""Options of the layer-window runtime (what ``pystronghold.wrap`` accepts besides model and blocks)."""
+"""Options of the layer-window runtime (what ``pystronghold.wrap`` accepts besides model and blocks).
+
+``RuntimeConfig`` is the one declaration of these settings: ``pystronghold train`` composes it into
+``TrainConfig`` and ``pystronghold plan`` into ``PlanRequest``, and their options are generated from
+its fields (``pystronghold.options``: the metadata gives the flag, help and how the text is read).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pystronghold.options import ConfigError, option, parse_bytes
 from pystronghold.parallel.groups import ParallelGroups
-from pystronghold.runtime.optimizer import AdamW
+from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.precision import DTYPES
 
-__all__ = ["RuntimeConfig", "OVERLAP_MODES"]
+__all__ = ["RuntimeConfig", "OVERLAP_MODES", "NVME_STATES"]
 
 OVERLAP_MODES = ("auto", "backward", "forward", "none")
+NVME_STATES = ("auto", "all")
+
+
+def _window_from_text(text: str, flag: str) -> int | str:
+    """``--window``, ``--resident-blocks``: a number as an int; 'all' and 'auto' (and anything else,
+    refused by ``RuntimeConfig``) as they are."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text
+
+
+def _norm_from_text(text: str, flag: str) -> float | None:
+    """``--clip``: a float, 0 meaning no clipping (None)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{flag} must be a number, got {text!r}") from None
+    return None if value == 0 else value
 
 
 @dataclass(kw_only=True, slots=True)
 class RuntimeConfig:
-    """How the engine trains. Validated on construction (ValueError naming the field)."""
+    """How the engine trains. Validated on construction (``ConfigError``, a ValueError naming the
+    field: ``RuntimeConfig.window`` here, ``--window`` from the command line)."""
 
-    window: int | str = 2
-    """Blocks resident on the device at once (W), or "all". W > number of blocks is clamped to it
-    with a warning; W < 1 is an error."""
-    device: str = "cpu"
+    window: int | str = option(2, parse=_window_from_text, metavar="N|all|auto", help=(
+        "Blocks on the device at once (W >= 1), 'all', or 'auto' (the planner's choice, the smallest W "
+        "that hides the transfers; train measures the block times on this machine before the first step)."))
+    """Blocks resident on the device at once (W), "all", or "auto". W > number of blocks is clamped to
+    it with a warning; W < 1 is an error. "auto" is chosen before ``wrap`` from measured block times
+    (``pystronghold train --window auto``; ``pystronghold plan`` predicts it); ``wrap`` itself takes
+    an int or "all"."""
+    device: str = option("cpu", help="'cpu' (the device is a budgeted host arena) or 'cuda[:n]'.")
     """Where compute runs: "cpu" (the device is a budgeted host arena) or "cuda[:n]"."""
-    precision: str = "fp32"
+    precision: str = option("fp32", choices=tuple(DTYPES),
+                            help="Compute precision (the optimizer keeps fp32 masters).")
     """Compute precision: "fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling)."""
-    optimizer: AdamW = field(default_factory=AdamW)
+    optimizer: AdamW = option(default_factory=AdamW, cli=False)
     """AdamW hyper-parameters; ``engine.optimizer.param_groups`` hold the live values (see AdamW.decay)."""
-    clip_grad_norm: float | None = None
+    clip_grad_norm: float | None = option(None, flag="--clip", parse=_norm_from_text, none_text="0",
+                                          help="Clip the global gradient norm to this value; 0: no clipping.")
     """Clip the global L2 norm over head, blocks and tail to this value; None: no clipping."""
-    accumulation_steps: int = 1
+    accumulation_steps: int = option(1, flag="--accumulation", help="Micro-batches per optimizer step.")
     """Micro-batches (backward passes) per optimizer step; updates run after the last one only."""
-    checkpointing: bool = True
+    checkpointing: bool = option(True, help=(
+        "Recompute blocks in backward (--no-checkpointing keeps every activation)."))
     """Recompute each streamed block in backward (saving only its inputs); False keeps its activations."""
-    resident_blocks: int = 0
+    resident_blocks: int | str = option(0, parse=_window_from_text, metavar="K|auto", help=(
+        "K: the first K blocks stay on the device with a device AdamW (no streaming, no host update); "
+        "the others stream through the window. 0: every block streams (with --window auto: the planner "
+        "chooses K). 'auto': the planner chooses K (plan; train with --window auto)."))
     """K: the first K blocks stay on the device for good, with their fp32 masters and AdamW moments
     there, updated by a device ``torch.optim.AdamW`` (fused on CUDA) in ``step()``: no load, no
     copy-out, no host update. The other blocks stream through the W slots. 0: every block streams;
-    K = number of blocks with ``window="all"`` and no recompute is plain PyTorch, step for step."""
+    K = number of blocks with ``window="all"`` and no recompute is plain PyTorch, step for step.
+    "auto": the planner chooses K, the resident recompute and W together (``planner.plan.choose_split``):
+    ``pystronghold plan`` predicts it, ``pystronghold train --window auto`` measures this machine
+    first (there 0 also leaves K to the planner); ``wrap`` itself takes an int."""
     resident_recompute: bool = False
     """Recompute the resident blocks in backward too (torch.utils.checkpoint); False (default): they
     keep their activations, as plain PyTorch does."""
-    overlap: str = "auto"
+    overlap: str = option("auto", choices=OVERLAP_MODES)
     """When host updates run: "backward" (block i as soon as its gradient is on the host),
     "forward" (after backward, block 0, 1, ... ahead of the next forward's loads), "none" (inside
     ``step()``), or "auto": backward unless clipping or fp16 needs the whole gradient first."""
@@ -49,20 +85,28 @@ class RuntimeConfig:
     recomputed block output with a checksum of its forward output (raises with the block index)."""
     trace: bool = False
     """Record every action in ``engine.trace`` (a pystronghold.trace.Tracer)."""
-    host_memory_bytes: int | None = None
+    host_memory_bytes: int | None = option(None, flag="--host-memory", metavar="BYTES", parse=parse_bytes, help=(
+        "Host memory the block states (and, on --device cpu, the window, head and tail) may use, e.g. "
+        "8G, 8GiB, 12e9 bytes; default: 85% of what the host has available. With --nvme, states that do "
+        "not fit go to disk."))
     """Host memory budget for the store (and, on CPU, the device arena, head and tail), in bytes;
     default: 85% of what the host has available (MemAvailable; the rest is for activations, Python
     and torch). With ``nvme_dir`` the states that do not fit go to disk
     (``pystronghold.runtime.placement``); without it a store larger than this is refused."""
-    nvme_dir: str | None = None
+    nvme_dir: str | None = option(None, flag="--nvme", metavar="DIR", help=(
+        "Directory for block states the host memory cannot hold (a scratch subdirectory is made there "
+        "and removed at the end; it is never needed to resume: checkpoints are separate)."))
     """Directory for the file (NVMe) tier: a scratch subdirectory is made in it for the block states
     the host budget cannot hold, and removed on ``close()``. None: everything in host memory."""
-    nvme_states: str = "auto"
+    nvme_states: str = option("auto", choices=NVME_STATES, help=(
+        "'auto': only what --host-memory cannot hold goes to disk; 'all': every block state."))
     """"auto": only what the host budget cannot hold goes to disk; "all": every state of every block
     (tests, benchmarks)."""
-    nvme_cache_blocks: int = 4
+    nvme_cache_blocks: int = option(4, help="Blocks of disk states staged in host memory at once.")
     """Blocks the host cache of the file tier stages at once (each one block's disk states)."""
-    nvme_preallocate: bool = True
+    nvme_preallocate: bool = option(True, flag="--nvme-sparse", negated=True, help=(
+        "Do not reserve the NVMe tier's disk space at the start (its files grow as states are first "
+        "written; a disk that fills up then fails the run at that write, naming the directory)."))
     """Reserve the tier's disk space at start (a full disk then fails before the first step)."""
     copy_threads: int = 2
     """Worker threads of the copy engine."""
@@ -71,7 +115,7 @@ class RuntimeConfig:
     core when the model declares its ``materialize_block_`` thread-safe (``GPT`` does: every
     parameter draws from its own generator, so the values do not depend on scheduling), else 1.
     A ``materialize=`` function runs in parallel only when this asks for it (> 1)."""
-    parallel: ParallelGroups | None = None
+    parallel: ParallelGroups | None = option(None, cli=False)
     """Tensor/data-parallel layout (``pystronghold.parallel.init_parallel``). Each block's gradient
     is averaged over ``dp_group`` before its update (head and tail too), the clipping norm sums
     tensor-parallel shards over ``tp_group``, and fp16 overflow skips are agreed by every rank.
@@ -82,47 +126,64 @@ class RuntimeConfig:
     """fp16 only: clean steps before the loss scale doubles."""
 
     def __post_init__(self) -> None:
-        if self.window != "all" and (not isinstance(self.window, int) or isinstance(self.window, bool)):
-            raise ValueError(f"RuntimeConfig.window must be an int >= 1 or 'all', got {self.window!r}")
+        if self.window not in ("all", "auto") and (not isinstance(self.window, int) or isinstance(self.window, bool)):
+            raise ConfigError(self, "window", f"must be an int >= 1, 'all' or 'auto', got {self.window!r}")
         if isinstance(self.window, int) and self.window < 1:
-            raise ValueError(f"RuntimeConfig.window must be >= 1, got {self.window}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"RuntimeConfig.device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+            raise ConfigError(self, "window", f"must be >= 1, got {self.window}")
+        self._check_device()
         if self.precision not in DTYPES:
-            raise ValueError(f"RuntimeConfig.precision must be one of {sorted(DTYPES)}, got {self.precision!r}")
+            raise ConfigError(self, "precision", f"must be one of {sorted(DTYPES)}, got {self.precision!r}")
         if not isinstance(self.optimizer, AdamW):
-            raise ValueError(f"RuntimeConfig.optimizer must be pystronghold.AdamW(...), got {self.optimizer!r}")
+            raise ConfigError(self, "optimizer", f"must be pystronghold.AdamW(...), got {self.optimizer!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError(f"RuntimeConfig.clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")
+            raise ConfigError(self, "clip_grad_norm",
+                              f"must be > 0 (`clip_grad_norm=None`: no clipping), got {self.clip_grad_norm!r}")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
-            raise ValueError(f"RuntimeConfig.accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
+            raise ConfigError(self, "accumulation_steps", f"must be an int >= 1, got {self.accumulation_steps!r}")
         if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"RuntimeConfig.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
+            raise ConfigError(self, "overlap", f"must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         if self.overlap == "backward" and self.needs_global_grad:
-            raise ValueError("RuntimeConfig.overlap='backward' cannot be exact with clip_grad_norm or "
-                             "fp16 loss scaling (they need the whole gradient first); use 'forward' or 'auto'")
+            raise ConfigError(self, "overlap=", "cannot be exact with `clip_grad_norm` or fp16 loss scaling "
+                              "(they need the whole gradient first); use 'forward' or 'auto'")
         if self.parallel is not None and not isinstance(self.parallel, ParallelGroups):
-            raise ValueError(f"RuntimeConfig.parallel must be a ParallelGroups (from init_parallel) or "
-                             f"None, got {self.parallel!r}")
-        if self.nvme_states not in ("auto", "all"):
-            raise ValueError(f"RuntimeConfig.nvme_states must be 'auto' or 'all', got {self.nvme_states!r}")
+            raise ConfigError(self, "parallel", f"must be a ParallelGroups (from init_parallel) or None, "
+                              f"got {self.parallel!r}")
+        if self.nvme_states not in NVME_STATES:
+            raise ConfigError(self, "nvme_states", f"must be 'auto' or 'all', got {self.nvme_states!r}")
         if self.nvme_states == "all" and self.nvme_dir is None:
-            raise ValueError("RuntimeConfig.nvme_states='all' needs nvme_dir (where the states go)")
+            raise ConfigError(self, "nvme_states=", "needs `nvme_dir` (where the states go)")
         if not isinstance(self.nvme_cache_blocks, int) or self.nvme_cache_blocks < 1:
-            raise ValueError(f"RuntimeConfig.nvme_cache_blocks must be an int >= 1, got {self.nvme_cache_blocks!r}")
+            raise ConfigError(self, "nvme_cache_blocks", f"must be an int >= 1, got {self.nvme_cache_blocks!r}")
         if self.host_memory_bytes is not None and (not isinstance(self.host_memory_bytes, int)
                                                    or self.host_memory_bytes <= 0):
-            raise ValueError(f"RuntimeConfig.host_memory_bytes must be a positive int (bytes) or None, "
-                             f"got {self.host_memory_bytes!r}")
+            raise ConfigError(self, "host_memory_bytes", f"must be a positive int (bytes) or None, "
+                              f"got {self.host_memory_bytes!r}")
         if self.nvme_dir is not None:
             self.nvme_dir = str(self.nvme_dir)
         if type(self.init_threads) is not int or self.init_threads < 0:
-            raise ValueError(f"RuntimeConfig.init_threads must be an int >= 0, got {self.init_threads!r}")
-        if not isinstance(self.resident_blocks, int) or isinstance(self.resident_blocks, bool) \
-                or self.resident_blocks < 0:
-            raise ValueError(f"RuntimeConfig.resident_blocks must be an int >= 0, got {self.resident_blocks!r}")
+            raise ConfigError(self, "init_threads", f"must be an int >= 0, got {self.init_threads!r}")
+        if self.resident_blocks != "auto" and (not isinstance(self.resident_blocks, int)
+                                               or isinstance(self.resident_blocks, bool) or self.resident_blocks < 0):
+            raise ConfigError(self, "resident_blocks", f"must be an int >= 0 or 'auto', got {self.resident_blocks!r}")
         if self.copy_threads < 1:
-            raise ValueError(f"RuntimeConfig.copy_threads must be >= 1, got {self.copy_threads}")
+            raise ConfigError(self, "copy_threads", f"must be >= 1, got {self.copy_threads}")
+
+    def _check_device(self) -> None:
+        d = self.device
+        if not isinstance(d, str) or not (d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())):
+            raise ConfigError(self, "device", f"must be 'cpu' or 'cuda[:n]', got {d!r}")
+
+    def check_device_present(self) -> None:
+        """Raise ConfigError when ``device`` names a CUDA device this machine does not have. Not part
+        of validation (the value is fine, the machine lacks it; ``wrap`` then fails in the CUDA
+        backend with a RuntimeError): ``pystronghold train`` calls it to fail before any long work."""
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(self, "device=", ": CUDA is not available on this machine")
+            if (int(self.device[5:]) if ":" in self.device else 0) >= torch.cuda.device_count():
+                raise ConfigError(self, "device=", f": only {torch.cuda.device_count()} CUDA device(s)")
 
     @property
     def needs_global_grad(self) -> bool:

@@ -31,7 +31,8 @@ import torch
 
 from pystronghold.io import CopyError, CopyHandle, FileStore, HostArena
 from pystronghold.io.scratch import ScratchDir, check_free_space, free_bytes
-from pystronghold.runtime.placement import Placement, buffer_bytes, state_dtype
+from pystronghold.runtime.layout import ARENA_ALIGN, arena_bytes, buffer_bytes, state_dtype
+from pystronghold.runtime.placement import Placement
 
 __all__ = ["DiskTier", "DiskTierError", "Lease", "disk_tier_bytes", "open_scratch"]
 
@@ -139,8 +140,8 @@ class DiskTier:
             self._close_files()
             raise DiskTierError(f"NVMe tier {self.directory}: cannot create the state files: {e}") from e
         slot_bytes = sum(buffer_bytes(cap, s, compute_dtype) for s in self.states)
-        factory = arena_factory or (lambda n: HostArena(int(n), alignment=4096, pin="none"))
-        self.arena = factory(placement.cache_blocks * slot_bytes + 4096)
+        factory = arena_factory or (lambda n: HostArena(int(n), alignment=ARENA_ALIGN, pin="none"))
+        self.arena = factory(arena_bytes(placement.cache_blocks * slot_bytes))
         self._slots = []
         for i in range(placement.cache_blocks):
             bufs = {}

@@ -25,25 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["STATES", "Placement", "plan_placement", "state_dtype", "buffer_bytes", "spill_order"]
+from pystronghold.runtime.layout import STATES, buffer_bytes, stored_states
 
-STATES = ("master", "exp_avg", "exp_avg_sq", "grad", "shadow")
-"""Per-block states of the store."""
-_ALIGN = 4096
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
-
-
-def state_dtype(state: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """fp32 for the optimizer states, the compute dtype for grad and shadow."""
-    return compute_dtype if state in ("grad", "shadow") else torch.float32
-
-
-def buffer_bytes(numel: int, state: str, compute_dtype: torch.dtype) -> int:
-    """Bytes of one flat buffer of ``numel`` elements of ``state`` (4096-byte aligned)."""
-    return _round_up(numel * state_dtype(state, compute_dtype).itemsize, _ALIGN)
+__all__ = ["Placement", "plan_placement", "spill_order"]
 
 
 def spill_order(compute_dtype: torch.dtype, *, streamed_grads: bool) -> tuple[str, ...]:
@@ -140,7 +124,7 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
     if cache_blocks < 1:
         raise ValueError(f"cache_blocks must be >= 1, got {cache_blocks}")
     n = len(numels)
-    states = tuple(s for s in STATES if s != "shadow" or compute_dtype != torch.float32)
+    states = stored_states(compute_dtype)
     per = {s: [buffer_bytes(k, s, compute_dtype) for k in numels] for s in states}
     slot = {s: buffer_bytes(max(numels, default=0), s, compute_dtype) for s in states}
     ram = sum(sum(v) for v in per.values())

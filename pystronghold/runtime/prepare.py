@@ -11,14 +11,13 @@ import warnings
 
 import torch
 
+from pystronghold.runtime import layout
 from pystronghold.runtime.store import BlockLayout, available_host_bytes
 
 __all__ = ["split_parameters", "move_to_device", "fill_store", "init_threads_for", "INIT_BYTES_IN_FLIGHT",
            "slot_bytes", "head_tail_bytes", "materialize_resident", "window_slots"]
 
 log = logging.getLogger(__name__)
-
-_ARENA_ALIGN = 4096
 
 
 def window_slots(window: int | str, streamed: int, resident: int) -> int:
@@ -232,11 +231,9 @@ def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block
 def head_tail_bytes(params: list[torch.Tensor], dtype: torch.dtype) -> int:
     """Device bytes of the head and tail when training in ``dtype``: parameters and gradients in
     ``dtype``, two fp32 Adam moments, and (bf16/fp16) fp32 masters and their fp32 gradients."""
-    numel = sum(p.numel() for p in params)
-    return numel * (2 * dtype.itemsize + 8 + (8 if dtype != torch.float32 else 0))
+    return sum(p.numel() for p in params) * layout.device_bytes_per_param(dtype)
 
 
 def slot_bytes(layouts: list[BlockLayout], dtype: torch.dtype) -> int:
-    """Device bytes of one window slot: parameters and gradients of the largest block, aligned."""
-    cap = max((lay.numel for lay in layouts), default=0) * dtype.itemsize
-    return 2 * ((cap + _ARENA_ALIGN - 1) // _ARENA_ALIGN * _ARENA_ALIGN)
+    """Device bytes of one window slot: parameters and gradients of the largest of ``layouts``."""
+    return layout.slot_bytes(max((lay.numel for lay in layouts), default=0), dtype)

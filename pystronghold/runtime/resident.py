@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pystronghold.runtime.optimizer import AdamW, DeviceAdamW
+from pystronghold.optim.device_adamw import DeviceAdamW
+from pystronghold.optim.hyper import AdamW, AdamWHyper
 from pystronghold.runtime.prepare import head_tail_bytes
 
 __all__ = ["ResidentBlocks"]
@@ -101,13 +102,13 @@ class ResidentBlocks:
         values[index - self._first[block]] = value
         self.write(block, "master", values)
 
-    def step(self, hyper: list[dict], grad_scale: float, steps_before: int) -> None:
-        """One AdamW step of every resident block (gradients x ``grad_scale``); ``hyper``: the engine's
-        param groups' settings; ``steps_before``: the engine's step count so far."""
+    def step(self, hyper: list[AdamWHyper], steps_before: int) -> None:
+        """One AdamW step of every resident block; ``hyper``: the engine's param groups at this step
+        (gradients x their ``grad_scale``); ``steps_before``: the engine's step count so far."""
         if self._steps_unknown:
             self.optimizer.set_steps(steps_before)
             self._steps_unknown = False
-        self.optimizer.step(hyper, grad_scale)
+        self.optimizer.step(hyper)
 
     def grad_norms(self, grad_scale: float) -> dict[int, torch.Tensor]:
         """fp32 L2 norm of each resident parameter's gradient x ``grad_scale``, by id(parameter)."""

@@ -16,7 +16,7 @@ shadow         compute dtype   bf16/fp16 copy of master that the next forward up
 =============  ==============  ====================================================================
 
 Inside a block's buffer, parameter k occupies ``[offset_k, offset_k + numel_k)``; offsets are
-aligned to ``ALIGN_ELEMS`` elements. The gaps between parameters are zero in every tier, so the
+aligned to ``layout.ALIGN_ELEMS`` elements. The gaps between parameters are zero in every tier, so the
 fused Adam can run over the whole flat buffer without touching real values.
 """
 
@@ -31,20 +31,13 @@ from dataclasses import dataclass
 import torch
 
 from pystronghold.runtime.disk_tier import DiskTier, Lease
-from pystronghold.runtime.placement import Placement, buffer_bytes, plan_placement, state_dtype
+from pystronghold.runtime.layout import arena_bytes, buffer_bytes, param_offsets, state_dtype
+from pystronghold.runtime.placement import Placement, plan_placement
 
-__all__ = ["ALIGN_ELEMS", "DEFAULT_CHUNK_BYTES", "ParamSpan", "BlockLayout", "HostStore", "Lease",
+__all__ = ["DEFAULT_CHUNK_BYTES", "ParamSpan", "BlockLayout", "HostStore", "Lease",
            "available_host_bytes", "default_host_budget_bytes"]
 
 log = logging.getLogger(__name__)
-
-ALIGN_ELEMS = 16
-"""Parameter offsets inside a block buffer are multiples of this many elements (64 bytes in fp32)."""
-_ARENA_ALIGN = 4096
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +55,9 @@ class BlockLayout:
     """Offsets of a block's parameters in its flat buffers; ``numel`` is the padded total."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
-        self.spans: list[ParamSpan] = []
-        offset = 0
-        for name, p in named_params:
-            offset = _round_up(offset, ALIGN_ELEMS)
-            self.spans.append(ParamSpan(name, p.shape, offset, p.numel()))
-            offset += p.numel()
-        self.numel = max(_round_up(offset, ALIGN_ELEMS), ALIGN_ELEMS)
+        offsets, self.numel = param_offsets([p.numel() for _, p in named_params])
+        self.spans: list[ParamSpan] = [ParamSpan(name, p.shape, offset, p.numel())
+                                       for (name, p), offset in zip(named_params, offsets)]
         # Ranges not covered by any parameter: kept at zero wherever a flat buffer is written.
         self.gaps: list[tuple[int, int]] = []
         end = 0
@@ -160,12 +149,12 @@ class HostStore:
                     continue
                 nbytes = buffer_bytes(numels[b], state, compute_dtype)
                 if group and group_bytes + nbytes > chunk_bytes:
-                    chunks.append(_Chunk(state, tuple(group), group_bytes + _ARENA_ALIGN))
+                    chunks.append(_Chunk(state, tuple(group), arena_bytes(group_bytes)))
                     group, group_bytes = [], 0
                 group.append(b)
                 group_bytes += nbytes
             if group:
-                chunks.append(_Chunk(state, tuple(group), group_bytes + _ARENA_ALIGN))
+                chunks.append(_Chunk(state, tuple(group), arena_bytes(group_bytes)))
         # block order (all states of block 0's chunks first): the order the fill needs them in
         self._chunks = sorted(chunks, key=lambda c: c.blocks[0])
         self._needed = [0] * len(layouts)  # block -> chunks that must be built before it is usable

@@ -4,9 +4,9 @@ Every job first waits for the block's gradient copy-out, then works on the host 
 overlaps the device's compute of other blocks. ``adam_step_`` and torch's reductions release the GIL.
 
 NOTE: gradient norms are per parameter, fp32, ``torch.linalg.vector_norm`` over each parameter's
-view of the flat buffer (``runtime/grad_norms.py``: threads share the parameters, each reduction is
-torch's own), then combined exactly as ``torch.nn.utils.clip_grad_norm_`` does; so clipping is
-bit-for-bit the PyTorch one (a float64 flat norm would differ in the last bits, and
+view of the flat buffer (``optim.functional.param_grad_norms``: threads share the parameters, each
+reduction is torch's own), then combined exactly as ``torch.nn.utils.clip_grad_norm_`` does; so
+clipping is bit-for-bit the PyTorch one (a float64 flat norm would differ in the last bits, and
 Adam turns last-bit differences of near-zero gradients into visible ones through eps).
 """
 
@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm
-from pystronghold.runtime.grad_norms import param_grad_norms
+from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm, param_grad_norms
+from pystronghold.optim.hyper import AdamWHyper
 
 __all__ = ["HostUpdates"]
 
@@ -65,11 +65,11 @@ class HostUpdates:
 
         self.norms[block] = self._pool.submit(job)
 
-    def submit_update(self, block: int, grad_handle, *, step: int, hyper: dict, grad_scale: float,
-                      lease=None) -> None:
+    def submit_update(self, block: int, grad_handle, *, hyper: list[AdamWHyper], lease=None) -> None:
         """Run AdamW on the block's master buffer (and refresh its shadow) after its copy-out.
 
-        hyper: lr, betas, eps, weight_decay of each param group (``WindowOptimizer.hyper()``).
+        hyper: each param group's values at this step, step count and gradient scale included
+        (``WindowOptimizer.hyper``); handed unchanged to the fused Adam.
         lease: the gradient's lease from the copy-out when the gradient goes straight to this
         update (backward overlap); it is released, and the cached gradient dropped, afterwards.
         """
@@ -97,7 +97,7 @@ class HostUpdates:
                 own.wait()
                 t = own.tensors
                 with self.tracer.span("optimizer", block, nbytes=t["master"].nbytes):
-                    ok = self._adam(t, ranges, step, hyper, grad_scale)
+                    ok = self._adam(t, ranges, hyper)
                 if not ok:
                     raise FloatingPointError(
                         f"block {block}: its gradient has inf/NaN values; the update was not applied. "
@@ -110,27 +110,21 @@ class HostUpdates:
 
         self.updates[block] = self._pool.submit(job)
 
-    def _adam(self, t: dict, ranges: dict[int, list[tuple[int, int]]] | None, step: int, hyper: list[dict],
-              grad_scale: float) -> bool:
+    def _adam(self, t: dict, ranges: dict[int, list[tuple[int, int]]] | None, hyper: list[AdamWHyper]) -> bool:
         """AdamW over a block's flat buffers ``t``: one call for a one-group block, else one per
         group over its element ranges (checked finite first, so nothing is written on overflow)."""
         if ranges is None:
-            h = hyper[0]
-            return adam_step_(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], step=step, lr=h["lr"],
-                              beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
-                              weight_decay=h["weight_decay"], adamw=True, grad_scale=grad_scale,
+            return adam_step_(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], hyper[0],
                               shadow=t.get("shadow"), bitwise_torch=self.bitwise_torch)
-        if len(ranges) > 1 and not math.isfinite(grad_sq_norm(t["grad"], grad_scale)):
+        # NOTE: every group's hyper has the step's one grad_scale
+        if len(ranges) > 1 and not math.isfinite(grad_sq_norm(t["grad"], hyper[0].grad_scale)):
             return False
         for group, spans in ranges.items():
-            h = hyper[group]
 
             def cut(name: str):
                 return [t[name][a:b] for a, b in spans]
 
-            if not adam_step_multi_(cut("master"), cut("grad"), cut("exp_avg"), cut("exp_avg_sq"), step=step,
-                                    lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
-                                    weight_decay=h["weight_decay"], adamw=True, grad_scale=grad_scale,
+            if not adam_step_multi_(cut("master"), cut("grad"), cut("exp_avg"), cut("exp_avg_sq"), hyper[group],
                                     shadows=cut("shadow") if "shadow" in t else None,
                                     check_finite=len(ranges) == 1, bitwise_torch=self.bitwise_torch):
                 return False

@@ -8,7 +8,7 @@ AdamW (what resident blocks use) a block-sized parameter. Those seconds replace 
 the planner's ``BlockCosts`` (bytes still come from the planner), and
 ``pystronghold.planner.plan.choose_split`` picks the split with the best simulated step that fits
 the device budget: the first K blocks resident (device AdamW), the rest streamed through the
-smallest W that hides their transfers. ``--resident-blocks K`` fixes K instead. ONE cost model:
+smallest W that hides their transfers. ``--resident-blocks K`` (K > 0) fixes K instead. ONE cost model:
 the planner's.
 """
 
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from pystronghold.optim.functional import adam_step_
+from pystronghold.options import ConfigError
+from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
 from pystronghold.planner.hardware import GPU, Hardware
 from pystronghold.planner.plan import choose_split, device_memory
@@ -121,9 +123,9 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
     load_s = _timed(lambda: dev.copy_(host, non_blocking=True), device, reps)
     grad_s = _timed(lambda: host.copy_(dev, non_blocking=True), device, reps)
     p, g, m, v = (torch.zeros(numel) for _ in range(4))
-    adam_s = _timed(lambda: adam_step_(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                       weight_decay=0.0, adamw=True), torch.device("cpu"), reps)
-    # the resident blocks' device AdamW (runtime/optimizer.DeviceAdamW: torch's, fused on CUDA)
+    hyper = AdamWHyper(step=1, lr=1e-3, weight_decay=0.0)
+    adam_s = _timed(lambda: adam_step_(p, g, m, v, hyper), torch.device("cpu"), reps)
+    # the resident blocks' device AdamW (optim/device_adamw.DeviceAdamW: torch's, fused on CUDA)
     master = torch.zeros(numel, device=device, requires_grad=True)
     master.grad = torch.zeros_like(master)
     device_opt = torch.optim.AdamW([master], lr=1e-3, fused=device.type == "cuda")
@@ -142,24 +144,23 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
 def choose_runtime_window(model, config) -> AutoWindow:
     """K, the resident recompute and W for ``model`` trained with ``config`` (a TrainConfig) within
     its device budget (K as given when ``--resident-blocks`` is > 0); logs the split and why."""
-    w = config.window
-    device = torch.device(w.device)
-    clip = config.optim.clip > 0
-    work = Workload(batch=config.data.batch, seq=config.seq, precision=w.precision,
-                    overlap="forward" if clip or w.precision == "fp16" else "backward",
+    rt = config.runtime
+    device = torch.device(rt.device)
+    work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
+                    overlap="forward" if rt.needs_global_grad else "backward",
                     device_reserve_bytes=0, host_reserve_bytes=0)
     n = model.config.layers
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
-    if w.device_budget_mb:
-        budget = int(w.device_budget_mb * 2**20)
+    if config.auto_window.device_budget_mb:
+        budget = int(config.auto_window.device_budget_mb * 2**20)
     elif device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(device)[0])
     else:
         budget = base + 4 * probe.slot_bytes
-    fixed = w.resident_blocks or None
+    fixed = None if rt.resident_blocks in ("auto", 0) else rt.resident_blocks  # else K as given
     if fixed is not None and fixed > n:
-        raise ValueError(f"--resident-blocks {fixed} is more than the model's {n} blocks")
+        raise ConfigError(rt, "resident_blocks", f"({fixed}) is more than the model's {n} blocks")
     split = choose_split(probe, work, n, budget, resident=fixed)
     if split.step is None:
         raise ValueError(f"--window auto: the device budget {budget / 2**20:.1f} MiB holds no block slot "

@@ -204,13 +204,13 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
 
     buf = io.BytesIO()
     torch.save({"step": trainer.step, "engine_steps": engine.steps, "skipped_steps": engine.skipped_steps,
-                "scheduler": trainer.scheduler.state_dict(), "hyper": engine.optimizer.hyper(),
+                "scheduler": trainer.scheduler.state_dict(), "hyper": engine.optimizer.group_settings(),
                 "sampler": trainer.sampler.state_dict(), "rng": _rng_state(),
                 "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
     files["state.pt"] = _write(tmp / "state.pt", buf.getvalue())
     manifest = {"format": FORMAT, "version": VERSION, "step": trainer.step,
                 "model": _model_dict(trainer.config.gpt), "blocks": engine.n_blocks,
-                "precision": trainer.config.window.precision,
+                "precision": trainer.config.runtime.precision,
                 "written_by": {"tp": groups.tp_size if groups else 1, "dp": groups.dp_size if groups else 1},
                 "files": files}
     _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())

@@ -1,16 +1,13 @@
-"""``pystronghold train`` and ``pystronghold export``: argparse generated from the dataclasses of
-``pystronghold.train.config``; one-line errors and a non-zero exit for bad input."""
+"""``pystronghold train`` and ``pystronghold export``: argparse generated from ``TrainConfig``
+(``pystronghold.options``); one-line errors and a non-zero exit for bad input."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
 import sys
-
-from pystronghold.planner.command import field_docs
 
 __all__ = ["add_train_command", "add_export_command", "config_from_args"]
 
@@ -27,37 +24,13 @@ EXAMPLES = """examples:
   torchrun --nproc-per-node 4 -m pystronghold train --model tiny --tp 2 --dp 2   # 4 processes
 """
 
-_TYPES = {"str": str, "int": int, "float": float}
-
-
-def _add_fields(parser, cls) -> None:
-    group = parser.add_argument_group(cls.__doc__.strip().rstrip("."))
-    docs = field_docs(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
-        kind = str(f.type).replace("| None", "").strip()
-        if kind == "bool":
-            group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
-        elif kind == "list[str]":
-            group.add_argument(flag, dest=f.name, nargs="+", default=default, metavar="PATH", help=help_text)
-        else:
-            if default is not None:
-                help_text += f" (default: {default})"
-            metavar = None if "choices" in f.metadata else f.metadata.get(
-                "metavar", {"int": "N", "float": "X", "str": "TEXT"}[kind])
-            group.add_argument(flag, dest=f.name, type=_TYPES[kind], default=default, help=help_text,
-                               choices=f.metadata.get("choices"), metavar=metavar)
-
 
 def config_from_args(args: argparse.Namespace):
-    """The TrainConfig of parsed ``args`` (ValueError for bad values)."""
-    from pystronghold.train.config import COMPONENTS, TrainConfig
+    """The TrainConfig of parsed ``args`` (ValueError naming the option for bad values)."""
+    from pystronghold.options import from_args
+    from pystronghold.train.config import TrainConfig
 
-    parts = {name: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-             for name, cls in COMPONENTS.items()}
-    return TrainConfig(**parts)
+    return from_args(TrainConfig, args)
 
 
 def _one_line_error(prog: str):
@@ -192,8 +165,8 @@ class Progress:
 
 def run_export(args: argparse.Namespace) -> int:
     """Run ``pystronghold export``: 0 on success, 2 for a missing/corrupt checkpoint."""
+    from pystronghold.options import parse_bytes
     from pystronghold.train.checkpoint import CheckpointError, export_weights, latest_checkpoint
-    from pystronghold.train.config import parse_bytes
 
     from pathlib import Path
 
@@ -216,15 +189,15 @@ def run_export(args: argparse.Namespace) -> int:
 
 def add_train_command(subparsers) -> argparse.ArgumentParser:
     """Add ``train`` to the ``pystronghold`` subcommands."""
-    from pystronghold.train.config import COMPONENTS
+    from pystronghold.options import add_options
+    from pystronghold.train.config import TrainConfig
 
     parser = subparsers.add_parser(
         "train", help="train a GPT through the layer window (no arguments: the demo)",
         description="Train a GPT with only a window of its blocks on the device; the rest, and the "
                     "optimizer, on the host.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for cls in COMPONENTS.values():
-        _add_fields(parser, cls)
+    add_options(parser, TrainConfig)
     parser.error = _one_line_error("pystronghold train")  # NOTE: argparse's usage dump is not one line
     parser.set_defaults(run=run_train)
     return parser

@@ -1,8 +1,10 @@
 """Options of ``pystronghold train``: one dataclass per component, composed into ``TrainConfig``.
 
-Every field has a docstring (shown by ``--help``) and is validated in ``__post_init__`` (a
-``ValueError`` naming the field). ``pystronghold/train/command.py`` generates the argparse options
-from these classes. Which model ``--model`` names, and its default learning rate, is
+The window runtime's settings are ``pystronghold.runtime.config.RuntimeConfig``'s, composed as
+``TrainConfig.runtime`` (declared and validated there, once); the classes here hold what only
+training has. Every field has a docstring (shown by ``--help``) and is validated in
+``__post_init__`` (a ``ValueError`` naming the option). ``pystronghold.options`` generates the
+argparse options from ``TrainConfig`` (``train/command.py``). Which model ``--model`` names, and its default learning rate, is
 ``model_spec.py``'s. With no options at all the run is the embedded demo (``DEMO_MODEL``): a GPT
 whose blocks need several times the device budget they are given, trained on the Python standard
 library's sources.
@@ -16,10 +18,12 @@ from dataclasses import dataclass, field
 
 from pystronghold.models import GPTConfig
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
+from pystronghold.options import component
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train.model_spec import HF_DEFAULT_SEQ, model_lr, resolve_model
 
-__all__ = ["ModelOptions", "DataOptions", "OptimOptions", "WindowOptions", "MemoryOptions",
-           "RunOptions", "parse_bytes", "CheckpointOptions", "ParallelOptions", "TrainConfig"]
+__all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
+           "CheckpointOptions", "ParallelOptions", "TrainConfig", "TRAIN_RUNTIME_DEFAULTS"]
 
 @dataclass(kw_only=True, slots=True)
 class ModelOptions:
@@ -65,7 +69,7 @@ class DataOptions:
 
 @dataclass(kw_only=True, slots=True)
 class OptimOptions:
-    """AdamW, its learning-rate schedule, clipping and accumulation."""
+    """AdamW and its learning-rate schedule."""
 
     lr: float | None = None
     """Peak learning rate; default: the model's own. GPT-3 presets: Brown et al. 2020, Table 2.1
@@ -84,10 +88,6 @@ class OptimOptions:
     biases or norm gains, as nanoGPT and GPT-3) or 'all'."""
     beta2: float = 0.99
     """Adam second-moment decay (beta1 is 0.9)."""
-    clip: float = 1.0
-    """Clip the global gradient norm to this value; 0: no clipping."""
-    accumulation: int = 1
-    """Micro-batches per optimizer step."""
 
     def __post_init__(self) -> None:
         if self.lr is not None and not self.lr > 0:
@@ -100,112 +100,18 @@ class OptimOptions:
             raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.beta2 < 1:
             raise ValueError(f"--beta2 must be in [0, 1), got {self.beta2}")
-        if self.clip < 0:
-            raise ValueError(f"--clip must be >= 0, got {self.clip}")
-        if self.accumulation < 1:
-            raise ValueError(f"--accumulation must be >= 1, got {self.accumulation}")
 
 
 @dataclass(kw_only=True, slots=True)
-class WindowOptions:
-    """The window runtime: where compute runs and how many blocks live there."""
+class AutoWindowOptions:
+    """How --window auto chooses W."""
 
-    window: str = "2"
-    """Blocks on the device at once (W >= 1), 'all', or 'auto' (the planner's choice from block
-    times measured on this machine before the first step)."""
-    device: str = "cpu"
-    """'cpu' (the device is a budgeted host arena) or 'cuda[:n]'."""
-    precision: str = field(default="fp32", metadata={"choices": ("fp32", "bf16", "fp16")})
-    """Compute precision (the optimizer keeps fp32 masters)."""
     device_budget_mb: float = 0.0
     """window=auto only: device bytes the window may use, MiB; 0: 4 slots' worth."""
-    resident_blocks: int = 0
-    """K: the first K blocks stay on the device with a device AdamW (no streaming, no host update);
-    the others stream through the window. 0: every block streams."""
 
     def __post_init__(self) -> None:
-        if self.window not in ("auto", "all"):
-            try:
-                w = int(self.window)
-            except ValueError:
-                raise ValueError(f"--window must be an int >= 1, 'all' or 'auto', got {self.window!r}") from None
-            if w < 1:
-                raise ValueError(f"--window must be >= 1, got {w}")
-        if not (self.device == "cpu" or self.device == "cuda" or
-                (self.device.startswith("cuda:") and self.device[5:].isdigit())):
-            raise ValueError(f"--device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
-        if self.device.startswith("cuda"):
-            import torch
-
-            index = int(self.device[5:]) if ":" in self.device else 0
-            if not torch.cuda.is_available():
-                raise ValueError(f"--device {self.device}: CUDA is not available on this machine")
-            if index >= torch.cuda.device_count():
-                raise ValueError(f"--device {self.device}: only {torch.cuda.device_count()} CUDA device(s)")
-        if self.resident_blocks < 0:
-            raise ValueError(f"--resident-blocks must be >= 0, got {self.resident_blocks}")
         if self.device_budget_mb < 0:
             raise ValueError(f"--device-budget-mb must be >= 0, got {self.device_budget_mb}")
-
-    @property
-    def window_value(self) -> int | str:
-        """The window as RuntimeConfig takes it (an int or 'all'); 'auto' stays 'auto'."""
-        return self.window if self.window in ("auto", "all") else int(self.window)
-
-
-_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_bytes(text: str, flag: str) -> int:
-    """Bytes from '12e9', '8G' / '8GB' (powers of 1000) or '8GiB' (powers of 1024); ValueError
-    naming ``flag`` otherwise."""
-    t = text.strip().lower().removesuffix("b")
-    unit = next((u for u in sorted(_BYTE_UNITS, key=len, reverse=True) if u and t.endswith(u)), "")
-    try:
-        value = float(t[:len(t) - len(unit)] if unit else t) * _BYTE_UNITS[unit]
-    except ValueError:
-        raise ValueError(f"{flag} must be a size in bytes like 12e9, 8G or 8GiB, got {text!r}") from None
-    if not value >= 1:
-        raise ValueError(f"{flag} must be at least 1 byte, got {text!r}")
-    return int(value)
-
-
-@dataclass(kw_only=True, slots=True)
-class MemoryOptions:
-    """Host memory and the NVMe tier."""
-
-    host_memory: str | None = field(default=None, metadata={"metavar": "BYTES"})
-    """Host memory the block states (and, on --device cpu, the window, head and tail) may use, e.g.
-    8G, 8GiB, 12e9 bytes; default: 85% of what the host has available. With --nvme, states that do
-    not fit go to disk."""
-    nvme: str | None = field(default=None, metadata={"metavar": "DIR"})
-    """Directory for block states the host memory cannot hold (a scratch subdirectory is made there
-    and removed at the end; it is never needed to resume: checkpoints are separate)."""
-    nvme_states: str = field(default="auto", metadata={"choices": ("auto", "all")})
-    """'auto': only what --host-memory cannot hold goes to disk; 'all': every block state."""
-    nvme_cache_blocks: int = 4
-    """Blocks of disk states staged in host memory at once."""
-    nvme_sparse: bool = False
-    """Do not reserve the NVMe tier's disk space at the start (its files grow as states are first
-    written; a disk that fills up then fails the run at that write, naming the directory)."""
-
-    def __post_init__(self) -> None:
-        if self.host_memory is not None:
-            parse_bytes(self.host_memory, "--host-memory")
-        if self.nvme_states == "all" and self.nvme is None:
-            raise ValueError("--nvme-states all needs --nvme DIR")
-        if self.nvme is not None:
-            from pystronghold.io.scratch import check_io_directory
-
-            check_io_directory(self.nvme, flag="--nvme")  # exists (or is created) and takes files
-        if self.nvme_cache_blocks < 1:
-            raise ValueError(f"--nvme-cache-blocks must be >= 1, got {self.nvme_cache_blocks}")
-
-    @property
-    def host_memory_bytes(self) -> int | None:
-        """--host-memory in bytes (None: not given)."""
-        return None if self.host_memory is None else parse_bytes(self.host_memory, "--host-memory")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -320,20 +226,40 @@ class ParallelOptions:
         return self.world_size > 1 or self.tp * self.dp_size > 1
 
 
+TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0}
+"""Where ``pystronghold train``'s defaults differ from ``RuntimeConfig``'s: it clips at 1.0 (GPT-3,
+nanoGPT)."""
+
+TRAIN_RUNTIME_HIDDEN = ("checkpointing", "resident_recompute", "overlap", "strict", "trace", "copy_threads",
+                        "init_threads", "initial_loss_scale", "loss_scale_interval")
+"""RuntimeConfig fields that are no ``pystronghold train`` option: ``trace`` is always on (the
+metrics lines need it; ``--trace DIR`` is RunOptions'), the others keep their defaults. The
+optimizer comes from OptimOptions, ``parallel`` from ParallelOptions."""
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    """Everything ``pystronghold train`` needs."""
+    """Everything ``pystronghold train`` needs; its fields are the components, in --help order."""
 
-    model: ModelOptions = field(default_factory=ModelOptions)
-    data: DataOptions = field(default_factory=DataOptions)
-    optim: OptimOptions = field(default_factory=OptimOptions)
-    window: WindowOptions = field(default_factory=WindowOptions)
-    memory: MemoryOptions = field(default_factory=MemoryOptions)
-    run: RunOptions = field(default_factory=RunOptions)
-    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
-    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    model: ModelOptions = component(ModelOptions)
+    data: DataOptions = component(DataOptions)
+    optim: OptimOptions = component(OptimOptions)
+    runtime: RuntimeConfig = component(lambda: RuntimeConfig(**TRAIN_RUNTIME_DEFAULTS), hide=TRAIN_RUNTIME_HIDDEN)
+    """The window runtime: where compute runs, how many blocks live there, clipping, accumulation,
+    host memory and the NVMe tier"""
+    auto_window: AutoWindowOptions = component(AutoWindowOptions)
+    run: RunOptions = component(RunOptions)
+    checkpoint: CheckpointOptions = component(CheckpointOptions)
+    parallel: ParallelOptions = component(ParallelOptions)
 
     def __post_init__(self) -> None:
+        # NOTE: the machine's side of the runtime settings, before the data is read or anything built
+        # (wrap() checks both again when it uses them)
+        self.runtime.check_device_present()
+        if self.runtime.nvme_dir is not None:
+            from pystronghold.io.scratch import check_io_directory
+
+            check_io_directory(self.runtime.nvme_dir, flag="--nvme")  # exists (or is created), takes files
         cfg = resolve_model(self.model.model)
         if self.data.seq > cfg.seq_len:
             raise ValueError(f"--seq {self.data.seq} is longer than the model's seq_len {cfg.seq_len}")
@@ -343,7 +269,7 @@ class TrainConfig:
         tp, dp, world = par.tp, par.dp_size, par.world_size
         if isinstance(cfg, HFModelConfig) and tp > 1:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
-        if isinstance(cfg, HFModelConfig) and self.window.window == "auto":
+        if isinstance(cfg, HFModelConfig) and self.runtime.window == "auto":
             raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
         if world == 1 and tp * dp > 1:
             raise ValueError(f"--tp {tp} x --dp {dp} needs {tp * dp} processes; launch with "
@@ -359,7 +285,7 @@ class TrainConfig:
         if self.data.batch % dp:
             raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} "
                              "(each replica takes an equal slice of every batch)")
-        if par.distributed and self.window.window == "auto":
+        if par.distributed and self.runtime.window == "auto":
             raise ValueError("--window auto is not supported with several processes yet; give --window N")
 
     @property
@@ -381,7 +307,3 @@ class TrainConfig:
             return self.data.seq or min(cfg.seq_len, HF_DEFAULT_SEQ)
         return self.data.seq or cfg.seq_len
 
-
-COMPONENTS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "window": WindowOptions,
-              "memory": MemoryOptions, "run": RunOptions, "checkpoint": CheckpointOptions, "parallel": ParallelOptions}
-"""TrainConfig's fields and their dataclasses, in --help order."""

@@ -8,6 +8,7 @@ goes to the ``on_step`` callback (the CLI draws a tqdm bar), text to ``logging``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -99,7 +100,7 @@ class Trainer:
         # Without --nvme it must fit in host memory: refuse before allocating rather than be
         # killed by the OOM killer (with --nvme the store's placement checks the budget itself).
         need, avail = (0 if self.hf else param_count(cfg) * 16), available_host_bytes()
-        if need > avail and config.memory.nvme is None:
+        if need > avail and config.runtime.nvme_dir is None:
             raise MemoryError(f"--model: {param_count(cfg) / 1e6:,.0f}M parameters need about "
                               f"{need / 2**30:.1f} GiB of host memory (the host store: fp32 weights and "
                               f"Adam moments, gradients), {avail / 2**30:.1f} GiB available; give --nvme "
@@ -112,11 +113,11 @@ class Trainer:
         if par.distributed:
             from pystronghold.parallel import init_parallel
 
-            backend = "nccl" if config.window.device.startswith("cuda") else "gloo"
-            if backend == "nccl" and config.window.device == "cuda":
-                config.window.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            backend = "nccl" if config.runtime.device.startswith("cuda") else "gloo"
+            if backend == "nccl" and config.runtime.device == "cuda":
+                config.runtime.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             if backend == "nccl":
-                torch.cuda.set_device(torch.device(config.window.device))
+                torch.cuda.set_device(torch.device(config.runtime.device))
             self.groups = init_parallel(par.tp, par.dp_size, heads=cfg.heads, backend=backend,
                                         timeout_s=par.dist_timeout)
         self.rank = self.groups.rank if self.groups is not None else 0
@@ -144,26 +145,25 @@ class Trainer:
             self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
                              materialize_blocks=False)
             blocks = self.model.blocks
-        window = config.window.window_value
+        window = config.runtime.window
         self.auto_window = None
         if window == "auto":
             from pystronghold.train.autowindow import choose_runtime_window
 
             self.auto_window = choose_runtime_window(self.model, config)
             window = self.auto_window.window or "all"  # W=0: every block resident
-        auto = self.auto_window  # norms-planner: with --window auto the planner's split, else the options'
         o = config.optim
-        self.engine = pystronghold.wrap(
-            self.model, blocks=blocks, materialize=materialize, window=window, device=config.window.device,
-            resident_blocks=auto.resident_blocks if auto else config.window.resident_blocks,
-            resident_recompute=auto.resident_recompute if auto else False,
-            precision=config.window.precision, clip_grad_norm=o.clip or None,
-            accumulation_steps=o.accumulation, trace=True, parallel=self.groups,
-            host_memory_bytes=config.memory.host_memory_bytes, nvme_dir=config.memory.nvme,
-            nvme_states=config.memory.nvme_states, nvme_cache_blocks=config.memory.nvme_cache_blocks,
-            nvme_preallocate=not config.memory.nvme_sparse,
+        # NOTE: the run's RuntimeConfig as the user gave it, plus what only exists now: W, K and the
+        # resident recompute chosen by --window auto, the process groups, the AdamW of OptimOptions;
+        # the trace feeds the metrics.
+        split = ({} if self.auto_window is None else
+                 dict(resident_blocks=self.auto_window.resident_blocks,
+                      resident_recompute=self.auto_window.resident_recompute))
+        runtime = dataclasses.replace(
+            config.runtime, window=window, trace=True, parallel=self.groups, **split,
             optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
                                          decay=o.decay))
+        self.engine = pystronghold.wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0
@@ -216,7 +216,7 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer step (``accumulation`` micro-batches); returns the mean micro-batch loss."""
-        acc = self.config.optim.accumulation
+        acc = self.config.runtime.accumulation_steps
         total = 0.0
         for _ in range(acc):
             x, y = self.sampler.next_batch()  # (B, T) int64 each
@@ -261,7 +261,7 @@ class Trainer:
     def _run_steps(self, res: TrainResult, writer: MetricsWriter, on_step) -> None:
         run, ck = self.config.run, self.config.checkpoint
         tracer = self.engine.trace
-        tokens_per_step = self.config.optim.accumulation * self.batch * self.seq
+        tokens_per_step = self.config.runtime.accumulation_steps * self.batch * self.seq
         interval_losses: list[float] = []
         t_interval = time.perf_counter()
         steps_in_interval = 0

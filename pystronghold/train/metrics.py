@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pystronghold.runtime.layout import device_bytes_per_param
 from pystronghold.runtime.prepare import head_tail_bytes
 from pystronghold.trace import Tracer
 
@@ -155,22 +156,18 @@ class MemoryReport:
         return out
 
 
-def _state_bytes_per_param(dtype: torch.dtype) -> int:
-    s = torch.finfo(dtype).bits // 8
-    return 2 * s + 8 + (4 if dtype != torch.float32 else 0)  # param + grad + 2 moments (+ master)
-
-
 def device_peak_bytes(engine, head_tail_bytes: int) -> int:
     """Peak device bytes of ``engine``: CUDA's allocator peak, or on CPU the arena + head/tail and
     resident-block state."""
     if engine.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(engine.device))
-    return int(engine.backend.arena_used_bytes) + head_tail_bytes + engine.stats()["resident_bytes"]
+    stats = engine.stats()
+    return int(stats["arena_used_bytes"]) + head_tail_bytes + stats["resident_bytes"]
 
 
 def memory_report(engine) -> MemoryReport:
     """The ``MemoryReport`` of a wrapped model."""
-    per = _state_bytes_per_param(engine.dtype)
+    per = device_bytes_per_param(engine.dtype, master_grads=False)  # param + grad + 2 moments (+ master)
     ht_numel = sum(p.numel() for p in engine.head_tail_params)
     head_tail = head_tail_bytes(engine.head_tail_params, engine.dtype)
     block_numel = sum(lay.numel for lay in engine.store.layouts) + sum(p.numel() for p in engine.resident.params)

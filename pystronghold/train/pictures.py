@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pystronghold.trace import Tracer, _lanes
+from pystronghold.trace import Tracer, lanes_of
 
 __all__ = ["write_outputs", "write_loss_png", "write_timeline_png", "step_starts", "timeline_title"]
 
@@ -46,7 +46,7 @@ def write_timeline_png(path: Path, tracer: Tracer, title: str,
     events = tracer.events()
     t0 = min((e.start_s for e in events), default=0.0)
     span_ms = max((e.end_s for e in events), default=t0) * 1e3 - t0 * 1e3
-    lanes = _lanes(events)
+    lanes = lanes_of(events)
     colors = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(12, 0.6 * max(len(lanes), 1) + 1.4))
     for row, lane in enumerate(lanes):

@@ -1,0 +1,73 @@
+"""``engine.optimizer``: the optimizer the user sees when a model is wrapped.
+
+A real ``torch.optim.Optimizer`` whose param groups carry lr, betas, eps and weight_decay, so LR
+schedulers and manual ``lr`` edits work. With ``AdamW(decay="matrices")`` there are two groups, as
+nanoGPT builds them: parameters of two or more dimensions (weight matrices and embeddings) decay,
+the others (biases, norm gains) have weight_decay 0. It updates nothing itself: ``step``,
+``zero_grad`` and the state dict run the engine's (callables given at construction), and at each
+update the engine reads the groups' current values as one ``AdamWHyper`` per group (``hyper``).
+Block parameters are then updated by the fused CPU Adam on the host store, head and tail parameters
+by ``DeviceAdamW``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .hyper import AdamW, AdamWHyper, decay_groups
+
+__all__ = ["WindowOptimizer"]
+
+
+class WindowOptimizer(torch.optim.Optimizer):
+    """Every model parameter in the param groups of ``decay_groups``; step/zero_grad/state dict run
+    the engine's."""
+
+    def __init__(self, params, spec: AdamW, shapes: dict[int, torch.Size] | None = None, *,
+                 step: Callable[[], None], zero_grad: Callable[[], None], state_dict: Callable[[], dict],
+                 load_state_dict: Callable[[dict], None]) -> None:
+        """``shapes``: real shapes of placeholder parameters (offloaded blocks), by id; ``step``,
+        ``zero_grad``, ``state_dict``, ``load_state_dict``: the engine's."""
+        defaults = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
+        super().__init__(decay_groups(params, spec, shapes), defaults)
+        self._run_step, self._run_zero_grad = step, zero_grad
+        self._get_state, self._set_state = state_dict, load_state_dict
+
+    def group_of(self) -> dict[int, int]:
+        """Index of each parameter's param group, by id(parameter)."""
+        return {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+
+    def hyper(self, step: int, grad_scale: float = 1.0) -> list[AdamWHyper]:
+        """Each param group's current values as the AdamW update at ``step`` (1-based, after
+        incrementing) with gradients multiplied by ``grad_scale`` sees them, in group order."""
+        return [AdamWHyper.from_group(g, step=step, grad_scale=grad_scale) for g in self.param_groups]
+
+    def group_settings(self) -> list[dict]:
+        """Current (lr, betas, eps, weight_decay) of each param group, as dicts in group order: what
+        a checkpoint stores and ``param_groups[i].update`` takes back."""
+        return [dict(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"], weight_decay=g["weight_decay"])
+                for g in self.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._run_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._run_zero_grad()
+
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's format for every parameter (block or head/tail), by index in
+        ``model.parameters()``: ``step``, ``exp_avg``, ``exp_avg_sq`` (the live tensors, as torch's),
+        plus ``param_groups``."""
+        return self._get_state()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of ``state_dict()`` or of ``torch.optim.AdamW(model.parameters())``."""
+        self._set_state(state_dict)

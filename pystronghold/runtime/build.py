@@ -1,0 +1,210 @@
+"""Building the engine's parts from a model, its blocks and a ``RuntimeConfig``.
+
+``build_parts`` does the memory side, in the order the memory is planned: split the parameters
+(resident blocks, streamed blocks, head and tail), plan every byte (window arena, host store,
+file tier: ``placement.py``) before the first allocation so a too-small host fails cleanly, then
+make the backend (device arena, copy engine), the scratch file and ``DiskTier`` when states
+spill, fill the ``HostStore`` (fp32 masters), move the model to the device, make the ``Window``
+and the two pass plans. ``build_optimizers`` makes the update side once the param groups are
+known: the device AdamW of head and tail, the resident blocks, the host updates of streamed
+blocks, where their gradient norms are taken (``grad_norms.py``) and the fp16 loss scaler. ``Engine`` (``engine.py``) composes them with the pass executor
+(``executor.py``) and the step (``step.py``). See docs/DESIGN.md "Window runtime".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pystronghold.io.scratch import check_io_directory
+from pystronghold.runtime import layout
+from pystronghold.runtime.backend import make_backend
+from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
+from pystronghold.runtime.grad_norms import BlockGradNorms
+from pystronghold.optim.device_adamw import DeviceAdamW
+from pystronghold.runtime.placement import Placement, plan_placement
+from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
+from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
+                                          slot_bytes, split_parameters, window_slots)
+from pystronghold.runtime.resident import ResidentBlocks
+from pystronghold.runtime.schedule import build_plan
+from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
+from pystronghold.runtime.updates import HostUpdates
+from pystronghold.runtime.window import Window
+from pystronghold.trace import Tracer
+
+__all__ = ["EngineParts", "OptimizerParts", "build_parts", "build_optimizers"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class EngineParts:
+    """The memory side of an engine, as ``build_parts`` made it."""
+
+    n_blocks: int
+    """Blocks in the model's stack (resident + streamed)."""
+    resident_blocks: list[torch.nn.Module]
+    """The first K blocks, which never leave the device."""
+    resident_params: list[list[torch.nn.Parameter]]
+    """Parameters of each resident block, layout order."""
+    streamed_blocks: list[torch.nn.Module]
+    """The blocks that stream through the window (local index = model index - K)."""
+    block_params: list[list[torch.nn.Parameter]]
+    """Placeholder parameters of each streamed block, layout order."""
+    real_shapes: dict[int, torch.Size]
+    """Real shape of each placeholder block parameter, by id."""
+    block_names: list[list[str]]
+    """Full model names of each block's parameters (resident blocks first, then streamed)."""
+    head_tail_params: list[torch.nn.Parameter]
+    """Parameters outside the blocks (device-resident), in ``model.parameters()`` order."""
+    head_tail_names: list[str]
+    """Full model names of ``head_tail_params``."""
+    head_tail_masters: list[torch.Tensor]
+    """fp32 masters of ``head_tail_params`` on the device, from the values before any cast."""
+    window_size: int
+    """W: device slots."""
+    dtype: torch.dtype
+    """Compute precision of parameters and gradients on the device."""
+    planned_arena_bytes: int
+    """Bytes of the W slots (parameters + gradients), 0 when nothing streams."""
+    placement: Placement
+    """Where each block state lives (host store or file tier)."""
+    scratch: object | None
+    """The open scratch file of the file tier, or None when nothing spills."""
+    backend: object
+    """CPU or CUDA backend: device arena, copy engine, compute waits."""
+    store: HostStore
+    """Host store of the streamed blocks' states."""
+    fill_times: object
+    """Timings of the store fill (``prepare.fill_store``)."""
+    window: Window
+    """The W device slots and which block holds each."""
+    plans: dict[bool, object]
+    """Schedule of a pass by ``train`` (``schedule.build_plan``); empty when nothing streams."""
+    trace: Tracer
+    """Records every action when ``config.trace``."""
+    dp_group: object | None
+    """Data-parallel process group, or None."""
+    tp_group: object | None
+    """Tensor-parallel process group, or None."""
+    parallel: bool
+    """More than one rank."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimizerParts:
+    """The update side of an engine, as ``build_optimizers`` made it."""
+
+    device_optimizer: DeviceAdamW
+    """AdamW of head and tail on the device."""
+    resident: ResidentBlocks
+    """Device-resident blocks with their device AdamW."""
+    updates: HostUpdates
+    """Host Adam updates of streamed blocks (worker thread)."""
+    grad_norms: BlockGradNorms
+    """Streamed blocks' per-parameter gradient norms, taken where the gradients are."""
+    scaler: DynamicLossScaler | None
+    """fp16 loss scaler, or None in fp32/bf16."""
+
+
+def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: RuntimeConfig,
+                materialize=None) -> EngineParts:
+    """Plan, allocate and fill the memory of ``model`` trained through a window (see module doc).
+    ``materialize(i)`` gives block i real parameters (meta-device models). ValueError for an empty
+    block list or ``resident_blocks`` past it; the placement's error when the host is too small."""
+    total = len(blocks)
+    if total == 0:
+        raise ValueError("wrap: the block list is empty; pass blocks= a non-empty nn.ModuleList")
+    k = config.resident_blocks
+    if k > total:
+        raise ValueError(f"wrap: resident_blocks={k} is more than the {total} blocks")
+    n = total - k  # streamed blocks: global index k + local index
+    window = window_slots(config.window, n, k)
+    dtype = compute_dtype(config.precision)
+    par = config.parallel
+    if config.nvme_dir is not None:
+        check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
+    materialize = materialize_resident(model, blocks, k, materialize)
+    block_named, head_tail_params = split_parameters(model, blocks, config.device)
+    resident_params = [[p for _, p in named] for named in block_named[:k]]
+    block_named, streamed = block_named[k:], list(blocks)[k:]
+    layouts = [BlockLayout(named) for named in block_named]
+    block_params = [[p for _, p in named] for named in block_named]
+    numels = [lay.numel for lay in layouts]
+    planned_arena_bytes = window * slot_bytes(layouts, dtype) if n else 0
+    resident_bytes = head_tail_bytes([p for ps in resident_params for p in ps], dtype)
+    # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
+    placement = plan_placement(
+        numels, dtype,
+        budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
+                      else int(config.host_memory_bytes)),
+        # on the CPU backend the "device" (window arena, head and tail) is host memory too
+        fixed_bytes=(planned_arena_bytes + head_tail_bytes(head_tail_params, dtype)
+                     + resident_bytes if config.device == "cpu" else 0),
+        nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
+        streamed_grads=config.overlap_mode == "backward" and config.accumulation_steps == 1,
+        force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
+    scratch = None
+    if placement.spilled:
+        scratch = open_scratch(config.nvme_dir, disk_tier_bytes(placement, numels, dtype),
+                               preallocate=config.nvme_preallocate)
+    store = None
+    try:
+        # (an arena of one page when every block is resident: nothing streams)
+        backend = make_backend(config.device, max(planned_arena_bytes, layout.ARENA_ALIGN), copy_threads=config.copy_threads)
+
+        def disk_factory(placement, numels):
+            engine, read_q, write_q = backend.file_io()
+            return DiskTier(scratch.path, placement, numels, dtype, engine=engine,
+                            read_queue=read_q, write_queue=write_q, arena_factory=backend.host_arena,
+                            preallocate=config.nvme_preallocate)
+
+        # NOTE: arenas made (pinned, zeroed) by a builder thread while the fill runs
+        store = HostStore(layouts, dtype, backend.host_arena, placement=placement,
+                          disk_factory=disk_factory, background=True)
+        fill_times = fill_store(store, model, streamed, block_named, block_params, materialize,
+                                threads=config.init_threads)
+    except BaseException:
+        if store is not None:
+            store.close()
+        if scratch is not None:
+            scratch.close()
+        raise
+    # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
+    head_tail_masters = [p.detach().to(backend.device, torch.float32) for p in head_tail_params]
+    move_to_device(model, blocks, backend.device, dtype)
+    names = {id(p): name for name, p in model.named_parameters()}
+    return EngineParts(
+        n_blocks=total, resident_blocks=list(blocks)[:k], resident_params=resident_params,
+        streamed_blocks=streamed, block_params=block_params,
+        real_shapes={id(p): span.shape for ps, lay in zip(block_params, layouts)
+                     for p, span in zip(ps, lay.spans)},  # block parameters are placeholders now
+        block_names=[[names[id(p)] for p in ps] for ps in resident_params + block_params],
+        head_tail_params=head_tail_params, head_tail_names=[names[id(p)] for p in head_tail_params],
+        head_tail_masters=head_tail_masters, window_size=window, dtype=dtype,
+        planned_arena_bytes=planned_arena_bytes, placement=placement, scratch=scratch, backend=backend,
+        store=store, fill_times=fill_times, window=Window(backend, layouts, block_params, window, dtype),
+        plans={train: build_plan(n, window, train) for train in (True, False)} if n else {},
+        trace=Tracer(enabled=config.trace, block_offset=k),  # the model's block numbers
+        dp_group=par.dp_group if par is not None else None, tp_group=par.tp_group if par is not None else None,
+        parallel=par is not None and par.world_size > 1)
+
+
+def build_optimizers(parts: EngineParts, config: RuntimeConfig, group_of: dict[int, int]) -> OptimizerParts:
+    """The updaters of every parameter; ``group_of``: param group index by id(parameter)
+    (``WindowOptimizer.group_of()``)."""
+    device = parts.backend.device
+    updates = HostUpdates(parts.store, parts.trace, bitwise_torch=config.optimizer.bitwise_torch,
+                          prefetch_depth=max(1, config.nvme_cache_blocks - 2),
+                          param_groups=[[group_of[id(p)] for p in ps] for ps in parts.block_params])
+    return OptimizerParts(
+        device_optimizer=DeviceAdamW(parts.head_tail_params, config.optimizer, parts.head_tail_masters,
+                                     [group_of[id(p)] for p in parts.head_tail_params]),
+        resident=ResidentBlocks(parts.resident_blocks, parts.resident_params, config.optimizer, device,
+                                parts.dtype, recompute=config.resident_recompute, group_of=group_of),
+        updates=updates,
+        # on CUDA the norms come from the slot before the copy-out; on the CPU backend from the host copy
+        grad_norms=BlockGradNorms(updates, on_device=device.type == "cuda"),
+        scaler=(DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
+                if config.precision == "fp16" else None))

@@ -1,0 +1,279 @@
+"""The pass executor: runs the window schedule from inside each block's autograd Function.
+
+Per pass (forward, then backward when training) the executor walks the plan of ``schedule.py``:
+``enter(block)`` before a block computes (issue what is pending, wait for its load, bind its
+parameters to the slot), ``leave(block)`` after (in backward: gradients into the slot's flat
+buffer, one copy-out, a host job; then the plan's releases and prefetch loads). A load of block i
+is issued only after block i's last host update has finished, and into a slot only after that
+slot's previous copy-out (and compute) finished. Between passes the optimizer step
+(``step.py``) runs once ``finish_accumulation`` has every gradient copy-out done. See
+docs/DESIGN.md "Window runtime".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from pystronghold.parallel.data import average_
+from pystronghold.runtime.schedule import Load, Release
+from pystronghold.runtime.timing import copy_marks
+
+__all__ = ["PassExecutor"]
+
+log = logging.getLogger(__name__)
+
+
+class PassExecutor:
+    """``engine.executor``: the state of the pass in progress and of the gradients accumulated
+    since the last step. ``block_fn.BlockFunction`` calls ``enter``/``leave`` (through the engine).
+
+    ``plans``: the schedule of a training and of an inference pass (``schedule.build_plan``) by
+    ``train``; ``stepper``: the ``OptimizerStep`` whose next step a streamed update belongs to.
+    """
+
+    def __init__(self, *, config, window, store, backend, updates, grad_norms, stepper, trace, plans,
+                 dp_group=None) -> None:
+        self.config, self.window, self.store, self.backend = config, window, store, backend
+        self.updates, self.stepper, self.trace, self.plans = updates, stepper, trace, plans
+        self.grad_norms = grad_norms  # grad_norms.BlockGradNorms: before or after the copy-out
+        self.dp_group = dp_group
+        self.overlap = config.overlap_mode
+        self.n_streamed = len(window.params)
+        self._plan = None  # the plan of the pass in progress
+        self._pos = 0  # index of the next use in the plan
+        self._loads: dict[int, object] = {}  # block -> handle of its last load
+        self._load_leases: dict[int, object] = {}  # block -> its load's disk lease (reads to check)
+        self._pending: list[int] = []  # blocks whose load waits for their host update
+        self._grad_out: dict[int, object] = {}  # block -> handle of its gradient copy-out
+        self._grad_valid = [False] * self.n_streamed  # host grad holds earlier micro-batches' sum
+        self._copies: list[tuple[str, int, object]] = []  # for the trace
+        self.micro_batches = 0
+        """Backward passes since the last step."""
+        self.test_skip_waits: set[str] = set()
+        """Test hook: {"load"} removes the compute-waits-for-load (strict mode must then catch it)."""
+
+    def in_pass(self) -> bool:
+        """True between a forward's first block and the end of its backward (or of an inference pass)."""
+        return self._plan is not None
+
+    def in_flight(self) -> int:
+        """Copies and host jobs not finished yet."""
+        return sum(not h.done() for _, _, h in self._copies) + self.updates.in_flight()
+
+    def synchronize(self) -> None:
+        """Wait for every copy and host update in flight (forward-overlap updates included)."""
+        self.updates.drain()
+        for _, _, h in self._copies:
+            h.wait()
+        self.backend.synchronize()
+        self.store.synchronize()
+        self.flush_copies(calibrate=True)
+
+    def span(self, kind: str, block: int | None, *, host: bool = False):
+        """Trace ``kind``: timed by the backend's clock (CUDA: events on the compute stream), or by
+        the host's when ``host`` (work the host itself waits for)."""
+        if not self.trace.enabled:
+            return contextlib.nullcontext()
+        return self.trace.span(kind, block, clock=None if host else self.backend.clock)
+
+    # ---- the schedule, driven by block_fn.BlockFunction (through Engine.enter/leave)
+
+    def enter(self, block: int, phase: str, train: bool) -> None:
+        """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
+        if phase == "fwd" and block == 0:
+            self._begin_pass(train)
+        plan = self._plan
+        use = plan.uses[self._pos] if plan is not None and self._pos < len(plan.uses) else None
+        if use is None or (use.phase, use.block) != (phase, block):
+            raise RuntimeError(
+                f"block {block} ran its {phase} out of the expected order (expected {use}); the window "
+                "runtime needs each block called once per forward, in order 0..N-1")
+        self._pump()
+        if block in self._pending:
+            with self.span("wait", block, host=True):
+                self.updates.updates[block].result()
+            self._pending.remove(block)
+            self._issue(block)
+        handle = self._loads.pop(block, None)
+        lease = self._load_leases.pop(block, None)
+        if lease is not None:
+            lease.wait()  # its disk reads (the load depends on them; this names the file on failure)
+        if handle is not None and "load" not in self.test_skip_waits:
+            if handle.done():
+                self.backend.compute_wait(handle)
+            else:
+                with self.span("wait", block):
+                    self.backend.compute_wait(handle)
+        if phase == "bwd" and self._grad_valid[block]:
+            # accumulation: the earlier micro-batches' sum comes back so this one adds to it
+            slot = self.window.resident[block]
+            n = self.store.layouts[block].numel
+            lease = self.store.acquire(block, ["grad"])
+            lease.wait()
+            # NOTE: after the previous micro-batch's copy-out of this block (another queue/stream)
+            h = self.backend.h2d(slot.grads[:n], lease.tensors["grad"], after=[self._grad_out.get(block)])
+            self.store.release(lease, after=[h])
+            self._copies.append(("h2d", block, h))
+            with self.span("wait", block):
+                self.backend.compute_wait(h)
+        self.window.bind(block)
+
+    def leave(self, block: int, phase: str, param_grads=None) -> None:
+        """After ``block`` computed: in backward hand its gradient out; then run the plan's actions."""
+        if phase == "bwd":
+            self._grad_to_host(block, param_grads)
+        for action in self._plan.after[self._pos]:
+            if isinstance(action, Release):
+                self._release(action)
+            else:
+                self._load(action)
+        self._pos += 1
+        if self._pos == len(self._plan.uses):
+            if len(self._plan.uses) > self.n_streamed:
+                self.micro_batches += 1
+            self._plan = None
+            self.flush_copies()  # finished copies go to the trace and are dropped
+
+    def count_backward(self, grad) -> None:
+        """Multi-grad hook when every block is resident: a backward pass reached their gradients."""
+        self.micro_batches += 1
+
+    def _begin_pass(self, train: bool) -> None:
+        if self._plan is not None:
+            log.warning("a new forward started before the previous pass finished (no backward?); "
+                        "abandoning it")
+            self._abandon_pass()
+        if train and self.micro_batches >= self.config.accumulation_steps:
+            raise RuntimeError(f"a training forward after {self.micro_batches} backward passes without "
+                               f"step() (accumulation_steps={self.config.accumulation_steps})")
+        self._plan, self._pos = self.plans[train], 0
+        for action in self._plan.prologue:
+            self._load(action)
+
+    def _abandon_pass(self) -> None:
+        for h in self._loads.values():
+            h.wait()
+        self._loads.clear()
+        self._load_leases.clear()
+        self._pending.clear()
+        for block in list(self.window.resident):
+            self.window.vacate(block)
+        self._plan = None
+
+    def _load(self, action: Load) -> None:
+        self.window.occupy(action.block, action.slot)
+        if self.updates.pending(action.block) is not None:
+            self._pending.append(action.block)  # issued by _pump once the host update is done
+        else:
+            self._issue(action.block)
+
+    def _issue(self, block: int) -> None:
+        slot = self.window.resident[block]
+        n = self.store.layouts[block].numel
+        lease = self.store.acquire(block, [self.store.upload_state])
+        handle = self.backend.h2d(slot.params[:n], lease.tensors[self.store.upload_state],
+                                  after=[*slot.busy, *lease.read_handles()])
+        self.store.release(lease, after=[handle])  # the cache slot stays until the copy is done
+        if lease.slot is not None:
+            self._load_leases[block] = lease
+        slot.busy = []
+        self._loads[block] = handle
+        self._copies.append(("h2d", block, handle))
+
+    def _pump(self) -> None:
+        for block in list(self._pending):
+            if self.updates.pending(block) is None:
+                self._pending.remove(block)
+                self._issue(block)
+
+    def _release(self, action: Release) -> None:
+        slot = self.window.vacate(action.block)
+        marker = self.backend.compute_marker()
+        if marker is not None:
+            slot.busy.append(marker)
+        if self.config.strict:
+            for h in slot.busy:
+                h.wait()
+            self.backend.poison(slot.params)
+            self.backend.poison(slot.grads)
+
+    def _grad_to_host(self, block: int, param_grads) -> None:
+        slot = self.window.resident[block]
+        accumulate = self._grad_valid[block]
+        for view, g in zip(self.window.grad_views(block), param_grads):
+            if g is not None:
+                view.add_(g) if accumulate else view.copy_(g)
+            elif not accumulate:
+                view.zero_()
+        layout = self.store.layouts[block]
+        if not accumulate:
+            layout.zero_gaps(slot.grads)
+        last = self.micro_batches + 1 >= self.config.accumulation_steps
+        if last:
+            # data parallelism: the block's whole gradient (all micro-batches) averaged over the DP
+            # ranks in one all_reduce, where it is now: in the device slot, before the copy-out
+            average_(slot.grads[:layout.numel], self.dp_group)
+        streamed = last and self.overlap == "backward"
+        # NOTE: a streamed update stages its optimizer states now, so their disk reads overlap the copy-out
+        states = ["grad", *self.updates.update_states] if streamed else ["grad"]
+        if last and self.config.needs_global_grad:  # the device path's norms: from the slot, pre copy-out
+            self.grad_norms.before_copy_out(block, self.window.grad_views(block), self.stepper.grad_unscale())
+        lease = self.store.acquire(block, states, fresh=["grad"])
+        handle = self.backend.d2h(lease.tensors["grad"], slot.grads[:layout.numel],
+                                  after=[self.backend.compute_marker()])
+        slot.busy.append(handle)
+        self._grad_out[block] = handle
+        self._copies.append(("d2h", block, handle))
+        self._grad_valid[block] = True
+        if streamed:
+            self.updates.submit_update(block, handle, hyper=self.stepper.hyper(self.stepper.next_step),
+                                       lease=lease)
+            if block > 0:
+                self.store.prefetch(block - 1, self.updates.update_states)
+            return
+        self.store.release(lease, dirty=["grad"], after=[handle])
+        if last and self.config.needs_global_grad:
+            self.grad_norms.after_copy_out(block, handle, self.stepper.grad_unscale())  # the host path
+
+    # ---- between passes: the step's side of the gradients
+
+    def finish_accumulation(self) -> None:
+        """Before a step: no pass in progress, every micro-batch's backward done (else RuntimeError),
+        every gradient copy-out finished."""
+        if self._plan is not None:
+            raise RuntimeError("step() during a forward/backward pass")
+        if self.micro_batches != self.config.accumulation_steps:
+            raise RuntimeError(f"step() after {self.micro_batches} backward passes; accumulation_steps="
+                               f"{self.config.accumulation_steps} must be completed first")
+        for h in self._grad_out.values():
+            h.wait()
+        self._grad_out.clear()
+
+    def end_accumulation(self) -> None:
+        """After a step (taken or skipped): the next backward starts a new gradient sum."""
+        self.micro_batches = 0
+        self._grad_valid = [False] * self.n_streamed
+        self.flush_copies(calibrate=True)
+
+    def forget_grads(self) -> None:
+        """``zero_grad`` between passes: the block gradients accumulated so far are dropped."""
+        if self._plan is None and self.micro_batches:
+            self.micro_batches = 0
+            self._grad_valid = [False] * self.n_streamed
+
+    def flush_copies(self, calibrate: bool = False) -> None:
+        """Finished copies go to the trace and are dropped; with ``calibrate`` (step end, sync) the
+        trace's device-timed spans are placed on the host clock (runtime/timing.py)."""
+        self._copies.extend(self.store.take_events())
+        keep = []
+        for kind, block, h in self._copies:
+            if h.done():
+                if self.trace.enabled:
+                    start, end = copy_marks(h)
+                    self.trace.defer(kind, block, start, end, h.nbytes)
+            else:
+                keep.append((kind, block, h))
+        self._copies = keep
+        if calibrate and self.trace.pending():
+            self.trace.resolve(self.backend.clock.calibrate)

@@ -1,0 +1,93 @@
+"""Layout arithmetic: how many bytes the runtime's buffers take, in one place.
+
+Everything that sizes a buffer the way the runtime lays it out calls these functions: the store
+(``store.py``), its placement in host memory or on disk (``placement.py``, ``disk_tier.py``), the
+window slots and head/tail (``prepare.py``), the memory report (``train/metrics.py``) and the
+planner (``planner/cost.py``), so a prediction and the run it predicts cannot drift apart.
+
+- A block's parameters sit in one flat buffer per state, each at an offset that is a multiple of
+  ``ALIGN_ELEMS`` elements (``param_offsets``).
+- Every per-block buffer is rounded up to ``ARENA_ALIGN`` bytes (``buffer_bytes``); an arena
+  holding several of them gets ``ARENA_ALIGN`` bytes of slack for its own base alignment
+  (``arena_bytes``).
+- The store holds, per block, fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` and, in the compute
+  dtype, ``grad`` and (bf16/fp16 only) ``shadow`` (``STATES``, ``stored_states``, ``state_dtype``).
+- A window slot holds one block's parameters and gradients in the compute dtype (``slot_bytes``).
+- Parameters trained on the device (head, tail, resident blocks) keep parameter, gradient, two fp32
+  moments and, in bf16/fp16, an fp32 master and its fp32 gradient (``device_bytes_per_param``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["ARENA_ALIGN", "ALIGN_ELEMS", "STATES", "round_up", "param_offsets", "state_dtype",
+           "stored_states", "buffer_bytes", "arena_bytes", "slot_bytes", "host_bytes_per_param",
+           "device_bytes_per_param"]
+
+ARENA_ALIGN = 4096
+"""Bytes: the alignment of every arena and every per-block buffer in it (a page; what O_DIRECT
+file I/O needs)."""
+ALIGN_ELEMS = 16
+"""Parameter offsets inside a block buffer are multiples of this many elements (64 bytes in fp32)."""
+STATES = ("master", "exp_avg", "exp_avg_sq", "grad", "shadow")
+"""Per-block states of the store, in this order."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``n``."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def param_offsets(numels: Sequence[int]) -> tuple[list[int], int]:
+    """Element offsets of parameters of ``numels`` elements packed in one flat buffer, each at a
+    multiple of ``ALIGN_ELEMS``, and the buffer's padded element count (at least ``ALIGN_ELEMS``)."""
+    offsets, end = [], 0
+    for numel in numels:
+        end = round_up(end, ALIGN_ELEMS)
+        offsets.append(end)
+        end += int(numel)
+    return offsets, max(round_up(end, ALIGN_ELEMS), ALIGN_ELEMS)
+
+
+def state_dtype(state: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """fp32 for the optimizer states, the compute dtype for grad and shadow."""
+    return compute_dtype if state in ("grad", "shadow") else torch.float32
+
+
+def stored_states(compute_dtype: torch.dtype) -> tuple[str, ...]:
+    """The states the store holds when training in ``compute_dtype`` (``shadow`` only in bf16/fp16)."""
+    return tuple(s for s in STATES if s != "shadow" or compute_dtype != torch.float32)
+
+
+def buffer_bytes(numel: int, state: str, compute_dtype: torch.dtype) -> int:
+    """Bytes of one flat buffer of ``numel`` elements of ``state`` (rounded up to ``ARENA_ALIGN``)."""
+    return round_up(numel * state_dtype(state, compute_dtype).itemsize, ARENA_ALIGN)
+
+
+def arena_bytes(buffers_bytes: int) -> int:
+    """Capacity in bytes of an arena that holds ``ARENA_ALIGN``-rounded buffers totalling
+    ``buffers_bytes``: one alignment of slack for the arena's own base."""
+    return buffers_bytes + ARENA_ALIGN
+
+
+def slot_bytes(block_numel: int, compute_dtype: torch.dtype) -> int:
+    """Device bytes of one window slot for a block of ``block_numel`` padded elements: a parameter
+    buffer and a gradient buffer in the compute dtype, each rounded up to ``ARENA_ALIGN``."""
+    return 2 * round_up(block_numel * compute_dtype.itemsize, ARENA_ALIGN)
+
+
+def host_bytes_per_param(compute_dtype: torch.dtype) -> int:
+    """Host store bytes per block parameter, padding aside: fp32 master and two moments (12) plus
+    the gradient and, in bf16/fp16, the shadow in the compute dtype (16 in every precision)."""
+    return sum(state_dtype(s, compute_dtype).itemsize for s in stored_states(compute_dtype))
+
+
+def device_bytes_per_param(compute_dtype: torch.dtype, *, master_grads: bool = True) -> int:
+    """Device bytes per parameter trained on the device: parameter and gradient in the compute dtype,
+    two fp32 moments and, in bf16/fp16, an fp32 master plus (``master_grads``) its fp32 gradient."""
+    s = compute_dtype.itemsize
+    half = compute_dtype != torch.float32
+    return 2 * s + 8 + ((4 + (4 if master_grads else 0)) if half else 0)

@@ -1,0 +1,40 @@
+"""The planner's bytes are the runtime's: the window slot and head/tail it predicts for a model
+are what ``wrap`` allocates for that model (both go through ``runtime/layout.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+import pystronghold as ph
+from pystronghold.models import GPT, GPTConfig
+from pystronghold.planner import Hardware, Workload, block_costs, gpu_preset
+from pystronghold.runtime import layout
+from pystronghold.runtime.prepare import head_tail_bytes
+from runtime_models import one_torch_thread
+
+_threads = pytest.fixture(autouse=True)(one_torch_thread)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_planned_slot_and_head_tail_bytes_are_allocated_bytes(precision):
+    # hidden 180: sizes that are not multiples of 16, so offsets get padding, and enough of it that
+    # a slot counted without it would be 4096 bytes per buffer smaller in fp32 and in bf16
+    cfg = GPTConfig(vocab_size=97, seq_len=16, layers=3, hidden=180, heads=4)
+    hw = Hardware(gpu=gpu_preset("h100-80gb"), host_memory_bytes=64 << 30, cpu_adam_params_per_s=1e9)
+    costs = block_costs(cfg, Workload(batch=1, seq=16, precision=precision), hw)
+    model = GPT(cfg)
+    engine = ph.wrap(model, blocks=model.blocks, window=2, precision=precision)
+    try:
+        padded = [lay.numel for lay in engine.store.layouts]
+        assert padded[0] > costs.block_params  # the padding is there ...
+        assert engine.planned_arena_bytes == 2 * costs.slot_bytes  # ... and the planner counts it
+        assert engine.backend.arena_used_bytes <= engine.planned_arena_bytes
+        assert head_tail_bytes(engine.head_tail_params, engine.dtype) == costs.head_tail_bytes
+        # every state's arena: one buffer per block, rounded, plus the arena's slack
+        tiers = engine.store.tier_bytes()
+        assert set(tiers) == set(layout.stored_states(engine.dtype))
+        for state, nbytes in tiers.items():
+            assert nbytes == layout.arena_bytes(sum(layout.buffer_bytes(n, state, engine.dtype) for n in padded))
+            assert nbytes % layout.ARENA_ALIGN == 0
+    finally:
+        engine.close()

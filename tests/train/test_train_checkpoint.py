@@ -1,0 +1,141 @@
+"""Checkpoints: exact resume (fp32), window independence, kill during save, corruption, export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pystronghold.models import GPT, GPTConfig
+from pystronghold.train import Trainer
+from pystronghold.train.checkpoint import (CheckpointError, export_weights, latest_checkpoint,
+                                           load_checkpoint, read_manifest)
+from train_helpers import TINY, kill_when_marked, tiny_config
+
+
+def _run(config):
+    trainer = Trainer(config)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("clip, acc, window_after", [(1.0, 1, 2), (None, 1, 3), (1.0, 2, 1)])
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path, clip, acc, window_after):
+    """Steps 4..6 after resuming from the step-3 checkpoint are bit-identical to a straight run;
+    the resumed run may use another window (the format does not depend on W)."""
+    straight = _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc))
+    ck = tmp_path / "ck"
+    _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), every=3))
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000003", "step-00000006"]
+    shutil.rmtree(ck / "step-00000006")  # as if the run had been killed after step 3
+    resumed = _run(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), resume=True,
+                               window=window_after))
+    assert resumed.start_step == 3
+    assert resumed.losses == straight.losses[3:]
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    marker = tmp_path / "saving"
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from pathlib import Path
+        from train_helpers import tiny_config
+        from pystronghold.train import Trainer
+        from pystronghold.train.checkpoint import save_checkpoint
+        t = Trainer(tiny_config(Path({str(tmp_path)!r}), steps=10))
+        t.train_step(); t.train_step()
+        save_checkpoint(t, {str(ck)!r})
+        t.train_step()
+        def slow(name):
+            Path({str(marker)!r}).write_text(name)
+            time.sleep(60)
+        save_checkpoint(t, {str(ck)!r}, _after_file=slow)
+    """)
+    kill_when_marked(script, marker, "its second save")
+    assert any(p.name.startswith(".tmp-step-00000003") for p in ck.iterdir())  # the half-written save
+    latest = latest_checkpoint(ck)
+    assert latest.name == "step-00000002"
+    assert read_manifest(latest)["step"] == 2
+    trainer = Trainer(tiny_config(tmp_path, steps=3, ckpt=str(ck), resume=True))
+    try:
+        assert trainer.step == 2
+        trainer.train()
+    finally:
+        trainer.close()
+    assert not any(p.name.startswith(".tmp") for p in ck.iterdir())  # cleaned up by the next save
+
+
+def _saved(tmp_path):
+    ck = tmp_path / "ck"
+    _run(tiny_config(tmp_path, steps=2, ckpt=str(ck)))
+    return ck, latest_checkpoint(ck)
+
+
+def test_corrupt_checkpoint_is_refused_before_anything_changes(tmp_path, capsys):
+    ck, path = _saved(tmp_path)
+    block = path / "blocks" / "block-00001.safetensors"
+    data = bytearray(block.read_bytes())
+    data[-3] ^= 0xFF
+    block.write_bytes(bytes(data))
+    trainer = Trainer(tiny_config(tmp_path, steps=2))
+    try:
+        before = {k: v.clone() for k, v in trainer.engine.master_parameters().items()}
+        with pytest.raises(CheckpointError, match="block-00001.safetensors is corrupt"):
+            load_checkpoint(trainer, path)
+        after = trainer.engine.master_parameters()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        trainer.close()
+    from pystronghold.cli import main
+
+    code = main(["train", "--model", str(tmp_path / "model.json"), "--checkpoint-dir", str(ck), "--resume",
+                 "--data", str(tmp_path / "text"), "--max-bytes", "65536", "--batch", "4", "--seq", "32"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "is corrupt" in err and len(err.splitlines()) == 1
+
+
+def test_incompatible_or_incomplete_checkpoint_is_refused(tmp_path):
+    ck, path = _saved(tmp_path)
+    trainer = Trainer(tiny_config(tmp_path, steps=2, model=dict(TINY, hidden=64)))
+    try:
+        with pytest.raises(CheckpointError, match="another model"):
+            load_checkpoint(trainer, path)
+        manifest = json.loads((path / "manifest.json").read_text())
+        (path / "manifest.json").write_text(json.dumps(dict(manifest, version=99)))
+        with pytest.raises(CheckpointError, match="version 99"):
+            load_checkpoint(trainer, path)
+        (path / "manifest.json").unlink()
+        with pytest.raises(CheckpointError, match="no manifest"):
+            load_checkpoint(trainer, path)
+    finally:
+        trainer.close()
+
+
+def test_export_loads_into_a_plain_gpt(tmp_path):
+    ck = tmp_path / "ck"
+    trainer = Trainer(tiny_config(tmp_path, steps=3, ckpt=str(ck)))
+    try:
+        trainer.train()
+        x, _ = trainer.val[0]
+        with torch.no_grad():
+            expected = trainer.engine(x)  # (B, T, V) logits through the window
+    finally:
+        trainer.close()
+    out = export_weights(latest_checkpoint(ck), tmp_path / "model.safetensors")
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(out), "pt") as f:
+        config = GPTConfig(**json.loads(f.metadata()["config"]))
+    plain = GPT(config, seed=123)  # other initial weights: everything must come from the file
+    plain.load_state_dict(load_file(str(out)), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), expected, rtol=0, atol=0)

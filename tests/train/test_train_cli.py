@@ -1,0 +1,164 @@
+"""`pystronghold train`: the shortened demo end to end, metrics lines, bad inputs, trace outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pystronghold.cli import main
+from pystronghold.train import Trainer
+from pystronghold.train.metrics import METRIC_FIELDS
+from train_helpers import text_dir, tiny_config
+
+ENV = dict(os.environ, OMP_NUM_THREADS="2")
+
+
+def test_demo_shortened_runs_end_to_end_in_a_subprocess():
+    """The demo configuration itself (12 blocks, W=2, stdlib text), 3 steps, as `make demo` runs it."""
+    proc = subprocess.run([sys.executable, "-m", "pystronghold", "train", "--steps", "3", "--log-every", "1",
+                           "--eval-batches", "1", "--max-bytes", "200000", "--quiet"],
+                          capture_output=True, text=True, timeout=240, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [s for s in proc.stdout.splitlines() if s.startswith("step ") and "| loss" in s]
+    assert len(lines) == 3
+    for line in lines:  # fixed fields, in order
+        names = [part.strip().rsplit(" ", 1)[0] if not part.strip().startswith(("step", "loss")) else
+                 part.strip().split(" ")[0] for part in line.split("|")]
+        assert [n.split(" ")[0] for n in names] == [f.split(" ")[0] for f in METRIC_FIELDS], line
+    out = proc.stdout
+    assert "window W=2 of 12 blocks" in out and "resident model would need" in out
+    assert "host store: master" in out and "compute" in out
+
+
+def test_loss_falls_and_metrics_are_filled(tmp_path):
+    trainer = Trainer(tiny_config(tmp_path, steps=30))
+    try:
+        res = trainer.train()
+    finally:
+        trainer.close()
+    first = sum(v for _, v in res.losses[:3]) / 3
+    last = sum(v for _, v in res.losses[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert [s for s, _ in res.losses] == list(range(1, 31))
+    m = res.intervals[-1]
+    assert m.h2d_gbps > 0 and m.d2h_gbps > 0 and 0 <= m.overlap <= 1
+    assert m.host_bytes == trainer.engine.store.nbytes
+    mem = res.memory
+    assert mem.window == 2 and mem.blocks == 4
+    assert mem.head_tail_bytes < mem.device_peak_bytes <= mem.window_bytes + mem.head_tail_bytes
+    assert mem.resident_bytes > mem.window_bytes
+    assert res.val_losses and res.val_losses[-1][0] == 30
+
+
+def test_help_lists_every_option_with_examples(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    for flag in ("--window", "--precision", "--batch", "--seq", "--steps", "--lr", "--warmup", "--clip",
+                 "--accumulation", "--seed", "--device", "--trace", "--checkpoint-dir", "--checkpoint-every",
+                 "--resume", "--data", "--model"):
+        assert flag in out, flag
+    assert "examples:" in out and "pystronghold train --model tiny --window auto" in out
+
+
+def _bad(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(["train", *argv]))
+    err = capsys.readouterr().err.strip()
+    return exc.value.code, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "nope"], "unknown preset"),
+    (["--window", "0"], "--window must be >= 1"),
+    (["--window", "two"], "--window must be"),
+    (["--data", "/no/such/dir"], "no such file or directory"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "--device"),
+    (["--device", "tpu"], "--device must be"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--bogus"], "unrecognized arguments"),
+    (["--model", "gpt3-175b"], "GiB of host memory"),
+])
+def test_bad_input_is_one_line(capsys, argv, words):
+    code, err = _bad(capsys, argv)
+    assert code == 2
+    assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err, err
+
+
+def test_checkpoint_dir_under_a_file(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    code, err = _bad(capsys, ["--checkpoint-dir", str(tmp_path / "f" / "ck")])
+    assert code == 2 and "not a writable directory" in err and len(err.splitlines()) == 1
+
+
+def test_unwritable_checkpoint_dir(capsys, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+        code, err = _bad(capsys, ["--checkpoint-dir", str(locked / "ck")])
+    finally:
+        locked.chmod(0o700)
+    assert code == 2 and "not a writable directory" in err and len(err.splitlines()) == 1
+
+
+def test_bad_input_in_a_real_subprocess(tmp_path):
+    """No traceback reaches the user: a missing data path and `--device cuda` where there is none."""
+    device = ["--device", "cuda:99"]
+    for argv in (["--data", str(tmp_path / "missing")], device):
+        proc = subprocess.run([sys.executable, "-m", "pystronghold", "train", *argv], capture_output=True,
+                              text=True, timeout=120, env=ENV)
+        assert proc.returncode == 2
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith("pystronghold train: error:")
+
+
+def test_trace_writes_perfetto_json_and_pictures(tmp_path):
+    out = tmp_path / "trace"
+    trainer = Trainer(tiny_config(tmp_path, steps=4, trace=str(out)))
+    try:
+        res = trainer.train()
+    finally:
+        trainer.close()
+    data = json.loads((out / "trace.json").read_text())
+    lanes = {e["args"]["name"] for e in data["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"compute", "h2d", "d2h", "optimizer"} <= lanes
+    for name in ("timeline.png", "loss.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(out / "loss.png") in res.outputs
+
+
+def test_train_with_nvme_reports_the_tier_and_bad_nvme_input_is_one_line(tmp_path, capsys, caplog):
+    import logging
+
+    from pystronghold.cli import main
+    from pystronghold.options import parse_bytes
+
+    assert parse_bytes("8G", "--x") == 8 * 10**9 and parse_bytes("1.5GiB", "--x") == 3 * 2**29
+    assert parse_bytes("12e9", "--x") == 12 * 10**9 and parse_bytes("512MB", "--x") == 512 * 10**6
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, a few bytes of training text\n" * 400)
+    base = ["train", "--model", "tiny", "--data", str(text), "--steps", "2", "--batch", "2", "--seq", "16",
+            "--log-every", "1", "--eval-batches", "1", "--quiet"]
+    caplog.set_level(logging.INFO)
+    assert main(base + ["--nvme", str(tmp_path / "nvme"), "--nvme-states", "all"]) == 0
+    assert "NVMe tier" in caplog.text and "exp_avg_sq on disk" in caplog.text
+    # --window auto measures a block of the lazily built model (its blocks start on meta)
+    assert main(base + ["--nvme", str(tmp_path / "nvme"), "--window", "auto", "--steps", "1"]) == 0
+    capsys.readouterr()
+    (tmp_path / "afile").write_text("x")
+    for extra, message in ((["--nvme", str(tmp_path / "afile")], "not a directory"),
+                           (["--host-memory", "lots"], "--host-memory must be a size"),
+                           (["--nvme-states", "all"], "--nvme-states all needs --nvme")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
