@@ -107,7 +107,7 @@ def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, 
     host (less the reserve, shared by the ranks), else, with NVMe, the states that do not fit go to
     disk and ``nvme_staging_blocks`` blocks of them are staged in host memory."""
     dtype = compute_dtype(work.precision)
-    numels = [costs.block_params] * n_blocks
+    numels = [costs.block_numel] * n_blocks  # padded, as the runtime's HostStore sizes its buffers
     budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
     everything = plan_placement(numels, dtype, budget_bytes=2**62)
     budget_words = (f"{budget / 2**30:.1f} GiB of host memory per rank (after the "
