@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, interleave, paired_ratio,  # noqa: E402
-                    print_table, write_json)
+                    print_table, token_batches, write_json)
 from window import HYPER, Plain, Windowed  # noqa: E402
 
 from pystronghold.models import GPT  # noqa: E402
@@ -82,10 +82,7 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(small, layers=args.layers, hidden=args.hidden, seq_len=args.seq,
                        heads=max(1, args.hidden // 64))
     base = GPT(cfg)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g))
-               for _ in range(args.warmup + args.steps)]
+    batches = token_batches(cfg.vocab_size, args.batch, args.seq, args.warmup + args.steps)
 
     references = {"plain": Plain(copy.deepcopy(base)), "plain clip": Plain(copy.deepcopy(base), clip=CLIP)}
     trainers = {"no clip": Windowed(copy.deepcopy(base), window),

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, paired_ratio, print_table,  # noqa: E402
-                    write_json)
+                    token_batches, write_json)
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
@@ -110,10 +110,7 @@ def main(argv=None) -> int:
     cfg = GPTConfig(vocab_size=8192, seq_len=args.seq, layers=args.layers, hidden=args.hidden,
                     heads=max(1, args.hidden // 64))
     base = GPT(cfg)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g))
-               for _ in range(args.warmup + args.steps)]
+    batches = token_batches(cfg.vocab_size, args.batch, args.seq, args.warmup + args.steps)
     n_block = sum(p.numel() for p in base.blocks[0].parameters())
     n_ht = sum(p.numel() for p in base.parameters()) - args.layers * n_block
 
