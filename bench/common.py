@@ -269,3 +269,13 @@ def add_gpt_arguments(parser, *, layers: int, hidden: int, seq: int, steps: int,
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=steps, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=warmup)
+
+
+def token_batches(vocab_size: int, batch: int, seq: int, count: int, seed: int = 0) -> list:
+    """``count`` (input, target) pairs of random token ids, each (batch, seq) int64, from ``seed``:
+    the same data for every configuration a training benchmark compares."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab_size, (batch, seq), generator=g),
+             torch.randint(0, vocab_size, (batch, seq), generator=g)) for _ in range(count)]

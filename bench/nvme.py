@@ -31,10 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIN_PAIRS, LoadWatch, add_gpt_arguments, paired_ratio, print_table, write_json  # noqa: E402
+from common import (MIN_PAIRS, LoadWatch, add_gpt_arguments, paired_ratio, print_table,  # noqa: E402
+                    token_batches, write_json)
 from window import Windowed  # noqa: E402
 
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
@@ -106,10 +105,7 @@ def run(args, root: Path) -> int:
                     heads=max(1, args.hidden // 64))
     base = GPT(cfg)
     params = sum(p.numel() for p in base.parameters())
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g))
-               for _ in range(args.warmup + args.steps)]
+    batches = token_batches(cfg.vocab_size, args.batch, args.seq, args.warmup + args.steps)
     trainers = {"ram": Windowed(copy.deepcopy(base), 2),
                 "disk": Windowed(copy.deepcopy(base), 2, nvme_dir=str(root / "tier"), nvme_states="all")}
     del base

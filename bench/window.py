@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, paired_ratio, print_table,  # noqa: E402
-                    write_json)
+                    token_batches, write_json)
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
@@ -49,14 +49,18 @@ HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 class Plain:
-    """Plain PyTorch + torch.optim.AdamW, everything resident."""
+    """Plain PyTorch + torch.optim.AdamW, everything resident (``clip``: torch.nn.utils.clip_grad_norm_
+    to this norm before each step; None: no clipping)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, clip: float | None = None) -> None:
         self.model, self.opt = model, torch.optim.AdamW(model.parameters(), **HYPER)
+        self.clip = clip
 
     def step(self, x, y) -> float:
         loss = self.model(x, y)
         loss.backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad()
         return loss.item()
@@ -130,10 +134,8 @@ def schedules_main(args, base, cfg) -> int:
     rows = []
     watch = LoadWatch()
     for m in args.accumulation:
-        g = torch.Generator().manual_seed(m)
-        batches = [[(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                     torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)) for _ in range(m)]
-                   for _ in range(args.warmup + args.steps)]
+        flat = token_batches(cfg.vocab_size, args.batch, args.seq, m * (args.warmup + args.steps), seed=m)
+        batches = [flat[i:i + m] for i in range(0, len(flat), m)]  # m micro-batches per step
         trainers = {s: Accumulating(copy.deepcopy(base), window, m, s, **options) for s in schedules}
         losses = {s: [] for s in schedules}
         times = {s: [] for s in schedules}
@@ -208,10 +210,7 @@ def main(argv=None) -> int:
     base = GPT(cfg)
     if args.accumulation is not None:
         return schedules_main(args, base, cfg)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g))
-               for _ in range(args.warmup + args.steps)]
+    batches = token_batches(cfg.vocab_size, args.batch, args.seq, args.warmup + args.steps)
     n_block = sum(p.numel() for p in base.blocks[0].parameters())
     n_ht = sum(p.numel() for p in base.parameters()) - args.layers * n_block
 

@@ -1,5 +1,6 @@
-// Input validation of the fused CPU Adam (adam.cpp), the gradient norm (adam_norm.cpp) and the
-// roofline probe (roofline.cpp): each error names the tensor and the expected value.
+// Input validation of the fused CPU Adam (adam.cpp), the gradient norms (adam_norm.cpp,
+// grad_norms.cpp) and the roofline probe (roofline.cpp): each error names the tensor and the
+// expected value.
 #pragma once
 
 #include <torch/extension.h>
@@ -71,6 +72,10 @@ bool adam_step_multi(at::TensorList params, at::TensorList grads, at::TensorList
 
 // Sum of squares of grad*grad_scale in float64; inf/NaN when a value is not finite (adam_norm.cpp).
 double grad_sq_norm(const at::Tensor& grad, double grad_scale);
+
+// fp32 L2 norm of each grads[i]*grad_scale, shape (len(grads),), bit for bit
+// torch.linalg.vector_norm of the fp32 gradient; the parameters shared among threads (grad_norms.cpp).
+at::Tensor param_grad_norms(at::TensorList grads, double grad_scale);
 
 }  // namespace adam
 }  // namespace pystronghold

@@ -1,7 +1,7 @@
 // The pybind11 side of pystronghold._C: the stateful classes (HostArena, CopyEngine, RecordFile)
 // and the build/probe functions. module.cpp calls each binder below explicitly, in one visible
-// order. The stateless tensor kernels (adam_step, adam_step_multi, grad_sq_norm, crc32c) are not
-// here: they are torch.library operators with schemas (ops.cpp).
+// order. The stateless tensor kernels (adam_step, adam_step_multi, grad_sq_norm, param_grad_norms,
+// crc32c) are not here: they are torch.library operators with schemas (ops.cpp).
 #pragma once
 
 #include <torch/extension.h>

@@ -5,7 +5,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pystronghold native core: copy engine, host arena, file tier (pybind11); the fused CPU "
-            "Adam, gradient norm and CRC32C are torch.ops.pystronghold operators";
+            "Adam, gradient norms and CRC32C are torch.ops.pystronghold operators";
   // NOTE: simd first: a bad PYSTRONGHOLD_SIMD_FORCE fails the import before anything else is bound
   pystronghold::bind_simd(m);
   pystronghold::bind_build_info(m);

@@ -39,6 +39,10 @@ at::Tensor grad_sq_norm_op(const at::Tensor& grad, double grad_scale) {
   return at::scalar_tensor(adam::grad_sq_norm(grad, grad_scale), at::TensorOptions().dtype(at::kDouble));
 }
 
+at::Tensor param_grad_norms_op(at::TensorList grads, double grad_scale) {
+  return adam::param_grad_norms(grads, grad_scale);
+}
+
 at::Tensor crc32c_op(const at::Tensor& data, bool force_software) {
   TORCH_CHECK_VALUE(data.device().is_cpu(), "crc32c: data must be on the CPU, got device ", data.device());
   TORCH_CHECK_VALUE(data.layout() == at::kStrided && data.is_contiguous(),
@@ -59,6 +63,7 @@ TORCH_LIBRARY(pystronghold, m) {
         "Tensor(d!)[]? shadows, int step, float lr, float beta1, float beta2, float eps, float weight_decay, "
         "bool adamw, float grad_scale, bool check_finite, bool bitwise_torch) -> Tensor");
   m.def("grad_sq_norm(Tensor grad, float grad_scale) -> Tensor");
+  m.def("param_grad_norms(Tensor[] grads, float grad_scale) -> Tensor");
   m.def("crc32c(Tensor data, bool force_software=False) -> Tensor");
 }
 
@@ -69,6 +74,7 @@ void register_cpu_kernels(torch::Library& m) {
   m.impl("adam_step", &adam_step_op);
   m.impl("adam_step_multi", &adam_step_multi_op);
   m.impl("grad_sq_norm", &grad_sq_norm_op);
+  m.impl("param_grad_norms", &param_grad_norms_op);
   m.impl("crc32c", &crc32c_op);
 }
 

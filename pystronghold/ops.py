@@ -5,13 +5,15 @@ adam_step          fused Adam/AdamW over flat CPU buffers; writes param, exp_avg
                    shadow (``Tensor(a!)`` in the schema); returns a 0-dim bool: applied
 adam_step_multi    the same over lists of buffers in one parallel region
 grad_sq_norm       sum of squares of grad*grad_scale (float64, 0-dim)
+param_grad_norms   fp32 L2 norm of each grad*grad_scale of a list, (len(grads),), threaded by parameter
 crc32c             CRC32C of a tensor's bytes (int64, 0-dim): the file tier's record checksum
 =================  ===========================================================================
 
 Loading ``pystronghold._C`` registers the operators (C++ static registration); ``native_ops()``
 loads it, registers the fake implementations below once (shapes only: what FakeTensor,
 ``torch.compile`` and ``torch.library.opcheck`` need) and returns the operator overloads. Typed
-wrappers with docstrings: ``pystronghold.optim.functional`` (Adam, the norm) and ``crc32c`` here.
+wrappers with docstrings: ``pystronghold.optim.functional`` (Adam, the norm),
+``pystronghold.runtime.grad_norms.param_grad_norms`` and ``crc32c`` here.
 
 NOTE: the fake implementations also serve as the ops' Meta kernels, so a call with a tensor on the
 meta device lands here, not in C++: they check the device with C++'s message.
@@ -28,7 +30,7 @@ from pystronghold._ext import native
 
 __all__ = ["native_ops", "crc32c"]
 
-OPS = ("adam_step", "adam_step_multi", "grad_sq_norm", "crc32c")
+OPS = ("adam_step", "adam_step_multi", "grad_sq_norm", "param_grad_norms", "crc32c")
 """The operators of the ``pystronghold`` namespace."""
 
 
@@ -82,13 +84,20 @@ def _fake_grad_sq_norm(grad, grad_scale):
     return torch.empty((), dtype=torch.float64)
 
 
+def _fake_param_grad_norms(grads, grad_scale):
+    for k, t in enumerate(grads):
+        _check_cpu("param_grad_norms", f"grads[{k}]", t)
+    return torch.empty(len(grads), dtype=torch.float32)
+
+
 def _fake_crc32c(data, force_software=False):
     _check_cpu("crc32c", "data", data)
     return torch.empty((), dtype=torch.int64)
 
 
 _FAKES = {"adam_step": _fake_adam_step, "adam_step_multi": _fake_adam_step_multi,
-          "grad_sq_norm": _fake_grad_sq_norm, "crc32c": _fake_crc32c}
+          "grad_sq_norm": _fake_grad_sq_norm, "param_grad_norms": _fake_param_grad_norms,
+          "crc32c": _fake_crc32c}
 
 
 def _register_fakes() -> None:

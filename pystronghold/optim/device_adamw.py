@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .functional import param_grad_norms
 from .hyper import AdamW, AdamWHyper
 
 __all__ = ["DeviceAdamW"]
@@ -82,9 +83,10 @@ class DeviceAdamW:
 
     def grad_norms(self, grad_scale: float) -> dict[int, torch.Tensor]:
         """fp32 L2 norm of each parameter's gradient x ``grad_scale``, keyed by id(parameter)."""
-        return {id(p): torch.linalg.vector_norm(p.grad.float() * grad_scale if grad_scale != 1.0
-                                                else p.grad.float())
-                for p in self.params if p.grad is not None}
+        with_grad = [p for p in self.params if p.grad is not None]
+        # taken where the gradients are; one copy to the host, where global_grad_norm combines them
+        norms = param_grad_norms([p.grad for p in with_grad], grad_scale).cpu()
+        return {id(p): n for p, n in zip(with_grad, norms)}
 
     @torch.no_grad()
     def step(self, hyper: list[AdamWHyper]) -> None:

@@ -1,7 +1,8 @@
 """Functional fused CPU Adam/AdamW over flat buffers (the runtime's entry point).
 
-All three run in C++ (`csrc/adam.cpp`, `csrc/adam_norm.cpp`) as the torch operators
-``torch.ops.pystronghold.adam_step``, ``adam_step_multi`` and ``grad_sq_norm`` (`pystronghold.ops`):
+The native ones run in C++ (`csrc/adam.cpp`, `csrc/adam_norm.cpp`, `csrc/grad_norms.cpp`) as the
+torch operators ``torch.ops.pystronghold.adam_step``, ``adam_step_multi``, ``grad_sq_norm`` and
+``param_grad_norms`` (`pystronghold.ops`):
 one SIMD pass, OpenMP threads, the GIL released. The hyper-parameters travel as one frozen
 ``AdamWHyper`` and are unpacked here, into the operator's arguments. The arithmetic follows
 `torch.optim.AdamW` / `torch.optim.Adam` (single-tensor CPU path) operation by operation with the
@@ -27,7 +28,7 @@ import torch
 from ..ops import native_ops
 from .hyper import AdamWHyper
 
-__all__ = ["adam_step_", "adam_step_multi_", "grad_sq_norm"]
+__all__ = ["adam_step_", "adam_step_multi_", "grad_sq_norm", "param_grad_norms", "device_param_grad_norms"]
 
 
 def adam_step_(
@@ -120,3 +121,41 @@ def grad_sq_norm(grad: torch.Tensor, grad_scale: float = 1.0) -> float:
         ValueError: ``grad`` is not a contiguous CPU fp32/bf16/fp16 tensor, or ``grad_scale`` is not finite.
     """
     return native_ops().grad_sq_norm(grad, float(grad_scale)).item()
+
+
+# ---- per-parameter gradient norms, as torch.nn.utils.clip_grad_norm_ takes them
+
+def param_grad_norms(grads: Sequence[torch.Tensor], grad_scale: float = 1.0) -> torch.Tensor:
+    """fp32 L2 norm of each gradient x ``grad_scale``, shape (len(grads),), on the gradients' device.
+
+    CPU: ``torch.linalg.vector_norm(g.float() * grad_scale)`` for each g, bit for bit (what
+    ``clip_grad_norm_`` computes per parameter there), the parameters shared among threads by the
+    operator ``param_grad_norms`` (each reduction torch's own on one thread, so the thread count
+    changes nothing). Other devices: ``device_param_grad_norms``.
+
+    Raises:
+        ValueError: the gradients are on several devices, a dtype is not float32/bfloat16/float16,
+            or ``grad_scale`` is not finite.
+    """
+    if not grads:
+        return torch.zeros(0)
+    device = grads[0].device
+    if any(g.device != device for g in grads):
+        raise ValueError(f"param_grad_norms: grads must be on one device, got {sorted({str(g.device) for g in grads})}")
+    if device.type == "cpu":
+        return native_ops().param_grad_norms(list(grads), float(grad_scale))
+    return device_param_grad_norms(grads, grad_scale)
+
+
+def device_param_grad_norms(grads: Sequence[torch.Tensor], grad_scale: float = 1.0) -> torch.Tensor:
+    """fp32 L2 norm of each gradient x ``grad_scale`` with ``torch._foreach_norm`` (the kernel of
+    ``clip_grad_norm_`` on CUDA), stacked on the gradients' device without a host sync.
+
+    fp32 gradients at scale 1 go to one ``_foreach_norm`` call; others are scaled in fp32 one
+    parameter at a time (at most one parameter's fp32 copy alive), as the host path does."""
+    if not grads:
+        return torch.zeros(0)
+    if grad_scale == 1.0 and all(g.dtype == torch.float32 for g in grads):
+        return torch.stack(torch._foreach_norm(list(grads)))
+    return torch.stack([torch._foreach_norm([g.float() * grad_scale if grad_scale != 1.0 else g.float()])[0]
+                        for g in grads])

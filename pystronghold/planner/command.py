@@ -3,8 +3,9 @@
 Every field of ``PlanRequest`` becomes one option (``gpu_memory`` -> ``--gpu-memory``;
 ``pystronghold.options``): its type comes from the annotation, its help from the docstring under
 the field, choices from the field's metadata. The runtime settings the plan assumes (--window,
---precision, --checkpointing, --accumulation, --schedule) are ``RuntimeConfig``'s fields, declared and validated there. Sizes
-are in GiB (2**30 bytes) and bandwidths in GB/s (1e9 bytes/s), as people say them.
+--resident-blocks, --precision, --checkpointing, --accumulation, --schedule) are ``RuntimeConfig``'s
+fields, declared and validated there. Sizes are in GiB (2**30 bytes) and bandwidths in GB/s (1e9
+bytes/s), as people say them.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ EXAMPLES = """examples:
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
-PLAN_RUNTIME_DEFAULTS = {"window": "auto", "precision": "bf16", "schedule": "auto"}
-"""Where ``pystronghold plan``'s runtime defaults differ from ``RuntimeConfig``'s: it picks W and the
-accumulation schedule, and plans in bf16, unless told otherwise."""
+PLAN_RUNTIME_DEFAULTS = {"window": "auto", "resident_blocks": "auto", "precision": "bf16", "schedule": "auto"}
+"""Where ``pystronghold plan``'s runtime defaults differ from ``RuntimeConfig``'s: it picks K and W and
+the accumulation schedule, and plans in bf16, unless told otherwise."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,8 +101,8 @@ class PlanRequest:
     global_batch: int | None = option(None)
     """Samples per step over all ranks, with --cluster (default: --batch x the devices)."""
     runtime: RuntimeConfig = component(lambda: RuntimeConfig(**PLAN_RUNTIME_DEFAULTS),
-                                       only=("window", "precision", "checkpointing", "accumulation_steps",
-                                             "schedule"))
+                                       only=("window", "resident_blocks", "precision", "checkpointing",
+                                             "accumulation_steps", "schedule"))
     """The runtime settings the plan assumes"""
 
     def __post_init__(self) -> None:
@@ -168,7 +169,8 @@ class PlanRequest:
         return config
 
     def resolve(self):
-        """(GPTConfig, Workload, Hardware, window or None, widths or None); ValueError on bad values."""
+        """(GPTConfig, Workload, Hardware, window or None, widths or None, resident blocks or None);
+        ValueError on bad values."""
         from pystronghold.planner.cost import Workload
         from pystronghold.planner.hardware import GB, GPU, PCIE_GEN4, GiB, TFLOPS, Hardware, gpu_preset
 
@@ -197,7 +199,11 @@ class PlanRequest:
         hw.gpu.flops(rt.precision)  # refuses bf16 on a GPU without it
         window = {"auto": None, "all": config.layers}.get(rt.window, rt.window)
         widths = None if self.widths is None else [int(w) for w in self.widths.split(",")]
-        return config, work, hw, window, widths
+        resident = None if rt.resident_blocks == "auto" else rt.resident_blocks
+        if resident is not None and resident > config.layers:
+            raise ConfigError(rt, "resident_blocks",
+                              f"({resident}) is more than the model's {config.layers} blocks")
+        return config, work, hw, window, widths, resident
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -212,7 +218,7 @@ def run_plan(args: argparse.Namespace) -> int:
             from pystronghold.planner.hetero import run_cluster_plan
 
             return run_cluster_plan(request)
-        config, work, hw, window, widths = request.resolve()
+        config, work, hw, window, widths, resident = request.resolve()
         pipeline = None
         if request.pp > 1:
             from pystronghold.planner.pipeline import plan_pipeline
@@ -224,10 +230,12 @@ def run_plan(args: argparse.Namespace) -> int:
             # NOTE: an upper bound over the stages: the most blocks of any stage, holding the
             # activations of the most micro-batches in flight on any stage (stage 0's under 1F1B)
             config = dataclasses.replace(config, layers=max(len(r) for r in pipeline.split))
-        plan = make_plan(config, work, hw, window, in_flight=max(pipeline.in_flight) if pipeline else 1)
+        plan = make_plan(config, work, hw, window, resident,
+                         in_flight=max(pipeline.in_flight) if pipeline else 1)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:
-        print(f"pystronghold plan: error: {e}", file=sys.stderr)
+        message = e.on_command_line() if isinstance(e, ConfigError) else str(e)
+        print(f"pystronghold plan: error: {message}", file=sys.stderr)
         return 2
     record, text = plan_to_dict(plan), format_plan(plan)
     if pipeline is not None:

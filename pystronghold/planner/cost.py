@@ -20,10 +20,15 @@ from pystronghold.runtime.precision import DTYPES, compute_dtype
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
            "block_forward_flops", "block_activation_bytes", "tail_activation_bytes",
            "host_bytes_per_param", "ring_allreduce_s", "block_costs", "PRECISION_BYTES",
-           "OVERLAP_MODES", "analytic_window", "block_param_numels", "block_layout_numel", "slot_bytes"]
+           "OVERLAP_MODES", "DEVICE_ADAM_BYTES", "analytic_window", "block_param_numels", "block_buffer_numel",
+           "slot_bytes"]
 
 PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 """Bytes per element of each compute precision."""
+DEVICE_ADAM_BYTES = {"fp32": 28, "bf16": 40, "fp16": 40}
+"""Device memory traffic of the fused AdamW per parameter, bytes: read master, grad, exp_avg,
+exp_avg_sq and write master, exp_avg, exp_avg_sq (7 x 4); in bf16/fp16 also the fp32 copy of the
+gradient (read 2, write 4) and the compute copy of the master (read 4, write 2)."""
 OVERLAP_MODES = ("backward", "forward")
 """When the host updates run: during backward, or after it, ahead of the next forward's loads."""
 
@@ -105,9 +110,11 @@ def block_param_numels(config: GPTConfig) -> list[int]:
             + layer(C * Fw // t, Fw // t) + layer(Fw * C // t, C))
 
 
-def block_layout_numel(config: GPTConfig) -> int:
-    """Elements of one block's flat buffer as the runtime lays it out (``runtime.layout.param_offsets``):
-    what one load or one gradient copy-out moves."""
+def block_buffer_numel(config: GPTConfig) -> int:
+    """Elements of one block's flat buffer on one rank as the runtime lays it out
+    (``runtime.layout.param_offsets``): the parameters at ``ALIGN_ELEMS`` offsets, padded; what one
+    load or one gradient copy-out moves, and what the window slots and every host store state of a
+    block are sized from."""
     return layout.param_offsets(block_param_numels(config))[1]
 
 
@@ -115,7 +122,7 @@ def slot_bytes(config: GPTConfig, precision: str) -> int:
     """Device bytes of one window slot as the runtime lays it out (``runtime.layout``): a parameter
     buffer and a gradient buffer in ``precision``, each the block's parameters at aligned offsets,
     rounded up to the arena alignment."""
-    return layout.slot_bytes(block_layout_numel(config), compute_dtype(precision))
+    return layout.slot_bytes(block_buffer_numel(config), compute_dtype(precision))
 
 
 def head_tail_params_per_rank(config: GPTConfig) -> int:
@@ -190,6 +197,9 @@ class BlockCosts:
 
     block_params: int
     """Parameters of one block on this rank (P_b)."""
+    block_numel: int
+    """Elements of one block's flat buffer as the runtime lays it out: P_b plus the alignment
+    padding between parameters (``block_buffer_numel``); sizes the host store's buffers."""
     slot_bytes: int
     """Device bytes of one window slot: parameters and gradients in compute precision, 2*P_b*s
     (plus the runtime's alignment padding, see ``slot_bytes``)."""
@@ -217,6 +227,14 @@ class BlockCosts:
     adam_s: float
     """Host update of one block, seconds: P_b / (CPU Adam rate / ranks), or the NVMe tier's
     read + write of its states when that is slower."""
+    recompute_s: float = 0.0
+    """The part of ``bwd_s`` that recomputes the forward (``fwd_s`` with checkpointing, else 0):
+    what a device-resident block that keeps its activations does not spend."""
+    resident_block_bytes: int = 0
+    """Device bytes of one device-resident block: parameters and gradients in compute precision,
+    fp32 AdamW moments and (bf16/fp16) fp32 masters and their fp32 gradients, as for head + tail."""
+    device_adam_s: float = 0.0
+    """Device AdamW of one resident block, seconds: P_b * DEVICE_ADAM_BYTES / device memory bandwidth."""
 
 
 def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_per_param: float = 0.0
@@ -240,10 +258,13 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     adam = p_b / (hw.cpu_adam_params_per_s / ranks)
     if nvme_bytes_per_param:
         adam = max(adam, nvme_bytes_per_param * p_b / (hw.nvme_bytes_per_s / ranks))
+    # params, grads, fp32 moments (+ fp32 masters and their grads): head, tail and resident blocks alike
+    per_param = layout.device_bytes_per_param(compute_dtype(work.precision))
     return BlockCosts(
         block_params=p_b,
+        block_numel=block_buffer_numel(config),
         slot_bytes=slot_bytes(config, work.precision),
-        head_tail_bytes=p_ht * layout.device_bytes_per_param(compute_dtype(work.precision)),
+        head_tail_bytes=p_ht * per_param,
         block_input_bytes=btc_bytes,
         block_activation_bytes=block_activation_bytes(config, work, seq),
         tail_activation_bytes=tail_activation_bytes(config, work, seq),
@@ -254,6 +275,9 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
         grad_s=p_b * s / hw.gpu.d2h_bytes_per_s,
         allreduce_s=ring_allreduce_s(p_b * s, work.dp_size, hw.gpu.interconnect_bytes_per_s),
         adam_s=adam,
+        recompute_s=recompute,
+        resident_block_bytes=p_b * per_param,
+        device_adam_s=p_b * DEVICE_ADAM_BYTES[work.precision] / hw.gpu.memory_bytes_per_s,
     )
 
 

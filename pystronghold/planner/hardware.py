@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 __all__ = ["GiB", "GB", "TFLOPS", "GPU", "Hardware", "GPUS", "PCIE_GEN3", "PCIE_GEN4", "PCIE_GEN5",
-           "DEFAULT_CPU_ADAM_RATE", "DEFAULT_NVME_BANDWIDTH", "gpu_preset"]
+           "DEFAULT_CPU_ADAM_RATE", "DEFAULT_NVME_BANDWIDTH", "DEFAULT_DEVICE_MEMORY_BANDWIDTH", "gpu_preset"]
 
 GiB = 2**30
 """Bytes in a GiB."""
@@ -38,6 +38,10 @@ exp_avg, exp_avg_sq, shadow (4 + 4 + 4 + 2 bytes), about 28-32 bytes. 2e9 parame
 of memory traffic, what one socket of a current server (8 DDR4-3200 / DDR5 channels, 200-300 GB/s
 peak) sustains for such streams with OpenMP. A desktop (2 channels, ~50-80 GB/s peak) reaches less:
 measure yours (``bench/adam.py``) and pass it as ``cpu_adam_params_per_s``."""
+
+DEFAULT_DEVICE_MEMORY_BANDWIDTH = 1000 * GB
+"""Device memory bytes/s of a GPU without a preset: about a current consumer card's (GDDR6X ~1 TB/s);
+data-centre parts have 1.5-3.4 TB/s (HBM2e/HBM3)."""
 
 DEFAULT_NVME_BANDWIDTH = 3 * GB
 """Bytes/s of the NVMe tier when not given: a PCIe gen4 x4 SSD streams 5-7 GB/s sequential reads
@@ -65,12 +69,14 @@ class GPU:
     interconnect_bytes_per_s: float = PCIE_GEN4
     """GPU-to-GPU bandwidth per direction for tensor/data-parallel collectives, bytes/s
     (NVLink where the card has it, else the PCIe link)."""
+    memory_bytes_per_s: float = DEFAULT_DEVICE_MEMORY_BANDWIDTH
+    """Device memory bandwidth, bytes/s: what the device AdamW of resident blocks streams at."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("GPU.name must not be empty")
         for name in ("memory_bytes", "fp32_flops", "fp16_flops", "h2d_bytes_per_s", "d2h_bytes_per_s",
-                     "interconnect_bytes_per_s"):
+                     "interconnect_bytes_per_s", "memory_bytes_per_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"GPU.{name} must be a positive number, got {value!r}")
@@ -91,38 +97,42 @@ class GPU:
 
 
 def _gpu(name: str, mem_gib: float, fp32: float, bf16: float | None, fp16: float, link: float,
-         nvlink: float | None = None) -> GPU:
+         nvlink: float | None = None, *, hbm_gb_s: float) -> GPU:
     return GPU(name=name, memory_bytes=int(mem_gib * GiB), fp32_flops=fp32 * TFLOPS,
                bf16_flops=None if bf16 is None else bf16 * TFLOPS, fp16_flops=fp16 * TFLOPS,
                h2d_bytes_per_s=link, d2h_bytes_per_s=link,
-               interconnect_bytes_per_s=link if nvlink is None else nvlink)
+               interconnect_bytes_per_s=link if nvlink is None else nvlink, memory_bytes_per_s=hbm_gb_s * GB)
 
 
 GPUS: dict[str, GPU] = {g.name: g for g in [
+    # Memory bandwidths (hbm_gb_s) from the same datasheets: V100 900 GB/s HBM2; A100 40GB 1555,
+    # 80GB 2039 (HBM2e); H100 SXM5 3350 (HBM3); RTX 3090 936, RTX 4090 1008 (GDDR6X).
     # NVIDIA Tesla V100 datasheet (SXM2): fp32 15.7 TFLOPS, tensor fp16 125 TFLOPS, no bf16;
     # PCIe gen3 x16 host link; NVLink 2 300 GB/s total -> 150 GB/s per direction.
-    _gpu("v100-16gb", 16, 15.7, None, 125, PCIE_GEN3, 150 * GB),
-    _gpu("v100-32gb", 32, 15.7, None, 125, PCIE_GEN3, 150 * GB),
-    # NVIDIA Tesla V100 datasheet (PCIe): fp32 14 TFLOPS, tensor fp16 112 TFLOPS; no NVLink.
-    _gpu("v100-pcie-32gb", 32, 14, None, 112, PCIE_GEN3),
+    _gpu("v100-16gb", 16, 15.7, None, 125, PCIE_GEN3, 150 * GB, hbm_gb_s=900),
+    _gpu("v100-32gb", 32, 15.7, None, 125, PCIE_GEN3, 150 * GB, hbm_gb_s=900),
+    # NVIDIA Tesla V100 datasheet (PCIe): fp32 14 TFLOPS, tensor fp16 112 TFLOPS; no NVLink;
+    # 900 GB/s HBM2.
+    _gpu("v100-pcie-32gb", 32, 14, None, 112, PCIE_GEN3, hbm_gb_s=900),
     # NVIDIA Tesla P100 datasheet (SXM2, NVLink): fp32 10.6, fp16 21.2 TFLOPS (no tensor cores,
-    # no bf16); NVLink 1 160 GB/s total -> 80 GB/s per direction.
-    _gpu("p100-16gb", 16, 10.6, None, 21.2, PCIE_GEN3, 80 * GB),
-    # NVIDIA Tesla P100 datasheet (PCIe, 16 GB): fp32 9.3, fp16 18.7 TFLOPS; peers over PCIe gen3.
-    _gpu("p100-pcie-16gb", 16, 9.3, None, 18.7, PCIE_GEN3),
+    # no bf16); NVLink 1 160 GB/s total -> 80 GB/s per direction; 732 GB/s HBM2.
+    _gpu("p100-16gb", 16, 10.6, None, 21.2, PCIE_GEN3, 80 * GB, hbm_gb_s=732),
+    # NVIDIA Tesla P100 datasheet (PCIe, 16 GB): fp32 9.3, fp16 18.7 TFLOPS; peers over PCIe gen3;
+    # 732 GB/s HBM2.
+    _gpu("p100-pcie-16gb", 16, 9.3, None, 18.7, PCIE_GEN3, hbm_gb_s=732),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM): fp32 19.5, bf16/fp16 tensor 312 TFLOPS dense;
     # PCIe gen4 x16; NVLink 3 600 GB/s total -> 300 GB/s per direction.
-    _gpu("a100-40gb", 40, 19.5, 312, 312, PCIE_GEN4, 300 * GB),
-    _gpu("a100-80gb", 80, 19.5, 312, 312, PCIE_GEN4, 300 * GB),
+    _gpu("a100-40gb", 40, 19.5, 312, 312, PCIE_GEN4, 300 * GB, hbm_gb_s=1555),
+    _gpu("a100-80gb", 80, 19.5, 312, 312, PCIE_GEN4, 300 * GB, hbm_gb_s=2039),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): fp32 67, bf16/fp16 tensor 989 TFLOPS dense
     # (1979 with sparsity); PCIe gen5 x16; NVLink 4 900 GB/s total -> 450 GB/s per direction.
-    _gpu("h100-80gb", 80, 67, 989, 989, PCIE_GEN5, 450 * GB),
+    _gpu("h100-80gb", 80, 67, 989, 989, PCIE_GEN5, 450 * GB, hbm_gb_s=3350),
     # NVIDIA Ampere GA102 whitepaper, GeForce RTX 3090: fp32 35.6, fp16/bf16 tensor with fp32
     # accumulate 71 TFLOPS dense; 24 GB GDDR6X; PCIe gen4 x16; NVLink bridge 112.5 GB/s total.
-    _gpu("rtx3090", 24, 35.6, 71, 71, PCIE_GEN4, 56 * GB),
+    _gpu("rtx3090", 24, 35.6, 71, 71, PCIE_GEN4, 56 * GB, hbm_gb_s=936),
     # NVIDIA Ada Lovelace whitepaper, GeForce RTX 4090: fp32 82.6, fp16/bf16 tensor with fp32
     # accumulate 165.2 TFLOPS dense; 24 GB GDDR6X; PCIe gen4 x16; no NVLink (peers over PCIe).
-    _gpu("rtx4090", 24, 82.6, 165.2, 165.2, PCIE_GEN4),
+    _gpu("rtx4090", 24, 82.6, 165.2, 165.2, PCIE_GEN4, hbm_gb_s=1008),
 ]}
 """Built-in GPU presets by name."""
 

@@ -132,7 +132,8 @@ def _piece(config: GPTConfig, work: Workload, hw: Hardware, blocks: int, last: b
     if key not in _PIECES:
         if len(_PIECES) > 100_000:
             _PIECES.clear()
-        p = make_plan(dataclasses.replace(config, layers=blocks), work, hw)
+        # every block streamed: the extra in-flight inputs below are checked against that plan's peak
+        p = make_plan(dataclasses.replace(config, layers=blocks), work, hw, resident_blocks=0)
         extra = (in_flight - 1) * blocks * p.costs.block_input_bytes
         if not p.fits or p.step is None or p.device.peak_bytes + extra > p.device.capacity_bytes:
             _PIECES[key] = (math.inf, math.inf, 0)

@@ -18,8 +18,8 @@ from pystronghold.planner.timeline import StepTime, choose_window, simulate_step
 from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.precision import compute_dtype
 
-__all__ = ["DeviceMemory", "HostMemory", "Plan", "LargestModel", "device_memory", "host_memory",
-           "make_plan", "largest_layers", "largest_models"]
+__all__ = ["DeviceMemory", "HostMemory", "Plan", "Split", "LargestModel", "device_memory", "host_memory",
+           "max_window_with", "choose_split", "make_plan", "largest_layers", "largest_models"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +37,14 @@ class DeviceMemory:
     """Kept free for the CUDA context, workspaces and allocator slack."""
     capacity_bytes: int
     """Device memory of the GPU."""
+    resident_bytes: int = 0
+    """K device-resident blocks: parameters, gradients, fp32 masters and AdamW moments."""
 
     @property
     def peak_bytes(self) -> int:
         """Sum of the uses, bytes."""
-        return self.window_bytes + self.head_tail_bytes + self.activation_bytes + self.reserve_bytes
+        return (self.window_bytes + self.head_tail_bytes + self.activation_bytes + self.reserve_bytes
+                + self.resident_bytes)
 
     @property
     def fits(self) -> bool:
@@ -77,23 +80,31 @@ class HostMemory:
 
 
 def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
-                  capacity_bytes: int, in_flight: int = 1) -> DeviceMemory:
-    """Peak device bytes of ``n_blocks`` blocks with ``window`` slots (see ``DeviceMemory``).
-    ``in_flight``: micro-batches whose forward is done and backward not (a pipeline stage holds
-    several, ``planner.pipeline.in_flight_micro_batches``): each keeps its saved activations; the
-    working set of one block's backward is there once."""
-    if not isinstance(in_flight, int) or in_flight < 1:
+                  capacity_bytes: int, resident: int = 0, resident_recompute: bool = False, *,
+                  in_flight: int = 1) -> DeviceMemory:
+    """Peak device bytes of ``n_blocks`` blocks, the first ``resident`` of them device-resident, the
+    others streamed through ``window`` slots (see ``DeviceMemory``).
+
+    Each block keeps its input (recomputed: streamed blocks with checkpointing, resident ones with
+    ``resident_recompute``) or its full activations until its backward, once per micro-batch in
+    flight (``in_flight``: micro-batches whose forward is done and backward not; a pipeline stage holds
+    several, ``planner.pipeline.in_flight_micro_batches``); on top of those the peak holds the loss,
+    or one block's recompute working set (its activations and dy, dx), or, when no block recomputes,
+    the last block's gradients beside its activations: that working set is there once."""
+    if not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1:
         raise ValueError(f"in_flight must be a positive int, got {in_flight!r}")
     c = costs
+    streamed = n_blocks - resident
+    recomputed = (streamed if work.checkpointing else 0) + (resident if resident_recompute else 0)
+    kept = n_blocks - recomputed
     working = c.block_activation_bytes + 2 * c.block_input_bytes  # recompute + dy, dx of one block
-    if work.checkpointing:
-        acts = in_flight * n_blocks * c.block_input_bytes + max(working, c.tail_activation_bytes)
-    else:
-        acts = (in_flight * n_blocks - 1) * c.block_activation_bytes + max(working, c.block_activation_bytes
-                                                                            + c.tail_activation_bytes)
-    return DeviceMemory(window_bytes=min(window, n_blocks) * c.slot_bytes,
+    extra = working if recomputed else working - c.block_activation_bytes
+    acts = (in_flight * (recomputed * c.block_input_bytes + kept * c.block_activation_bytes)
+            + max(extra, c.tail_activation_bytes))
+    return DeviceMemory(window_bytes=min(window, streamed) * c.slot_bytes,
                         head_tail_bytes=c.head_tail_bytes, activation_bytes=acts,
-                        reserve_bytes=work.device_reserve_bytes, capacity_bytes=capacity_bytes)
+                        reserve_bytes=work.device_reserve_bytes, capacity_bytes=capacity_bytes,
+                        resident_bytes=resident * c.resident_block_bytes)
 
 
 def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, ranks: int) -> HostMemory:
@@ -102,7 +113,7 @@ def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, 
     host (less the reserve, shared by the ranks), else, with NVMe, the states that do not fit go to
     disk and ``nvme_staging_blocks`` blocks of them are staged in host memory."""
     dtype = compute_dtype(work.precision)
-    numels = [costs.block_params] * n_blocks
+    numels = [costs.block_numel] * n_blocks  # padded, as the runtime's HostStore sizes its buffers
     budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
     everything = plan_placement(numels, dtype, budget_bytes=2**62)
     budget_words = (f"{budget / 2**30:.1f} GiB of host memory per rank (after the "
@@ -140,11 +151,11 @@ class Plan:
     costs: BlockCosts
     """Per-block bytes and seconds on one rank."""
     window: int
-    """W: slots on the device (chosen, or as asked)."""
+    """W: slots on the device for the streamed blocks (chosen, or as asked; 0 when K = N)."""
     window_asked: int | None
     """The W that was asked for; None: chosen by the planner."""
     max_window: int
-    """Largest W that fits the device (0: not even one slot fits)."""
+    """Largest W that fits the device beside the K resident blocks (0: not even one slot fits)."""
     stronghold_window: int
     """The closed-form W of ``analytic_window`` (no link serialisation), for comparison."""
     device: DeviceMemory
@@ -155,11 +166,29 @@ class Plan:
     """Predicted step time; None when the model does not fit."""
     largest: list["LargestModel"] = field(default_factory=list)
     """Largest trainable model at a few widths (filled by ``largest_models``)."""
+    resident_blocks: int = 0
+    """K: the first K blocks stay on the device with a device AdamW (chosen, or as asked)."""
+    resident_asked: int | None = None
+    """The K that was asked for; None: chosen by the planner."""
+    resident_recompute: bool = False
+    """The resident blocks recompute in backward (memory demanded it); False: they keep activations."""
+
+    @property
+    def streamed_blocks(self) -> int:
+        """Blocks that stream through the window (N - K)."""
+        return self.config.layers - self.resident_blocks
+
+    @property
+    def recomputed_blocks(self) -> int:
+        """Blocks that recompute their forward in backward."""
+        return ((self.streamed_blocks if self.work.checkpointing else 0)
+                + (self.resident_blocks if self.resident_recompute else 0))
 
     @property
     def fits(self) -> bool:
-        """The model trains on this machine with this W."""
-        return self.max_window >= 1 and self.device.fits and self.host.fits
+        """The model trains on this machine with this K and W."""
+        slots_ok = self.max_window >= 1 or self.streamed_blocks == 0
+        return slots_ok and self.device.fits and self.host.fits
 
     @property
     def tokens_per_s(self) -> float:
@@ -180,30 +209,110 @@ def _costs(config: GPTConfig, work: Workload, hw: Hardware) -> tuple[BlockCosts,
     return costs, host
 
 
-def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | None = None, *,
-              in_flight: int = 1) -> Plan:
-    """Plan ``config`` trained as ``work`` on ``hw`` with ``window`` slots (None: the smallest W
-    whose step time is within 1% of the best that fits, see ``choose_window``). ``in_flight``:
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Where the blocks go: K resident (recomputing or not), N - K streamed through W slots."""
+
+    resident: int
+    """K."""
+    resident_recompute: bool
+    """The resident blocks recompute in backward."""
+    window: int
+    """W (0 when K = N)."""
+    max_window: int
+    """Most slots that fit beside the K resident blocks."""
+    step: StepTime | None
+    """Predicted step (None when it does not fit)."""
+
+
+def max_window_with(costs: BlockCosts, work: Workload, n: int, capacity_bytes: int, resident: int,
+                    resident_recompute: bool, in_flight: int = 1) -> int:
+    """Most slots (<= N - K) that fit the device beside K resident blocks; -1 when even the
+    resident blocks, head, tail and activations (of ``in_flight`` micro-batches) do not fit
+    (0 slots is fine when K = N)."""
+    base = device_memory(costs, work, n, 0, capacity_bytes, resident, resident_recompute, in_flight=in_flight)
+    if not base.fits:
+        return -1
+    return min(n - resident, (capacity_bytes - base.peak_bytes) // costs.slot_bytes)
+
+
+def _resident_candidates(n: int) -> list[int]:
+    """K values to try: every one up to 64 blocks, else about 64 evenly spaced (and N)."""
+    stride = max(1, -(-n // 64))
+    return sorted({*range(0, n + 1, stride), n})
+
+
+def choose_split(costs: BlockCosts, work: Workload, n: int, capacity_bytes: int, *,
+                 window: int | None = None, resident: int | None = None,
+                 tolerance: float = 0.01, in_flight: int = 1) -> Split:
+    """K, the resident blocks' recompute and W with the best predicted step that fits the device.
+
+    Every K (as asked, or each candidate) with the resident blocks keeping their activations, and
+    recomputing when ``work.checkpointing`` (it frees memory for more K or W) is simulated at its
+    largest W (or the W asked); among those within ``tolerance`` of the best step the largest K
+    wins (host updates and transfers are what the model predicts least well), then no recompute,
+    then the smallest W within ``tolerance`` of that K's best (``choose_window``). Resident blocks
+    are always the first ones (their host update would have the least time to hide). With a
+    ``window`` asked and K chosen, at least ``window`` blocks stream (K <= N - W). ``in_flight``:
+    micro-batches whose activations are held at once (see ``device_memory``)."""
+    if resident is not None:
+        ks = [resident]
+    elif window is not None:  # a window asked for streams at least that many blocks
+        ks = _resident_candidates(max(0, n - window))
+    else:
+        ks = _resident_candidates(n)
+    recomputes = (False, True) if work.checkpointing else (False,)
+    feasible = []  # (total, k, recompute, max_w)
+    for k in ks:
+        for rc in recomputes:
+            max_w = max_window_with(costs, work, n, capacity_bytes, k, rc, in_flight)
+            if max_w < 0 or (k < n and max_w < 1):
+                continue
+            w = 0 if k == n else (min(window, n - k) if window is not None else max_w)
+            if window is not None and k < n and w > max_w:
+                continue
+            st = simulate_step(costs, n, w, work.overlap, resident=k, resident_recompute=rc)
+            feasible.append((st.total_s, k, rc, max_w))
+    if not feasible:  # nothing fits: report K as asked (or 0) with W = 1
+        k = resident or 0
+        return Split(resident=k, resident_recompute=False, window=0 if k == n else min(window or 1, n - k),
+                     max_window=max(0, max_window_with(costs, work, n, capacity_bytes, k, False, in_flight)),
+                     step=None)
+    best = min(t for t, *_ in feasible)
+    _, k, rc, max_w = max((c for c in feasible if c[0] <= best * (1 + tolerance)),
+                          key=lambda c: (c[1], not c[2]))
+    if window is not None or k == n:
+        w = 0 if k == n else min(window, n - k)
+        st = simulate_step(costs, n, w, work.overlap, resident=k, resident_recompute=rc)
+    else:
+        w, st = choose_window(costs, n, max_w, work.overlap, tolerance, resident=k, resident_recompute=rc)
+    return Split(resident=k, resident_recompute=rc, window=w, max_window=max_w, step=st)
+
+
+def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | None = None,
+              resident_blocks: int | None = None, *, in_flight: int = 1) -> Plan:
+    """Plan ``config`` trained as ``work`` on ``hw`` with ``window`` slots and the first
+    ``resident_blocks`` blocks device-resident (None: chosen, see ``choose_split``). ``in_flight``:
     micro-batches whose activations are held at once (a pipeline stage's; see ``device_memory``)."""
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     n = config.layers
+    if resident_blocks is not None and (not isinstance(resident_blocks, int) or isinstance(resident_blocks, bool)
+                                        or not 0 <= resident_blocks <= n):
+        raise ValueError(f"resident_blocks must be an int in [0, {n}] or None, got {resident_blocks!r}")
     costs, host = _costs(config, work, hw)
-    base = device_memory(costs, work, n, 0, hw.gpu.memory_bytes, in_flight)
-    max_window = min(n, max(0, (hw.gpu.memory_bytes - base.peak_bytes) // costs.slot_bytes))
-    step = None
-    if window is not None:
-        w = min(window, n)
-        if max_window >= 1 and host.fits:
-            step = simulate_step(costs, n, w, work.overlap)
-    elif max_window >= 1 and host.fits:
-        w, step = choose_window(costs, n, max_window, work.overlap)
-    else:
-        w = 1
+    split = choose_split(costs, work, n, hw.gpu.memory_bytes, window=window, resident=resident_blocks,
+                         in_flight=in_flight)
+    k, rc = split.resident, split.resident_recompute
+    if k and host.fits:  # the host store holds the streamed blocks only
+        host = host_memory(costs, work, hw, n - k, config.tp_size * work.dp_size)
     plan = Plan(config=config, work=work, hardware=hw, params=param_count(config), costs=costs,
-                window=w, window_asked=window, max_window=max_window,
+                window=split.window, window_asked=window, max_window=split.max_window,
                 stronghold_window=analytic_window(costs),
-                device=device_memory(costs, work, n, w, hw.gpu.memory_bytes, in_flight), host=host, step=step)
+                device=device_memory(costs, work, n, split.window, hw.gpu.memory_bytes, k, rc,
+                                             in_flight=in_flight), host=host,
+                step=split.step if host.fits else None, resident_blocks=k, resident_asked=resident_blocks,
+                resident_recompute=rc)
     if not plan.fits:
         plan.step = None
     return plan

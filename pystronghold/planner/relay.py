@@ -2,8 +2,10 @@
 m micro-batches under the default (micro-batch-major) and the relay (layer-major, L2L's) schedule,
 and the choice between them (``--schedule auto``). See docs/DESIGN.md "Relay schedule".
 
-Per step, with N blocks, W slots, P_b·s bytes per block (parameters or gradient in compute
-precision) and one block input of I = B·T·C·s bytes:
+Per step, with N streamed blocks, W slots, P_b·s bytes per block (parameters or gradient in compute
+precision) and one block input of I = B·T·C·s bytes (K device-resident blocks cross no link; each
+micro-batch keeps their input, or their activations when they do not recompute, on the device, m
+micro-batches' worth under the relay, never staged):
 
 - default: each micro-batch is a whole pass: H2D m·(N + N − W)·P_b·s (forward loads, backward
   reloads of the blocks not kept) + (m − 1)·N·P_b·s (the host sum uploaded before the next
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from pystronghold.planner.cost import block_layout_numel
+from pystronghold.planner.cost import block_buffer_numel
 from pystronghold.planner.timeline import simulate_step
 
 __all__ = ["ScheduleEstimate", "schedule_estimates", "choose_schedule", "schedule_report"]
@@ -58,18 +60,23 @@ def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
         raise ValueError(f"schedule_estimates: micro_batches must be an int >= 1, got {micro_batches!r}")
     if plan.step is None:
         raise ValueError("schedule_estimates: the plan does not fit this machine")
-    m, c, n, w = micro_batches, plan.costs, plan.config.layers, min(plan.window, plan.config.layers)
-    block = block_layout_numel(plan.config) * plan.work.dtype_bytes  # what one load or copy-out moves
+    m, c, n_all = micro_batches, plan.costs, plan.config.layers
+    k, rc = plan.resident_blocks, plan.resident_recompute
+    n = n_all - k  # the streamed blocks: the only ones that cross the link
+    w = min(plan.window, n)
+    block = block_buffer_numel(plan.config) * plan.work.dtype_bytes  # what one load or copy-out moves
     loads = n + max(0, n - w)
+    resident_held = k * (c.block_input_bytes if rc else c.block_activation_bytes)  # per micro-batch
     # the device bytes the saved inputs may use: capacity minus everything else at the peak
-    others = plan.device.peak_bytes - n * c.block_input_bytes
-    budget = max(0, plan.device.capacity_bytes - others)
+    others = plan.device.peak_bytes - n * c.block_input_bytes - resident_held
+    budget = max(0, plan.device.capacity_bytes - others - m * resident_held)
     overlap = plan.work.overlap
     out = {}
     # default: m passes without updates, the later ones uploading the gradient sum as well
     free = replace(c, adam_s=0.0)
-    first = simulate_step(free, n, w, overlap).total_s
-    later = simulate_step(replace(free, load_s=c.load_s + c.grad_s), n, w, overlap).total_s
+    split = dict(resident=k, resident_recompute=rc)
+    first = simulate_step(free, n_all, w, overlap, **split).total_s
+    later = simulate_step(replace(free, load_s=c.load_s + c.grad_s), n_all, w, overlap, **split).total_s
     default_s = first + (m - 1) * later + plan.step.exposed_optimizer_s
     out["default"] = ScheduleEstimate(
         schedule="default", micro_batches=m, h2d_bytes=m * loads * block + (m - 1) * n * block,
@@ -81,7 +88,7 @@ def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
     if staged:
         stage_s = m * c.block_input_bytes / plan.hardware.gpu.h2d_bytes_per_s
         relay_costs = replace(relay_costs, load_s=c.load_s + stage_s)
-    relay_s = simulate_step(relay_costs, n, w, overlap).total_s
+    relay_s = simulate_step(relay_costs, n_all, w, overlap, **split).total_s
     out["relay"] = ScheduleEstimate(
         schedule="relay", micro_batches=m, h2d_bytes=loads * block + (saved if staged else 0),
         d2h_bytes=n * block + (saved if staged else 0), saved_input_bytes=saved,

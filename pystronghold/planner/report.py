@@ -5,7 +5,7 @@ from __future__ import annotations
 from pystronghold.planner.hardware import GiB
 from pystronghold.planner.plan import Plan
 
-__all__ = ["plan_to_dict", "format_plan", "format_table"]
+__all__ = ["plan_to_dict", "split_to_dict", "format_plan", "format_split", "format_table"]
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -29,12 +29,15 @@ def plan_to_dict(plan: Plan) -> dict:
                      "nvme_bytes": hw.nvme_bytes, "nvme_bytes_per_s": hw.nvme_bytes_per_s},
         "window": {"chosen": plan.window if plan.fits or plan.window_asked else None, "asked": plan.window_asked, "max_fitting": plan.max_window,
                    "stronghold_formula": plan.stronghold_window},
+        "split": split_to_dict(plan),
         "per_block": {"slot_bytes": c.slot_bytes, "input_bytes": c.block_input_bytes,
                       "activation_bytes": c.block_activation_bytes, "fwd_s": c.fwd_s,
                       "bwd_s": c.bwd_s, "load_s": c.load_s, "grad_s": c.grad_s,
-                      "allreduce_s": c.allreduce_s, "adam_s": c.adam_s},
+                      "allreduce_s": c.allreduce_s, "adam_s": c.adam_s, "recompute_s": c.recompute_s,
+                      "resident_bytes": c.resident_block_bytes, "device_adam_s": c.device_adam_s},
         "device": {"window_bytes": dev.window_bytes, "head_tail_bytes": dev.head_tail_bytes,
                    "activation_bytes": dev.activation_bytes, "reserve_bytes": dev.reserve_bytes,
+                   "resident_bytes": dev.resident_bytes,
                    "peak_bytes": dev.peak_bytes, "capacity_bytes": dev.capacity_bytes, "fits": dev.fits},
         "host": {"tier": host.tier, "host_bytes": host.host_bytes,
                  "host_capacity_bytes": host.host_capacity_bytes, "disk_bytes": host.disk_bytes,
@@ -47,6 +50,30 @@ def plan_to_dict(plan: Plan) -> dict:
         "largest": [{"hidden": r.hidden, "heads": r.heads, "layers": r.layers, "params": r.params,
                      "bound": r.bound, "window": r.window, "step_s": r.step_s} for r in plan.largest],
     }
+
+
+def split_to_dict(plan: Plan) -> dict:
+    """Where the blocks go: resident with a device optimizer, streamed, recomputed; bytes of each."""
+    c, host = plan.costs, plan.host
+    return {"resident_blocks": plan.resident_blocks, "resident_asked": plan.resident_asked,
+            "resident_recompute": plan.resident_recompute, "resident_bytes": plan.device.resident_bytes,
+            "streamed_blocks": plan.streamed_blocks, "window_bytes": plan.device.window_bytes,
+            "streamed_host_bytes": host.host_bytes - plan.work.host_reserve_bytes,
+            "recomputed_blocks": plan.recomputed_blocks,
+            "recomputed_saved_bytes": plan.recomputed_blocks * (c.block_activation_bytes - c.block_input_bytes)}
+
+
+def format_split(plan: Plan) -> list[str]:
+    """Three lines: the blocks resident with a device optimizer, streamed, recomputed, with bytes."""
+    d, n, k = split_to_dict(plan), plan.config.layers, plan.resident_blocks
+    how = "as asked" if plan.resident_asked is not None else "chosen"
+    host = "host store" if plan.host.tier == "host" else "host store incl. NVMe staging"
+    keep = "recomputed" if plan.resident_recompute else "activations kept"
+    return [f"resident  {k} of {n} blocks ({how}) with device AdamW: {_gib(d['resident_bytes'])} on the device "
+            f"(params, grads, fp32 masters and moments; {keep})",
+            f"streamed  {d['streamed_blocks']} blocks through W={plan.window} slots: {_gib(d['window_bytes'])} "
+            f"on the device, {_gib(d['streamed_host_bytes'])} {host}, CPU Adam",
+            f"recompute {d['recomputed_blocks']} blocks (saves {_gib(d['recomputed_saved_bytes'])} of activations)"]
 
 
 def format_table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
@@ -86,8 +113,8 @@ def format_plan(plan: Plan) -> str:
            f"CPU Adam {hw.cpu_adam_params_per_s / 1e9:.2f} G params/s"
            + (f", NVMe {_gib(hw.nvme_bytes)} at {hw.nvme_bytes_per_s / 1e9:.1f} GB/s" if hw.nvme_bytes else ""),
            ""]
-    host_bpp = (host.host_bytes - work.host_reserve_bytes) / max(cfg.layers * c.block_params * cfg.tp_size
-                                                                 * work.dp_size, 1)
+    host_bpp = (host.host_bytes - work.host_reserve_bytes) / max(plan.streamed_blocks * c.block_params
+                                                                 * cfg.tp_size * work.dp_size, 1)
     if plan.window_asked is not None:
         how = "as asked" if plan.window_asked == plan.window else \
             f"asked {plan.window_asked}, clamped to the {cfg.layers} blocks"
@@ -95,15 +122,20 @@ def format_plan(plan: Plan) -> str:
         how = "smallest within 1% of the best step time"
     else:
         how = "none chosen: the model does not fit"
+    if plan.fits and plan.streamed_blocks == 0:
+        how = "every block resident: nothing streams"
     out.append(f"window W  {plan.window if plan.fits or plan.window_asked else '-'} ({how}; "
-               f"up to {plan.max_window} fit; STRONGHOLD formula: {plan.stronghold_window})")
+               f"up to {plan.max_window} fit beside the resident blocks; STRONGHOLD formula: {plan.stronghold_window})")
+    out += format_split(plan)
     update = "host update (NVMe read + write)" if host.tier == "nvme" else "CPU Adam"
     out.append(f"per block fwd {_s(c.fwd_s)}, bwd {_s(c.bwd_s)}, load {_s(c.load_s)}, "
-               f"grad out {_s(c.grad_s)}, {update} {_s(c.adam_s)}")
+               f"grad out {_s(c.grad_s)}, {update} {_s(c.adam_s)}, device AdamW {_s(c.device_adam_s)}")
     out += ["", format_table(["memory", "bytes", "of"], [
+        ["device: resident blocks", _gib(dev.resident_bytes), f"{plan.resident_blocks} x {_gib(c.resident_block_bytes)}"],
         ["device: window", _gib(dev.window_bytes), f"{plan.window} x {_gib(c.slot_bytes)}"],
         ["device: head + tail", _gib(dev.head_tail_bytes), "params, grads, AdamW"],
-        ["device: activations", _gib(dev.activation_bytes), "checkpointed" if work.checkpointing else "kept"],
+        ["device: activations", _gib(dev.activation_bytes),
+         f"{plan.recomputed_blocks} blocks checkpointed, {cfg.layers - plan.recomputed_blocks} kept"],
         ["device: reserve", _gib(dev.reserve_bytes), ""],
         ["device: peak", _gib(dev.peak_bytes), f"{_gib(dev.capacity_bytes)}{'' if dev.fits else '  TOO BIG'}"],
         ["host", _gib(host.host_bytes),

@@ -14,6 +14,13 @@ serial (one job at a time, in issue order), run concurrently:
 - CPU: the fused Adam of each block (after its copy-out; in "forward" overlap mode all of them
   after the last copy-out, block 0 first).
 
+With K device-resident blocks (``resident``: blocks 0 .. K-1, ``pystronghold.runtime.resident``)
+those have no load, copy-out or host update: they compute forward and backward (without the
+recompute unless ``resident_recompute``) and their device AdamW runs on the compute lane at the end
+of the step; the window's W slots serve the streamed blocks K .. N-1, whose loads of the next step
+wait for their host updates. The streamed blocks' updates have the resident blocks' backward and
+forward to hide behind: why the first blocks are the resident ones.
+
 Three consecutive steps are simulated and the last one is measured, so the host updates of one
 step delaying the loads of the next are counted. O(N) per simulation.
 """
@@ -24,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from pystronghold.planner.cost import BlockCosts
 
-__all__ = ["StepTime", "simulate_step", "choose_window"]
+__all__ = ["StepTime", "simulate_step", "choose_window", "resident_bwd_s"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,16 +41,24 @@ class StepTime:
     total_s: float
     """Wall time of one step in steady state."""
     compute_s: float
-    """Compute alone: N * (forward + backward) + loss."""
+    """Compute alone: N * (forward + backward) + loss, plus the device AdamW of resident blocks."""
     exposed_transfer_s: float
     """Time the compute waits for copies and collectives (step time without host updates, minus compute)."""
     exposed_optimizer_s: float
     """Time the host updates add on top (step time minus the step time with free host updates)."""
 
 
-def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int) -> float:
-    """Duration of the last of ``steps`` simulated steps, seconds."""
-    w = min(w, n)
+def resident_bwd_s(c: BlockCosts, resident_recompute: bool) -> float:
+    """Backward of one resident block, seconds: ``bwd_s`` without its recompute unless it recomputes."""
+    return c.bwd_s if resident_recompute else c.bwd_s - c.recompute_s
+
+
+def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int, resident: int = 0,
+         resident_recompute: bool = False) -> float:
+    """Duration of the last of ``steps`` simulated steps, seconds (blocks < ``resident`` resident)."""
+    r = resident
+    w = min(w, n - r)
+    r_bwd = resident_bwd_s(c, resident_recompute)
     comp = h2d = coll = d2h = cpu = 0.0  # when each lane is next free
     update_done = [0.0] * n  # when each block's latest host update ends
     ends = [0.0]
@@ -52,7 +67,11 @@ def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int) -> float:
         loaded = [0.0] * n  # forward load of block k ends
         fwd_done = [0.0] * n
         for k in range(n):
-            issue = start if k < w else fwd_done[k - w]  # prologue, or the slot block k - w left
+            if k < r:  # resident: nothing to load
+                comp += c.fwd_s
+                fwd_done[k] = comp
+                continue
+            issue = start if k - r < w else fwd_done[k - w]  # prologue, or the slot block k - w left
             h2d = max(h2d, issue, update_done[k]) + c.load_s
             loaded[k] = h2d
             comp = max(comp, loaded[k]) + c.fwd_s
@@ -60,6 +79,9 @@ def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int) -> float:
         comp += c.head_tail_s  # loss forward + backward (head backward is negligible)
         grad_out = [0.0] * n  # gradient copy-out of block j ends
         for j in reversed(range(n)):
+            if j < r:
+                comp += r_bwd
+                continue
             if j >= n - w:
                 ready = loaded[j]  # still resident from forward
             else:
@@ -72,9 +94,10 @@ def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int) -> float:
             if overlap == "backward":
                 cpu = max(cpu, d2h) + c.adam_s
                 update_done[j] = cpu
-        if overlap == "forward":  # the global gradient (norm, overflow check) first
+        comp += r * c.device_adam_s  # the resident blocks' device AdamW, in step()
+        if overlap == "forward" and r < n:  # the global gradient (norm, overflow check) first
             cpu = max(cpu, d2h)
-            for k in range(n):
+            for k in range(r, n):
                 cpu += c.adam_s
                 update_done[k] = cpu
         ends.append(comp)
@@ -82,19 +105,25 @@ def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int) -> float:
 
 
 def simulate_step(costs: BlockCosts, n_blocks: int, window: int, overlap: str = "backward",
-                  steps: int = 3) -> StepTime:
-    """Steady-state step time of ``n_blocks`` blocks with a window of ``window`` slots, seconds."""
-    if n_blocks < 1 or window < 1:
+                  steps: int = 3, *, resident: int = 0, resident_recompute: bool = False) -> StepTime:
+    """Steady-state step time of ``n_blocks`` blocks with a window of ``window`` slots, seconds;
+    ``resident``: K, the first K blocks device-resident (``window`` may be 0 when K = N)."""
+    if not 0 <= resident <= n_blocks:
+        raise ValueError(f"simulate_step: resident must be in [0, {n_blocks}], got {resident}")
+    if n_blocks < 1 or window < (1 if resident < n_blocks else 0):
         raise ValueError(f"simulate_step: n_blocks and window must be >= 1, got {n_blocks}, {window}")
-    total = _run(costs, n_blocks, window, overlap, steps)
-    no_opt = _run(replace(costs, adam_s=0.0), n_blocks, window, overlap, steps)
-    compute = n_blocks * (costs.fwd_s + costs.bwd_s) + costs.head_tail_s
+    split = dict(resident=resident, resident_recompute=resident_recompute)
+    total = _run(costs, n_blocks, window, overlap, steps, **split)
+    no_opt = _run(replace(costs, adam_s=0.0), n_blocks, window, overlap, steps, **split)
+    compute = ((n_blocks - resident) * (costs.fwd_s + costs.bwd_s) + costs.head_tail_s
+               + resident * (costs.fwd_s + resident_bwd_s(costs, resident_recompute) + costs.device_adam_s))
     return StepTime(total_s=total, compute_s=compute, exposed_transfer_s=max(0.0, no_opt - compute),
                     exposed_optimizer_s=max(0.0, total - no_opt))
 
 
 def choose_window(costs: BlockCosts, n_blocks: int, max_window: int, overlap: str = "backward",
-                  tolerance: float = 0.01) -> tuple[int, StepTime]:
+                  tolerance: float = 0.01, *, resident: int = 0, resident_recompute: bool = False
+                  ) -> tuple[int, StepTime]:
     """The smallest W in [1, max_window] whose step time is within ``tolerance`` (relative) of the
     best step time any W <= max_window reaches, both with and without the host updates, and its
     step time.
@@ -104,11 +133,15 @@ def choose_window(costs: BlockCosts, n_blocks: int, max_window: int, overlap: st
     for backward) and the W returned is where that gain stops. The step time without host updates
     counts too, so a slow optimizer that would hide any W's transfers does not make W = 1 look good.
     Binary search: both step times do not increase with W (a slot more only issues loads earlier).
+    With ``resident`` = K the slots serve the N - K streamed blocks (none when K = N: W = 0).
     """
+    split = dict(resident=resident, resident_recompute=resident_recompute)
+    if resident == n_blocks:
+        return 0, simulate_step(costs, n_blocks, 0, overlap, **split)
     if max_window < 1:
         raise ValueError(f"choose_window: max_window must be >= 1, got {max_window}")
-    hi = min(max_window, n_blocks)
-    best = simulate_step(costs, n_blocks, hi, overlap)
+    hi = min(max_window, n_blocks - resident)
+    best = simulate_step(costs, n_blocks, hi, overlap, **split)
 
     def good(t: StepTime) -> bool:
         return (t.total_s <= best.total_s * (1 + tolerance)
@@ -118,7 +151,7 @@ def choose_window(costs: BlockCosts, n_blocks: int, max_window: int, overlap: st
     lo, found = 1, (hi, best)
     while lo < hi:
         mid = (lo + hi) // 2
-        t = simulate_step(costs, n_blocks, mid, overlap)
+        t = simulate_step(costs, n_blocks, mid, overlap, **split)
         if good(t):
             hi, found = mid, (mid, t)
         else:

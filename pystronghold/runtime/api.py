@@ -43,6 +43,9 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
     if config.window == "auto":
         raise ValueError("wrap: window='auto' is chosen from measured block times before wrap "
                          "(pystronghold train --window auto); wrap takes an int >= 1 or 'all'")
+    if config.resident_blocks == "auto":
+        raise ValueError("wrap: resident_blocks='auto' is chosen by the planner before wrap "
+                         "(pystronghold train --window auto); wrap takes an int >= 0")
     if blocks is None:
         from pystronghold.runtime.discovery import find_blocks
 

@@ -7,7 +7,7 @@ make the backend (device arena, copy engine), the scratch file and ``DiskTier`` 
 spill, fill the ``HostStore`` (fp32 masters), move the model to the device, make the ``Window``
 and the two pass plans. ``build_optimizers`` makes the update side once the param groups are
 known: the device AdamW of head and tail, the resident blocks, the host updates of streamed
-blocks and the fp16 loss scaler. ``Engine`` (``engine.py``) composes them with the pass executor
+blocks, where their gradient norms are taken (``grad_norms.py``) and the fp16 loss scaler. ``Engine`` (``engine.py``) composes them with the pass executor
 (``executor.py``) and the step (``step.py``). See docs/DESIGN.md "Window runtime".
 """
 
@@ -22,6 +22,7 @@ from pystronghold.runtime import layout
 from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
+from pystronghold.runtime.grad_norms import BlockGradNorms
 from pystronghold.optim.device_adamw import DeviceAdamW
 from pystronghold.runtime.placement import Placement, plan_placement
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
@@ -103,6 +104,8 @@ class OptimizerParts:
     """Device-resident blocks with their device AdamW."""
     updates: HostUpdates
     """Host Adam updates of streamed blocks (worker thread)."""
+    grad_norms: BlockGradNorms
+    """Streamed blocks' per-parameter gradient norms, taken where the gradients are."""
     scaler: DynamicLossScaler | None
     """fp16 loss scaler, or None in fp32/bf16."""
 
@@ -194,13 +197,16 @@ def build_optimizers(parts: EngineParts, config: RuntimeConfig, group_of: dict[i
     """The updaters of every parameter; ``group_of``: param group index by id(parameter)
     (``WindowOptimizer.group_of()``)."""
     device = parts.backend.device
+    updates = HostUpdates(parts.store, parts.trace, bitwise_torch=config.optimizer.bitwise_torch,
+                          prefetch_depth=max(1, config.nvme_cache_blocks - 2),
+                          param_groups=[[group_of[id(p)] for p in ps] for ps in parts.block_params])
     return OptimizerParts(
         device_optimizer=DeviceAdamW(parts.head_tail_params, config.optimizer, parts.head_tail_masters,
                                      [group_of[id(p)] for p in parts.head_tail_params]),
         resident=ResidentBlocks(parts.resident_blocks, parts.resident_params, config.optimizer, device,
                                 parts.dtype, recompute=config.resident_recompute, group_of=group_of),
-        updates=HostUpdates(parts.store, parts.trace, bitwise_torch=config.optimizer.bitwise_torch,
-                            prefetch_depth=max(1, config.nvme_cache_blocks - 2),
-                            param_groups=[[group_of[id(p)] for p in ps] for ps in parts.block_params]),
+        updates=updates,
+        # on CUDA the norms come from the slot before the copy-out; on the CPU backend from the host copy
+        grad_norms=BlockGradNorms(updates, on_device=device.type == "cuda"),
         scaler=(DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                 if config.precision == "fp16" else None))

@@ -22,8 +22,8 @@ SCHEDULES = ("default", "relay", "auto")
 
 
 def _window_from_text(text: str, flag: str) -> int | str:
-    """``--window``: a number as an int; 'all' and 'auto' (and anything else, refused by
-    ``RuntimeConfig``) as they are."""
+    """``--window``, ``--resident-blocks``: a number as an int; 'all' and 'auto' (and anything else,
+    refused by ``RuntimeConfig``) as they are."""
     return int(text) if text.strip().lstrip("-").isdigit() else text
 
 
@@ -63,13 +63,17 @@ class RuntimeConfig:
     checkpointing: bool = option(True, help=(
         "Recompute blocks in backward (--no-checkpointing keeps every activation)."))
     """Recompute each streamed block in backward (saving only its inputs); False keeps its activations."""
-    resident_blocks: int = option(0, help=(
+    resident_blocks: int | str = option(0, parse=_window_from_text, metavar="K|auto", help=(
         "K: the first K blocks stay on the device with a device AdamW (no streaming, no host update); "
-        "the others stream through the window. 0: every block streams."))
+        "the others stream through the window. 0: every block streams (with --window auto: the planner "
+        "chooses K). 'auto': the planner chooses K (plan; train with --window auto)."))
     """K: the first K blocks stay on the device for good, with their fp32 masters and AdamW moments
     there, updated by a device ``torch.optim.AdamW`` (fused on CUDA) in ``step()``: no load, no
     copy-out, no host update. The other blocks stream through the W slots. 0: every block streams;
-    K = number of blocks with ``window="all"`` and no recompute is plain PyTorch, step for step."""
+    K = number of blocks with ``window="all"`` and no recompute is plain PyTorch, step for step.
+    "auto": the planner chooses K, the resident recompute and W together (``planner.plan.choose_split``):
+    ``pystronghold plan`` predicts it, ``pystronghold train --window auto`` measures this machine
+    first (there 0 also leaves K to the planner); ``wrap`` itself takes an int."""
     resident_recompute: bool = False
     """Recompute the resident blocks in backward too (torch.utils.checkpoint); False (default): they
     keep their activations, as plain PyTorch does."""
@@ -186,9 +190,9 @@ class RuntimeConfig:
             self.nvme_dir = str(self.nvme_dir)
         if type(self.init_threads) is not int or self.init_threads < 0:
             raise ConfigError(self, "init_threads", f"must be an int >= 0, got {self.init_threads!r}")
-        if not isinstance(self.resident_blocks, int) or isinstance(self.resident_blocks, bool) \
-                or self.resident_blocks < 0:
-            raise ConfigError(self, "resident_blocks", f"must be an int >= 0, got {self.resident_blocks!r}")
+        if self.resident_blocks != "auto" and (not isinstance(self.resident_blocks, int)
+                                               or isinstance(self.resident_blocks, bool) or self.resident_blocks < 0):
+            raise ConfigError(self, "resident_blocks", f"must be an int >= 0 or 'auto', got {self.resident_blocks!r}")
         if self.copy_threads < 1:
             raise ConfigError(self, "copy_threads", f"must be >= 1, got {self.copy_threads}")
 

@@ -65,14 +65,16 @@ class Engine:
         updaters = build_optimizers(parts, config, self.optimizer.group_of())
         self.device_optimizer, self.resident, self.updates = (updaters.device_optimizer, updaters.resident,
                                                               updaters.updates)
+        self.grad_norms = updaters.grad_norms
+        """Where the streamed blocks' gradient norms are taken (``grad_norms.BlockGradNorms``)."""
         self.stepper = OptimizerStep(model=model, config=config, optimizer=self.optimizer,
                                      device_optimizer=self.device_optimizer, resident=self.resident,
-                                     updates=self.updates, window=self.window, scaler=updaters.scaler,
-                                     dp_group=self.dp_group, tp_group=self.tp_group, pp_group=parts.pp_group,
-                                     parallel=self.parallel)
+                                     updates=self.updates, grad_norms=self.grad_norms, window=self.window,
+                                     scaler=updaters.scaler, dp_group=self.dp_group, tp_group=self.tp_group,
+                                     pp_group=parts.pp_group, parallel=self.parallel)
         self.executor = PassExecutor(config=config, window=self.window, store=self.store, backend=self.backend,
-                                     updates=self.updates, stepper=self.stepper, trace=self.trace,
-                                     plans=self.plans, model=model, dp_group=self.dp_group)
+                                     updates=self.updates, grad_norms=self.grad_norms, stepper=self.stepper,
+                                     trace=self.trace, plans=self.plans, model=model, dp_group=self.dp_group)
         if not self.n_streamed:  # all blocks resident: a backward pass counts once it reaches their gradients
             torch.autograd.graph.register_multi_grad_hook(self.resident.params, self.executor.count_backward,
                                                           mode="any")

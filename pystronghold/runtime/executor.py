@@ -39,10 +39,11 @@ class PassExecutor:
     ``model``: the wrapped model (layer drop applies in its training mode only).
     """
 
-    def __init__(self, *, config, window, store, backend, updates, stepper, trace, plans, model,
+    def __init__(self, *, config, window, store, backend, updates, grad_norms, stepper, trace, plans, model,
                  dp_group=None) -> None:
         self.config, self.window, self.store, self.backend = config, window, store, backend
         self.updates, self.stepper, self.trace, self.plans = updates, stepper, trace, plans
+        self.grad_norms = grad_norms  # grad_norms.BlockGradNorms: before or after the copy-out
         self.model, self.dp_group = model, dp_group
         self.overlap = config.overlap_mode
         self.n_streamed = len(window.params)
@@ -296,6 +297,8 @@ class PassExecutor:
         streamed = last and self.overlap == "backward"
         # NOTE: a streamed update stages its optimizer states now, so their disk reads overlap the copy-out
         states = ["grad", *self.updates.update_states] if streamed else ["grad"]
+        if last and self.config.needs_global_grad:  # the device path's norms: from the slot, pre copy-out
+            self.grad_norms.before_copy_out(block, self.window.grad_views(block), self.stepper.grad_unscale())
         lease = self.store.acquire(block, states, fresh=["grad"])
         handle = self.backend.d2h(lease.tensors["grad"], slot.grads[:layout.numel],
                                   after=[self.backend.compute_marker()])
@@ -311,7 +314,7 @@ class PassExecutor:
             return
         self.store.release(lease, dirty=["grad"], after=[handle])
         if last and self.config.needs_global_grad:
-            self.updates.submit_norm(block, handle, self.stepper.grad_unscale())
+            self.grad_norms.after_copy_out(block, handle, self.stepper.grad_unscale())  # the host path
 
     # ---- between passes: the step's side of the gradients
 

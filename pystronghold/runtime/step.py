@@ -31,11 +31,12 @@ class OptimizerStep:
     ``model.parameters()`` order; ``scaler``: the fp16 ``DynamicLossScaler`` or None.
     """
 
-    def __init__(self, *, model, config, optimizer, device_optimizer, resident, updates, window,
+    def __init__(self, *, model, config, optimizer, device_optimizer, resident, updates, grad_norms, window,
                  scaler, dp_group=None, tp_group=None, pp_group=None, parallel: bool = False) -> None:
         # NOTE: the engine's names for its parts, so the step reads as it did inside Engine
         self.model, self.config, self.optimizer = model, config, optimizer
         self.device_optimizer, self.resident, self.updates = device_optimizer, resident, updates
+        self.grad_norms = grad_norms  # grad_norms.BlockGradNorms: the streamed blocks' norms
         self.window, self.n_streamed = window, len(window.params)
         self.dp_group, self.tp_group, self.parallel = dp_group, tp_group, parallel
         self.pp_group = pp_group  # pipeline stages: gradient norms summed over them
@@ -128,7 +129,7 @@ class OptimizerStep:
         """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;
         tensor-parallel shards summed over the TP group (pystronghold.parallel.data)."""
         norms = {**self.device_optimizer.grad_norms(grad_scale), **self.resident.grad_norms(grad_scale)}
-        for block, per_param in self.updates.block_norms().items():
+        for block, per_param in self.grad_norms.take().items():
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
         # a pipeline's last-stage copy of a tied weight is counted once (by the first stage)

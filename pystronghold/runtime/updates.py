@@ -4,7 +4,8 @@ Every job first waits for the block's gradient copy-out, then works on the host 
 overlaps the device's compute of other blocks. ``adam_step_`` and torch's reductions release the GIL.
 
 NOTE: gradient norms are per parameter, fp32, ``torch.linalg.vector_norm`` over each parameter's
-view of the flat buffer, then combined exactly as ``torch.nn.utils.clip_grad_norm_`` does; so
+view of the flat buffer (``optim.functional.param_grad_norms``: threads share the parameters, each
+reduction is torch's own), then combined exactly as ``torch.nn.utils.clip_grad_norm_`` does; so
 clipping is bit-for-bit the PyTorch one (a float64 flat norm would differ in the last bits, and
 Adam turns last-bit differences of near-zero gradients into visible ones through eps).
 """
@@ -17,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm
+from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm, param_grad_norms
 from pystronghold.optim.hyper import AdamWHyper
 
 __all__ = ["HostUpdates"]
@@ -58,9 +59,7 @@ class HostUpdates:
             try:
                 lease.wait()
                 with self.tracer.span("norm", block):
-                    return torch.stack([torch.linalg.vector_norm(v.float() * grad_scale if grad_scale != 1.0
-                                                                 else v.float())
-                                        for v in layout.views(lease.tensors["grad"])])
+                    return param_grad_norms(layout.views(lease.tensors["grad"]), grad_scale)
             finally:
                 self.store.release(lease)
 

@@ -1,11 +1,15 @@
-"""``--window auto``: measure one block on this machine, then let the planner's cost model choose W.
+"""``--window auto``: measure one block on this machine, then let the planner's cost model choose
+K (device-resident blocks), their recompute and W.
 
 Before the first step, one copy of block 0 runs forward and forward+backward (with recompute, as
 the runtime does) at the run's (B, T) and precision on the device; a block's bytes are copied
-host->device and device->host; the fused CPU Adam updates a block-sized buffer. Those seconds
-replace the analytic ones in the planner's ``BlockCosts`` (bytes still come from the planner), and
-``pystronghold.planner.timeline.choose_window`` picks the smallest W whose simulated step hides the
-transfers, among the W that fit the device budget. ONE cost model: the planner's.
+host->device and device->host; the fused CPU Adam updates a block-sized buffer and the device
+AdamW (what resident blocks use) a block-sized parameter. Those seconds replace the analytic ones in
+the planner's ``BlockCosts`` (bytes still come from the planner), and
+``pystronghold.planner.plan.choose_split`` picks the split with the best simulated step that fits
+the device budget: the first K blocks resident (device AdamW), the rest streamed through the
+smallest W that hides their transfers. ``--resident-blocks K`` (K > 0) fixes K instead. ONE cost model:
+the planner's.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from pystronghold.optim.functional import adam_step_
+from pystronghold.options import ConfigError
 from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
 from pystronghold.planner.hardware import GPU, Hardware
-from pystronghold.planner.plan import device_memory
-from pystronghold.planner.timeline import StepTime, choose_window
+from pystronghold.planner.plan import choose_split, device_memory
+from pystronghold.planner.timeline import StepTime
 from pystronghold.runtime.precision import compute_dtype
 from pystronghold.runtime.store import available_host_bytes
 
@@ -38,21 +43,38 @@ class AutoWindow:
     """The decision of ``--window auto`` and the figures behind it."""
 
     window: int
-    """W chosen."""
+    """W chosen (0 when every block is resident)."""
     max_window: int
-    """Most slots that fit the device budget."""
+    """Most slots that fit the device budget beside the resident blocks."""
     budget_bytes: int
     """Device budget, bytes."""
     costs: BlockCosts
     """Measured per-block seconds, planner bytes."""
     step: StepTime
-    """Simulated step time at W."""
+    """Simulated step time of this split."""
+    resident_blocks: int = 0
+    """K chosen (or as given by --resident-blocks)."""
+    resident_recompute: bool = False
+    """The resident blocks recompute in backward (the budget demanded it)."""
+    blocks: int = 0
+    """N, blocks of the model."""
+    checkpointing: bool = True
+    """The streamed blocks recompute (the runtime's default)."""
+    work: Workload | None = None
+    """The workload the planner was given (batch, seq, precision, overlap)."""
 
     def line(self) -> str:
-        c, s = self.costs, self.step
-        return (f"window=auto: W={self.window} (at most {self.max_window} fit {self.budget_bytes / 2**20:.1f} MiB); "
+        c, s, k = self.costs, self.step, self.resident_blocks
+        streamed = self.blocks - k
+        recomputed = (streamed if self.checkpointing else 0) + (k if self.resident_recompute else 0)
+        mib = 2**20
+        return (f"window=auto: {k} blocks resident with device AdamW ({k * c.resident_block_bytes / mib:.1f} MiB), "
+                f"{streamed} streamed through W={self.window} slots ({self.window * c.slot_bytes / mib:.1f} MiB; "
+                f"at most {self.max_window} fit {self.budget_bytes / mib:.1f} MiB), {recomputed} recomputed "
+                f"(saving {recomputed * (c.block_activation_bytes - c.block_input_bytes) / mib:.1f} MiB); "
                 f"per block measured fwd {c.fwd_s * 1e3:.2f} ms, bwd+recompute {c.bwd_s * 1e3:.2f} ms, "
-                f"load {c.load_s * 1e3:.3f} ms, grad copy {c.grad_s * 1e3:.3f} ms, host Adam {c.adam_s * 1e3:.2f} ms; "
+                f"load {c.load_s * 1e3:.3f} ms, grad copy {c.grad_s * 1e3:.3f} ms, host Adam {c.adam_s * 1e3:.2f} ms, "
+                f"device AdamW {c.device_adam_s * 1e3:.2f} ms; "
                 f"predicted step {s.total_s * 1e3:.1f} ms (compute {s.compute_s * 1e3:.1f}, exposed transfer "
                 f"{s.exposed_transfer_s * 1e3:.1f}, exposed optimizer {s.exposed_optimizer_s * 1e3:.1f})")
 
@@ -103,6 +125,11 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
     p, g, m, v = (torch.zeros(numel) for _ in range(4))
     hyper = AdamWHyper(step=1, lr=1e-3, weight_decay=0.0)
     adam_s = _timed(lambda: adam_step_(p, g, m, v, hyper), torch.device("cpu"), reps)
+    # the resident blocks' device AdamW (optim/device_adamw.DeviceAdamW: torch's, fused on CUDA)
+    master = torch.zeros(numel, device=device, requires_grad=True)
+    master.grad = torch.zeros_like(master)
+    device_opt = torch.optim.AdamW([master], lr=1e-3, fused=device.type == "cuda")
+    device_adam_s = _timed(device_opt.step, device, reps)
     nbytes = numel * dtype.itemsize
     gpu = GPU(name=f"{device.type} (measured)", memory_bytes=budget_bytes, fp32_flops=1e12, bf16_flops=1e12,
               fp16_flops=1e12, h2d_bytes_per_s=nbytes / max(load_s, 1e-9), d2h_bytes_per_s=nbytes / max(grad_s, 1e-9))
@@ -110,11 +137,13 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
                   cpu_adam_params_per_s=numel / max(adam_s, 1e-9))
     planned = block_costs(cfg, work, hw)  # bytes from the planner; seconds replaced by measurements
     return dataclasses.replace(planned, fwd_s=fwd_s, bwd_s=bwd_s, load_s=load_s, grad_s=grad_s,
-                               adam_s=adam_s, head_tail_s=0.0)
+                               adam_s=adam_s, head_tail_s=0.0, device_adam_s=device_adam_s,
+                               recompute_s=min(fwd_s, bwd_s) if work.checkpointing else 0.0)
 
 
 def choose_runtime_window(model, config) -> AutoWindow:
-    """W for ``model`` trained with ``config`` (a TrainConfig) within its device budget; logs why."""
+    """K, the resident recompute and W for ``model`` trained with ``config`` (a TrainConfig) within
+    its device budget (K as given when ``--resident-blocks`` is > 0); logs the split and why."""
     rt = config.runtime
     device = torch.device(rt.device)
     work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
@@ -129,12 +158,17 @@ def choose_runtime_window(model, config) -> AutoWindow:
         budget = int(torch.cuda.mem_get_info(device)[0])
     else:
         budget = base + 4 * probe.slot_bytes
-    max_window = min(n, (budget - base) // probe.slot_bytes)
-    if max_window < 1:
+    fixed = None if rt.resident_blocks in ("auto", 0) else rt.resident_blocks  # else K as given
+    if fixed is not None and fixed > n:
+        raise ConfigError(rt, "resident_blocks", f"({fixed}) is more than the model's {n} blocks")
+    split = choose_split(probe, work, n, budget, resident=fixed)
+    if split.step is None:
         raise ValueError(f"--window auto: the device budget {budget / 2**20:.1f} MiB holds no block slot "
-                         f"(head/tail and activations need {base / 2**20:.1f} MiB, a slot "
-                         f"{probe.slot_bytes / 2**20:.2f} MiB); raise --device-budget-mb")
-    window, step = choose_window(probe, n, max_window, work.overlap)
-    decision = AutoWindow(window=window, max_window=max_window, budget_bytes=budget, costs=probe, step=step)
+                         f"beside {fixed or 0} resident blocks (head/tail and activations need "
+                         f"{base / 2**20:.1f} MiB, a slot {probe.slot_bytes / 2**20:.2f} MiB, a resident block "
+                         f"{probe.resident_block_bytes / 2**20:.2f} MiB); raise --device-budget-mb")
+    decision = AutoWindow(window=split.window, max_window=split.max_window, budget_bytes=budget, costs=probe,
+                          step=split.step, resident_blocks=split.resident,
+                          resident_recompute=split.resident_recompute, blocks=n, work=work)
     log.info("%s", decision.line())
     return decision

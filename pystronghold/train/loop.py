@@ -156,12 +156,16 @@ class Trainer:
             from pystronghold.train.autowindow import choose_runtime_window
 
             self.auto_window = choose_runtime_window(self.model, config)
-            window = self.auto_window.window
+            window = self.auto_window.window or "all"  # W=0: every block resident
         o = config.optim
-        # NOTE: the run's RuntimeConfig as the user gave it, plus what only exists now: W chosen by
-        # --window auto, the process groups, the AdamW of OptimOptions; the trace feeds the metrics.
+        # NOTE: the run's RuntimeConfig as the user gave it, plus what only exists now: W, K and the
+        # resident recompute chosen by --window auto, the process groups, the AdamW of OptimOptions;
+        # the trace feeds the metrics.
+        split = ({} if self.auto_window is None else
+                 dict(resident_blocks=self.auto_window.resident_blocks,
+                      resident_recompute=self.auto_window.resident_recompute))
         runtime = dataclasses.replace(
-            config.runtime, window=window, trace=True, parallel=self.groups,
+            config.runtime, window=window, trace=True, parallel=self.groups, **split,
             optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
                                          decay=o.decay))
         self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.parallel.pipeline)

@@ -44,6 +44,8 @@ SAMPLES = {
     "adam_step": ADAM_SAMPLES,
     "adam_step_multi": [multi_sample([7, 17, 1]), multi_sample([3, 1023], torch.bfloat16)],
     "grad_sq_norm": [(torch.randn(1023), 0.5), (torch.randn(17).bfloat16(), 1.0), (torch.randn(7).half(), 2.0)],
+    "param_grad_norms": [([torch.randn(1023), torch.randn(7, 3)], 0.5),
+                         ([torch.randn(17).bfloat16(), torch.randn(1).half()], 1.0)],
     "crc32c": [(torch.arange(100, dtype=torch.uint8), False), (torch.randn(33), True)],
 }
 
@@ -59,6 +61,7 @@ def test_opcheck(name):
     ("adam_step", {"param", "exp_avg", "exp_avg_sq", "shadow"}),
     ("adam_step_multi", {"params", "exp_avgs", "exp_avg_sqs", "shadows"}),
     ("grad_sq_norm", set()),
+    ("param_grad_norms", set()),
     ("crc32c", set()),
 ])
 def test_schema_declares_exactly_the_written_arguments(name, written):

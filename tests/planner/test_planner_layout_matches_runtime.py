@@ -38,3 +38,28 @@ def test_planned_slot_and_head_tail_bytes_are_allocated_bytes(precision):
             assert nbytes % layout.ARENA_ALIGN == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_planned_host_bytes_are_the_host_stores_bytes(precision):
+    """The planner sizes the host store from the padded block layout, as ``HostStore`` does: its
+    host bytes are the runtime placement's, and the store's arenas hold exactly those plus one
+    alignment of slack each (the hidden-180 model's padding crosses a 4096-byte boundary, so
+    unpadded counts would come out one page per buffer short)."""
+    from pystronghold.planner.plan import make_plan
+
+    cfg = GPTConfig(vocab_size=97, seq_len=16, layers=3, hidden=180, heads=4)
+    hw = Hardware(gpu=gpu_preset("h100-80gb"), host_memory_bytes=64 << 30, cpu_adam_params_per_s=1e9)
+    work = Workload(batch=1, seq=16, precision=precision, host_reserve_bytes=0)
+    plan = make_plan(cfg, work, hw, window=2, resident_blocks=0)
+    model = GPT(cfg)
+    engine = ph.wrap(model, blocks=model.blocks, window=2, precision=precision)
+    try:
+        arenas = sum(len(a) for a in engine.store.arenas.values())
+        assert arenas == len(layout.stored_states(engine.dtype))  # one arena per state at this size
+        assert plan.host.host_bytes == engine.placement.host_bytes
+        assert plan.host.host_bytes == engine.store.nbytes - arenas * layout.ARENA_ALIGN
+        padded = [lay.numel for lay in engine.store.layouts]
+        assert padded == [plan.costs.block_numel] * 3 and plan.costs.block_numel > plan.costs.block_params
+    finally:
+        engine.close()

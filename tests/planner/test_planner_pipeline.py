@@ -61,7 +61,9 @@ def test_plan_pp_counts_the_in_flight_activations_in_device_memory(capsys):
     """The device peak of a pipeline plan holds the saved activations of every micro-batch in
     flight (1F1B: p on stage 0), not one micro-batch's: the planner must not pick a window that
     only fits one micro-batch's activations."""
-    base = ["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "gpt3-1.3b", "--json"]
+    # every block streamed (K = 0): each micro-batch then keeps only its block inputs
+    base = ["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "gpt3-1.3b", "--json",
+            "--resident-blocks", "0"]
     assert main(base + ["--pp", "4", "--micro-batches", "8"]) == 0
     out = json.loads(capsys.readouterr().out)
     stage_blocks = max(b - a for a, b in out["pipeline"]["split"])

@@ -27,18 +27,22 @@ def test_device_peak_is_the_sum_and_max_window_is_tight():
     cfg = dataclasses.replace(CFG, layers=128)  # more slots than a 24 GB device holds
     plan = make_plan(cfg, WORK, hw(host_gib=4096))
     d = plan.device
-    assert d.peak_bytes == d.window_bytes + d.head_tail_bytes + d.activation_bytes + d.reserve_bytes
+    assert d.peak_bytes == (d.window_bytes + d.head_tail_bytes + d.activation_bytes + d.reserve_bytes
+                            + d.resident_bytes)
+    assert d.resident_bytes == plan.resident_blocks * plan.costs.resident_block_bytes
     assert 1 <= plan.max_window < cfg.layers
-    assert make_plan(cfg, WORK, hw(host_gib=4096), window=plan.max_window).fits
-    too_many = make_plan(cfg, WORK, hw(host_gib=4096), window=plan.max_window + 1)
+    k = plan.resident_blocks
+    assert make_plan(cfg, WORK, hw(host_gib=4096), window=plan.max_window, resident_blocks=k).fits
+    too_many = make_plan(cfg, WORK, hw(host_gib=4096), window=plan.max_window + 1, resident_blocks=k)
     assert not too_many.fits and too_many.step is None
     assert plan.window <= plan.max_window and plan.step is not None
 
 
 def test_checkpointing_saves_device_memory():
-    plan = make_plan(CFG, WORK, hw())
+    plan = make_plan(CFG, WORK, hw(), resident_blocks=0)
     ckpt = plan.device.activation_bytes
-    kept = make_plan(CFG, dataclasses.replace(WORK, checkpointing=False), hw()).device.activation_bytes
+    kept = make_plan(CFG, dataclasses.replace(WORK, checkpointing=False), hw(),
+                     resident_blocks=0).device.activation_bytes
     c = plan.costs
     # every block but one keeps its full activations instead of its input
     assert kept - ckpt >= (CFG.layers - 1) * (c.block_activation_bytes - c.block_input_bytes)

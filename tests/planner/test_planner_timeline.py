@@ -10,7 +10,7 @@ from pystronghold.planner.timeline import choose_window, simulate_step
 
 
 def costs(fwd=1.0, bwd=2.0, load=0.0, grad=0.0, adam=0.0, allreduce=0.0, tail=0.0) -> BlockCosts:
-    return BlockCosts(block_params=1, slot_bytes=1, head_tail_bytes=0, block_input_bytes=0,
+    return BlockCosts(block_params=1, block_numel=16, slot_bytes=1, head_tail_bytes=0, block_input_bytes=0,
                       block_activation_bytes=0, tail_activation_bytes=0, fwd_s=fwd, bwd_s=bwd,
                       head_tail_s=tail, load_s=load, grad_s=grad, allreduce_s=allreduce, adam_s=adam)
 

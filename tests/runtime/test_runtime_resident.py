@@ -186,8 +186,19 @@ def test_cli_resident_blocks_flag():
 
     assert config("--resident-blocks", "3").runtime.resident_blocks == 3
     assert config().runtime.resident_blocks == 0
-    with pytest.raises(ValueError, match="^--resident-blocks must be an int >= 0, got -1$"):
+    assert config("--window", "auto", "--resident-blocks", "auto").runtime.resident_blocks == "auto"
+    with pytest.raises(ValueError, match="^--resident-blocks must be an int >= 0 or 'auto', got -1$"):
         config("--resident-blocks", "-1")
+
+
+def test_wrap_refuses_resident_blocks_auto():
+    """'auto' is the planner's to resolve (plan, train --window auto); wrap takes a number."""
+    import pystronghold as ph
+    from runtime_models import tiny_gpt
+
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match="resident_blocks='auto' is chosen by the planner"):
+        ph.wrap(model, blocks=model.blocks, window=2, resident_blocks="auto")
 
 
 def test_lazy_blocks_materialize_into_resident_and_streamed_blocks():

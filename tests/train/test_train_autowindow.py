@@ -13,7 +13,7 @@ from pystronghold.models import GPT, GPTConfig
 from pystronghold.planner.cost import Workload
 from pystronghold.planner.hardware import GPU, Hardware
 from pystronghold.planner.plan import largest_layers, make_plan
-from pystronghold.planner.timeline import choose_window
+from pystronghold.planner.plan import choose_split
 from pystronghold.train import Trainer
 from pystronghold.train.autowindow import measure_costs
 from pystronghold.train.metrics import memory_report
@@ -28,12 +28,21 @@ def test_auto_window_is_the_planners_choice_and_is_logged(tmp_path, caplog):
         trainer = Trainer(config)
     try:
         auto = trainer.auto_window
-        assert 1 <= auto.window <= auto.max_window <= 6
-        assert trainer.engine.window_size == auto.window
-        assert choose_window(auto.costs, 6, auto.max_window, "forward")[0] == auto.window
-        assert auto.costs.fwd_s > 0 and auto.costs.bwd_s > 0 and auto.costs.load_s > 0
+        assert 0 <= auto.window <= auto.max_window <= 6 and 0 <= auto.resident_blocks <= 6
+        assert auto.window >= 1 or auto.resident_blocks == 6
+        # the runtime obeys the planner: K resident (with their recompute), W slots for the rest
+        stats = trainer.engine.stats()
+        assert (stats["resident_blocks"], trainer.engine.window_size) == (auto.resident_blocks, auto.window)
+        assert trainer.engine.config.resident_recompute == auto.resident_recompute
+        split = choose_split(auto.costs, auto.work, 6, auto.budget_bytes)
+        assert (split.resident, split.resident_recompute, split.window) == (
+            auto.resident_blocks, auto.resident_recompute, auto.window)
+        assert auto.work.overlap == "forward"  # tiny_config clips
+        c = auto.costs
+        assert c.fwd_s > 0 and c.bwd_s > 0 and c.load_s > 0 and c.device_adam_s > 0 and c.recompute_s == c.fwd_s
         text = caplog.text
         assert f"W={auto.window}" in text and "fwd" in text and "load" in text and "predicted step" in text
+        assert f"{auto.resident_blocks} blocks resident with device AdamW" in text and "recomputed" in text
         trainer.train()
     finally:
         trainer.close()
@@ -49,10 +58,21 @@ def test_auto_window_respects_the_budget(tmp_path):
     config = tiny_config(tmp_path, window="auto", model=MODEL)
     config.auto_window.device_budget_mb = one_slot
     trainer = Trainer(config)
-    try:
+    try:  # a resident block needs about two slots' bytes: none fits beside the one slot
         assert trainer.auto_window.max_window == 1 and trainer.engine.window_size == 1
+        assert trainer.auto_window.resident_blocks == 0
     finally:
         trainer.close()
+    config.auto_window.device_budget_mb = 2 * auto.budget_bytes / 2**20
+    config.runtime.resident_blocks = 2  # --resident-blocks fixes K; the planner still picks W
+    trainer = Trainer(config)
+    try:
+        assert trainer.auto_window.resident_blocks == 2 and trainer.engine.stats()["resident_blocks"] == 2
+        assert 1 <= trainer.engine.window_size == trainer.auto_window.window <= 4
+        assert trainer.auto_window.max_window >= 1
+    finally:
+        trainer.close()
+    config.runtime.resident_blocks = 0
     config.auto_window.device_budget_mb = base / 2 / 2**20
     with pytest.raises(ValueError, match="holds no block slot"):
         Trainer(config)
@@ -76,7 +96,7 @@ def test_planner_matches_the_runtime_on_cpu():
     work = Workload(batch=4, seq=32, precision="fp32", overlap="forward", device_reserve_bytes=0,
                     host_reserve_bytes=0)
     hw = _cpu_hardware(cfg, work, device_bytes=64 << 20, host_bytes=1 << 30)
-    plan = make_plan(cfg, work, hw, window=2)
+    plan = make_plan(cfg, work, hw, window=2, resident_blocks=0)
     model = GPT(cfg)
     engine = pystronghold.wrap(model, blocks=model.blocks, window=2, clip_grad_norm=1.0)
     try:
@@ -92,7 +112,8 @@ def test_planner_matches_the_runtime_on_cpu():
     # the planner is given the host budget minus those; that is halfway between its needs at 5 and
     # 6 blocks
     def planner_host(layers):
-        return make_plan(dataclasses.replace(cfg, layers=layers), work, hw, window=2).host.host_bytes
+        return make_plan(dataclasses.replace(cfg, layers=layers), work, hw, window=2,
+                         resident_blocks=0).host.host_bytes
     device = 2 * plan.costs.slot_bytes + plan.device.head_tail_bytes
     budget = (planner_host(5) + planner_host(6)) // 2 + device
     hw_small = dataclasses.replace(hw, host_memory_bytes=budget - device)
@@ -105,3 +126,29 @@ def test_planner_matches_the_runtime_on_cpu():
         else:
             with pytest.raises(MemoryError, match="host store needs"):
                 pystronghold.wrap(m, blocks=m.blocks, window=2, host_memory_bytes=budget)
+
+
+@pytest.mark.parametrize("resident", [2, 6])
+def test_planner_matches_the_runtime_with_resident_blocks(resident):
+    """With K resident blocks the runtime's device bytes (window arena, head/tail, resident blocks'
+    parameters, gradients and AdamW state) are the plan's within 10%, and the split is the same."""
+    cfg = GPTConfig(**MODEL)
+    work = Workload(batch=4, seq=32, precision="fp32", overlap="forward", device_reserve_bytes=0,
+                    host_reserve_bytes=0)
+    hw = _cpu_hardware(cfg, work, device_bytes=64 << 20, host_bytes=1 << 30)
+    plan = make_plan(cfg, work, hw, resident_blocks=resident, window=None if resident == 6 else 2)
+    model = GPT(cfg)
+    engine = pystronghold.wrap(model, blocks=model.blocks, window=plan.window or "all", clip_grad_norm=1.0,
+                               resident_blocks=plan.resident_blocks, resident_recompute=plan.resident_recompute)
+    try:
+        x = torch.randint(0, 256, (4, 32))
+        engine.backward(engine(x, x))
+        engine.step()
+        measured = memory_report(engine).device_peak_bytes
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert (stats["resident_blocks"], stats["streamed_blocks"]) == (plan.resident_blocks, plan.streamed_blocks)
+    assert stats["resident_bytes"] == plan.device.resident_bytes
+    planned = plan.device.window_bytes + plan.device.head_tail_bytes + plan.device.resident_bytes
+    assert abs(measured - planned) <= 0.1 * planned, (measured, planned)

@@ -83,7 +83,9 @@ def test_plan_reports_an_unknown_gpu_before_missing_options(capsys):
     (640, "NVMe tier not used: the store needs 96.0 GiB per rank, which fits the 632.0 GiB of host memory"),
     (9, "NVMe tier not enough: the store needs 96.0 GiB per rank, more than the 1.0 GiB of host memory")])
 def test_plan_says_why_the_disk_was_or_was_not_used(capsys, host, words):
-    main(["plan", "--gpu", "h100-80gb", "--host-memory", str(host), "--model", "gpt3-6.7b", "--nvme", "4000"])
+    # every block streamed (K=0): with K chosen, resident blocks would shrink the host store
+    main(["plan", "--gpu", "h100-80gb", "--host-memory", str(host), "--model", "gpt3-6.7b", "--nvme", "4000",
+          "--resident-blocks", "0"])
     assert words in capsys.readouterr().out
 
 
