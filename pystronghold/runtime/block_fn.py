@@ -177,7 +177,8 @@ class BlockFunction(torch.autograd.Function):
                                             [g for _, g in pairs], allow_unused=True)
             else:
                 grads = (None,) * (len(wrt_inputs) + len(params))
-            engine.leave(block, "bwd", param_grads=grads[len(wrt_inputs):])
+        # NOTE: outside the compute span, which the engine's own per-block span must not overlap
+        engine.leave(block, "bwd", param_grads=grads[len(wrt_inputs):])
         input_grads = iter(grads[:len(wrt_inputs)])
         flat_grads = [next(input_grads) if isinstance(x, torch.Tensor) and x.requires_grad else None
                       for x in inputs]
