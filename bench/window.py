@@ -95,6 +95,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="6 blocks, hidden 256, seq 128")
     parser.add_argument("--json", default=None, help="write the records here")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated configurations to run (e.g. plain,K=N; plain and W=all, the "
+                             "baselines of the ratios, are always run); default: all")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.seq = 6, 256, 128
@@ -113,10 +116,13 @@ def main(argv=None) -> int:
     n_block = sum(p.numel() for p in base.blocks[0].parameters())
     n_ht = sum(p.numel() for p in base.parameters()) - args.layers * n_block
 
-    trainers = {"plain": Plain(copy.deepcopy(base))}
-    for w in ("all", 4, 2):
-        trainers[f"W={w}"] = Windowed(copy.deepcopy(base), w)
-    trainers["K=N"] = Windowed(copy.deepcopy(base), "all", resident_blocks=args.layers)
+    makers = {"plain": lambda: Plain(copy.deepcopy(base)),
+              **{f"W={w}": (lambda w=w: Windowed(copy.deepcopy(base), w)) for w in ("all", 4, 2)},
+              "K=N": lambda: Windowed(copy.deepcopy(base), "all", resident_blocks=args.layers)}
+    only = set(makers) if args.only is None else {"plain", "W=all", *args.only.split(",")}
+    if only - set(makers):
+        parser.error(f"--only: unknown configurations {sorted(only - set(makers))}; known: {list(makers)}")
+    trainers = {name: make() for name, make in makers.items() if name in only}
     losses = {name: [] for name in trainers}
     times = {name: [] for name in trainers}
     # NOTE: configurations take turns step by step, so load from other users of a shared machine
