@@ -30,35 +30,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIN_PAIRS, LoadWatch, paired_ratio, print_table, write_json  # noqa: E402
-from window import HYPER, Plain  # noqa: E402
+from common import MIN_PAIRS, LoadWatch, add_gpt_arguments, paired_ratio, print_table, write_json  # noqa: E402
+from window import Plain, Windowed  # noqa: E402
 
-import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
-
-
-class Engine:
-    """The model through the engine, every block streamed, activations kept (no recompute)."""
-
-    def __init__(self, model, trace: bool) -> None:
-        self.engine = ph.wrap(model, blocks=model.blocks, window="all", optimizer=ph.AdamW(**HYPER),
-                              checkpointing=False, trace=trace)
-
-    def step(self, x, y) -> float:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        self.engine.zero_grad()
-        return loss.item()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=5)
+    add_gpt_arguments(parser, layers=32, hidden=32, seq=8, steps=60, warmup=5)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="write the record here")
     args = parser.parse_args(argv)
@@ -70,11 +50,13 @@ def main(argv=None) -> int:
                     heads=max(1, args.hidden // 32))
     base = GPT(cfg)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, cfg.vocab_size, (1, args.seq), generator=g),
-                torch.randint(0, cfg.vocab_size, (1, args.seq), generator=g))
+    batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
+                torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g))
                for _ in range(args.warmup + args.steps)]
-    trainers = {"plain": Plain(copy.deepcopy(base)), "engine": Engine(copy.deepcopy(base), trace=False),
-                "traced": Engine(copy.deepcopy(base), trace=True)}
+    # every block streamed, activations kept: what plain computes, through the engine
+    trainers = {"plain": Plain(copy.deepcopy(base)),
+                "engine": Windowed(copy.deepcopy(base), "all", checkpointing=False, trace=False),
+                "traced": Windowed(copy.deepcopy(base), "all", checkpointing=False)}
     losses = {name: [] for name in trainers}
     times = {name: [] for name in trainers}
     watch = LoadWatch()
@@ -102,7 +84,7 @@ def main(argv=None) -> int:
            "engine_calls_ms_per_block": (1e3 * summary.time_s["engine"] / (args.steps * calls)
                                          if "engine" in summary.time_s else "-"),
            **load}
-    title = (f"GPT {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch 1, fp32, {args.steps} "
+    title = (f"GPT {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32, {args.steps} "
              f"timed steps after {args.warmup} warm-up (CPU backend); per block = per block and pass")
     print_table([row], [c for c in row if c not in ("load_start", "load_end", "loaded")], title)
     write_json(args.json, "engine_overhead", [row], {"args": vars(args)})

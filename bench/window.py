@@ -63,11 +63,11 @@ class Plain:
 
 class Windowed:
     """The same training through pystronghold.wrap with ``window`` blocks resident (``options``:
-    more wrap options, e.g. the NVMe tier's in bench/nvme.py)."""
+    more wrap options, e.g. the NVMe tier's in bench/nvme.py; tracing is on unless ``trace=False``)."""
 
     def __init__(self, model, window, **options) -> None:
         self.engine = ph.wrap(model, blocks=model.blocks, window=window, optimizer=ph.AdamW(**HYPER),
-                              trace=True, **options)
+                              **{"trace": True, **options})
 
     def step(self, x, y) -> float:
         loss = self.engine(x, y)
