@@ -75,11 +75,11 @@ class Plain:
 
 class Windowed:
     """The same training through pystronghold.wrap with ``window`` blocks resident (``options``:
-    more wrap options, e.g. the NVMe tier's in bench/nvme.py)."""
+    more wrap options, e.g. the NVMe tier's in bench/nvme.py; tracing is on unless ``trace=False``)."""
 
     def __init__(self, model, window, **options) -> None:
         self.engine = ph.wrap(model, blocks=model.blocks, window=window, optimizer=ph.AdamW(**HYPER),
-                              trace=True, **options)
+                              **{"trace": True, **options})
 
     def step(self, x, y) -> float:
         loss = self.engine(x, y)
@@ -190,6 +190,9 @@ def main(argv=None) -> int:
                         help="with --accumulation: the schedule measured against the default one")
     parser.add_argument("--window", default="2", help="with --accumulation: W (a number or all)")
     parser.add_argument("--nvme", default=None, help="with --accumulation: every state in the file tier here")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated configurations to run (e.g. plain,K=N; plain and W=all, the "
+                             "baselines of the ratios, are always run); default: all")
     args = parser.parse_args(argv)
     if args.accumulation is not None:
         try:
@@ -214,10 +217,13 @@ def main(argv=None) -> int:
     n_block = sum(p.numel() for p in base.blocks[0].parameters())
     n_ht = sum(p.numel() for p in base.parameters()) - args.layers * n_block
 
-    trainers = {"plain": Plain(copy.deepcopy(base))}
-    for w in ("all", 4, 2):
-        trainers[f"W={w}"] = Windowed(copy.deepcopy(base), w)
-    trainers["K=N"] = Windowed(copy.deepcopy(base), "all", resident_blocks=args.layers)
+    makers = {"plain": lambda: Plain(copy.deepcopy(base)),
+              **{f"W={w}": (lambda w=w: Windowed(copy.deepcopy(base), w)) for w in ("all", 4, 2)},
+              "K=N": lambda: Windowed(copy.deepcopy(base), "all", resident_blocks=args.layers)}
+    only = set(makers) if args.only is None else {"plain", "W=all", *args.only.split(",")}
+    if only - set(makers):
+        parser.error(f"--only: unknown configurations {sorted(only - set(makers))}; known: {list(makers)}")
+    trainers = {name: make() for name, make in makers.items() if name in only}
     losses = {name: [] for name in trainers}
     times = {name: [] for name in trainers}
     # NOTE: configurations take turns step by step, so load from other users of a shared machine

@@ -16,6 +16,8 @@ d2h                                           d2h
 optimizer, norm (host gradient-norm pass)     optimizer
 file_read, file_write                         file_io
 wait (compute waiting on a copy: a stall)     stall
+model, engine, step (host time outside the    host
+blocks' compute, ``runtime/host_time.py``)
 ============================================  ===========
 
 Any other kind is accepted and gets a lane of its own name unless ``lane=`` says otherwise.
@@ -54,9 +56,10 @@ LANE_OF_KIND = {
     "compute_fwd": "compute", "compute_bwd": "compute", "recompute": "compute",
     "h2d": "h2d", "d2h": "d2h", "optimizer": "optimizer", "norm": "optimizer",
     "file_read": "file_io", "file_write": "file_io", "wait": "stall",
+    "model": "host", "engine": "host", "step": "host",
 }
 """Default lane of each known kind."""
-_LANE_ORDER = ("compute", "h2d", "d2h", "optimizer", "file_io", "stall")
+_LANE_ORDER = ("compute", "h2d", "d2h", "optimizer", "file_io", "stall", "host")
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +229,7 @@ class Tracer:
     def write_chrome_json(self, path: str | os.PathLike) -> Path:
         """Write the events as Chrome trace-event JSON (opens in ui.perfetto.dev and chrome://tracing).
 
-        One row (tid) per lane in a fixed order (compute, h2d, d2h, optimizer, file_io, stall, then
+        One row (tid) per lane in a fixed order (compute, h2d, d2h, optimizer, file_io, stall, host, then
         any others); timestamps in microseconds from the first event. Returns the path written.
         """
         events = self.events()

@@ -50,11 +50,15 @@ def _slot_pack_hooks(engine, block: int):
     base = engine.window.resident[block].params
     lo, itemsize = base.data_ptr(), base.element_size()
     hi = lo + base.numel() * itemsize
+    device, dtype, storage = base.device, base.dtype, base.untyped_storage().data_ptr()
 
     def pack(t: torch.Tensor):
-        if t.device == base.device and t.dtype == base.dtype and lo <= t.data_ptr() < hi \
-                and t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr():
-            return ("slot", (t.data_ptr() - lo) // itemsize, tuple(t.shape), tuple(t.stride()))
+        # NOTE: the cheap address test first: it rejects most saved tensors (activations); called
+        # for every tensor every block saves
+        ptr = t.data_ptr()
+        if lo <= ptr < hi and t.untyped_storage().data_ptr() == storage and t.dtype == dtype \
+                and t.device == device:
+            return ("slot", (ptr - lo) // itemsize, tuple(t.shape), tuple(t.stride()))
         return ("keep", t)
 
     def unpack(packed):
@@ -180,7 +184,8 @@ class BlockFunction(torch.autograd.Function):
                                             [g for _, g in pairs], allow_unused=True)
             else:
                 grads = (None,) * (len(wrt_inputs) + len(params))
-            engine.leave(block, "bwd", param_grads=grads[len(wrt_inputs):])
+        # NOTE: outside the compute span, which the engine's own per-block span must not overlap
+        engine.leave(block, "bwd", param_grads=grads[len(wrt_inputs):])
         input_grads = iter(grads[:len(wrt_inputs)])
         flat_grads = [next(input_grads) if isinstance(x, torch.Tensor) and x.requires_grad else None
                       for x in inputs]

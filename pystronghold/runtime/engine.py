@@ -14,6 +14,7 @@ docs/DESIGN.md "Window runtime".
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -21,6 +22,7 @@ from pystronghold.runtime import block_fn, relay
 from pystronghold.runtime.build import build_optimizers, build_parts
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.executor import PassExecutor
+from pystronghold.runtime.host_time import HostSpans
 from pystronghold.runtime.schedule import Plan
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.optim.window_optimizer import WindowOptimizer
@@ -54,6 +56,7 @@ class Engine:
         self.backend, self.device, self.scratch = parts.backend, parts.backend.device, parts.scratch
         self.store, self.window, self.plans, self.trace = parts.store, parts.window, parts.plans, parts.trace
         self.head_tail_params = parts.head_tail_params
+        self.host_spans = HostSpans(self.trace)  # model / engine / step spans (runtime/host_time.py)
         self.dp_group, self.tp_group, self.parallel = parts.dp_group, parts.tp_group, parts.parallel
         self.block_forwards = block_fn.install(self, parts.streamed_blocks)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
@@ -98,7 +101,13 @@ class Engine:
         """Run the model's own forward, with host tensors among the arguments moved to the device
         (``pystronghold.runtime.inputs.move_inputs``; a tensor on another device: ValueError)."""
         args, kwargs = move_inputs(args, kwargs, self.device, self._forward_signature)
-        return self.model(*args, **kwargs)
+        if not self.trace.enabled:
+            return self.model(*args, **kwargs)
+        self.host_spans.model_resumes()
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.host_spans.model_pauses()
 
     def train(self, mode: bool = True) -> "Engine":
         """Training mode (dropout on) for the model and every block, resident or not; returns self."""
@@ -122,7 +131,13 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
-        self.scale_loss(loss).backward()
+        if self.trace.enabled:
+            self.host_spans.model_resumes()
+        try:
+            self.scale_loss(loss).backward()
+        finally:
+            if self.trace.enabled:
+                self.host_spans.model_pauses()
         if self.executor.in_pass():
             raise RuntimeError("backward did not reach the first block: the loss does not depend on "
                                "every block, or only part of the graph was back-propagated")
@@ -199,11 +214,19 @@ class Engine:
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
+        if not self.trace.enabled:
+            return self.executor.enter(block, phase, train)
+        start = self.host_spans.model_pauses()
         self.executor.enter(block, phase, train)
+        self.host_spans.engine(block, start)
 
     def leave(self, block: int, phase: str, param_grads=None) -> None:
         """After ``block`` computed: in backward hand its gradient out; then run the plan's actions."""
+        if not self.trace.enabled:
+            return self.executor.leave(block, phase, param_grads)
+        start = time.monotonic()
         self.executor.leave(block, phase, param_grads)
+        self.host_spans.model_resumes(self.host_spans.engine(block, start))
 
     @property
     def micro_batches(self) -> int:
@@ -231,9 +254,10 @@ class Engine:
     def run_step(self) -> None:
         """The optimizer step itself, as ``engine.optimizer.step()`` runs it (call ``step()``): every
         gradient copy-out waited for, the step (``OptimizerStep.run``), a new accumulation begun."""
-        self.executor.finish_accumulation()
-        self.stepper.run(self.executor.active_blocks())
-        self.executor.end_accumulation()
+        with self.trace.span("step"):
+            self.executor.finish_accumulation()
+            self.stepper.run(self.executor.active_blocks())
+            self.executor.end_accumulation()
 
     def forget_grads(self) -> None:
         """Gradients dropped, as ``engine.optimizer.zero_grad()`` does it (call ``zero_grad()``)."""

@@ -42,6 +42,10 @@ class Window:
             s.grads.zero_()
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=backend.device)
         self.resident: dict[int, Slot] = {}  # block -> slot, from load issue to release
+        # (slot, block) -> (param views, grad views): made once, reused at every bind and copy-out
+        # (a slot's buffers never move; making ~10 views per block per pass was the engine's largest
+        # per-block Python cost, issue 13 item 5)
+        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.peak_resident = 0
         for block_params in params:
             for p in block_params:
@@ -63,9 +67,16 @@ class Window:
     def bind(self, block: int) -> Slot:
         """Point ``block``'s parameters at its slot (after its load has been waited for)."""
         s = self.resident[block]
-        for p, view in zip(self.params[block], self.layouts[block].views(s.params)):
+        for p, view in zip(self.params[block], self._slot_views(s, block)[0]):
             p.data = view
         return s
+
+    def _slot_views(self, s: Slot, block: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        views = self._views.get((s.index, block))
+        if views is None:
+            layout = self.layouts[block]
+            views = self._views[(s.index, block)] = (layout.views(s.params), layout.views(s.grads))
+        return views
 
     def vacate(self, block: int) -> Slot:
         """Point ``block``'s parameters back at the placeholder and free its slot record."""
@@ -84,8 +95,8 @@ class Window:
 
     def param_views(self, block: int) -> list[torch.Tensor]:
         """Views of the resident ``block``'s parameters in its slot."""
-        return self.layouts[block].views(self.resident[block].params)
+        return list(self._slot_views(self.resident[block], block)[0])
 
     def grad_views(self, block: int) -> list[torch.Tensor]:
         """Views of the resident ``block``'s gradients in its slot."""
-        return self.layouts[block].views(self.resident[block].grads)
+        return list(self._slot_views(self.resident[block], block)[1])

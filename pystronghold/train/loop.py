@@ -334,7 +334,13 @@ class Trainer:
                 interval_losses, steps_in_interval = [], 0
             if (run.eval_every and self.step % run.eval_every == 0) or last:
                 t0 = time.perf_counter()
-                res.val_losses.append((self.step, self.evaluate()))
+                # NOTE: untraced: validation is timed apart (eval_s), and its compute and host spans
+                # would otherwise be counted as training time in the next interval's summary
+                traced, tracer.enabled = tracer.enabled, False
+                try:
+                    res.val_losses.append((self.step, self.evaluate()))
+                finally:
+                    tracer.enabled = traced
                 res.time.eval_s += time.perf_counter() - t0
                 log.info("step %d | validation loss %.4f", self.step, res.val_losses[-1][1])
                 writer.validation(*res.val_losses[-1])

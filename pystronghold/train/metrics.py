@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pystronghold.runtime.host_time import HOST_KINDS
 from pystronghold.runtime.layout import device_bytes_per_param
 from pystronghold.runtime.prepare import head_tail_bytes
 from pystronghold.trace import Tracer
@@ -223,6 +224,20 @@ class TimeReport:
                   if "file_read" in self.kind_s else "")
                + (f"; over the whole run {100 * self.hidden_s / self.background_s:.0f}% of this background "
                   "work was hidden behind compute" if self.background_s else "")]
-        rest = self.wall_s - compute - self.kind_s.get("wait", 0.0)
-        out.append(f"other (head/tail, loss, Python, exposed host work) {max(rest, 0.0):.1f} s")
+        p = self.parts()
+        out.append(f"outside the blocks' compute: model {p['model']:.1f} s (head, tail, loss, resident "
+                   f"blocks, glue between blocks), engine per-block calls {p['engine']:.1f} s (waits "
+                   f"included), optimizer step {p['step']:.1f} s (exposed host updates, device AdamW), "
+                   f"unaccounted {p['unaccounted']:.1f} s (training loop, data, Python outside the engine)")
         return out
+
+    def parts(self) -> dict[str, float]:
+        """The training wall time split into named parts, seconds: ``compute`` (block forward,
+        backward, recompute), ``model``, ``engine`` and ``step`` (host spans, ``runtime/host_time.py``;
+        the waits for copies and host updates are inside ``engine``), and ``unaccounted``, the wall
+        time none of them covers. On the CPU backend the parts are disjoint host time and sum to
+        ``wall_s``; on CUDA compute is device time that overlaps the host's, so ``unaccounted`` can be
+        negative (it is reported as it is, never clamped)."""
+        named = {"compute": sum(self.kind_s.get(k, 0.0) for k in ("compute_fwd", "compute_bwd", "recompute")),
+                 **{k: self.kind_s.get(k, 0.0) for k in HOST_KINDS}}
+        return {**named, "unaccounted": self.wall_s - sum(named.values())}
