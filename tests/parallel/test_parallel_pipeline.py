@@ -24,7 +24,6 @@ from pystronghold.models import GPT, GPTConfig
 from pystronghold.parallel import gather_tp_param, init_parallel, validate_parallel_sizes
 from pystronghold.parallel.pipeline import (Pipeline, gpt_loss, gpt_stage, stage_passes,
                                             validate_pipeline)
-from pystronghold.planner.balance import stage_ranges
 
 CFG = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=16, layers=4, hidden=32, heads=4,
                 tie_embeddings=True)
@@ -154,29 +153,6 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage():
 
 
 # ---- without processes
-
-
-def test_stage_ranges_minimise_the_largest_stage_with_head_and_tail_counted():
-    import itertools
-
-    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
-    for stages in (1, 2, 3, 4):
-        split = stage_ranges(costs, stages, head_cost=2.0, tail_cost=7.0)
-        assert [r.start for r in split] == [0] + [r.stop for r in split[:-1]] and split[-1].stop == 8
-
-        def worst(cuts):
-            bounds = [0, *cuts, 8]
-            loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
-            loads[0] += 2.0
-            loads[-1] += 7.0
-            return max(loads)
-
-        best = min(worst(c) for c in itertools.combinations(range(1, 8), stages - 1))
-        assert worst([r.start for r in split[1:]]) == best
-    # the LM head's cost moves blocks off the last stage
-    assert [len(r) for r in stage_ranges([1.0] * 4, 2, tail_cost=2.0)] == [3, 1]
-    with pytest.raises(ValueError, match="5 stages need at least 5 blocks"):
-        stage_ranges([1.0] * 4, 5)
 
 
 def test_stage_passes_follow_torch_schedules():

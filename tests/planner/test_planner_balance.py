@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pystronghold.planner.balance import (balance_batch, balance_stages, batch_slices, dp_loss_weight,
-                                          proportional_batch, split_throughput)
+                                          proportional_batch, split_throughput, stage_ranges)
 
 
 def _compositions(total: int, parts: int):
@@ -183,5 +183,14 @@ def test_stage_split_of_identical_devices_counts_the_head_and_the_tail():
         balance_stages([1.0] * 4, stages=5)
     with pytest.raises(ValueError, match="give device_flops or stages"):
         balance_stages([1.0] * 4)
+
+
+def test_stage_ranges_are_the_identical_device_split():
+    """``stage_ranges``, what the pipeline runtime and its planner split by, is that split's ranges."""
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    for stages in (1, 2, 3, 4):
+        assert stage_ranges(costs, stages, head_cost=2.0, tail_cost=7.0) == balance_stages(
+            costs, stages=stages, first_stage_flops=2.0, last_stage_flops=7.0).ranges
+    assert [len(r) for r in stage_ranges([1.0] * 4, 2, tail_cost=2.0)] == [3, 1]
     with pytest.raises(ValueError, match="first_stage_flops must be a finite number >= 0"):
         balance_stages([1.0] * 4, stages=2, first_stage_flops=-1.0)
