@@ -37,9 +37,11 @@ def parallel_data(steps: int, micro: int, batch: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (steps, micro, batch, CFG.seq_len + 1), generator=g)
 
 
-def single_process_run(data: torch.Tensor, clip: float | None = None):
-    """Plain PyTorch on the whole batch: (losses per micro-batch, grad norms per step, params)."""
-    model = GPT(CFG, seed=7)
+def single_process_run(data: torch.Tensor, clip: float | None = None, config: GPTConfig = CFG):
+    """Plain PyTorch on the whole batch: (losses per micro-batch, grad norms per step, params).
+    ``data``: (steps, micro, batch, T + 1) token ids (``micro`` = 1: one backward per step);
+    ``config``: the GPT's (seed 7, ``HYPER``)."""
+    model = GPT(config, seed=7)
     opt = torch.optim.AdamW(model.parameters(), **HYPER)
     losses, norms = [], []
     for step in data:

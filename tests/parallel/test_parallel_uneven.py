@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from _dist import run_ranks
+from parallel_training import single_process_run
 
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
@@ -29,20 +30,6 @@ PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 def _data(steps: int = 3, batch: int = 8) -> torch.Tensor:
     g = torch.Generator().manual_seed(11)
     return torch.randint(0, CFG.vocab_size, (steps, batch, CFG.seq_len + 1), generator=g)
-
-
-def _reference(data):
-    model = GPT(CFG, seed=7)
-    opt = torch.optim.AdamW(model.parameters(), **HYPER)
-    losses, norms = [], []
-    for tokens in data:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
 
 
 def _train(data, split: UnevenBatch, groups, weighted: bool = True, delay_s: float = 0.0):
@@ -69,7 +56,7 @@ def _train(data, split: UnevenBatch, groups, weighted: bool = True, delay_s: flo
 def _uneven(rank: int, world: int) -> None:
     groups = init_parallel(tp_size=1, timeout_s=30)
     data = _data()
-    ref_losses, ref_norms, ref_params = _reference(data)
+    ref_losses, ref_norms, ref_params = single_process_run(data.unsqueeze(1), CLIP, config=CFG)
     assert min(ref_norms) > CLIP  # clipping acts on every step: the norm is of the true gradient
     split = UnevenBatch.from_speeds(8, [4.0, 3.0, 1.0], dp_rank=groups.dp_rank)
     assert split.sizes == (4, 3, 1)
