@@ -13,25 +13,18 @@ from __future__ import annotations
 import os
 
 import pytest
-from torchrun_cli import logged_losses, run_train
+from torchrun_cli import assert_logs_reference, reference_losses, run_train
 
 
 @pytest.fixture(scope="module")
 def reference():
-    p = run_train(1)
-    assert p.returncode == 0, p.stderr
-    train, val = logged_losses(p.stdout)
-    assert len(train) == 3 and len(val) == 1
-    return train, val
+    return reference_losses()
 
 
 @pytest.mark.parametrize("layout", [("--tp", "2"), ("--dp", "2")], ids=["tp2", "dp2"])
-def test_two_processes_log_the_single_processlogged_losses(reference, layout):
+def test_two_processes_log_the_single_process_losses(reference, layout):
     p = run_train(2, *layout)
-    assert p.returncode == 0, p.stderr
-    train, val = logged_losses(p.stdout)
-    assert train == pytest.approx(reference[0], abs=1e-4)
-    assert val == pytest.approx(reference[1], abs=1e-4)
+    assert_logs_reference(p, reference)
     # rank 0 alone logs: one metrics line per step, one summary
     assert p.stdout.count("trained steps 1..3") == 1
 
@@ -78,10 +71,7 @@ def test_dp_checkpoint_written_by_rank_0_resumed_by_every_rank(reference, tmp_pa
     assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]  # one writer: no clashes
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(2, "--dp", "2", "--checkpoint-dir", ck, "--resume")
-    assert p.returncode == 0, p.stderr
-    train, val = logged_losses(p.stdout)
-    assert train == pytest.approx(reference[0][2:], abs=1e-4)  # step 3 continues the same run
-    assert val == pytest.approx(reference[1], abs=1e-4)
+    assert_logs_reference(p, reference, from_step=3)
 
 
 def test_tp_checkpoint_resumed_by_one_process(reference, tmp_path):
@@ -95,7 +85,4 @@ def test_tp_checkpoint_resumed_by_one_process(reference, tmp_path):
     assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(1, "--checkpoint-dir", ck, "--resume")
-    assert p.returncode == 0, p.stderr
-    train, val = logged_losses(p.stdout)
-    assert train == pytest.approx(reference[0][2:], abs=1e-4)
-    assert val == pytest.approx(reference[1], abs=1e-4)
+    assert_logs_reference(p, reference, from_step=3)

@@ -9,23 +9,17 @@ tests/parallel/test_parallel_uneven.py's; this file checks the CLI's plumbing an
 from __future__ import annotations
 
 import pytest
-from torchrun_cli import logged_losses, run_train
+from torchrun_cli import assert_logs_reference, reference_losses, run_train
 
 
 @pytest.fixture(scope="module")
 def reference():
-    p = run_train(1)
-    assert p.returncode == 0, p.stderr
-    return logged_losses(p.stdout)
+    return reference_losses()
 
 
 def test_uneven_split_logs_the_single_process_losses(reference):
     p = run_train(2, "--dp", "2", "--dp-split", "3,1")
-    assert p.returncode == 0, p.stderr
-    train, val = logged_losses(p.stdout)
-    assert len(train) == 3 and len(val) == 1
-    assert train == pytest.approx(reference[0], abs=1e-4)
-    assert val == pytest.approx(reference[1], abs=1e-4)
+    assert_logs_reference(p, reference)
 
 
 @pytest.mark.parametrize("split, message", [
