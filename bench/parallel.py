@@ -1,5 +1,6 @@
 """Parallelism benchmark: a tiny GPT through the window runtime at TP 1/2 x DP 1/2 and with two
-pipeline stages (PP 2, PP 2 x TP 2), gloo on CPU.
+pipeline stages (PP 2 1F1B, PP 2 x TP 2, and PP 2 interleaved with v = 2 model chunks per rank),
+gloo on CPU.
 
 Every configuration trains the same model (same initial weights, same global batches: strong
 scaling, each DP rank gets global_batch / dp sequences) with W=2 blocks resident, one process per
@@ -28,6 +29,9 @@ padded vocabulary V, checkpointing on so each block's forward runs twice):
       pp 8 (the clipping norm summed over the stages, float64); its TP figure is that of its own
       blocks and head: 4 * b*T*C * (6 L/2 + 1) + 8.
       p2p bytes are measured by a wrapper around the schedules' ``_batch_p2p`` (sends only).
+  PP interleaved (v chunks per rank; rank 0 holds chunks 0, p, ...): p2p (2v - 1) * 4 * b*T*C
+      [each of its v chunks sends its activations forward, and each but chunk 0 (virtual stage 0)
+      sends its input gradients back]; pp 8.
 The measured DP figure is larger when a block's flat buffer carries alignment padding (store.py:
 parameters start at multiples of 16 elements; the default shapes here need none).
 
@@ -60,7 +64,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from common import MIN_PAIRS, LoadWatch, Timing, paired_ratio, print_table, write_json  # noqa: E402
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-CONFIGS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]  # (tp, dp, pp)
+CONFIGS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1),
+           (1, 1, 2, 2)]  # (tp, dp, pp, v model chunks per pipeline rank: v > 1 is the interleaved schedule)
 MICRO_BATCHES = 2  # per step through a pipeline
 
 
@@ -114,7 +119,7 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.005)
 
 
-def _rank_main(rank: int, args: dict, tp: int, dp: int, pp: int, port: int, ctl: str) -> None:
+def _rank_main(rank: int, args: dict, tp: int, dp: int, pp: int, chunks: int, port: int, ctl: str) -> None:
     world = tp * dp * pp
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -134,7 +139,8 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, pp: int, port: int, ctl:
 
         per_block = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
         ends = sum(p.numel() for p in (model.head if groups.pp_rank == 0 else model.tail).parameters())
-        pipe = gpt_pipeline(model, groups, micro_batches=MICRO_BATCHES, **options)
+        pipe = gpt_pipeline(model, groups, micro_batches=MICRO_BATCHES, chunks=chunks,
+                            schedule="interleaved" if chunks > 1 else "1f1b", **options)
         engine = pipe.engine  # (its blocks' parameters are placeholders now: counted before)
         n_local = ends + sum(per_block[i] for i in pipe.stage_blocks[groups.pp_rank])
     else:
@@ -147,7 +153,7 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, pp: int, port: int, ctl:
     b = args["batch"] // dp
     mine = data[:, groups.dp_rank * b:(groups.dp_rank + 1) * b]  # (steps, b, T + 1)
     times, losses, measured = [], [], []
-    ctl, name, per_round = Path(ctl), f"{tp}x{dp}x{pp}", args["steps"] // args["rounds"]
+    ctl, name, per_round = Path(ctl), _name((tp, dp, pp, chunks)), args["steps"] // args["rounds"]
     try:
         for k, tokens in enumerate(mine):
             timed = k - args["warmup"]
@@ -193,27 +199,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _name(config: tuple[int, int, int, int]) -> str:
+    tp, dp, pp, chunks = config
+    return f"{tp}x{dp}x{pp}" + (f"v{chunks}" if chunks > 1 else "")
+
+
 def run_configs(args: dict) -> dict:
-    """Start every (tp, dp) configuration's processes once, let them take turns for ``rounds`` rounds
-    of steps // rounds steps, and return each configuration's rank-0 record."""
+    """Start every (tp, dp, pp, v) configuration's processes once, let them take turns for
+    ``rounds`` rounds of steps // rounds steps, and return each configuration's rank-0 record."""
     ports = set()
     while len(ports) < len(CONFIGS):
         ports.add(_free_port())
     with tempfile.TemporaryDirectory() as tmp:
         ctl = Path(tmp)
-        contexts = {(tp, dp, pp): mp.start_processes(_rank_main, args=(args, tp, dp, pp, port, tmp),
-                                                     nprocs=tp * dp * pp, start_method="spawn", join=False)
-                    for (tp, dp, pp), port in zip(CONFIGS, sorted(ports))}
+        contexts = {cfg: mp.start_processes(_rank_main, args=(args, *cfg, port, tmp), nprocs=cfg[0] * cfg[1] * cfg[2],
+                                            start_method="spawn", join=False)
+                    for cfg, port in zip(CONFIGS, sorted(ports))}
         for r in range(args["rounds"]):
-            for tp, dp, pp in CONFIGS:
-                (ctl / f"go-{tp}x{dp}x{pp}-{r}").touch()
-                while not (ctl / f"done-{tp}x{dp}x{pp}-{r}").exists():
+            for cfg in CONFIGS:
+                (ctl / f"go-{_name(cfg)}-{r}").touch()
+                while not (ctl / f"done-{_name(cfg)}-{r}").exists():
                     for ctx in contexts.values():
                         ctx.join(timeout=0.002)  # raises when a rank failed
         for ctx in contexts.values():
             while not ctx.join():
                 pass
-        return {cfg: json.loads((ctl / f"rank0-{cfg[0]}x{cfg[1]}x{cfg[2]}.json").read_text()) for cfg in CONFIGS}
+        return {cfg: json.loads((ctl / f"rank0-{_name(cfg)}.json").read_text()) for cfg in CONFIGS}
 
 
 def round_medians(times: list[float], rounds: int) -> list[float]:
@@ -222,14 +233,14 @@ def round_medians(times: list[float], rounds: int) -> list[float]:
     return [Timing.of(times[r * per:(r + 1) * per]).median_s for r in range(rounds)]
 
 
-def computed_bytes(args: dict, tp: int, dp: int, pp: int, rec: dict) -> dict:
+def computed_bytes(args: dict, tp: int, dp: int, pp: int, chunks: int, rec: dict) -> dict:
     """Bytes per rank (rank 0) per step from the formulas in the module docstring."""
     b, T, C, L = args["batch"] // dp, args["seq"], args["hidden"], args["layers"]
     if pp == 1:
         tp_bytes = 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8 if tp > 1 else 0
         return {"tp": tp_bytes, "dp": 4 * rec["n_local"] if dp > 1 else 0, "pp": 0, "p2p": 0}
     tp_bytes = 4 * b * T * C * (6 * L // pp + 1) + 8 if tp > 1 else 0  # stage 0: L/pp blocks and the head
-    return {"tp": tp_bytes, "dp": 4 * rec["n_local"] if dp > 1 else 0, "pp": 8, "p2p": 4 * b * T * C}
+    return {"tp": tp_bytes, "dp": 4 * rec["n_local"] if dp > 1 else 0, "pp": 8, "p2p": (2 * chunks - 1) * 4 * b * T * C}
 
 
 def main(argv=None) -> int:
@@ -255,17 +266,17 @@ def main(argv=None) -> int:
     watch = LoadWatch()
     results = run_configs(args)
     load = watch.stop().fields()
-    base = results[(1, 1, 1)]
-    for (tp, dp, pp), rec in results.items():  # correctness before timing
+    base = results[(1, 1, 1, 1)]
+    for (tp, dp, pp, chunks), rec in results.items():  # correctness before timing
         # NOTE: summation order differs across layouts; over the steps losses agree to ~1e-6
-        torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(base["losses"]),
-                                   rtol=1e-4, atol=0, msg=f"tp={tp} dp={dp} pp={pp}: losses differ from 1x1x1")
+        torch.testing.assert_close(torch.tensor(rec["losses"]), torch.tensor(base["losses"]), rtol=1e-4, atol=0,
+                                   msg=f"tp={tp} dp={dp} pp={pp} v={chunks}: losses differ from 1x1x1")
     base_rounds = round_medians(base["times"], args["rounds"])
     rows = []
-    for (tp, dp, pp), rec in results.items():
-        t, comp, meas = Timing.of(rec["times"]), computed_bytes(args, tp, dp, pp, rec), rec["measured"]
+    for (tp, dp, pp, chunks), rec in results.items():
+        t, comp, meas = Timing.of(rec["times"]), computed_bytes(args, tp, dp, pp, chunks, rec), rec["measured"]
         vs = paired_ratio(round_medians(rec["times"], args["rounds"]), base_rounds)  # time ratio, per round
-        rows.append({"tp": tp, "dp": dp, "pp": pp, "procs": tp * dp * pp, "threads/proc": rec["threads"],
+        rows.append({"tp": tp, "dp": dp, "pp": pp, "v": chunks, "procs": tp * dp * pp, "threads/proc": rec["threads"],
                      "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s,
                      "vs_1x1": vs.median, "vs_1x1_p20": vs.p20, "vs_1x1_p80": vs.p80, "params/rank": rec["n_local"],
                      "tp_bytes_computed": comp["tp"], "tp_bytes_measured": meas["tp"],

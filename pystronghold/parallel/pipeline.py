@@ -4,13 +4,19 @@ write no scheduler).
 
 - the split: ``planner.balance.stage_ranges`` (contiguous blocks whose largest stage compute is
   smallest, the first stage's head and the last stage's tail, the LM head, counted).
-- ``PipelineStageModule`` / ``build_stage``: one rank's part of the model (head? blocks, tail?), the
+- ``PipelineStageModule`` / ``build_stage``: one stage's part of the model (head? blocks, tail?), the
   module torch's ``PipelineStage`` runs. Any list of blocks works (``whale`` maps its scopes here).
-- ``stage_passes``: the forward/backward passes a stage runs in one step, in its schedule's order;
-  the engine plans its window over all of them (``Engine.use_step_plan``) and checks each use.
-- ``Pipeline``: one rank's stage through ``wrap``, a torch schedule, tied-embedding gradients
+- the interleaved schedule (``ScheduleInterleaved1F1B``, Narayanan et al. SC'21): each rank holds
+  ``chunks`` = v stages ("model chunks", virtual stages r, r + p, ..., r + (v-1)p of p*v); one
+  ``PipelineChunks`` module gathers them so one engine (one window, store and host optimizer) runs
+  every chunk of the rank, and the bubble shrinks by v.
+- ``stage_passes`` / ``rank_passes``: the forward/backward passes a stage runs in one step, in its
+  schedule's order (for interleaved, read from torch's own per-rank action list); the engine plans
+  its window over all of them (``Engine.use_step_plan``) and checks each use.
+- ``Pipeline``: one rank's stage(s) through ``wrap``, a torch schedule, tied-embedding gradients
   all-reduced between the first and last stage, and ``step(x, y)`` = one optimizer step.
-- ``gpt_stage``: this rank's stage of a ``GPT`` (balanced split, tied embeddings marked).
+- ``gpt_stage`` / ``gpt_chunks``: this rank's stage (chunks) of a ``GPT`` (balanced split, tied
+  embeddings marked).
 
 Exactness (fp32): the loss of each micro-batch is divided by their number, so the summed
 gradient is the global batch's mean; clipping uses the norm summed over the stages
@@ -31,28 +37,50 @@ from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.planner.balance import stage_ranges
 from pystronghold.runtime.config import RuntimeConfig
 
-__all__ = ["SCHEDULES", "stage_passes", "PipelineStageModule", "build_stage",
-           "Pipeline", "gpt_stage", "gpt_pipeline", "gpt_stage_costs", "gpt_loss", "validate_pipeline"]
+__all__ = ["SCHEDULES", "stage_passes", "rank_passes", "PipelineStageModule", "PipelineChunks", "build_stage",
+           "Pipeline", "gpt_stage", "gpt_chunks", "gpt_pipeline", "gpt_stage_costs", "gpt_loss",
+           "validate_pipeline"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("1f1b", "gpipe")
-"""Pipeline schedules, by their torch.distributed.pipelining class (Schedule1F1B, ScheduleGPipe)."""
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+"""Pipeline schedules, by their torch.distributed.pipelining class (Schedule1F1B, ScheduleGPipe,
+ScheduleInterleaved1F1B: several model chunks per rank)."""
 
 
-def validate_pipeline(stages: int, blocks: int, micro_batches: int, schedule: str) -> None:
+def validate_pipeline(stages: int, blocks: int, micro_batches: int, schedule: str, chunks: int = 1) -> None:
     """Check a pipeline layout with local arithmetic only (the same on every rank, so every rank
-    raises before any collective). ValueError naming the argument that does not fit."""
+    raises before any collective): ``chunks`` model chunks per rank (2 or more for "interleaved", 1
+    otherwise). ValueError naming the argument that does not fit."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
-    if stages > blocks:
-        raise ValueError(f"pp={stages} stages are more than the model's {blocks} blocks "
-                         "(every stage needs at least one block)")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    if schedule == "interleaved":
+        if chunks < 2:
+            raise ValueError(f"the interleaved schedule needs chunks >= 2 model chunks per rank, got "
+                             f"chunks={chunks} (one chunk per rank is the 1F1B schedule)")
+        if micro_batches % stages:
+            raise ValueError(f"micro_batches={micro_batches} must be a multiple of the pp={stages} stages "
+                             "for the interleaved schedule")
+    elif chunks != 1:
+        raise ValueError(f"chunks={chunks} model chunks per rank need the interleaved schedule, not {schedule!r}")
+    _check_chunk_count(stages, chunks, blocks)
     if schedule == "1f1b" and micro_batches < stages:
         raise ValueError(f"micro_batches={micro_batches} must be at least the pp={stages} stages "
                          "for the 1F1B schedule")
+
+
+def _check_chunk_count(stages: int, chunks: int, blocks: int) -> None:
+    """ValueError when the stages x chunks are more than the blocks (each needs one)."""
+    if stages * chunks > blocks:
+        if chunks == 1:
+            raise ValueError(f"pp={stages} stages are more than the model's {blocks} blocks "
+                             "(every stage needs at least one block)")
+        raise ValueError(f"pp={stages} stages x chunks={chunks} = {stages * chunks} model chunks are more "
+                         f"than the model's {blocks} blocks (every chunk needs at least one block)")
 
 
 def stage_passes(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
@@ -75,7 +103,27 @@ def stage_passes(schedule: str, stage: int, stages: int, micro_batches: int) -> 
                 passes.append("fwd")
                 forwards += 1
         return passes
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    raise ValueError(f"stage_passes: schedule must be '1f1b' or 'gpipe' (interleaved: rank_passes), "
+                     f"got {schedule!r}")
+
+
+def rank_passes(actions, stages: int) -> list[tuple[int, str]]:
+    """The passes one rank runs in a step of a multi-stage torch schedule, from its action list
+    (``schedule.pipeline_order[rank]``: ``_Action(stage_index, computation_type, microbatch_index)``
+    or None for an idle slot): ``(chunk, "fwd" | "bwd")`` in order, where virtual stage
+    ``stage_index`` is chunk ``stage_index // stages`` of rank ``stage_index % stages``. Only
+    forwards and full backwards are taken (a schedule that splits the backward, e.g. zero bubble,
+    would run each block's backward twice): ValueError for another action."""
+    passes = []
+    for action in actions:
+        if action is None:
+            continue
+        computation = action.computation_type  # a str enum: "F" forward, "B" full backward
+        kind = "fwd" if computation == "F" else "bwd" if computation == "B" else None
+        if kind is None:
+            raise ValueError(f"rank_passes: action {action} is not a forward (F) or a full backward (B)")
+        passes.append((action.stage_index // stages, kind))
+    return passes
 
 
 class PipelineStageModule(nn.Module):
@@ -107,6 +155,21 @@ class PipelineStageModule(nn.Module):
         self._materialize(self.first_block + index)
         return self.blocks[index]
 
+    @property
+    def block_indices(self) -> list[int]:
+        """The global index of each of ``blocks``."""
+        return list(range(self.first_block, self.first_block + len(self.blocks)))
+
+    @property
+    def chunks(self) -> tuple["PipelineStageModule", ...]:
+        """The stages torch's schedule runs for this module: itself (``PipelineChunks``: several)."""
+        return (self,)
+
+    @property
+    def chunk_ranges(self) -> list[range]:
+        """The local indices of each chunk's blocks in ``blocks``."""
+        return [range(len(self.blocks))]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             x = self.head(x)
@@ -115,6 +178,56 @@ class PipelineStageModule(nn.Module):
         if self.tail is not None:
             x = self.tail(x)
         return x
+
+
+class PipelineChunks(nn.Module):
+    """One rank's model chunks under the interleaved schedule (virtual stages r, r + p, ...), as one
+    model for the window runtime: ``blocks`` holds every chunk's blocks in chunk order (one engine
+    over all of them: one window, store and host optimizer), ``head`` the first chunk's head (rank
+    0), ``tail`` the last chunk's tail (the last rank), under the model's names. torch's schedule
+    runs each of ``chunks`` as its own stage; this module's own forward is never called."""
+
+    def __init__(self, chunks: Sequence[PipelineStageModule]) -> None:
+        super().__init__()
+        if len(chunks) < 2:
+            raise ValueError(f"PipelineChunks: give 2 or more model chunks, got {len(chunks)}")
+        if any(c.head is not None for c in chunks[1:]) or any(c.tail is not None for c in chunks[:-1]):
+            raise ValueError("PipelineChunks: only the first chunk may hold the head and only the last "
+                             "the tail (virtual stages 0 and p*v - 1)")
+        self.head, self.tail = chunks[0].head, chunks[-1].tail
+        self.blocks = nn.ModuleList([b for c in chunks for b in c.blocks])
+        # a tuple is no submodule: every parameter is registered once, above, under the model's name
+        self._chunks = tuple(chunks)
+        self.materialize_block_thread_safe = all(c.materialize_block_thread_safe for c in chunks)
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + len(c.blocks))
+        self._ranges = [range(a, b) for a, b in zip(starts, starts[1:])]
+
+    @property
+    def chunks(self) -> tuple[PipelineStageModule, ...]:
+        """The model chunks, chunk 0 first (torch's schedule runs each as a stage)."""
+        return self._chunks
+
+    @property
+    def chunk_ranges(self) -> list[range]:
+        """The local indices of each chunk's blocks in ``blocks``."""
+        return list(self._ranges)
+
+    @property
+    def block_indices(self) -> list[int]:
+        """The global index of each of ``blocks``."""
+        return [g for c in self._chunks for g in c.block_indices]
+
+    def materialize_block_(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
+        """Build local block ``index`` with its chunk's materializer."""
+        chunk = next(c for c, r in enumerate(self._ranges) if index in r)
+        self._chunks[chunk].materialize_block_(index - self._ranges[chunk].start, device)
+        return self.blocks[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("PipelineChunks runs through the interleaved schedule, one chunk at a time "
+                           "(Pipeline.step); it has no forward of its own")
 
 
 def build_stage(head: nn.Module | None, blocks: Sequence[nn.Module], tail: nn.Module | None, *,
@@ -130,7 +243,9 @@ def build_stage(head: nn.Module | None, blocks: Sequence[nn.Module], tail: nn.Mo
 class Pipeline:
     """This rank's pipeline stage trained through the window runtime.
 
-    ``stage``: this rank's ``PipelineStageModule`` (stage ``groups.pp_rank``); ``loss_fn(output,
+    ``stage``: this rank's ``PipelineStageModule`` (stage ``groups.pp_rank``), or with
+    ``schedule="interleaved"`` the list of its v model chunks (virtual stages ``pp_rank + c * pp``
+    for c = 0 .. v-1, of p*v; ``gpt_chunks``), which one engine runs; ``loss_fn(output,
     target)``: mean loss of one micro-batch from the last stage's output; ``micro_batches``: m, the
     micro-batches each step's batch is cut into; ``activation``: (hidden size, dtype) of the tensor
     passed between stages, (B/m, T, hidden); ``output_size``: last dimension of the last stage's
@@ -141,17 +256,19 @@ class Pipeline:
     ``parallel`` to ``groups``.
     """
 
-    def __init__(self, stage: PipelineStageModule, groups: ParallelGroups, *, loss_fn: Callable,
-                 micro_batches: int, hidden: int, output_size: int, schedule: str = "1f1b",
+    def __init__(self, stage: PipelineStageModule | Sequence[PipelineStageModule], groups: ParallelGroups, *,
+                 loss_fn: Callable, micro_batches: int, hidden: int, output_size: int, schedule: str = "1f1b",
                  tied: Sequence[torch.Tensor] = (), config: RuntimeConfig | None = None, **options) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
         from pystronghold.runtime.api import wrap
-        from pystronghold.runtime.schedule import pass_uses, plan_uses
 
         if groups.pp_size < 2:
             raise ValueError(f"Pipeline needs init_parallel(..., pp=P) with P >= 2, got pp={groups.pp_size}")
-        validate_pipeline(groups.pp_size, groups.pp_size, micro_batches, schedule)  # (blocks: gpt_stage)
+        chunks = [stage] if isinstance(stage, nn.Module) else list(stage)
+        # (blocks: one per chunk at least, as the modules hold; gpt_chunks checks the model's count)
+        validate_pipeline(groups.pp_size, groups.pp_size * len(chunks), micro_batches, schedule, len(chunks))
         if config is not None and options:
             raise TypeError(f"Pipeline: give config= or options ({', '.join(options)}), not both")
         config = config if config is not None else RuntimeConfig(**options)
@@ -160,23 +277,49 @@ class Pipeline:
                              "accumulates the gradients of every micro-batch of a step)")
         if config.parallel not in (None, groups):
             raise ValueError("Pipeline: parallel= must be the groups given (or left out)")
+        if config.layer_drop:
+            raise ValueError("Pipeline: layer_drop= is not supported with a pipeline (every stage "
+                             "would have to draw the same blocks)")
         self.groups, self.micro_batches, self.schedule_name = groups, micro_batches, schedule
         self.first, self.last = groups.pp_rank == 0, groups.pp_rank == groups.pp_size - 1
-        self.stage_module, self.user_loss_fn, self.tied = stage, loss_fn, list(tied)
+        self.chunks = chunks
+        """This rank's model chunks (one stage each in torch's schedule), chunk 0 first."""
+        self.stage_module = chunks[0] if len(chunks) == 1 else PipelineChunks(chunks)
+        """The module the engine wraps: the stage, or every chunk's blocks (``PipelineChunks``)."""
+        self.user_loss_fn, self.tied = loss_fn, list(tied)
         self.hidden, self.output_size = hidden, output_size
-        self.engine = wrap(stage, blocks=stage.blocks,
+        self.engine = wrap(self.stage_module, blocks=self.stage_module.blocks,
                            config=dataclasses.replace(config, accumulation_steps=micro_batches, parallel=groups))
-        passes = stage_passes(schedule, groups.pp_rank, groups.pp_size, micro_batches)
-        if self.engine.n_streamed:
-            self.engine.use_step_plan(plan_uses(pass_uses(self.engine.n_streamed, passes),
-                                                self.engine.window_size))
-        self._stage_cls, self._schedule_cls = PipelineStage, {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        self.passes: list[tuple[int, str]] | None = None
+        """The passes ``(chunk, "fwd" | "bwd")`` this rank runs in one training step, in order (for
+        the interleaved schedule: known once its first step built torch's schedule)."""
+        if schedule != "interleaved":  # (interleaved: from torch's action list, once it is built)
+            self._use_passes([(0, kind) for kind in stage_passes(schedule, groups.pp_rank, groups.pp_size,
+                                                                micro_batches)], train=True)
+        self._stage_cls = PipelineStage
+        self._schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+                              "interleaved": ScheduleInterleaved1F1B}[schedule]
         self._schedules: dict[tuple, object] = {}  # by micro-batch input shape
         self._losses: list[torch.Tensor] = []
-        spans = [None] * groups.pp_size  # every stage's global block range (a collective, once)
-        dist.all_gather_object(spans, (stage.first_block, len(stage.blocks)), group=groups.pp_group)
-        self.stage_blocks = [range(first, first + n) for first, n in spans]
-        """The global block indices of each stage, stage 0 first."""
+        spans = [None] * groups.pp_size  # every rank's global block indices (a collective, once)
+        dist.all_gather_object(spans, self.stage_module.block_indices, group=groups.pp_group)
+        self.stage_blocks = spans
+        """The global block indices each pipeline rank holds (all its chunks), rank 0 first."""
+
+    def _use_passes(self, passes: list[tuple[int, str]], train: bool) -> None:
+        """Plan the engine's window over a step's passes ``(chunk, kind)``: each pass uses the
+        streamed blocks of its chunk (the first K blocks of the rank are resident: not planned)."""
+        from pystronghold.runtime.schedule import pass_uses, plan_uses
+
+        if train:
+            self.passes = list(passes)
+        engine = self.engine
+        resident = engine.n_blocks - engine.n_streamed
+        ranges = [range(max(r.start, resident) - resident, max(r.stop, resident) - resident)
+                  for r in self.stage_module.chunk_ranges]
+        uses = pass_uses([(kind, ranges[chunk]) for chunk, kind in passes])
+        if uses:
+            engine.use_step_plan(plan_uses(uses, min(engine.window_size, engine.n_streamed)), train)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.user_loss_fn(output, target)
@@ -196,17 +339,27 @@ class Pipeline:
         if key not in self._schedules:
             mb = (x.shape[0] // m, *x.shape[1:])
             act = torch.empty(*mb, self.hidden, dtype=self.engine.dtype, device="meta")
-            # NOTE: a received activation requires grad only when its meta says so (else no
-            # gradient would flow back to the previous stage)
-            inputs = (torch.empty(mb, dtype=x.dtype, device="meta") if self.first
-                      else act.clone().requires_grad_(True))
-            outputs = (torch.empty(*mb, self.output_size, dtype=self.engine.dtype, device="meta")
-                       if self.last else act)
-            stage = self._stage_cls(self.stage_module, self.groups.pp_rank, self.groups.pp_size,
-                                    self.engine.device, input_args=inputs, output_args=outputs,
-                                    input_grads=None if self.first else act,
-                                    output_grads=None if self.last else act, group=self.groups.pp_group)
-            self._schedules[key] = self._schedule_cls(stage, m, loss_fn=self._loss, scale_grads=False)
+            p, rank, v = self.groups.pp_size, self.groups.pp_rank, len(self.chunks)
+            stages = []
+            for c, chunk in enumerate(self.chunks):
+                index = rank + c * p  # virtual stage of p*v (v = 1: the stage itself)
+                first, last = index == 0, index == p * v - 1
+                # NOTE: a received activation requires grad only when its meta says so (else no
+                # gradient would flow back to the previous stage)
+                inputs = (torch.empty(mb, dtype=x.dtype, device="meta") if first
+                          else act.clone().requires_grad_(True))
+                outputs = (torch.empty(*mb, self.output_size, dtype=self.engine.dtype, device="meta")
+                           if last else act)
+                stages.append(self._stage_cls(chunk, index, p * v, self.engine.device, input_args=inputs,
+                                              output_args=outputs, input_grads=None if first else act,
+                                              output_grads=None if last else act, group=self.groups.pp_group))
+            schedule = self._schedule_cls(stages if v > 1 else stages[0], m, loss_fn=self._loss,
+                                          scale_grads=False)
+            if v > 1 and not self._schedules:  # the window follows torch's own order of this rank's passes
+                passes = rank_passes(schedule.pipeline_order[rank], p)
+                self._use_passes(passes, train=True)
+                self._use_passes([pass_ for pass_ in passes if pass_[1] == "fwd"], train=False)
+            self._schedules[key] = schedule
         return self._schedules[key]
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -263,11 +416,16 @@ class Pipeline:
         the global block index; head and tail names are the model's)."""
         if name.startswith("blocks."):
             _, index, rest = name.split(".", 2)
-            return f"blocks.{self.stage_module.first_block + int(index)}.{rest}"
+            return f"blocks.{self.stage_module.block_indices[int(index)]}.{rest}"
         return name
 
+    @property
+    def block_indices(self) -> list[int]:
+        """The global index of each block of this rank, in the engine's (local) order."""
+        return self.stage_module.block_indices
+
     def stage_of_block(self, block: int) -> int:
-        """The stage holding global block ``block``."""
+        """The pipeline rank (``pp_rank``) holding global block ``block``."""
         for stage, blocks in enumerate(self.stage_blocks):
             if block in blocks:
                 return stage
@@ -307,32 +465,48 @@ def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
     ``split``: the block ranges of the stages; default ``planner.balance.stage_ranges`` on ``gpt_stage_costs``
     (logged by rank 0). With tied embeddings the last stage's LM head weight is marked as the copy
     (counted once in the gradient norm)."""
+    chunks, tied = gpt_chunks(model, groups, chunks=1, seq=seq, split=split)
+    return chunks[0], tied
+
+
+def gpt_chunks(model, groups: ParallelGroups, *, chunks: int, seq: int | None = None,
+               split: Sequence[range] | None = None) -> tuple[list[PipelineStageModule], list[torch.Tensor]]:
+    """This rank's ``chunks`` model chunks of a ``GPT`` (virtual stages ``pp_rank + c * pp`` of
+    p * chunks, for the interleaved schedule; chunks=1: its one stage) and its tied parameters.
+
+    ``split``: the block ranges of the p * chunks virtual stages in model order; default
+    ``planner.balance.stage_ranges`` on ``gpt_stage_costs`` (logged by rank 0). The head goes to
+    virtual stage 0 (rank 0), the LM head to the last (rank p - 1)."""
     config = model.config
     p = groups.pp_size
-    if p > config.layers:
-        raise ValueError(f"pp={p} stages are more than the model's {config.layers} blocks "
-                         "(every stage needs at least one block)")
+    n = p * chunks
+    _check_chunk_count(p, chunks, config.layers)
     if split is None:
         costs, head, tail = gpt_stage_costs(config, seq or config.seq_len)
-        split = stage_ranges(costs, p, head_cost=head, tail_cost=tail)
+        split = stage_ranges(costs, n, head_cost=head, tail_cost=tail)
         if groups.rank == 0:
             total = sum(costs) + head + tail
-            log.info("pipeline split over %d stages: %s", p, "; ".join(
-                f"stage {s}: {'head + ' if s == 0 else ''}blocks {r.start}-{r.stop - 1}"
-                f"{' + LM head' if s == p - 1 else ''} ({100 * (sum(costs[r.start:r.stop]) + (head if s == 0 else 0) + (tail if s == p - 1 else 0)) / total:.1f}% of the FLOPs)"
+            log.info("pipeline split over %d stages%s: %s", p, f" x {chunks} chunks" if chunks > 1 else "", "; ".join(
+                f"{f'stage {s}' if chunks == 1 else f'rank {s % p} chunk {s // p}'}: {'head + ' if s == 0 else ''}"
+                f"blocks {r.start}-{r.stop - 1}{' + LM head' if s == n - 1 else ''} "
+                f"({100 * (sum(costs[r.start:r.stop]) + (head if s == 0 else 0) + (tail if s == n - 1 else 0)) / total:.1f}% of the FLOPs)"
                 for s, r in enumerate(split)))
-    if len(split) != p:
-        raise ValueError(f"split has {len(split)} stages, the layout pp={p}")
+    if len(split) != n:
+        raise ValueError(f"split has {len(split)} stages, the layout pp={p}"
+                         + (f" x chunks={chunks} = {n}" if chunks > 1 else ""))
     starts = [0] + [r.stop for r in split[:-1]]
     if any(r.step != 1 or r.start != a or len(r) < 1 for r, a in zip(split, starts)) or split[-1].stop != config.layers:
         raise ValueError(f"split must be contiguous non-empty ranges covering blocks 0..{config.layers - 1} "
                          f"in order, got {list(split)}")
-    mine = split[groups.pp_rank]
+    mine = []
+    for c in range(chunks):
+        index = groups.pp_rank + c * p
+        blocks = split[index]
+        mine.append(build_stage(model.head if index == 0 else None, [model.blocks[i] for i in blocks],
+                                _LogitsTail(model.tail) if index == n - 1 else None, first_block=blocks.start,
+                                materialize=model.materialize_block_,
+                                materialize_thread_safe=getattr(model, "materialize_block_thread_safe", False)))
     first, last = groups.pp_rank == 0, groups.pp_rank == p - 1
-    stage = build_stage(model.head if first else None, [model.blocks[i] for i in mine],
-                        _LogitsTail(model.tail) if last else None, first_block=mine.start,
-                        materialize=model.materialize_block_,
-                        materialize_thread_safe=getattr(model, "materialize_block_thread_safe", False))
     tied: list[torch.Tensor] = []
     if config.tie_embeddings and p > 1:
         if first:
@@ -341,18 +515,20 @@ def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
             weight = model.tail.lm_head.weight
             weight.pp_tied_copy = "head.tok.weight"  # parallel.data.is_pipeline_copy / tied_source
             tied = [weight]
-    return stage, tied
+    return mine, tied
 
 
-def gpt_pipeline(model, groups: ParallelGroups, *, micro_batches: int, schedule: str = "1f1b",
+def gpt_pipeline(model, groups: ParallelGroups, *, micro_batches: int, schedule: str = "1f1b", chunks: int = 1,
                  seq: int | None = None, split: Sequence[range] | None = None, **options) -> Pipeline:
-    """``Pipeline`` of this rank's stage of a ``GPT`` (``gpt_stage``: ``split`` given, or balanced),
-    with its loss and tied embeddings; ``options`` are ``wrap``'s (or ``config=`` a RuntimeConfig)."""
+    """``Pipeline`` of this rank's stage of a ``GPT`` (``gpt_chunks``: ``split`` given, or balanced;
+    ``chunks`` model chunks per rank with ``schedule="interleaved"``), with its loss and tied
+    embeddings; ``options`` are ``wrap``'s (or ``config=`` a RuntimeConfig)."""
     config = model.config
     if options.pop("parallel", groups) is not groups:
         raise ValueError("gpt_pipeline: parallel= must be the groups given (or left out)")
-    stage, tied = gpt_stage(model, groups, seq=seq, split=split)
-    return Pipeline(stage, groups, loss_fn=gpt_loss(config, groups.tp_group), micro_batches=micro_batches,
+    validate_pipeline(groups.pp_size, config.layers, micro_batches, schedule, chunks)
+    stages, tied = gpt_chunks(model, groups, chunks=chunks, seq=seq, split=split)
+    return Pipeline(stages, groups, loss_fn=gpt_loss(config, groups.tp_group), micro_batches=micro_batches,
                     hidden=config.hidden, output_size=config.padded_vocab_size // config.tp_size,
                     schedule=schedule, tied=tied, **options)
 

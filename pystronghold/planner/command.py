@@ -86,8 +86,11 @@ class PlanRequest:
     """Pipeline stages (one host each); the window, memory and step time are then the largest stage's."""
     micro_batches: int = 0
     """Micro-batches per step through the pipeline (0: --pp); --batch is one micro-batch."""
-    pp_schedule: str = field(default="1f1b", metadata={"choices": ("1f1b", "gpipe")})
-    """Pipeline schedule: in-flight activations differ (1F1B: p - s micro-batches, GPipe: all)."""
+    pp_schedule: str = field(default="1f1b", metadata={"choices": ("1f1b", "gpipe", "interleaved")})
+    """Pipeline schedule: in-flight activations differ (1F1B: p - s micro-batches, GPipe: all,
+    interleaved: (v-1)p + 2(p-1-s) + 1 chunk forwards) and the bubble (interleaved: divided by v)."""
+    pp_chunks: int = 1
+    """Model chunks per pipeline rank (--pp-schedule interleaved: 2 or more)."""
     overlap: str = field(default="backward", metadata={"choices": ("backward", "forward")})
     """Host updates during backward, or after it (forward; what clipping and fp16 need)."""
     widths: str | None = field(default=None, metadata={"metavar": "C,C,..."})
@@ -220,18 +223,20 @@ def run_plan(args: argparse.Namespace) -> int:
             return run_cluster_plan(request)
         config, work, hw, window, widths, resident = request.resolve()
         pipeline = None
+        if request.pp_chunks != 1 and request.pp < 2:
+            raise ValueError(f"--pp-chunks {request.pp_chunks} needs a pipeline (--pp >= 2 and --pp-schedule interleaved)")
         if request.pp > 1:
             from pystronghold.planner.pipeline import plan_pipeline
 
             if request.micro_batches < 0:
                 raise ValueError(f"--micro-batches must be >= 1 (or 0: --pp), got {request.micro_batches}")
             pipeline = plan_pipeline(config, work, request.pp, request.micro_batches or request.pp,
-                                     request.pp_schedule)
+                                     request.pp_schedule, request.pp_chunks)
             # NOTE: an upper bound over the stages: the most blocks of any stage, holding the
             # activations of the most micro-batches in flight on any stage (stage 0's under 1F1B)
-            config = dataclasses.replace(config, layers=max(len(r) for r in pipeline.split))
-        plan = make_plan(config, work, hw, window, resident,
-                         in_flight=max(pipeline.in_flight) if pipeline else 1)
+            config = dataclasses.replace(config, layers=max(pipeline.stage_blocks(s) for s in range(request.pp)))
+        in_flight = max(pipeline.stage_in_flight(s) for s in range(request.pp)) if pipeline else 1
+        plan = make_plan(config, work, hw, window, resident, in_flight=in_flight)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:
         message = e.on_command_line() if isinstance(e, ConfigError) else str(e)
@@ -242,7 +247,7 @@ def run_plan(args: argparse.Namespace) -> int:
         record["pipeline"] = pipeline.to_dict()
         text += "\n" + "\n".join(pipeline.lines() + [
             f"  (window, memory and step time above: the largest stage, {config.layers} blocks, with "
-            f"both head and tail counted and the activations of {max(pipeline.in_flight)} micro-batches "
+            f"both head and tail counted and the activations of {in_flight} micro-batches "
             "in flight)"])
     elif plan.fits:  # the accumulation schedule (planner/relay.py) of the plan's step
         record["schedule"], lines = schedule_report(plan, request.runtime.accumulation_steps,

@@ -173,12 +173,14 @@ class Engine:
         """fp32 value of every parameter by its model name (host store for blocks); synchronizes first."""
         return self.states.master_parameters()
 
-    def use_step_plan(self, plan: Plan) -> None:
+    def use_step_plan(self, plan: Plan, train: bool = True) -> None:
         """Train with ``plan`` (``schedule.plan_uses``) covering a whole optimizer step instead of
         one forward and backward: a pipeline stage runs its micro-batches' passes interleaved in its
-        schedule's order (``pystronghold.parallel.pipeline``). Each use is checked as it happens,
-        so a schedule that runs in another order raises instead of computing with wrong blocks."""
-        self.executor.use_step_plan(plan)
+        schedule's order (``pystronghold.parallel.pipeline``); ``train=False``: the plan of a whole
+        evaluation step's forwards (an interleaved stage's model chunks in turn). Each use is
+        checked as it happens, so a schedule that runs in another order raises instead of computing
+        with wrong blocks."""
+        self.executor.use_step_plan(plan, train)
 
     def in_pass(self) -> bool:
         """True between a forward's first block and the end of its backward (or of an inference pass)."""

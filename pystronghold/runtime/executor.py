@@ -54,6 +54,7 @@ class PassExecutor:
         self._pending: list[int] = []  # blocks whose load waits for their host update
         self._grad_out: dict[int, object] = {}  # block -> handle of its gradient copy-out
         self._grad_valid = [False] * self.n_streamed  # host grad holds earlier micro-batches' sum
+        self._block_backwards = [0] * self.n_streamed  # each block's backward uses since the last step
         self._copies: list[tuple[str, int, object]] = []  # for the trace
         self.micro_batches = 0
         """Backward passes since the last step."""
@@ -140,9 +141,11 @@ class PassExecutor:
         """After ``block`` computed: in backward hand its gradient out; then run the plan's actions."""
         if phase == "bwd":
             self._grad_to_host(block, param_grads)
-            if self._plan.micro_batches == 1 and block == self._plan.uses[-1].block:
-                # a backward pass ends with its first block (a pipeline step plan holds several)
-                self.micro_batches += 1
+            plan, pos = self._plan, self._pos
+            if block == plan.uses[-1].block and plan.run_bounds(pos)[1]:
+                # a backward pass ends with its first block: one micro-batch (a pipeline step plan
+                # holds several passes), or a relay run's m at once
+                self.micro_batches += plan.run_length(pos)
         for action in self._plan.after[self._pos]:
             if isinstance(action, Release):
                 self._release(action)
@@ -150,17 +153,16 @@ class PassExecutor:
                 self._load(action)
         self._pos += 1
         if self._pos == len(self._plan.uses):
-            if self._plan.micro_batches > 1 and self._plan.uses[-1].phase == "bwd":
-                self.micro_batches += self._plan.micro_batches  # a relay pass: its m micro-batches at once
             self._plan = None
             self.flush_copies()  # finished copies go to the trace and are dropped
 
-    def use_step_plan(self, plan) -> None:
-        """Train with ``plan`` (``schedule.plan_uses``) over a whole step's passes instead of one
-        forward and backward (``Engine.use_step_plan``); each use is still checked as it happens."""
+    def use_step_plan(self, plan, train: bool = True) -> None:
+        """Run training (``train``) or inference passes with ``plan`` (``schedule.plan_uses``) over a
+        whole step's passes instead of one pass (``Engine.use_step_plan``); each use is still
+        checked as it happens."""
         if self._plan is not None:
             raise RuntimeError("use_step_plan during a forward/backward pass")
-        self.plans[True] = plan
+        self.plans[train] = plan
 
     def _next_use(self):
         """The use the plan in progress expects next (None outside a pass)."""
@@ -289,7 +291,10 @@ class PassExecutor:
             layout.zero_gaps(slot.grads)
         if not run_last:
             return  # a relay run: the sum stays in the slot until the block's last micro-batch
-        last = self.micro_batches + self._plan.micro_batches >= self.config.accumulation_steps
+        # NOTE: counted per block: an interleaved pipeline stage runs its chunks' last backward
+        # passes at different times (a later chunk's blocks finish first)
+        self._block_backwards[block] += self._plan.run_length(self._pos)
+        last = self._block_backwards[block] >= self.config.accumulation_steps
         if last:
             # data parallelism: the block's whole gradient (all micro-batches) averaged over the DP
             # ranks in one all_reduce, where it is now: in the device slot, before the copy-out
@@ -336,6 +341,7 @@ class PassExecutor:
         self.layer_drop.end_step()
         self.micro_batches = 0
         self._grad_valid = [False] * self.n_streamed
+        self._block_backwards = [0] * self.n_streamed
         self.flush_copies(calibrate=True)
 
     def forget_grads(self) -> None:
@@ -344,6 +350,7 @@ class PassExecutor:
             self.layer_drop.end_step()
             self.micro_batches = 0
             self._grad_valid = [False] * self.n_streamed
+            self._block_backwards = [0] * self.n_streamed
 
     def flush_copies(self, calibrate: bool = False) -> None:
         """Finished copies go to the trace and are dropped; with ``calibrate`` (step end, sync) the

@@ -65,6 +65,13 @@ class Plan:
         uses = self.uses
         return k == 0 or uses[k - 1] != uses[k], k + 1 == len(uses) or uses[k + 1] != uses[k]
 
+    def run_length(self, k: int) -> int:
+        """Uses in the run of repeats of one (phase, block) that ends at use k (k its last)."""
+        uses, start = self.uses, k
+        while start > 0 and uses[start - 1] == uses[k]:
+            start -= 1
+        return k - start + 1
+
     def max_resident(self) -> int:
         """Largest number of blocks resident at once (loaded or loading) over the pass."""
         resident = len(self.prologue)
@@ -95,16 +102,17 @@ def build_plan(n_blocks: int, window: int, train: bool, micro_batches: int = 1,
     return plan_uses(uses, window, micro_batches)
 
 
-def pass_uses(n_blocks: int, passes: list[str]) -> list[Use]:
-    """The block uses of a sequence of whole passes: "fwd" uses blocks 0 .. N-1, "bwd" N-1 .. 0.
-    A pipeline stage runs several micro-batches' passes in its schedule's order (e.g. 1F1B:
-    fwd fwd bwd fwd bwd bwd); one plan over all of them keeps prefetching across passes."""
+def pass_uses(passes: list[tuple[str, range]]) -> list[Use]:
+    """The block uses of a sequence of passes, each ``(kind, blocks)``: "fwd" uses ``blocks`` in
+    order, "bwd" in reverse. A pipeline stage runs several micro-batches' passes in its schedule's
+    order (e.g. 1F1B: fwd fwd bwd fwd bwd bwd over all its blocks); an interleaved stage's passes
+    each run one of its model chunks (a sub-range of its blocks; an empty range uses none). One plan
+    over all of them keeps prefetching across passes."""
     uses: list[Use] = []
-    for kind in passes:
+    for kind, blocks in passes:
         if kind not in ("fwd", "bwd"):
             raise ValueError(f"pass_uses: a pass is 'fwd' or 'bwd', got {kind!r}")
-        order = range(n_blocks) if kind == "fwd" else reversed(range(n_blocks))
-        uses += [Use(kind, i) for i in order]
+        uses += [Use(kind, i) for i in (blocks if kind == "fwd" else reversed(blocks))]
     return uses
 
 

@@ -120,11 +120,12 @@ def _tp_group(trainer):
 
 
 def _pipeline(trainer):
-    """(pipeline or None, global index of this rank's first block, local -> model name)."""
+    """(pipeline or None, the global index of each of this rank's blocks in the engine's order,
+    local -> model name)."""
     pipe = getattr(trainer, "pipeline", None)
     if pipe is None:
-        return None, 0, lambda name: name
-    return pipe, pipe.stage_module.first_block, pipe.global_name
+        return None, list(range(len(trainer.engine.states.block_names))), lambda name: name
+    return pipe, pipe.block_indices, pipe.global_name
 
 
 def _model_dict(config) -> dict:
@@ -190,15 +191,16 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
                 _after_file(rel)
 
     states = engine.states
-    pipe, first, rename = _pipeline(trainer)
+    pipe, indices, rename = _pipeline(trainer)
+    local = {g: b for b, g in enumerate(indices)}
     total = trainer.config.gpt.layers if pipe is not None else len(states.block_names)
     # NOTE: the format is keyed by full model names. Every TP rank walks the same blocks, states and
     # parameters in the same order, so the gathers match; a gathered block is written and dropped
     # before the next one is read (engine.states reads one block, from disk if it is there). With
     # pipeline stages, the stage holding block g sends it to the others (rank 0 writes it).
     for g in range(total):
-        b, tensors = g - first, None
-        if 0 <= b < len(states.block_names):
+        b, tensors = local.get(g), None
+        if b is not None:
             splits = [_split(p) for p in states.block_params(b)]
             values = states.read_block(b, [tier for tier, _ in _BLOCK_STATES])
             tensors = {}
@@ -327,9 +329,9 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
         raise CheckpointError(f"checkpoint {path} was made for another model: (saved, this run) {diff}")
     engine = trainer.engine
     states = engine.states
-    _, first, rename = _pipeline(trainer)
+    _, indices, rename = _pipeline(trainer)
     for b, names in enumerate(states.block_names):
-        rel = f"blocks/block-{first + b:05d}.safetensors"  # a pipeline stage reads its own blocks
+        rel = f"blocks/block-{indices[b]:05d}.safetensors"  # a pipeline stage reads its own blocks
         if rel not in manifest["files"]:
             raise CheckpointError(f"checkpoint {path}: {rel} is missing (it has {manifest.get('blocks')} blocks)")
         saved = _load_file(path, rel, manifest["files"][rel])

@@ -224,9 +224,16 @@ class ParallelOptions:
     micro_batches: int = option(0, help="Micro-batches each replica's batch is cut into for the pipeline; 0: --pp.")
     """Micro-batches each replica's batch is cut into for the pipeline (m); their gradients are
     summed into one optimizer step. 0: --pp (the fewest the 1F1B schedule takes)."""
-    pp_schedule: str = option("1f1b", choices=SCHEDULES, help="Pipeline schedule (torch's Schedule1F1B or ScheduleGPipe).")
+    pp_schedule: str = option("1f1b", choices=SCHEDULES, help=(
+        "Pipeline schedule (torch's Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B)."))
     """Pipeline schedule, by its ``torch.distributed.pipelining`` class: "1f1b" (Schedule1F1B: at
-    most p - s micro-batches in flight on stage s) or "gpipe" (ScheduleGPipe: all m in flight)."""
+    most p - s micro-batches in flight on stage s), "gpipe" (ScheduleGPipe: all m in flight) or
+    "interleaved" (ScheduleInterleaved1F1B: --pp-chunks model chunks per rank, the bubble divided
+    by their number; --micro-batches a multiple of --pp)."""
+    pp_chunks: int = option(1, help="Model chunks per pipeline rank for --pp-schedule interleaved (>= 2).")
+    """Model chunks (virtual stages) per pipeline rank with ``--pp-schedule interleaved``: the blocks
+    are split into pp x chunks balanced chunks, rank r holding chunks r, r + pp, ...; one window
+    runtime per rank runs all of them. 1 for the other schedules."""
     dist_timeout: float = 300.0
     """Seconds a collective waits for the other ranks before the run fails."""
 
@@ -241,6 +248,15 @@ class ParallelOptions:
             raise ConfigError(self, "micro_batches", f"must be an int >= 1 (or 0: `pp`), got {self.micro_batches!r}")
         if self.pp_schedule not in SCHEDULES:
             raise ConfigError(self, "pp_schedule", f"must be one of {SCHEDULES}, got {self.pp_schedule!r}")
+        if isinstance(self.pp_chunks, bool) or not isinstance(self.pp_chunks, int) or self.pp_chunks < 1:
+            raise ConfigError(self, "pp_chunks", f"must be an int >= 1, got {self.pp_chunks!r}")
+        if self.pp_schedule == "interleaved" and self.pp_chunks < 2:
+            raise ConfigError(self, "pp_chunks=", "must be >= 2 with `pp_schedule=` (one model chunk per rank "
+                                                  "is `pp_schedule='1f1b'`)")
+        if self.pp_schedule != "interleaved" and self.pp_chunks != 1:
+            raise ConfigError(self, "pp_chunks=", "needs `pp_schedule='interleaved'`")
+        if self.pp_chunks > 1 and self.pp < 2:
+            raise ConfigError(self, "pp_chunks=", "needs a pipeline: `pp=` stages must be >= 2")
         if self.dp_split is not None:
             if not isinstance(self.dp_split, tuple) or not self.dp_split or any(
                     isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.dp_split):
@@ -354,11 +370,16 @@ class TrainConfig:
                       if world == 1 else "")
             raise ConfigError(par, "pp=", f"x `tp=` x {dp} data-parallel replicas = {pp * tp * dp} processes, but there are "
                               f"{world}{launch}")
-        if pp > cfg.layers:
+        v = par.pp_chunks
+        if pp * v > cfg.layers:
             raise ConfigError(par, "pp=", f"stages are more than the model's {cfg.layers} blocks "
-                              "(every stage needs at least one block)")
+                              "(every stage needs at least one block)" if v == 1 else
+                              f"stages x `pp_chunks=` = {pp * v} model chunks are more than the model's "
+                              f"{cfg.layers} blocks (every chunk needs at least one block)")
         if par.pp_schedule == "1f1b" and m < pp:
             raise ConfigError(par, "micro_batches=", "must be at least `pp=` stages for the 1F1B schedule")
+        if par.pp_schedule == "interleaved" and m % pp:
+            raise ConfigError(par, "micro_batches=", "must be a multiple of `pp=` stages for the interleaved schedule")
         if self.data.batch % (dp * m):
             raise ConfigError(par, "micro_batches=", f": --batch {self.data.batch} must be divisible by {dp} data-parallel "
                               f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
@@ -368,12 +389,13 @@ class TrainConfig:
         from pystronghold.planner.balance import stage_ranges
 
         costs, head, tail = gpt_stage_costs(self.gpt, self.seq)
-        split = stage_ranges(costs, pp, head_cost=head, tail_cost=tail)
-        smallest = min(range(pp), key=lambda s: len(split[s]))
-        if self.runtime.resident_blocks > len(split[smallest]):
-            raise ConfigError(self.runtime, "resident_blocks=", f"is more than the {len(split[smallest])} blocks of "
-                              f"pipeline stage {smallest} (--pp {pp} splits the blocks "
-                              f"{[len(r) for r in split]}); each stage keeps that many of its own blocks resident")
+        split = stage_ranges(costs, pp * v, head_cost=head, tail_cost=tail)
+        per_rank = [sum(len(split[r + c * pp]) for c in range(v)) for r in range(pp)]  # rank r: chunks r, r+p, ...
+        smallest = min(range(pp), key=lambda s: per_rank[s])
+        if self.runtime.resident_blocks > per_rank[smallest]:
+            raise ConfigError(self.runtime, "resident_blocks=", f"is more than the {per_rank[smallest]} blocks of "
+                              f"pipeline stage {smallest} (--pp {pp} splits the blocks {per_rank}); each "
+                              "stage keeps that many of its own blocks resident")
         if self.runtime.accumulation_steps > 1:
             raise ConfigError(self.runtime, "accumulation_steps=", "with a pipeline: it accumulates over "
                               "--micro-batches; use that instead")

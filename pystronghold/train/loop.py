@@ -173,7 +173,7 @@ class Trainer:
             from pystronghold.parallel.pipeline import gpt_pipeline
 
             self.pipeline = gpt_pipeline(self.model, self.groups, seq=self.seq, micro_batches=par.micro_batch_count,
-                                         schedule=par.pp_schedule, config=runtime)
+                                         schedule=par.pp_schedule, chunks=par.pp_chunks, config=runtime)
             self.engine = self.pipeline.engine
         else:
             self.engine = pystronghold.wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)

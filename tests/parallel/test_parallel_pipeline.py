@@ -18,12 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
+from parallel_training import single_process_run
 
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.parallel import gather_tp_param, init_parallel, validate_parallel_sizes
-from pystronghold.parallel.pipeline import (Pipeline, gpt_loss, gpt_stage, stage_passes,
-                                            validate_pipeline)
+from pystronghold.parallel.pipeline import (Pipeline, gpt_chunks, gpt_loss, gpt_stage, rank_passes,
+                                            stage_passes, validate_pipeline)
 
 CFG = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=16, layers=4, hidden=32, heads=4,
                 tie_embeddings=True)
@@ -40,27 +41,13 @@ def _data(steps: int, batch: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (steps, batch, CFG.seq_len + 1), generator=g)
 
 
-def _reference(data: torch.Tensor, clip: float):
-    """Plain PyTorch on each whole global batch: (losses, grad norms, params by name)."""
-    model = GPT(CFG, seed=7)
-    opt = torch.optim.AdamW(model.parameters(), **HYPER)
-    losses, norms = [], []
-    for tokens in data:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
-    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
-
-
-def _train(groups, data: torch.Tensor, schedule: str = "1f1b", **options):
-    """This rank's stage trained on its replica's slice: (global mean losses, grad norms, the whole
-    model's fp32 masters gathered from every stage and TP rank, the pipeline's engine stats)."""
+def _train(groups, data: torch.Tensor, schedule: str = "1f1b", chunks: int = 1, **options):
+    """This rank's stage (``chunks`` model chunks) trained on its replica's slice: (global mean
+    losses, grad norms, the whole model's fp32 masters gathered from every stage and TP rank, the
+    pipeline's engine stats)."""
     cfg = dataclasses.replace(CFG, tp_size=groups.tp_size)
     model = GPT(cfg, seed=7, tp_group=groups.tp_group)
-    stage, tied = gpt_stage(model, groups)
+    stage, tied = gpt_chunks(model, groups, chunks=chunks)
     pipe = Pipeline(stage, groups, loss_fn=gpt_loss(cfg, groups.tp_group), micro_batches=MICRO,
                     hidden=cfg.hidden, output_size=cfg.padded_vocab_size // groups.tp_size,
                     schedule=schedule, tied=tied, window=1, strict=True, optimizer=ph.AdamW(**HYPER),
@@ -75,12 +62,14 @@ def _train(groups, data: torch.Tensor, schedule: str = "1f1b", **options):
                 dist.all_reduce(loss, group=groups.dp_group)
             losses.append(float(loss) / groups.dp_size)
             norms.append(pipe.engine.grad_norm)
+        tokens = mine[0]
+        validation = pipe.evaluate(tokens[:, :-1], tokens[:, 1:])  # after training: the trained model's
         local = {}
         for name, value in pipe.master_parameters().items():
             value = value.clone()
             value.tp_split = getattr(model.get_parameter(name), "tp_split", (0, 0, 1))
             local[name] = gather_tp_param(value, groups.tp_group)
-        stats = pipe.engine.stats()
+        stats = dict(pipe.engine.stats(), validation=validation, passes=pipe.passes)
     finally:
         pipe.close()
     parts = [None] * groups.pp_size
@@ -104,10 +93,40 @@ def _assert_matches(got, ref) -> None:
 def _pp(rank: int, world: int, tp: int, schedules: tuple[str, ...]) -> None:
     groups = init_parallel(tp, pp=2, heads=CFG.heads, timeout_s=30)
     data = _data(steps=3, batch=2 * MICRO * groups.dp_size)
-    ref = _reference(data, CLIP)
+    ref = single_process_run(data.unsqueeze(1), CLIP, config=CFG)
     for schedule in schedules:
         got = _train(groups, data, schedule, clip_grad_norm=CLIP)
         _assert_matches(got, ref)
+
+
+def _pp_interleaved(rank: int, world: int) -> None:
+    """Two model chunks per rank (virtual stages 0-3 of one block each): the same losses, norms
+    and parameters as a single process; with the first chunk of each rank resident (K=1) too; the
+    validation loss equals the 1F1B pipeline's; the rank's passes are torch's and the planner's
+    in-flight figure is their peak."""
+    from pystronghold.planner.pipeline import in_flight_micro_batches
+
+    groups = init_parallel(1, pp=2, heads=CFG.heads, timeout_s=30)
+    data = _data(steps=3, batch=2 * MICRO)
+    ref = single_process_run(data.unsqueeze(1), CLIP, config=CFG)
+    plain = _train(groups, data, "1f1b", clip_grad_norm=CLIP)
+    for options in ({}, {"resident_blocks": 1}):
+        got = _train(groups, data, "interleaved", chunks=2, clip_grad_norm=CLIP, **options)
+        _assert_matches(got, ref)
+        stats = got[3]
+        assert stats["resident_blocks"] == options.get("resident_blocks", 0)
+        assert abs(stats["validation"] - plain[3]["validation"]) <= 1e-6 * plain[3]["validation"]
+        passes = stats["passes"]
+        assert sorted(passes) == sorted((c, k) for c in (0, 1) for k in ("fwd", "bwd") for _ in range(MICRO))
+        held, peak = 0, 0
+        for _, kind in passes:
+            held += 1 if kind == "fwd" else -1
+            peak = max(peak, held)
+        assert peak == in_flight_micro_batches("interleaved", groups.pp_rank, 2, MICRO, chunks=2)
+
+
+def test_pp2_interleaved_two_chunks_equals_single_process():
+    run_ranks(_pp_interleaved, 2, timeout_s=150)
 
 
 def test_pp2_1f1b_and_gpipe_equal_single_process():
@@ -169,7 +188,7 @@ def test_a_stage_run_in_another_order_than_its_plan_raises():
     model = GPT(dataclasses.replace(CFG, tie_embeddings=False), seed=7)
     engine = ph.wrap(model, blocks=model.blocks, window=2, accumulation_steps=2)
     try:
-        engine.use_step_plan(plan_uses(pass_uses(4, ["fwd", "fwd", "bwd", "bwd"]), 2))
+        engine.use_step_plan(plan_uses(pass_uses([(kind, range(4)) for kind in ("fwd", "fwd", "bwd", "bwd")]), 2))
         tokens = _data(steps=1, batch=2)[0]
         loss = engine(tokens[:, :-1], tokens[:, 1:])
         with pytest.raises(RuntimeError, match="out of the expected order"):
@@ -190,6 +209,27 @@ def test_bad_pipeline_layouts_raise_naming_the_size():
         validate_pipeline(2, 4, 1, "1f1b")
     with pytest.raises(ValueError, match="schedule must be one of"):
         validate_pipeline(2, 4, 2, "zero-bubble")
+    with pytest.raises(ValueError, match="micro_batches=6 must be a multiple of the pp=4 stages for the interleaved"):
+        validate_pipeline(4, 8, 6, "interleaved", chunks=2)
+    with pytest.raises(ValueError, match="pp=2 stages x chunks=3 = 6 model chunks are more than the model's 4 blocks"):
+        validate_pipeline(2, 4, 2, "interleaved", chunks=3)
+    with pytest.raises(ValueError, match="the interleaved schedule needs chunks >= 2"):
+        validate_pipeline(2, 4, 2, "interleaved")
+    with pytest.raises(ValueError, match="chunks=2 model chunks per rank need the interleaved schedule, not 'gpipe'"):
+        validate_pipeline(2, 4, 2, "gpipe", chunks=2)
+    validate_pipeline(2, 4, 4, "interleaved", chunks=2)
+
+
+def test_rank_passes_read_torchs_actions_and_refuse_a_split_backward():
+    """Virtual stage s is chunk s // p; idle slots are skipped; a zero-bubble schedule's input and
+    weight backwards (I, W) would run each block's backward twice: refused."""
+    from types import SimpleNamespace as Action
+
+    actions = [None, Action(stage_index=1, computation_type="F"), Action(stage_index=3, computation_type="F"),
+               Action(stage_index=3, computation_type="B"), None, Action(stage_index=1, computation_type="B")]
+    assert rank_passes(actions, 2) == [(0, "fwd"), (1, "fwd"), (1, "bwd"), (0, "bwd")]
+    with pytest.raises(ValueError, match="not a forward .F. or a full backward .B."):
+        rank_passes([Action(stage_index=1, computation_type="I")], 2)
 
 
 @pytest.mark.parametrize("split", [[range(0, 2), range(3, 4)], [range(0, 2), range(2, 3)], [range(0, 0), range(0, 4)],

@@ -43,6 +43,61 @@ def test_plan_pipeline_in_flight_activations_and_p2p_bytes():
         plan_pipeline(cfg, work, 9, 9)
 
 
+class _ScheduleStage:
+    """What torch's multi-stage schedules read of a stage to build their per-rank action lists."""
+
+    def __init__(self, index: int, stages: int, chunks: int, rank: int) -> None:
+        self.group_size, self.group_rank, self.stage_index = stages, rank, index
+        self.num_stages = stages * chunks
+        self.is_first, self.is_last = index == 0, index == stages * chunks - 1
+        self.stage_index_to_group_rank = {i: i % stages for i in range(stages * chunks)}
+
+
+@pytest.mark.parametrize("stages, chunks", [(2, 2), (3, 2), (4, 2), (2, 3), (4, 3)])
+def test_interleaved_in_flight_is_the_peak_of_torchs_schedule(stages, chunks):
+    """The planner's chunk forwards in flight on each rank equal the peak of forwards done and
+    backwards not in torch's own ScheduleInterleaved1F1B action list (which the runtime's step plan
+    follows, read by ``rank_passes``): each chunk runs m forwards and m backwards."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    from pystronghold.parallel.pipeline import rank_passes
+
+    for m in (stages, 2 * stages, 3 * stages):
+        for rank in range(stages):
+            schedule = ScheduleInterleaved1F1B(
+                [_ScheduleStage(rank + c * stages, stages, chunks, rank) for c in range(chunks)], m)
+            passes = rank_passes(schedule.pipeline_order[rank], stages)
+            assert sorted(passes) == sorted((c, k) for c in range(chunks) for k in ("fwd", "bwd") for _ in range(m))
+            held, peak = 0, 0
+            for _, kind in passes:
+                held += 1 if kind == "fwd" else -1
+                peak = max(peak, held)
+            assert in_flight_micro_batches("interleaved", rank, stages, m, chunks) == peak, (m, rank)
+
+
+def test_plan_pipeline_interleaved_splits_p_times_v_chunks():
+    cfg = GPTConfig(vocab_size=256, seq_len=64, layers=8, hidden=64, heads=4)
+    work = Workload(batch=2, precision="fp32")
+    plan = plan_pipeline(cfg, work, 2, 4, "interleaved", chunks=2)
+    assert plan.bubble == pytest.approx(1 / 8)  # (1/v)(p-1)/m
+    assert len(plan.split) == 4 and plan.stage_split(0) == [plan.split[0], plan.split[2]]
+    assert sum(plan.stage_blocks(s) for s in range(2)) == 8
+    assert sum(plan.stage_flop_share) == pytest.approx(1.0)
+    assert plan.in_flight == [5, 3]  # (v-1)p + 2(p-1-s) + 1
+    per_block = plan.p2p_bytes  # recompute: a block input per block
+    assert plan.activation_bytes == [n * max(len(r) for r in plan.stage_split(s)) * per_block
+                                     for s, n in enumerate(plan.in_flight)]
+    assert plan.stage_in_flight(0) == -(-plan.activation_bytes[0] // (plan.stage_blocks(0) * per_block))
+    with pytest.raises(ValueError, match="micro_batches=3 must be a multiple of the pp=2 stages"):
+        plan_pipeline(cfg, work, 2, 3, "interleaved", chunks=2)
+    with pytest.raises(ValueError, match="pp=4 stages x chunks=3 = 12 model chunks are more than the model's 8"):
+        plan_pipeline(cfg, work, 4, 4, "interleaved", chunks=3)
+    with pytest.raises(ValueError, match="the interleaved schedule needs chunks >= 2"):
+        plan_pipeline(cfg, work, 2, 4, "interleaved")
+    with pytest.raises(ValueError, match="chunks=2 model chunks per rank need the interleaved schedule"):
+        plan_pipeline(cfg, work, 2, 4, "1f1b", chunks=2)
+
+
 def test_cli_plan_prints_the_pipeline(capsys):
     args = ["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "gpt3-1.3b", "--pp", "4",
             "--micro-batches", "8"]
@@ -55,6 +110,12 @@ def test_cli_plan_prints_the_pipeline(capsys):
     assert pipe["bubble_fraction"] == pytest.approx(3 / 8) and pipe["in_flight"] == [4, 3, 2, 1]
     assert main(["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "tiny", "--pp", "8"]) == 2
     assert "pp=8 stages are more than the model's 4 blocks" in capsys.readouterr().err
+    assert main(args + ["--pp-schedule", "interleaved", "--pp-chunks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline  4 stages x 2 chunks, 8 micro-batches, interleaved: bubble 18.8% of compute" in out
+    assert "  stage 0: head + blocks 0-" in out and "11 chunk forwards in flight" in out
+    assert main(["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "tiny", "--pp-chunks", "2"]) == 2
+    assert "--pp-chunks 2 needs a pipeline" in capsys.readouterr().err
 
 
 def test_plan_pp_counts_the_in_flight_activations_in_device_memory(capsys):
@@ -107,12 +168,14 @@ def _measured_bubble(rank: int, world: int, results) -> None:
     from pystronghold.parallel.pipeline import Pipeline, build_stage
 
     groups = init_parallel(1, pp=2, timeout_s=30)
-    for m in (4, 8):
+    for m, chunks in ((4, 1), (8, 1), (4, 2)):
         torch.manual_seed(0)
-        head = nn.Embedding(10, 4) if groups.pp_rank == 0 else None  # token ids (B, T) -> (B, T, 4)
-        stage = build_stage(head, [_SleepBlock()], None, first_block=groups.pp_rank)
-        pipe = Pipeline(stage, groups, loss_fn=lambda out, y: (out - y).square().mean(), micro_batches=m,
-                        hidden=4, output_size=4, window=1, optimizer=ph.AdamW(lr=1e-3))
+        # chunk c of rank r: virtual stage r + 2c, one sleeping block; token ids (B, T) -> (B, T, 4)
+        stages = [build_stage(nn.Embedding(10, 4) if groups.pp_rank + c == 0 else None, [_SleepBlock()], None,
+                              first_block=groups.pp_rank + 2 * c) for c in range(chunks)]
+        pipe = Pipeline(stages, groups, loss_fn=lambda out, y: (out - y).square().mean(), micro_batches=m,
+                        hidden=4, output_size=4, window=1, optimizer=ph.AdamW(lr=1e-3),
+                        schedule="interleaved" if chunks > 1 else "1f1b")
         x, y = torch.randint(0, 10, (m, 3)), torch.randn(m, 3, 4)
         try:
             pipe.step(x, y)  # the first step exchanges shapes
@@ -125,17 +188,19 @@ def _measured_bubble(rank: int, world: int, results) -> None:
             pipe.close()
         idle = (wall - _SleepBlock.busy_s) / _SleepBlock.busy_s
         if rank == 0:
-            results[m] = idle
+            results[m, chunks] = idle
 
 
 def test_bubble_formula_matches_the_idle_time_of_a_run():
     """Two stages of one block whose forward and recompute sleep PASS_S: each stage computes for
-    2*m*PASS_S and idles for the (p-1) = 1 slot of fill and drain, so idle / compute = (p-1)/m.
+    2*m*PASS_S and idles for the (p-1) = 1 slot of fill and drain, so idle / compute = (p-1)/m;
+    interleaved with two one-block chunks per rank, the slot is half a stage: (1/v)(p-1)/m.
     Tolerance 0.08 absolute: what the runtime itself adds per pass (a few ms against 100 ms)."""
     import torch.multiprocessing as mp
 
     results = mp.get_context("forkserver").Manager().dict()
-    run_ranks(_measured_bubble, 2, results, timeout_s=120)
-    for m in (4, 8):
-        assert results[m] == pytest.approx(bubble_fraction(2, m), abs=0.08), dict(results)
-    assert results[4] > results[8]
+    run_ranks(_measured_bubble, 2, results, timeout_s=150)
+    for m, chunks in ((4, 1), (8, 1), (4, 2)):
+        assert results[m, chunks] == pytest.approx(bubble_fraction(2, m, chunks), abs=0.08), dict(results)
+    assert results[4, 1] > results[8, 1]
+    assert results[4, 1] > results[4, 2]  # the same micro-batches, half the bubble

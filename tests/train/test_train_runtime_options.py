@@ -14,13 +14,13 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train.command import config_from_args
 
 # Every option `pystronghold train` had before the runtime settings moved into RuntimeConfig, and the
-# relay schedule's and layer drop's (issue 20).
+# relay schedule's and layer drop's (issue 20), and the interleaved pipeline's --pp-chunks (issue 16).
 TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --lr --warmup --min-lr-ratio "
                "--weight-decay --decay --beta2 --clip --accumulation --window --device --precision "
                "--device-budget-mb --resident-blocks --host-memory --nvme --nvme-states --nvme-cache-blocks "
                "--nvme-sparse --steps --seed --log-every --eval-every --eval-batches --trace --quiet "
                "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --tp --dp "
-               "--dp-split --pp --micro-batches --pp-schedule "
+               "--dp-split --pp --micro-batches --pp-schedule --pp-chunks "
                "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed").split()
 
 

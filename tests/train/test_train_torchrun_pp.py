@@ -10,26 +10,33 @@ stage groups, rank-0 output, and bad layouts failing on every rank with one line
 from __future__ import annotations
 
 import pytest
-from torchrun_cli import logged_losses, run_train
+from torchrun_cli import assert_logs_reference, reference_losses, run_train
 
 
 @pytest.fixture(scope="module")
 def reference():
-    p = run_train(1)
-    assert p.returncode == 0, p.stderr
-    return logged_losses(p.stdout)
+    return reference_losses()
 
 
 def test_pp2_logs_the_single_process_losses_and_prints_the_split(reference):
     p = run_train(2, "--pp", "2", "--micro-batches", "2")
-    assert p.returncode == 0, p.stderr
-    train, val = logged_losses(p.stdout)
-    assert train == pytest.approx(reference[0], abs=1e-4)
-    assert val == pytest.approx(reference[1], abs=1e-4)
+    assert_logs_reference(p, reference)
     assert p.stdout.count("trained steps 1..3") == 1
     # tiny: 4 equal blocks; the LM head (V=256) outweighs the embedding, so no block moves
     assert p.stdout.count("pipeline split over 2 stages: stage 0: head + blocks 0-1 (") == 1
     assert "stage 1: blocks 2-3 + LM head" in p.stdout
+
+
+INTERLEAVED = ("--pp", "2", "--micro-batches", "2", "--pp-schedule", "interleaved", "--pp-chunks", "2")
+
+
+def test_pp2_interleaved_logs_the_single_process_losses_and_prints_the_chunks(reference):
+    """Two model chunks per rank (tiny: 4 chunks of one block; rank 0 holds blocks 0 and 2)."""
+    p = run_train(2, *INTERLEAVED)
+    assert_logs_reference(p, reference)
+    assert p.stdout.count("pipeline split over 2 stages x 2 chunks: rank 0 chunk 0: head + blocks 0-0 (") == 1
+    assert "rank 1 chunk 0: blocks 1-1 (" in p.stdout and "rank 0 chunk 1: blocks 2-2 (" in p.stdout
+    assert "rank 1 chunk 1: blocks 3-3 + LM head" in p.stdout
 
 
 def test_pp_misconfiguration_fails_on_every_rank_with_one_message():
@@ -45,7 +52,15 @@ def test_pp_misconfiguration_fails_on_every_rank_with_one_message():
     (dict(pp=2, micro_batches=1), 2, "ParallelOptions.micro_batches=1 must be at least pp=2 stages"),
     (dict(pp=2, micro_batches=8), 2, "--batch 4 must be divisible by 1 data-parallel replicas x 8 micro-batches"),
     (dict(pp=2), 1, "launch with torchrun --nproc-per-node 2"),
-], ids=["more-stages-than-blocks", "too-few-micro-batches", "batch-not-divisible", "one-process"])
+    (dict(pp=2, micro_batches=3, pp_schedule="interleaved", pp_chunks=2), 2,
+     "ParallelOptions.micro_batches=3 must be a multiple of pp=2 stages for the interleaved schedule"),
+    (dict(pp=2, pp_schedule="interleaved", pp_chunks=3), 2,
+     "ParallelOptions.pp=2 stages x pp_chunks=3 = 6 model chunks are more than the model's 4 blocks"),
+    (dict(pp=2, pp_schedule="interleaved"), 2, "ParallelOptions.pp_chunks=1 must be >= 2 with pp_schedule='interleaved'"),
+    (dict(pp=2, pp_chunks=2), 2, "ParallelOptions.pp_chunks=2 needs pp_schedule='interleaved'"),
+], ids=["more-stages-than-blocks", "too-few-micro-batches", "batch-not-divisible", "one-process",
+        "interleaved-micro-batches-not-a-multiple", "more-chunks-than-blocks", "interleaved-one-chunk",
+        "chunks-without-interleaved"])
 def test_pp_layouts_checked_before_any_collective(monkeypatch, extra, world, message):
     """TrainConfig's checks: local arithmetic that every rank runs alike before init_parallel."""
     from pystronghold.options import ConfigError
@@ -75,8 +90,10 @@ def test_resident_blocks_must_fit_every_stage(monkeypatch):
         config(3)
 
 
-@pytest.mark.parametrize("writer, reader", [(("--pp", "2"), ()), ((), ("--pp", "2"))],
-                         ids=["pp2-resumed-by-one-process", "one-process-resumed-by-pp2"])
+@pytest.mark.parametrize("writer, reader", [(("--pp", "2"), ()), ((), ("--pp", "2")), (INTERLEAVED, ()),
+                                            (("--pp", "2"), INTERLEAVED)],
+                         ids=["pp2-resumed-by-one-process", "one-process-resumed-by-pp2",
+                              "interleaved-resumed-by-one-process", "pp2-resumed-by-interleaved"])
 def test_checkpoints_cross_resume_between_pipeline_and_one_process(reference, tmp_path, writer, reader):
     """The stages send their blocks (global names) to rank 0, which writes the usual format; each
     stage reads back only its own blocks. Step 3 of the resumed run is step 3 of the reference."""
@@ -89,7 +106,4 @@ def test_checkpoints_cross_resume_between_pipeline_and_one_process(reference, tm
     assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(2 if reader else 1, *reader, "--checkpoint-dir", ck, "--resume")
-    assert p.returncode == 0, p.stderr
-    train, val = logged_losses(p.stdout)
-    assert train == pytest.approx(reference[0][2:], abs=1e-4)
-    assert val == pytest.approx(reference[1], abs=1e-4)
+    assert_logs_reference(p, reference, from_step=3)
