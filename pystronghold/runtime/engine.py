@@ -235,6 +235,12 @@ class Engine:
         """Backward passes since the last step."""
         return self.executor.micro_batches
 
+    @property
+    def layer_drop(self):
+        """Which streamed blocks run this step (``layer_drop.LayerDrop``; its ``state_dict`` is what
+        checkpoints keep of it)."""
+        return self.executor.layer_drop
+
     # ---- optimizer step (runtime/step.py), between passes
 
     @property

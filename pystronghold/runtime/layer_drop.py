@@ -53,3 +53,14 @@ class LayerDrop:
     def end_step(self) -> None:
         """The next training forward draws again."""
         self._active = None
+
+    def state_dict(self) -> dict:
+        """The generator's state (what the next steps will draw): checkpoints keep it, so a resumed
+        run skips the blocks the uninterrupted run would have skipped."""
+        return {"generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the draws of ``state_dict()``'s run (between steps only)."""
+        if self._active is not None:
+            raise RuntimeError("LayerDrop.load_state_dict during a step (its blocks are already drawn)")
+        self._generator.set_state(state["generator"])

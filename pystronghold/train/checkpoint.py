@@ -5,8 +5,9 @@ Layout of one checkpoint (``<dir>/step-00000100/``)::
     blocks/block-00000.safetensors ...   one file per block: for each parameter (full model name)
                                          its fp32 master, ``<name>.exp_avg`` and ``<name>.exp_avg_sq``
     head_tail.safetensors                head and tail fp32 masters and their AdamW moments
-    state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states,
-                                         data position, loss-scaler state (small)
+    state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states
+                                         (with the layer-drop generator), data position, loss-scaler
+                                         state (small)
     manifest.json                        format, version, model config, step, sha256 of every file
 
 Nothing in it depends on the window size or the number of ranks that wrote it: tensors are keyed
@@ -231,6 +232,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
     buf = io.BytesIO()
     torch.save({"step": trainer.step, "engine_steps": engine.steps, "skipped_steps": engine.skipped_steps,
                 "block_steps": block_step_counts(engine),
+                "layer_drop": engine.layer_drop.state_dict() if engine.layer_drop.enabled else None,
                 "scheduler": trainer.scheduler.state_dict(), "hyper": engine.optimizer.group_settings(),
                 "sampler": trainer.sampler.state_dict(), "rng": _rng_state(),
                 "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
@@ -383,6 +385,10 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     if engine.scaler is not None and state["scaler"] is not None:
         engine.scaler.scale, engine.scaler.clean_steps = state["scaler"]["scale"], state["scaler"]["clean_steps"]
     _set_rng_state(state["rng"])
+    # NOTE: the draws of a --layer-drop run continue where they stopped (absent from older
+    # checkpoints, or when the writer skipped no blocks: this run's seed then starts them)
+    if state.get("layer_drop") is not None and engine.layer_drop.enabled:
+        engine.layer_drop.load_state_dict(state["layer_drop"])
 
 
 # ---- export

@@ -78,22 +78,33 @@ def test_schedule_options_on_the_train_command_line():
         == ("relay", 2**20, 0.25)
 
 
-def test_layer_drop_checkpoint_keeps_each_blocks_step_count(tmp_path):
+def test_layer_drop_checkpoint_keeps_each_blocks_step_count_and_the_draws(tmp_path):
     """--layer-drop: a block skipped in some steps has taken fewer AdamW steps; a checkpoint keeps each
-    block's count and --resume restores it."""
-    def config(resume):
-        c = tiny_config(tmp_path, steps=4, ckpt=str(tmp_path / "ck"), every=4, resume=resume)
+    block's count and the generator of the draws, so --resume restores the counts and skips the
+    blocks the uninterrupted run skipped: its later losses are that run's (fp32, the same
+    operations: equal to 1e-6)."""
+    import shutil
+
+    ck = tmp_path / "ck"
+
+    def config(steps, resume):
+        c = tiny_config(tmp_path, steps=steps, ckpt=str(ck), every=4, resume=resume)
         return dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, layer_drop=0.5, layer_drop_seed=3))
 
-    trainer = Trainer(config(False))
+    trainer = Trainer(config(8, False))
     try:
         trainer.train()
-        counts = list(trainer.engine.block_steps)
+        straight = dict(trainer.result.losses)
     finally:
-        trainer.close()
-    assert len(set(counts)) > 1 and max(counts) <= 4
-    resumed = Trainer(config(True))
+        trainer.close()  # checkpoints at steps 4 and 8
+    shutil.rmtree(ck / "step-00000008")
+    resumed = Trainer(config(8, True))
     try:
-        assert resumed.engine.steps == 4 and list(resumed.engine.block_steps) == counts
+        counts = list(resumed.engine.block_steps)
+        assert resumed.engine.steps == 4 and len(set(counts)) > 1 and max(counts) <= 4
+        resumed.train()
+        losses = dict(resumed.result.losses)
     finally:
         resumed.close()
+    assert sorted(losses) == [5, 6, 7, 8]
+    assert [losses[s] for s in losses] == pytest.approx([straight[s] for s in losses], rel=1e-6)
