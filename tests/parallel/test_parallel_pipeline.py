@@ -94,8 +94,8 @@ def _pp(rank: int, world: int, tp: int, schedules: tuple[str, ...]) -> None:
     groups = init_parallel(tp, pp=2, heads=CFG.heads, timeout_s=30)
     data = _data(steps=3, batch=2 * MICRO * groups.dp_size)
     ref = single_process_run(data.unsqueeze(1), CLIP, config=CFG)
-    for schedule in schedules:
-        got = _train(groups, data, schedule, clip_grad_norm=CLIP)
+    for schedule in schedules:  # interleaved: two model chunks per rank
+        got = _train(groups, data, schedule, chunks=2 if schedule == "interleaved" else 1, clip_grad_norm=CLIP)
         _assert_matches(got, ref)
 
 
@@ -134,11 +134,11 @@ def test_pp2_1f1b_and_gpipe_equal_single_process():
 
 
 def test_pp2_tp2_equals_single_process():
-    run_ranks(_pp, 4, 2, ("1f1b",), timeout_s=150)
+    run_ranks(_pp, 4, 2, ("1f1b", "interleaved"), timeout_s=150)
 
 
 def test_pp2_dp2_equals_single_process():
-    run_ranks(_pp, 4, 1, ("1f1b",), timeout_s=150)
+    run_ranks(_pp, 4, 1, ("1f1b", "interleaved"), timeout_s=150)
 
 
 def _fp16_overflow_on_one_stage(rank: int, world: int) -> None:
