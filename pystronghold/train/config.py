@@ -333,6 +333,11 @@ class TrainConfig:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
         if isinstance(cfg, HFModelConfig) and self.runtime.window == "auto":
             raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
+        if self.runtime.resident_blocks == "auto" and self.runtime.window != "auto":
+            raise ConfigError(self.runtime, "resident_blocks=", "is chosen together with the window: it needs "
+                                                                 "`window='auto'` (or give K, a number of blocks)")
+        if par.distributed and self.runtime.window == "auto":
+            raise ValueError("--window auto is not supported with several processes yet; give --window N")
         if par.pp > 1:
             self._check_pipeline(cfg)
         if world == 1 and tp * dp > 1:
@@ -356,8 +361,6 @@ class TrainConfig:
         elif self.data.batch % dp:
             raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} "
                              "(each replica takes an equal slice of every batch)")
-        if par.distributed and self.runtime.window == "auto":
-            raise ValueError("--window auto is not supported with several processes yet; give --window N")
 
     def _check_pipeline(self, cfg) -> None:
         """--pp layouts (local arithmetic: the same on every rank, before any collective)."""

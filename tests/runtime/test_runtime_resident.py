@@ -189,6 +189,10 @@ def test_cli_resident_blocks_flag():
     assert config("--window", "auto", "--resident-blocks", "auto").runtime.resident_blocks == "auto"
     with pytest.raises(ValueError, match="^--resident-blocks must be an int >= 0 or 'auto', got -1$"):
         config("--resident-blocks", "-1")
+    # K is chosen together with W: with a fixed window it would reach wrap unresolved (after the data)
+    with pytest.raises(ValueError, match="^--resident-blocks auto is chosen together with the window: "
+                                         "it needs --window auto"):
+        config("--window", "4", "--resident-blocks", "auto")
 
 
 def test_wrap_refuses_resident_blocks_auto():
