@@ -282,6 +282,8 @@ class Pipeline:
                              "would have to draw the same blocks)")
         self.groups, self.micro_batches, self.schedule_name = groups, micro_batches, schedule
         self.first, self.last = groups.pp_rank == 0, groups.pp_rank == groups.pp_size - 1
+        # NOTE: a collective: after every local check, before anything can fail on one rank alone
+        layout = _check_stage_order(chunks, groups)
         self.chunks = chunks
         """This rank's model chunks (one stage each in torch's schedule), chunk 0 first."""
         self.stage_module = chunks[0] if len(chunks) == 1 else PipelineChunks(chunks)
@@ -301,9 +303,7 @@ class Pipeline:
                               "interleaved": ScheduleInterleaved1F1B}[schedule]
         self._schedules: dict[tuple, object] = {}  # by micro-batch input shape
         self._losses: list[torch.Tensor] = []
-        spans = [None] * groups.pp_size  # every rank's global block indices (a collective, once)
-        dist.all_gather_object(spans, self.stage_module.block_indices, group=groups.pp_group)
-        self.stage_blocks = spans
+        self.stage_blocks = [[g for chunk in rank for g in chunk[0]] for rank in layout]
         """The global block indices each pipeline rank holds (all its chunks), rank 0 first."""
 
     def _use_passes(self, passes: list[tuple[int, str]], train: bool) -> None:
@@ -531,6 +531,32 @@ def gpt_pipeline(model, groups: ParallelGroups, *, micro_batches: int, schedule:
     return Pipeline(stages, groups, loss_fn=gpt_loss(config, groups.tp_group), micro_batches=micro_batches,
                     hidden=config.hidden, output_size=config.padded_vocab_size // config.tp_size,
                     schedule=schedule, tied=tied, **options)
+
+
+def _check_stage_order(chunks: Sequence[PipelineStageModule], groups: ParallelGroups) -> list[list[tuple]]:
+    """Every rank's chunks as (global block indices, has head, has tail), gathered over the pp
+    group; ValueError on every rank (the same gathered data) unless the virtual stages (stage s:
+    chunk s // p of rank s % p) hold blocks in increasing model order, the head on stage 0 only and
+    the tail on the last only. Stages in another order would pass activations to the wrong blocks:
+    a model that trains, wrongly, without an error."""
+    layout = [None] * groups.pp_size
+    dist.all_gather_object(layout, [(c.block_indices, c.head is not None, c.tail is not None) for c in chunks],
+                           group=groups.pp_group)
+    p, v = groups.pp_size, len(chunks)
+    if any(len(rank) != v for rank in layout):
+        raise ValueError(f"Pipeline: every rank must give the same number of model chunks, got "
+                         f"{[len(rank) for rank in layout]}")
+    stages = [layout[s % p][s // p] for s in range(p * v)]
+    order = [g for blocks, _, _ in stages for g in blocks]
+    heads = [s for s, (_, head, _) in enumerate(stages) if head]
+    tails = [s for s, (_, _, tail) in enumerate(stages) if tail]
+    if order != sorted(set(order)) or heads not in ([], [0]) or tails not in ([], [p * v - 1]):
+        raise ValueError(
+            "Pipeline: the stages must hold the model in order: stage s (chunk s // pp of rank s % pp) "
+            "the blocks after stage s-1's, the head on stage 0 and the tail on the last stage only; got "
+            + "; ".join(f"stage {s}: {'head + ' if head else ''}blocks {blocks}{' + tail' if tail else ''}"
+                        for s, (blocks, head, tail) in enumerate(stages)))
+    return layout
 
 
 class _LogitsTail(nn.Module):

@@ -129,6 +129,28 @@ def test_pp2_interleaved_two_chunks_equals_single_process():
     run_ranks(_pp_interleaved, 2, timeout_s=150)
 
 
+def _stages_out_of_order(rank: int, world: int) -> None:
+    """Chunks given in another order than the virtual stages', or ranks holding blocks out of
+    model order: every rank raises (before any engine is built) instead of training a model whose
+    activations reach the wrong blocks."""
+    groups = init_parallel(1, pp=2, timeout_s=30)
+    model = GPT(dataclasses.replace(CFG, tie_embeddings=False), seed=7)
+    chunks, _ = gpt_chunks(model, groups, chunks=2)
+    kwargs = dict(loss_fn=gpt_loss(model.config, None), micro_batches=MICRO, hidden=CFG.hidden,
+                  output_size=model.config.padded_vocab_size, window=1)
+    with pytest.raises(ValueError, match=r"the stages must hold the model in order: .*stage 2: head \+ blocks \[0\]"):
+        Pipeline(chunks[::-1], groups, schedule="interleaved", **kwargs)
+    from pystronghold.parallel.pipeline import build_stage
+
+    swapped = build_stage(None, [model.blocks[1 - groups.pp_rank]], None, first_block=1 - groups.pp_rank)
+    with pytest.raises(ValueError, match=r"stage 0: blocks \[1\]; stage 1: blocks \[0\]"):
+        Pipeline(swapped, groups, **kwargs)
+
+
+def test_stages_out_of_model_order_are_refused_on_every_rank():
+    run_ranks(_stages_out_of_order, 2, timeout_s=120)
+
+
 def test_pp2_1f1b_and_gpipe_equal_single_process():
     run_ranks(_pp, 2, 1, ("1f1b", "gpipe"), timeout_s=150)
 
