@@ -225,6 +225,9 @@ def run_plan(args: argparse.Namespace) -> int:
         pipeline = None
         if request.pp_chunks != 1 and request.pp < 2:
             raise ValueError(f"--pp-chunks {request.pp_chunks} needs a pipeline (--pp >= 2 and --pp-schedule interleaved)")
+        if request.pp_schedule == "interleaved" and request.pp_chunks < 2:
+            raise ValueError(f"--pp-schedule interleaved needs --pp-chunks V >= 2 model chunks per rank, "
+                             f"got {request.pp_chunks}")
         if request.pp > 1:
             from pystronghold.planner.pipeline import plan_pipeline
 

@@ -116,6 +116,8 @@ def test_cli_plan_prints_the_pipeline(capsys):
     assert "  stage 0: head + blocks 0-" in out and "11 chunk forwards in flight" in out
     assert main(["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "tiny", "--pp-chunks", "2"]) == 2
     assert "--pp-chunks 2 needs a pipeline" in capsys.readouterr().err
+    assert main(args + ["--pp-schedule", "interleaved"]) == 2
+    assert "--pp-schedule interleaved needs --pp-chunks V >= 2 model chunks per rank, got 1" in capsys.readouterr().err
 
 
 def test_plan_pp_counts_the_in_flight_activations_in_device_memory(capsys):
