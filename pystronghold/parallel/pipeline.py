@@ -37,7 +37,7 @@ from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.planner.balance import stage_ranges
 from pystronghold.runtime.config import RuntimeConfig
 
-__all__ = ["SCHEDULES", "stage_passes", "rank_passes", "PipelineStageModule", "PipelineChunks", "build_stage",
+__all__ = ["SCHEDULES", "rank_stages", "stage_passes", "rank_passes", "PipelineStageModule", "PipelineChunks", "build_stage",
            "Pipeline", "gpt_stage", "gpt_chunks", "gpt_pipeline", "gpt_stage_costs", "gpt_loss",
            "validate_pipeline"]
 
@@ -81,6 +81,13 @@ def _check_chunk_count(stages: int, chunks: int, blocks: int) -> None:
                              "(every stage needs at least one block)")
         raise ValueError(f"pp={stages} stages x chunks={chunks} = {stages * chunks} model chunks are more "
                          f"than the model's {blocks} blocks (every chunk needs at least one block)")
+
+
+def rank_stages(rank: int, stages: int, chunks: int = 1) -> range:
+    """The virtual stages pipeline rank ``rank`` holds of ``stages`` x ``chunks``, chunk 0 first
+    (the interleaved placement: chunk c is virtual stage ``rank + c * stages``; one chunk: the stage
+    ``rank`` itself). Its inverse: virtual stage s is chunk ``s // stages`` of rank ``s % stages``."""
+    return range(rank, stages * chunks, stages)
 
 
 def stage_passes(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
@@ -161,11 +168,6 @@ class PipelineStageModule(nn.Module):
         return list(range(self.first_block, self.first_block + len(self.blocks)))
 
     @property
-    def chunks(self) -> tuple["PipelineStageModule", ...]:
-        """The stages torch's schedule runs for this module: itself (``PipelineChunks``: several)."""
-        return (self,)
-
-    @property
     def chunk_ranges(self) -> list[range]:
         """The local indices of each chunk's blocks in ``blocks``."""
         return [range(len(self.blocks))]
@@ -203,11 +205,6 @@ class PipelineChunks(nn.Module):
         for c in chunks:
             starts.append(starts[-1] + len(c.blocks))
         self._ranges = [range(a, b) for a, b in zip(starts, starts[1:])]
-
-    @property
-    def chunks(self) -> tuple[PipelineStageModule, ...]:
-        """The model chunks, chunk 0 first (torch's schedule runs each as a stage)."""
-        return self._chunks
 
     @property
     def chunk_ranges(self) -> list[range]:
@@ -305,6 +302,8 @@ class Pipeline:
         self._losses: list[torch.Tensor] = []
         self.stage_blocks = [[g for chunk in rank for g in chunk[0]] for rank in layout]
         """The global block indices each pipeline rank holds (all its chunks), rank 0 first."""
+        self.block_indices = self.stage_blocks[groups.pp_rank]
+        """The global index of each block of this rank, in the engine's (local) order."""
 
     def _use_passes(self, passes: list[tuple[int, str]], train: bool) -> None:
         """Plan the engine's window over a step's passes ``(chunk, kind)``: each pass uses the
@@ -341,8 +340,7 @@ class Pipeline:
             act = torch.empty(*mb, self.hidden, dtype=self.engine.dtype, device="meta")
             p, rank, v = self.groups.pp_size, self.groups.pp_rank, len(self.chunks)
             stages = []
-            for c, chunk in enumerate(self.chunks):
-                index = rank + c * p  # virtual stage of p*v (v = 1: the stage itself)
+            for chunk, index in zip(self.chunks, rank_stages(rank, p, v)):  # v = 1: the stage itself
                 first, last = index == 0, index == p * v - 1
                 # NOTE: a received activation requires grad only when its meta says so (else no
                 # gradient would flow back to the previous stage)
@@ -416,13 +414,8 @@ class Pipeline:
         the global block index; head and tail names are the model's)."""
         if name.startswith("blocks."):
             _, index, rest = name.split(".", 2)
-            return f"blocks.{self.stage_module.block_indices[int(index)]}.{rest}"
+            return f"blocks.{self.block_indices[int(index)]}.{rest}"
         return name
-
-    @property
-    def block_indices(self) -> list[int]:
-        """The global index of each block of this rank, in the engine's (local) order."""
-        return self.stage_module.block_indices
 
     def stage_of_block(self, block: int) -> int:
         """The pipeline rank (``pp_rank``) holding global block ``block``."""
@@ -499,8 +492,7 @@ def gpt_chunks(model, groups: ParallelGroups, *, chunks: int, seq: int | None = 
         raise ValueError(f"split must be contiguous non-empty ranges covering blocks 0..{config.layers - 1} "
                          f"in order, got {list(split)}")
     mine = []
-    for c in range(chunks):
-        index = groups.pp_rank + c * p
+    for index in rank_stages(groups.pp_rank, p, chunks):
         blocks = split[index]
         mine.append(build_stage(model.head if index == 0 else None, [model.blocks[i] for i in blocks],
                                 _LogitsTail(model.tail) if index == n - 1 else None, first_block=blocks.start,

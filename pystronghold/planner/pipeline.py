@@ -78,7 +78,9 @@ class PipelinePlan:
 
     def stage_split(self, stage: int) -> list[range]:
         """The block ranges rank ``stage`` holds (its chunks, chunk 0 first)."""
-        return self.split[stage::self.stages]
+        from pystronghold.parallel.pipeline import rank_stages
+
+        return [self.split[s] for s in rank_stages(stage, self.stages, self.chunks)]
 
     def stage_blocks(self, stage: int) -> int:
         """Blocks rank ``stage`` holds."""
@@ -118,7 +120,7 @@ def plan_pipeline(config: GPTConfig, work: Workload, stages: int, micro_batches:
                   schedule: str = "1f1b", chunks: int = 1) -> PipelinePlan:
     """The pipeline figures of ``config`` trained as ``work`` (``work.batch``: the micro-batch);
     ``chunks``: model chunks per rank (2 or more with ``schedule="interleaved"``)."""
-    from pystronghold.parallel.pipeline import gpt_stage_costs, validate_pipeline
+    from pystronghold.parallel.pipeline import gpt_stage_costs, rank_stages, validate_pipeline
     from pystronghold.planner.balance import stage_ranges
 
     validate_pipeline(stages, config.layers, micro_batches, schedule, chunks)
@@ -127,13 +129,14 @@ def plan_pipeline(config: GPTConfig, work: Workload, stages: int, micro_batches:
     n = stages * chunks
     split = stage_ranges(costs, n, head_cost=head, tail_cost=tail)
     total = sum(costs) + head + tail
-    share = [sum(sum(costs[r.start:r.stop]) + (head if r.start == 0 else 0.0) + (tail if i == n - 1 else 0.0)
-                 for i, r in enumerate(split) if i % stages == s) / total for s in range(stages)]
+    ranks = [rank_stages(s, stages, chunks) for s in range(stages)]  # each rank's chunks (virtual stages)
+    share = [sum(sum(costs[split[i].start:split[i].stop]) + (head if i == 0 else 0.0) + (tail if i == n - 1 else 0.0)
+                 for i in mine) / total for mine in ranks]
     boundary = work.batch * seq * config.hidden * work.dtype_bytes  # one activation, B*T*C*s
     per_block = boundary if work.checkpointing else block_activation_bytes(config, work, seq)
     in_flight = [in_flight_micro_batches(schedule, s, stages, micro_batches, chunks) for s in range(stages)]
     # each in-flight forward holds one chunk's activations: an upper bound, its largest chunk's
-    activations = [k * max(len(r) for r in split[s::stages]) * per_block for s, k in enumerate(in_flight)]
+    activations = [k * max(len(split[i]) for i in mine) * per_block for k, mine in zip(in_flight, ranks)]
     return PipelinePlan(stages=stages, micro_batches=micro_batches, schedule=schedule, split=split,
                         stage_flop_share=share, bubble=bubble_fraction(stages, micro_batches, chunks),
                         in_flight=in_flight, activation_bytes=activations, p2p_bytes=boundary, chunks=chunks,

@@ -388,12 +388,12 @@ class TrainConfig:
                               f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
         # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
         # after the others entered a collective. The split is local arithmetic (gpt_stage's).
-        from pystronghold.parallel.pipeline import gpt_stage_costs
+        from pystronghold.parallel.pipeline import gpt_stage_costs, rank_stages
         from pystronghold.planner.balance import stage_ranges
 
         costs, head, tail = gpt_stage_costs(self.gpt, self.seq)
         split = stage_ranges(costs, pp * v, head_cost=head, tail_cost=tail)
-        per_rank = [sum(len(split[r + c * pp]) for c in range(v)) for r in range(pp)]  # rank r: chunks r, r+p, ...
+        per_rank = [sum(len(split[s]) for s in rank_stages(r, pp, v)) for r in range(pp)]
         smallest = min(range(pp), key=lambda s: per_rank[s])
         if self.runtime.resident_blocks > per_rank[smallest]:
             raise ConfigError(self.runtime, "resident_blocks=", f"is more than the {per_rank[smallest]} blocks of "
