@@ -2,21 +2,23 @@
 ``torch.distributed.pipelining`` (its schedules move activations and run the micro-batches; we
 write no scheduler).
 
-- the split: ``planner.balance.stage_ranges`` (contiguous blocks whose largest stage compute is
-  smallest, the first stage's head and the last stage's tail, the LM head, counted).
-- ``PipelineStageModule`` / ``build_stage``: one stage's part of the model (head? blocks, tail?), the
-  module torch's ``PipelineStage`` runs. Any list of blocks works (``whale`` maps its scopes here).
+- the split (``parallel.pipeline_gpt``): ``planner.balance.stage_ranges`` (contiguous blocks whose
+  largest stage compute is smallest, the first stage's head and the last stage's tail, the LM
+  head, counted).
+- ``parallel.stages``: ``PipelineStageModule`` / ``build_stage``, one stage's part of the model
+  (head? blocks, tail?), the module torch's ``PipelineStage`` runs; ``PipelineChunks``, a rank's
+  model chunks as one model for the engine.
 - the interleaved schedule (``ScheduleInterleaved1F1B``, Narayanan et al. SC'21): each rank holds
-  ``chunks`` = v stages ("model chunks", virtual stages r, r + p, ..., r + (v-1)p of p*v); one
-  ``PipelineChunks`` module gathers them so one engine (one window, store and host optimizer) runs
-  every chunk of the rank, and the bubble shrinks by v.
+  ``chunks`` = v stages ("model chunks", virtual stages r, r + p, ..., r + (v-1)p of p*v, see
+  ``rank_stages``); one engine (one window, store and host optimizer) runs every chunk of the rank
+  (``PipelineChunks``), and the bubble shrinks by v.
 - ``stage_passes`` / ``rank_passes``: the forward/backward passes a stage runs in one step, in its
   schedule's order (for interleaved, read from torch's own per-rank action list); the engine plans
   its window over all of them (``Engine.use_step_plan``) and checks each use.
 - ``Pipeline``: one rank's stage(s) through ``wrap``, a torch schedule, tied-embedding gradients
   all-reduced between the first and last stage, and ``step(x, y)`` = one optimizer step.
-- ``gpt_stage`` / ``gpt_chunks``: this rank's stage (chunks) of a ``GPT`` (balanced split, tied
-  embeddings marked).
+- ``parallel.pipeline_gpt``: a ``GPT``'s stages (``gpt_stage`` / ``gpt_chunks``: balanced split, tied
+  embeddings marked) and ``gpt_pipeline``.
 
 Exactness (fp32): the loss of each micro-batch is divided by their number, so the summed
 gradient is the global batch's mean; clipping uses the norm summed over the stages
@@ -34,12 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pystronghold.parallel.groups import ParallelGroups
-from pystronghold.planner.balance import stage_ranges
+from pystronghold.parallel.stages import PipelineChunks, PipelineStageModule
 from pystronghold.runtime.config import RuntimeConfig
 
-__all__ = ["SCHEDULES", "rank_stages", "stage_passes", "rank_passes", "PipelineStageModule", "PipelineChunks", "build_stage",
-           "Pipeline", "gpt_stage", "gpt_chunks", "gpt_pipeline", "gpt_stage_costs", "gpt_loss",
-           "validate_pipeline"]
+__all__ = ["SCHEDULES", "validate_pipeline", "check_chunk_count", "rank_stages", "stage_passes", "rank_passes",
+           "Pipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,15 @@ def validate_pipeline(stages: int, blocks: int, micro_batches: int, schedule: st
                              "for the interleaved schedule")
     elif chunks != 1:
         raise ValueError(f"chunks={chunks} model chunks per rank need the interleaved schedule, not {schedule!r}")
-    _check_chunk_count(stages, chunks, blocks)
+    check_chunk_count(stages, chunks, blocks)
     if schedule == "1f1b" and micro_batches < stages:
         raise ValueError(f"micro_batches={micro_batches} must be at least the pp={stages} stages "
                          "for the 1F1B schedule")
 
 
-def _check_chunk_count(stages: int, chunks: int, blocks: int) -> None:
-    """ValueError when the stages x chunks are more than the blocks (each needs one)."""
+def check_chunk_count(stages: int, chunks: int, blocks: int) -> None:
+    """ValueError when the ``stages`` x ``chunks`` model chunks are more than the ``blocks`` (each
+    needs one)."""
     if stages * chunks > blocks:
         if chunks == 1:
             raise ValueError(f"pp={stages} stages are more than the model's {blocks} blocks "
@@ -131,110 +133,6 @@ def rank_passes(actions, stages: int) -> list[tuple[int, str]]:
             raise ValueError(f"rank_passes: action {action} is not a forward (F) or a full backward (B)")
         passes.append((action.stage_index // stages, kind))
     return passes
-
-
-class PipelineStageModule(nn.Module):
-    """One stage: ``head`` (first stage), ``blocks`` (an ``nn.ModuleList``: what the window streams),
-    ``tail`` (last stage). ``forward(x)`` = tail(blocks(head(x))), skipping the parts that are None.
-
-    ``first_block`` is the global index of ``blocks[0]`` (for names and logs); ``materialize(i)``,
-    when given, builds global block ``i`` of a model made on ``meta`` (``wrap`` calls it through
-    ``materialize_block_`` with the local index).
-    """
-
-    def __init__(self, head: nn.Module | None, blocks: Sequence[nn.Module], tail: nn.Module | None, *,
-                 first_block: int = 0, materialize: Callable[[int], nn.Module] | None = None,
-                 materialize_thread_safe: bool = False) -> None:
-        super().__init__()
-        if not blocks:
-            raise ValueError("build_stage: blocks is empty; every pipeline stage needs at least one block")
-        self.head = head
-        self.blocks = blocks if isinstance(blocks, nn.ModuleList) else nn.ModuleList(blocks)
-        self.tail = tail
-        self.first_block = first_block
-        self._materialize = materialize
-        self.materialize_block_thread_safe = materialize_thread_safe
-
-    def materialize_block_(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
-        """Build local block ``index`` (global ``first_block + index``) with the model's materializer."""
-        if self._materialize is None:
-            raise ValueError("PipelineStageModule: blocks on meta but no materialize= was given")
-        self._materialize(self.first_block + index)
-        return self.blocks[index]
-
-    @property
-    def block_indices(self) -> list[int]:
-        """The global index of each of ``blocks``."""
-        return list(range(self.first_block, self.first_block + len(self.blocks)))
-
-    @property
-    def chunk_ranges(self) -> list[range]:
-        """The local indices of each chunk's blocks in ``blocks``."""
-        return [range(len(self.blocks))]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.head is not None:
-            x = self.head(x)
-        for block in self.blocks:
-            x = block(x)
-        if self.tail is not None:
-            x = self.tail(x)
-        return x
-
-
-class PipelineChunks(nn.Module):
-    """One rank's model chunks under the interleaved schedule (virtual stages r, r + p, ...), as one
-    model for the window runtime: ``blocks`` holds every chunk's blocks in chunk order (one engine
-    over all of them: one window, store and host optimizer), ``head`` the first chunk's head (rank
-    0), ``tail`` the last chunk's tail (the last rank), under the model's names. torch's schedule
-    runs each of ``chunks`` as its own stage; this module's own forward is never called."""
-
-    def __init__(self, chunks: Sequence[PipelineStageModule]) -> None:
-        super().__init__()
-        if len(chunks) < 2:
-            raise ValueError(f"PipelineChunks: give 2 or more model chunks, got {len(chunks)}")
-        if any(c.head is not None for c in chunks[1:]) or any(c.tail is not None for c in chunks[:-1]):
-            raise ValueError("PipelineChunks: only the first chunk may hold the head and only the last "
-                             "the tail (virtual stages 0 and p*v - 1)")
-        self.head, self.tail = chunks[0].head, chunks[-1].tail
-        self.blocks = nn.ModuleList([b for c in chunks for b in c.blocks])
-        # a tuple is no submodule: every parameter is registered once, above, under the model's name
-        self._chunks = tuple(chunks)
-        self.materialize_block_thread_safe = all(c.materialize_block_thread_safe for c in chunks)
-        starts = [0]
-        for c in chunks:
-            starts.append(starts[-1] + len(c.blocks))
-        self._ranges = [range(a, b) for a, b in zip(starts, starts[1:])]
-
-    @property
-    def chunk_ranges(self) -> list[range]:
-        """The local indices of each chunk's blocks in ``blocks``."""
-        return list(self._ranges)
-
-    @property
-    def block_indices(self) -> list[int]:
-        """The global index of each of ``blocks``."""
-        return [g for c in self._chunks for g in c.block_indices]
-
-    def materialize_block_(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
-        """Build local block ``index`` with its chunk's materializer."""
-        chunk = next(c for c, r in enumerate(self._ranges) if index in r)
-        self._chunks[chunk].materialize_block_(index - self._ranges[chunk].start, device)
-        return self.blocks[index]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("PipelineChunks runs through the interleaved schedule, one chunk at a time "
-                           "(Pipeline.step); it has no forward of its own")
-
-
-def build_stage(head: nn.Module | None, blocks: Sequence[nn.Module], tail: nn.Module | None, *,
-                first_block: int = 0, materialize: Callable[[int], nn.Module] | None = None,
-                materialize_thread_safe: bool = False) -> PipelineStageModule:
-    """The public way to make a pipeline stage from a given list of blocks (``Pipeline`` runs it):
-    ``head`` on the first stage only, ``tail`` on the last only (None elsewhere). Each block maps
-    one activation tensor to one of the same shape."""
-    return PipelineStageModule(head, blocks, tail, first_block=first_block, materialize=materialize,
-                               materialize_thread_safe=materialize_thread_safe)
 
 
 class Pipeline:
@@ -440,91 +338,6 @@ class Pipeline:
         self.engine.close()
 
 
-def gpt_stage_costs(config, seq: int) -> tuple[list[float], float, float]:
-    """(per-block, head, tail) forward FLOPs per sample of a ``GPTConfig``: blocks by the planner's
-    formula; the head's embedding lookup and add (2*T*C); the tail's LM head (2*T*C*V)."""
-    from pystronghold.planner.cost import block_forward_flops
-
-    block = block_forward_flops(config, 1, seq)
-    head = 2.0 * seq * config.hidden
-    tail = 2.0 * seq * config.hidden * config.padded_vocab_size / config.tp_size
-    return [block] * config.layers, head, tail
-
-
-def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
-              split: Sequence[range] | None = None) -> tuple[PipelineStageModule, list[torch.Tensor]]:
-    """This rank's stage of a ``GPT`` and its tied parameters (for ``Pipeline(tied=...)``).
-
-    ``split``: the block ranges of the stages; default ``planner.balance.stage_ranges`` on ``gpt_stage_costs``
-    (logged by rank 0). With tied embeddings the last stage's LM head weight is marked as the copy
-    (counted once in the gradient norm)."""
-    chunks, tied = gpt_chunks(model, groups, chunks=1, seq=seq, split=split)
-    return chunks[0], tied
-
-
-def gpt_chunks(model, groups: ParallelGroups, *, chunks: int, seq: int | None = None,
-               split: Sequence[range] | None = None) -> tuple[list[PipelineStageModule], list[torch.Tensor]]:
-    """This rank's ``chunks`` model chunks of a ``GPT`` (virtual stages ``pp_rank + c * pp`` of
-    p * chunks, for the interleaved schedule; chunks=1: its one stage) and its tied parameters.
-
-    ``split``: the block ranges of the p * chunks virtual stages in model order; default
-    ``planner.balance.stage_ranges`` on ``gpt_stage_costs`` (logged by rank 0). The head goes to
-    virtual stage 0 (rank 0), the LM head to the last (rank p - 1)."""
-    config = model.config
-    p = groups.pp_size
-    n = p * chunks
-    _check_chunk_count(p, chunks, config.layers)
-    if split is None:
-        costs, head, tail = gpt_stage_costs(config, seq or config.seq_len)
-        split = stage_ranges(costs, n, head_cost=head, tail_cost=tail)
-        if groups.rank == 0:
-            total = sum(costs) + head + tail
-            log.info("pipeline split over %d stages%s: %s", p, f" x {chunks} chunks" if chunks > 1 else "", "; ".join(
-                f"{f'stage {s}' if chunks == 1 else f'rank {s % p} chunk {s // p}'}: {'head + ' if s == 0 else ''}"
-                f"blocks {r.start}-{r.stop - 1}{' + LM head' if s == n - 1 else ''} "
-                f"({100 * (sum(costs[r.start:r.stop]) + (head if s == 0 else 0) + (tail if s == n - 1 else 0)) / total:.1f}% of the FLOPs)"
-                for s, r in enumerate(split)))
-    if len(split) != n:
-        raise ValueError(f"split has {len(split)} stages, the layout pp={p}"
-                         + (f" x chunks={chunks} = {n}" if chunks > 1 else ""))
-    starts = [0] + [r.stop for r in split[:-1]]
-    if any(r.step != 1 or r.start != a or len(r) < 1 for r, a in zip(split, starts)) or split[-1].stop != config.layers:
-        raise ValueError(f"split must be contiguous non-empty ranges covering blocks 0..{config.layers - 1} "
-                         f"in order, got {list(split)}")
-    mine = []
-    for index in rank_stages(groups.pp_rank, p, chunks):
-        blocks = split[index]
-        mine.append(build_stage(model.head if index == 0 else None, [model.blocks[i] for i in blocks],
-                                _LogitsTail(model.tail) if index == n - 1 else None, first_block=blocks.start,
-                                materialize=model.materialize_block_,
-                                materialize_thread_safe=getattr(model, "materialize_block_thread_safe", False)))
-    first, last = groups.pp_rank == 0, groups.pp_rank == p - 1
-    tied: list[torch.Tensor] = []
-    if config.tie_embeddings and p > 1:
-        if first:
-            tied = [model.head.tok.weight]
-        if last:
-            weight = model.tail.lm_head.weight
-            weight.pp_tied_copy = "head.tok.weight"  # parallel.data.is_pipeline_copy / tied_source
-            tied = [weight]
-    return mine, tied
-
-
-def gpt_pipeline(model, groups: ParallelGroups, *, micro_batches: int, schedule: str = "1f1b", chunks: int = 1,
-                 seq: int | None = None, split: Sequence[range] | None = None, **options) -> Pipeline:
-    """``Pipeline`` of this rank's stage of a ``GPT`` (``gpt_chunks``: ``split`` given, or balanced;
-    ``chunks`` model chunks per rank with ``schedule="interleaved"``), with its loss and tied
-    embeddings; ``options`` are ``wrap``'s (or ``config=`` a RuntimeConfig)."""
-    config = model.config
-    if options.pop("parallel", groups) is not groups:
-        raise ValueError("gpt_pipeline: parallel= must be the groups given (or left out)")
-    validate_pipeline(groups.pp_size, config.layers, micro_batches, schedule, chunks)
-    stages, tied = gpt_chunks(model, groups, chunks=chunks, seq=seq, split=split)
-    return Pipeline(stages, groups, loss_fn=gpt_loss(config, groups.tp_group), micro_batches=micro_batches,
-                    hidden=config.hidden, output_size=config.padded_vocab_size // config.tp_size,
-                    schedule=schedule, tied=tied, **options)
-
-
 def _check_stage_order(chunks: Sequence[PipelineStageModule], groups: ParallelGroups) -> list[list[tuple]]:
     """Every rank's chunks as (global block indices, has head, has tail), gathered over the pp
     group; ValueError on every rank (the same gathered data) unless the virtual stages (stage s:
@@ -549,21 +362,3 @@ def _check_stage_order(chunks: Sequence[PipelineStageModule], groups: ParallelGr
             + "; ".join(f"stage {s}: {'head + ' if head else ''}blocks {blocks}{' + tail' if tail else ''}"
                         for s, (blocks, head, tail) in enumerate(stages)))
     return layout
-
-
-class _LogitsTail(nn.Module):
-    """A GPT tail that returns this TP rank's logits shard (B, T, V_padded / tp) for the loss."""
-
-    def __init__(self, tail: nn.Module) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = tail.ln_f, tail.lm_head  # the GPT's parameter names
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))  # (B, T, V_padded / tp)
-
-
-def gpt_loss(config, tp_group: dist.ProcessGroup | None) -> Callable:
-    """The loss function of a GPT's last stage: ``models.gpt.lm_loss`` of its logits shard."""
-    from pystronghold.models.gpt import lm_loss
-
-    return lambda logits, targets: lm_loss(logits, targets, config.vocab_size, tp_group)

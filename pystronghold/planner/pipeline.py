@@ -120,7 +120,8 @@ def plan_pipeline(config: GPTConfig, work: Workload, stages: int, micro_batches:
                   schedule: str = "1f1b", chunks: int = 1) -> PipelinePlan:
     """The pipeline figures of ``config`` trained as ``work`` (``work.batch``: the micro-batch);
     ``chunks``: model chunks per rank (2 or more with ``schedule="interleaved"``)."""
-    from pystronghold.parallel.pipeline import gpt_stage_costs, rank_stages, validate_pipeline
+    from pystronghold.parallel.pipeline import rank_stages, validate_pipeline
+    from pystronghold.parallel.pipeline_gpt import gpt_stage_costs
     from pystronghold.planner.balance import stage_ranges
 
     validate_pipeline(stages, config.layers, micro_batches, schedule, chunks)

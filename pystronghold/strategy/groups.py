@@ -39,7 +39,7 @@ def gpt_pipeline_of(model: nn.Module, layout: Layout, groups: ParallelGroups, *,
     ``split=layout.block_ranges(model, model.blocks)`` and ``micro_batches=layout.num_micro_batch``;
     ``options`` are ``wrap``'s. ValueError when the layout is no pipeline of this model or
     ``groups`` were not made for it (``init_layout``)."""
-    from pystronghold.parallel.pipeline import gpt_pipeline
+    from pystronghold.parallel.pipeline_gpt import gpt_pipeline
 
     if not isinstance(layout, Layout):
         raise TypeError(f"gpt_pipeline_of: expected a Layout, got {type(layout).__name__}")

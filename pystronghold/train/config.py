@@ -388,7 +388,8 @@ class TrainConfig:
                               f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
         # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
         # after the others entered a collective. The split is local arithmetic (gpt_stage's).
-        from pystronghold.parallel.pipeline import gpt_stage_costs, rank_stages
+        from pystronghold.parallel.pipeline import rank_stages
+        from pystronghold.parallel.pipeline_gpt import gpt_stage_costs
         from pystronghold.planner.balance import stage_ranges
 
         costs, head, tail = gpt_stage_costs(self.gpt, self.seq)

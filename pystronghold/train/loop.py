@@ -170,7 +170,7 @@ class Trainer:
                                          decay=o.decay))
         self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.parallel.pipeline)
         if par.pp > 1:
-            from pystronghold.parallel.pipeline import gpt_pipeline
+            from pystronghold.parallel.pipeline_gpt import gpt_pipeline
 
             self.pipeline = gpt_pipeline(self.model, self.groups, seq=self.seq, micro_batches=par.micro_batch_count,
                                          schedule=par.pp_schedule, chunks=par.pp_chunks, config=runtime)

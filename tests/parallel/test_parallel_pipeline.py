@@ -23,8 +23,8 @@ from parallel_training import single_process_run
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.parallel import gather_tp_param, init_parallel, validate_parallel_sizes
-from pystronghold.parallel.pipeline import (Pipeline, gpt_chunks, gpt_loss, gpt_stage, rank_passes,
-                                            stage_passes, validate_pipeline)
+from pystronghold.parallel.pipeline import Pipeline, rank_passes, stage_passes, validate_pipeline
+from pystronghold.parallel.pipeline_gpt import gpt_chunks, gpt_loss, gpt_stage
 
 CFG = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=16, layers=4, hidden=32, heads=4,
                 tie_embeddings=True)
@@ -140,7 +140,7 @@ def _stages_out_of_order(rank: int, world: int) -> None:
                   output_size=model.config.padded_vocab_size, window=1)
     with pytest.raises(ValueError, match=r"the stages must hold the model in order: .*stage 2: head \+ blocks \[0\]"):
         Pipeline(chunks[::-1], groups, schedule="interleaved", **kwargs)
-    from pystronghold.parallel.pipeline import build_stage
+    from pystronghold.parallel.stages import build_stage
 
     swapped = build_stage(None, [model.blocks[1 - groups.pp_rank]], None, first_block=1 - groups.pp_rank)
     with pytest.raises(ValueError, match=r"stage 0: blocks \[1\]; stage 1: blocks \[0\]"):

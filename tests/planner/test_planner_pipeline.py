@@ -167,7 +167,8 @@ class _SleepBlock(nn.Module):
 def _measured_bubble(rank: int, world: int, results) -> None:
     import pystronghold as ph
     from pystronghold.parallel import init_parallel
-    from pystronghold.parallel.pipeline import Pipeline, build_stage
+    from pystronghold.parallel.pipeline import Pipeline
+    from pystronghold.parallel.stages import build_stage
 
     groups = init_parallel(1, pp=2, timeout_s=30)
     for m, chunks in ((4, 1), (8, 1), (4, 2)):

@@ -74,7 +74,7 @@ def _train(pipe, groups, data: torch.Tensor) -> tuple[list[float], list[range]]:
 
 
 def _scoped_and_plain(rank: int, world: int, dp: int) -> None:
-    from pystronghold.parallel.pipeline import gpt_pipeline
+    from pystronghold.parallel.pipeline_gpt import gpt_pipeline
 
     data = _data(dp)
     model = _annotated_gpt(dp)
