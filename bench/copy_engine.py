@@ -22,6 +22,7 @@ page in) per GiB, against the same arena unpinned with every page touched once.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
