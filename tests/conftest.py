@@ -24,3 +24,17 @@ def seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+_DEVICE_FOLDERS = (_TESTS / "gpu", _TESTS / "triton")
+_DEVICE_MODULES = {_TESTS / "models" / "test_models_loss.py"}  # its Triton cross-entropy runs on the device
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark what `pytest -m gpu` (make gpu-test, bench/gpu_verify.py) runs on a GPU: the GPU folder,
+    the Triton kernel tests (on the device there, in the interpreter here) and the tests marked
+    ``@pytest.mark.gpu`` in their own modules."""
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if path in _DEVICE_MODULES or any(folder in path.parents for folder in _DEVICE_FOLDERS):
+            item.add_marker(pytest.mark.gpu)

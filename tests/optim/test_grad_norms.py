@@ -92,6 +92,7 @@ def test_meta_grads_are_refused_by_the_native_pass():
         native_ops().param_grad_norms([torch.ones(3, device="meta")], 1.0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_norms_on_cuda_are_clip_grad_norms():
     """On CUDA: per-parameter norms as clip_grad_norm_ takes them there (torch._foreach_norm)."""

@@ -153,6 +153,7 @@ def test_bad_init_threads_is_refused(bad):
         RuntimeConfig(init_threads=bad)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_store_arenas_are_pinned_in_chunks_and_hold_the_eager_values(monkeypatch):
     """On CUDA the builder thread pins every chunk (cudaHostRegister); the values are the eager model's."""

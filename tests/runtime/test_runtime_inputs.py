@@ -97,6 +97,7 @@ def test_engine_refuses_an_input_on_another_device_naming_it():
         engine.close()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("pinned", [False, True])
 def test_cuda_engine_takes_host_inputs(pinned):
@@ -121,6 +122,7 @@ def test_cuda_engine_takes_host_inputs(pinned):
     torch.testing.assert_close(losses[0][1], losses[1][1])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_cuda_engine_refuses_an_input_on_another_gpu():
     engine = ph.wrap(tiny_gpt(layers=2), window=1, device="cuda:0")

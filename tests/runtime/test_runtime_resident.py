@@ -221,6 +221,7 @@ def test_lazy_blocks_materialize_into_resident_and_streamed_blocks():
         assert torch.equal(got[name], p.detach()), name
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fused device AdamW)")
 def test_cuda_every_block_resident_is_plain_pytorch_with_fused_adamw():
     """On CUDA, W=all and K=N: the losses and parameters of plain PyTorch + fused AdamW (the blocks

@@ -185,6 +185,7 @@ def test_engine_times_compute_and_waits_through_its_backend_clock():
     engine.close()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_copy_spans_fit_in_the_step_and_bandwidth_is_plausible():
     torch.manual_seed(0)
