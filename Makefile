@@ -8,7 +8,7 @@ DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.editable-stamp
 PYTEST_ARGS ?=
 
-.PHONY: build demo test bench cuda-check gpu-test deepspeed clean
+.PHONY: build demo test bench cuda-check gpu-test gpu-verify gpu-verify-big deepspeed clean
 
 $(DEPS_STAMP): constraints.txt
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -136,12 +136,27 @@ cuda-check: $(CUDA_DEPS_STAMP)
 	cp $(CUDA_CHECK_DIR)/lib/pystronghold/_C*.so $(CUDA_CHECK_DIR)/pkg/pystronghold/
 	cd $(CUDA_CHECK_DIR)/pkg && $(abspath $(CUDA_PY)) -c "$$CUDA_CHECK_PY"
 
-# ---- gpu-test: on a machine with a CUDA GPU, build _C with CUDA in place for that GPU's
-# architecture and run the whole suite, tests/gpu/ included (they skip without CUDA elsewhere).
-# GPU_PY: a Python whose torch is a CUDA build: .venv's when there is one, else python3 (a GPU
-# machine whose system venv already holds torch, ../shared/GPU.md); `make gpu-test GPU_PY=...`.
+# ---- On a machine with a CUDA GPU (../shared/GPU.md). GPU_PY: a Python whose torch is a CUDA build:
+# .venv's when there is one, else python3 (a GPU machine whose system Python already holds torch);
+# `make gpu-test GPU_PY=...`.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
+# gpu-verify / gpu-verify-big: the prepared verification a lent GPU runs first (bench/gpu_verify.py:
+# every stage under its own timeout, each run even when an earlier one failed, REPORT.md +
+# report.json + log.txt into GPU_OUT; scratch in GPU_WORK, default build/gpu-verify-work; GPU_BUDGET:
+# seconds for the whole suite, default 480). GPU_VERIFY_DRY=1: the same driver on the CPU, tiny and short.
+GPU_OUT ?= build/gpu-report
+GPU_VERIFY_FLAGS = --out $(GPU_OUT) $(if $(GPU_BUDGET),--budget $(GPU_BUDGET)) $(if $(GPU_WORK),--work $(GPU_WORK)) $(if $(GPU_VERIFY_DRY),--dry-run) --python $(GPU_PY)
+
+gpu-verify:
+	$(GPU_PY) bench/gpu_verify.py verify $(GPU_VERIFY_FLAGS)
+
+gpu-verify-big:
+	$(GPU_PY) bench/gpu_verify.py big $(GPU_VERIFY_FLAGS)
+
+# gpu-test: build _C with CUDA in place for this GPU's architecture and run the tests that need the
+# device (`pytest -m gpu`: tests/gpu, the other CUDA tests, the Triton kernel tests); the whole suite
+# does not fit a lent GPU's 10-minute command (PYTEST_ARGS=tests runs it all the same).
 gpu-test:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else \
 	    f'make gpu-test: torch {torch.__version__} sees no CUDA device (use make test / make cuda-check here)')"
@@ -152,7 +167,7 @@ gpu-test:
 	    $(GPU_PY) setup.py -q build_ext --inplace
 	$(GPU_PY) -c "from pystronghold._ext import native; i = native().build_info(); \
 	    assert i['with_cuda'], f'_C was built without CUDA: {i}'; print('gpu-test: _C built with CUDA', i)"
-	$(GPU_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(GPU_PY) -m pytest -q -p no:cacheprovider $(if $(PYTEST_ARGS),$(PYTEST_ARGS),-m gpu tests)
 
 clean:
 	rm -rf build pystronghold/_C*.so *.egg-info

@@ -1,0 +1,503 @@
+"""The prepared GPU verification: what a lent GPU runs first, in one command, into one report.
+
+A GPU is lent for minutes (``../shared/GPU.md``), so what it runs is prepared here and kept working
+by its CPU dry run. Each suite is a list of stages run in order, each under its own timeout and
+each run even when an earlier one failed; every stage's output goes to ``log.txt`` and, after each
+stage, ``REPORT.md`` (per stage: pass or fail, the figures, the first error lines, the time) and
+``report.json`` (the same, with every benchmark's records) are rewritten, so a call cut short still
+brings back what ran.
+
+Suites:
+  verify  env (nvidia-smi, ``pystronghold info``, versions); the CUDA build of ``_C``; the tests
+          that need the device (``pytest -m gpu``: tests/gpu, the other CUDA tests, the Triton kernel
+          tests); ``bench/gpu_train.py`` at gpt3-1.3b, bf16, 4 x 2048 (plain, W=2, W=auto,
+          fsdp2-offload, deepspeed-zero2 when it imports) and at batch 8 (plain, W=auto);
+          ``bench/kernels.py --quick``; ``bench/copy_engine.py --device cuda``; the store fill at
+          gpt3-6.7b's block shape.
+  big     env and build, then gpt3-6.7b through ``pystronghold train --device cuda --window auto
+          --clip 1 --nvme DIR``: 6 steps at batch 4 x 2048, then at batch 16, then batch 4 without
+          clipping when time is left: the store-fill phases, step time and model TFLOP/s, the split
+          the planner chose and its predicted step beside the measured one, device peak, host peak
+          RSS, and whether the loss falls.
+
+With ``--dry-run`` the same stages run on the CPU with the tiny preset and every stage shortened
+(no CUDA build, no device); tests/bench/test_gpu_verify.py runs both suites that way, so a broken
+driver fails CI instead of wasting a lent GPU.
+
+    make gpu-verify                       # python3 bench/gpu_verify.py verify --out build/gpu-report
+    make gpu-verify-big GPU_OUT=$OUT      # the report where the device tool brings files back
+    make gpu-verify GPU_VERIFY_DRY=1      # the CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stage_runner import (ROOT, Command, CommandRun, Context, Stage, StageResult, Target,  # noqa: E402
+                          run_suite)
+
+BENCH = ROOT / "bench"
+
+
+def _device_name(python: str) -> str:
+    code = ("import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "
+            "f'no CUDA device (torch {torch.__version__})')")
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+# ---- the stages
+
+VERSIONS = """
+import platform, sys
+print(f"versions: python {platform.python_version()}", end="")
+try:
+    import torch
+    print(f", torch {torch.__version__}, CUDA {torch.version.cuda}, cudnn "
+          f"{torch.backends.cudnn.version() if torch.cuda.is_available() else '-'}", end="")
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print(f", device {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.1f} GiB, "
+              f"{torch.cuda.device_count()} visible)", end="")
+except Exception as exc:
+    print(f", torch: {type(exc).__name__}: {exc}", end="")
+for name in ("triton", "transformers", "peft", "deepspeed"):
+    try:
+        module = __import__(name)
+        print(f", {name} {getattr(module, '__version__', '?')}", end="")
+    except Exception as exc:
+        print(f", {name} -", end="")
+print()
+"""
+
+BUILD_CHECK = """
+import sys
+from pystronghold._ext import native
+info = native().build_info()
+print("build_info:", info)
+if sys.argv[1] == "cuda" and not info.get("with_cuda"):
+    sys.exit("_C was built without CUDA")
+"""
+
+
+def env_commands(ctx: Context) -> list[Command]:
+    cmds = [Command([ctx.python, "-c", VERSIONS], label="versions"),
+            Command([ctx.python, "-m", "pystronghold", "info"], label="pystronghold info")]
+    if shutil.which("nvidia-smi"):
+        cmds.insert(0, Command(["nvidia-smi"], label="nvidia-smi"))
+    elif not ctx.dry:
+        cmds.insert(0, Command(["sh", "-c", "echo 'nvidia-smi: not on PATH'; exit 1"], label="nvidia-smi"))
+    return cmds
+
+
+def env_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+    for run in runs:
+        for line in run.output.splitlines():
+            if line.startswith("versions:"):
+                result.figures.append(line)
+            if re.match(r"\| +\d+ +\S+ .*(On|Off) \|", line) or "Driver Version" in line:
+                result.figures.append(line.strip(" |"))
+
+
+def build_commands(ctx: Context) -> list[Command]:
+    if ctx.dry:  # the CPU build (incremental: nothing to do after `make build`) and the check
+        return [Command([ctx.python, "setup.py", "-q", "build_ext", "--inplace"], label="build_ext (CPU)"),
+                Command([ctx.python, "-c", BUILD_CHECK, "cpu"], label="build check")]
+    arch = ("import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+    try:
+        cap = subprocess.run([ctx.python, "-c", arch], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        cap = ""
+    return [Command([ctx.python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-build-isolation",
+                     "--no-deps", "-e", "."], env={"PYSTRONGHOLD_NO_EXTENSION": "1"}, label="pip install -e ."),
+            Command([ctx.python, "setup.py", "-q", "build_ext", "--inplace"],
+                    env={"PYSTRONGHOLD_CUDA": "1", "TORCH_CUDA_ARCH_LIST": cap or "9.0",
+                         "MAX_JOBS": str(os.cpu_count() or 4)}, label=f"build_ext (CUDA, arch {cap or '9.0'})"),
+            Command([ctx.python, "-c", BUILD_CHECK, "cuda"], label="build check"),
+            Command([ctx.python, "-m", "pystronghold", "info"], label="pystronghold info")]
+
+
+def build_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+    for run in runs:
+        result.figures += [ln for ln in run.output.splitlines() if ln.startswith(("build_info:", "pystronghold: building"))]
+
+
+def _has_xdist(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", "import xdist"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def tests_commands(ctx: Context) -> list[Command]:
+    pytest = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-m", "gpu",
+              f"--junitxml={ctx.work / 'tests.xml'}"]
+    if ctx.dry:  # the selection must collect; the device tests themselves skip on the CPU
+        return [Command([ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "gpu",
+                         "tests"], label="pytest --collect-only -m gpu tests"),
+                Command([*pytest, "--timeout", "120", "tests/gpu"], label="pytest -m gpu tests/gpu")]
+    parallel = ["-n", "4"] if _has_xdist(ctx.python) else []
+    return [Command([*pytest, "--timeout", "150", *parallel, "tests"], label="pytest -m gpu tests")]
+
+
+def tests_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+    for run in runs:
+        if "--collect-only" in run.argv:
+            found = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", run.output)
+            result.figures.append(f"selection -m gpu collects {found.group(1) if found else '?'} tests")
+    xml = ctx.work / "tests.xml"
+    if not xml.exists():
+        return
+    suite = ET.parse(xml).getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    result.figures.append(f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
+                          f"{counts['skipped']} skipped")
+    failed = []
+    for case in suite.iter("testcase"):
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:200]}")
+    result.data["failed"] = failed
+    result.data["counts"] = counts
+    result.figures += [f"FAILED {f}" for f in failed[:20]]
+    if counts["tests"] == 0:
+        result.status = "fail"
+        result.errors.append("no test ran")
+
+
+# gpu_train: the configurations and the targets they judge
+TRAIN_B4 = "plain,W=2,W=auto,fsdp2-offload,deepspeed-zero2"
+
+
+def train_commands(ctx: Context) -> list[Command]:
+    script = [ctx.python, str(BENCH / "gpu_train.py")]
+    if ctx.dry:
+        size = ["--device", "cpu", "--steps", "2", "--warmup", "0"]
+        return [Command([*script, *size, "--batch", "2", "--configs", "plain,W=2,W=auto",
+                         "--json", str(ctx.work / "train_b4.json")], label="gpu_train (CPU, tiny) b2"),
+                Command([*script, *size, "--batch", "4", "--configs", "plain,W=auto",
+                         "--json", str(ctx.work / "train_b8.json")], label="gpu_train (CPU, tiny) b4")]
+    size = ["--model", "gpt3-1.3b", "--precision", "bf16", "--seq", "2048", "--steps", "5", "--warmup", "2"]
+    return [Command([*script, *size, "--batch", "4", "--configs", TRAIN_B4, "--json", str(ctx.work / "train_b4.json")],
+                    label="gpu_train gpt3-1.3b bf16 b4"),
+            Command([*script, *size, "--batch", "8", "--configs", "plain,W=auto",
+                     "--json", str(ctx.work / "train_b8.json")], label="gpu_train gpt3-1.3b bf16 b8")]
+
+
+def _records(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _ratio_target(name: str, num: float | None, den: float | None, goal: float, unit: str = "x") -> Target:
+    if not num or not den:
+        return Target(name, "not measured", f">= {goal}{unit}", None)
+    ratio = num / den
+    return Target(name, f"{ratio:.2f}{unit}", f">= {goal}{unit}", ratio >= goal)
+
+
+def train_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+    for batch_label, path, goal in (("b4", "train_b4.json", 0.90), ("b8", "train_b8.json", 0.95)):
+        payload = _records(ctx.work / path)
+        rows = {r["config"]: r for r in payload.get("records", [])}
+        result.data[batch_label] = payload
+        for name, r in rows.items():
+            peak = r["device_peak_GiB"]
+            result.figures.append(
+                f"{batch_label} {name}: {r['step_ms']:.1f} ms/step ({r['vs_plain']:.2f}x plain's time), "
+                f"{r['tflops']:.1f} TFLOP/s, device peak {peak if isinstance(peak, str) else f'{peak:.1f}'} GiB, "
+                f"host peak {r['host_peak_GiB']:.1f} GiB, losses {'ok' if r['losses_ok'] else 'DIFFER'}"
+                + (f", K={r['resident_blocks']}" if r.get("resident_blocks") is not None else "")
+                + (f", predicted {r['predicted_step_ms']:.1f} ms" if r.get("predicted_step_ms") else ""))
+        for name, why in payload.get("failed", {}).items():
+            result.figures.append(f"{batch_label} {name}: FAILED: {why}")
+        for name, why in payload.get("skipped", {}).items():
+            result.figures.append(f"{batch_label} {name}: skipped: {why}")
+        step = {name: r["step_ms"] for name, r in rows.items()}
+        result.targets.append(_ratio_target(f"1.3B {batch_label}: W=auto speed / plain", step.get("plain"),
+                                            step.get("W=auto"), goal))
+        if batch_label == "b4":
+            result.targets.append(_ratio_target("1.3B b4: W=auto speed / DeepSpeed ZeRO-2 offload",
+                                                step.get("deepspeed-zero2"), step.get("W=auto"), 3.0))
+            result.targets.append(_ratio_target("1.3B b4: W=auto speed / FSDP2 CPUOffloadPolicy",
+                                                step.get("fsdp2-offload"), step.get("W=auto"), 10.0))
+        auto = rows.get("W=auto", {})
+        if auto.get("predicted_step_ms"):
+            err = abs(auto["predicted_step_ms"] / auto["step_ms"] - 1)
+            result.targets.append(Target(f"planner 1.3B {batch_label}: |predicted / measured - 1|",
+                                         f"{100 * err:.1f}%", "<= 10%", err <= 0.10))
+
+
+def kernels_commands(ctx: Context) -> list[Command]:
+    script = [ctx.python, str(BENCH / "kernels.py"), "--quick", "--json", str(ctx.work / "kernels.json")]
+    return [Command([*script, "--cpu-reference", "--threads", "1"] if ctx.dry else script, label="kernels --quick")]
+
+
+def kernels_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+    payload = _records(ctx.work / "kernels.json")
+    result.data["kernels"] = payload
+    rows = payload.get("records", [])
+    attention = {}
+    for r in rows:
+        if "N" in r:
+            attention.setdefault((r["dtype"], r["N"], r["D"], r["causal"]), {})[r["impl"]] = r
+    worst = None
+    for shape, impls in attention.items():
+        if "triton" in impls and "sdpa" in impls:
+            ratio = impls["sdpa"]["fwdbwd_ms"] / impls["triton"]["fwdbwd_ms"]
+            result.figures.append(f"attention {shape[0]} N={shape[1]} D={shape[2]} causal={shape[3]}: "
+                                  f"triton {impls['triton']['fwdbwd_tflops']:.0f} TFLOP/s fwd+bwd, "
+                                  f"{ratio:.2f}x SDPA")
+            worst = ratio if worst is None else min(worst, ratio)
+    if attention:
+        result.targets.append(Target("Triton attention fwd+bwd / SDPA (worst shape)",
+                                     "not measured" if worst is None else f"{worst:.2f}x", ">= 0.9x",
+                                     None if worst is None else worst >= 0.9))
+    fused = {}
+    for r in rows:
+        if "op" in r and "fwdbwd_ms" in r:
+            fused.setdefault(r["op"], {})[r["impl"]] = r
+    for op, impls in fused.items():
+        if "fused" in impls and "unfused" in impls:
+            ratio = impls["unfused"]["fwdbwd_ms"] / impls["fused"]["fwdbwd_ms"]
+            result.figures.append(f"{op}: fused {ratio:.2f}x unfused torch (fwd+bwd)")
+            result.targets.append(Target(f"fused {op} / unfused torch", f"{ratio:.2f}x", ">= 1.0x or dispatch "
+                                         "to torch", ratio >= 1.0))
+        elif "speedup" in next(iter(impls.values()), {}):
+            for impl, r in impls.items():
+                result.figures.append(f"{op} {impl} (CPU): {r['speedup']:.2f}x naive")
+
+
+def copy_commands(ctx: Context) -> list[Command]:
+    script = [ctx.python, str(BENCH / "copy_engine.py"), "--quick", "--json", str(ctx.work / "copy.json")]
+    return [Command(script if ctx.dry else [*script, "--device", "cuda"], label="copy_engine --quick")]
+
+
+def copy_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+    payload = _records(ctx.work / "copy.json")
+    result.data["copy"] = payload
+    for r in payload.get("records", []):
+        rate = r.get("gb_s") or r.get("s_per_gib")
+        unit = "GB/s" if r.get("gb_s") else "s/GiB"
+        result.figures.append(f"{r.get('kind')} {r.get('size_mib')} MiB {r.get('method')}: "
+                              f"{rate:.2f} {unit}" + (f", ratio {r['ratio']:.2f}" if r.get("ratio") else ""))
+
+
+GPT3_6B7_LAYERS = 32
+
+
+def fill_commands(ctx: Context) -> list[Command]:
+    script = [ctx.python, str(BENCH / "store_fill.py"), "--reps", "1", "--json", str(ctx.work / "fill.json")]
+    if ctx.dry:
+        return [Command([*script, "--layers", "2", "--hidden", "128", "--heads", "4", "--threads", "1", "2"],
+                        label="store_fill (CPU, 2 small blocks)")]
+    threads = str(min(16, os.cpu_count() or 1))
+    return [Command([*script, "--layers", "8", "--hidden", "4096", "--heads", "32", "--threads", "1", threads,
+                     "--device", "cuda", "--precision", "bf16"], label="store_fill 8 blocks of gpt3-6.7b")]
+
+
+def fill_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+    payload = _records(ctx.work / "fill.json")
+    result.data["fill"] = payload
+    layers = payload.get("layers") or 1
+    best = None
+    for r in payload.get("records", []):
+        result.figures.append(", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+        best = r["total s"] if best is None else min(best, r["total s"])
+    if best is not None and not ctx.dry:
+        whole = best * GPT3_6B7_LAYERS / layers
+        result.targets.append(Target("6.7B store ready (8 blocks measured, scaled to 32)", f"{whole:.1f} s",
+                                     "<= 30 s", whole <= 30))
+
+
+# ---- gpt3-6.7b through `pystronghold train`
+
+STORE_LINE = re.compile(r"store ready in .*")
+SPLIT_LINE = re.compile(r"window=auto: .*")
+PREDICTED = re.compile(r"predicted step ([\d.]+) ms")
+
+
+def big_train(batch: int, clip: float) -> tuple[Callable, Callable]:
+    tag = f"b{batch}{'' if clip else '-noclip'}"
+
+    def commands(ctx: Context) -> list[Command]:
+        nvme = ctx.work / f"nvme-{tag}"
+        shutil.rmtree(nvme, ignore_errors=True)
+        nvme.mkdir(parents=True)
+        metrics = ctx.work / f"metrics-{tag}.jsonl"
+        metrics.unlink(missing_ok=True)
+        common = ["--window", "auto", "--clip", str(clip), "--nvme", str(nvme), "--steps", "6", "--warmup", "2",
+                  "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--quiet",
+                  "--metrics-file", str(metrics), "--max-bytes", "2000000"]
+        if ctx.dry:
+            size = ["--model", "tiny", "--device", "cpu", "--precision", "fp32", "--seq", "64",
+                    "--batch", str(batch), "--nvme-states", "all"]
+        else:
+            size = ["--model", "gpt3-6.7b", "--device", "cuda", "--precision", "bf16", "--seq", "2048",
+                    "--batch", str(batch)]
+        return [Command([ctx.python, "-m", "pystronghold", "train", *size, *common], label=f"train {tag}")]
+
+    def summarize(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+        if not runs:
+            return
+        out = runs[-1].output
+        store, split = STORE_LINE.search(out), SPLIT_LINE.search(out)
+        if store:
+            result.figures.append(store.group(0))
+            secs = re.match(r"store ready in ([\d.]+) s", store.group(0))
+            if secs and not ctx.dry:
+                result.targets.append(Target(f"6.7B {tag}: store ready", f"{float(secs.group(1)):.1f} s", "<= 30 s",
+                                             float(secs.group(1)) <= 30))
+        if split:
+            result.figures.append(split.group(0)[:400])
+        steps = [json.loads(ln) for ln in (ctx.work / f"metrics-{tag}.jsonl").read_text().splitlines()
+                 if ln.strip()] if (ctx.work / f"metrics-{tag}.jsonl").exists() else []
+        steps = [s for s in steps if "ms_per_step" in s]
+        result.data = {"steps": steps, "store": store.group(0) if store else None,
+                       "split": split.group(0) if split else None, "host_peak_rss_bytes": runs[-1].max_rss_bytes}
+        result.figures.append(f"host peak RSS {runs[-1].max_rss_bytes / 2**30:.1f} GiB")
+        if not steps:
+            result.errors.append("no metrics line: the run made no step")
+            return
+        timed = [s["ms_per_step"] for s in steps[2:]] or [s["ms_per_step"] for s in steps]
+        step_ms = statistics.median(timed)
+        losses = [s["loss"] for s in steps]
+        peak = max(s["device_peak_bytes"] for s in steps)
+        flops = _model_flops(ctx, batch)
+        result.data.update(step_ms=step_ms, losses=losses, device_peak_bytes=peak, flops_per_step=flops)
+        tflops = flops / (step_ms / 1e3) / 1e12 if flops else None
+        result.figures.append(f"{len(steps)} steps: median {step_ms:.0f} ms/step over steps 3-{len(steps)}"
+                              + (f", {tflops:.1f} model TFLOP/s" if tflops else "")
+                              + f", device peak {peak / 2**30:.2f} GiB, losses {' '.join(f'{x:.3f}' for x in losses)}")
+        falls = losses[-1] < losses[0]
+        result.targets.append(Target(f"6.7B {tag}: the loss falls", f"{losses[0]:.3f} -> {losses[-1]:.3f}",
+                                     "last < first", falls))
+        if not falls:
+            result.status = "fail" if result.status == "pass" else result.status
+            result.errors.append(f"the loss did not fall: {losses}")
+        predicted = PREDICTED.search(split.group(0)) if split else None
+        if predicted:
+            err = abs(float(predicted.group(1)) / step_ms - 1)
+            result.data["predicted_step_ms"] = float(predicted.group(1))
+            result.targets.append(Target(f"planner 6.7B {tag}: |predicted / measured - 1|",
+                                         f"{100 * err:.1f}% ({float(predicted.group(1)):.0f} vs {step_ms:.0f} ms)",
+                                         "<= 10%", err <= 0.10 if not ctx.dry else None))
+        if not clip:
+            clip_cost(ctx, result)
+        if ctx.dry:
+            return
+        if batch == 4 and clip:
+            result.targets.append(Target("6.7B b4: step time", f"{step_ms / 1e3:.2f} s", "<= 1.8 s",
+                                         step_ms <= 1800))
+        if batch == 16 and tflops:
+            result.targets.append(Target("6.7B b16: model TFLOP/s", f"{tflops:.0f}", ">= 300", tflops >= 300))
+
+    return commands, summarize
+
+
+MODEL_FLOPS = """
+import sys
+sys.path.insert(0, "bench")
+from gpu_train import model_flops_per_step
+from pystronghold.train.model_spec import resolve_model
+print(model_flops_per_step(resolve_model(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))
+"""
+
+
+def _model_flops(ctx: Context, batch: int) -> float | None:
+    """Model FLOPs of one step as bench/gpu_train.py counts them (in a child: the driver imports no torch)."""
+    model, seq = ("tiny", 64) if ctx.dry else ("gpt3-6.7b", 2048)
+    try:
+        done = subprocess.run([ctx.python, "-c", MODEL_FLOPS, model, str(batch), str(seq)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        return float(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def clip_cost(ctx: Context, result: StageResult) -> None:
+    """The b4 step with clipping against this stage's without (the target: at most 1.10x)."""
+    clip = next((r for r in ctx.results if r.name == "train-6.7b-b4"), None)
+    if clip is None or "step_ms" not in clip.data or "step_ms" not in result.data:
+        result.targets.append(Target("6.7B b4: clipping / no clipping step time", "not measured", "<= 1.10x", None))
+        return
+    ratio = clip.data["step_ms"] / result.data["step_ms"]
+    result.figures.append(f"clipping costs {ratio:.2f}x the step without it")
+    result.targets.append(Target("6.7B b4: clipping / no clipping step time", f"{ratio:.2f}x", "<= 1.10x",
+                                 None if ctx.dry else ratio <= 1.10))
+
+
+def suites() -> dict[str, list[Stage]]:
+    env = Stage("env", "nvidia-smi, pystronghold info, versions", 60, 10, env_commands, env_summary, dry_timeout_s=120)
+    build = Stage("build", "the CUDA build of _C (pip install -e ., build_ext)", 180, 60, build_commands,
+                  build_summary, dry_timeout_s=600)
+    b4, b4_sum = big_train(4, 1.0)
+    b16, b16_sum = big_train(16, 1.0)
+    b4n, b4n_sum = big_train(4, 0.0)
+    return {
+        "verify": [
+            env, build,
+            Stage("tests", "pytest -m gpu: tests/gpu, the CUDA tests, the Triton kernel tests on the device", 150, 60,
+                  tests_commands, tests_summary, dry_timeout_s=300),
+            Stage("train-1.3b", "bench/gpu_train.py gpt3-1.3b bf16 4 x 2048 (and batch 8)", 170, 60, train_commands,
+                  train_summary, dry_timeout_s=300),
+            Stage("kernels", "bench/kernels.py --quick", 60, 20, kernels_commands, kernels_summary, dry_timeout_s=300),
+            Stage("copy-engine", "bench/copy_engine.py --device cuda --quick", 45, 15, copy_commands, copy_summary,
+                  dry_timeout_s=300),
+            Stage("store-fill", "bench/store_fill.py at gpt3-6.7b's block shape (8 blocks)", 90, 30, fill_commands,
+                  fill_summary, dry_timeout_s=300),
+        ],
+        "big": [
+            env, build,
+            Stage("train-6.7b-b4", "pystronghold train gpt3-6.7b bf16 --window auto --clip 1 --nvme, 6 steps of 4 x 2048",
+                  200, 90, b4, b4_sum, dry_timeout_s=300),
+            Stage("train-6.7b-b16", "the same at batch 16", 200, 90, b16, b16_sum, dry_timeout_s=300),
+            Stage("train-6.7b-b4-noclip", "batch 4 with --clip 0 (clipping's cost)", 160, 120, b4n, b4n_sum,
+                  dry_timeout_s=300),
+        ],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suite", choices=sorted(suites()))
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-report",
+                        help="REPORT.md, report.json and log.txt go here (default build/gpu-report)")
+    parser.add_argument("--work", type=Path, default=ROOT / "build" / "gpu-verify-work",
+                        help="scratch: benchmark JSON, the NVMe tier, junit XML")
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny preset, every stage shortened")
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds for the whole suite on the GPU (default 480: a 10-minute command with room)")
+    parser.add_argument("--stages", default=None, help="comma-separated subset of the suite's stages")
+    parser.add_argument("--python", default=sys.executable, help="the Python that runs the stages")
+    args = parser.parse_args(argv)
+    stages = suites()[args.suite]
+    if args.stages:
+        wanted = args.stages.split(",")
+        unknown = sorted(set(wanted) - {s.name for s in stages})
+        if unknown:
+            parser.error(f"--stages: {', '.join(unknown)} not in suite {args.suite} "
+                         f"({', '.join(s.name for s in stages)})")
+        stages = [s for s in stages if s.name in wanted]
+    ctx = Context(dry=args.dry_run, out=args.out.resolve(), work=args.work.resolve(), python=args.python)
+    return run_suite(args.suite, stages, ctx, args.budget,
+                     "CPU (dry run)" if ctx.dry else _device_name(ctx.python))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
