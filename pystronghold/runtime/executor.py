@@ -268,14 +268,16 @@ class PassExecutor:
 
     def _release(self, action: Release) -> None:
         slot = self.window.vacate(action.block)
+        if self.config.strict:
+            # NOTE: poisoned before the release marker is recorded, so the next load into the slot
+            # (which waits for the marker) comes after the NaN fill; and after the slot's copy-out
+            for h in slot.busy:
+                self.backend.compute_wait(h)
+            self.backend.poison(slot.params)
+            self.backend.poison(slot.grads)
         marker = self.backend.compute_marker()
         if marker is not None:
             slot.busy.append(marker)
-        if self.config.strict:
-            for h in slot.busy:
-                h.wait()
-            self.backend.poison(slot.params)
-            self.backend.poison(slot.grads)
 
     def _grad_to_host(self, block: int, param_grads) -> None:
         slot = self.window.resident[block]
