@@ -9,12 +9,14 @@ which order, so the tests can check it without one.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 
 import pytest
 import torch
 
+from pystronghold.runtime.disk_tier import DiskTier
 from runtime_models import HetStack, het_batches, one_torch_thread, train_engine
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
@@ -113,3 +115,35 @@ def test_strict_mode_poisons_a_released_slot_before_the_marker_the_next_load_wai
     twin = twins[0]
     assert twin.poisoned, "strict mode poisoned no slot"
     assert twin.races == []
+
+
+@pytest.mark.parametrize("options", [dict(overlap="forward"), dict(accumulation=2, strict=True)],
+                         ids=["forward", "accumulation"])
+def test_the_file_tier_never_blocks_the_host_on_a_device_copy(tmp_path, monkeypatch, options):
+    """Loads and gradient copy-outs through the disk cache: their write-backs wait for the device
+    copies without the host waiting at release, and the training is the one in host memory."""
+    release = DiskTier.release
+
+    def watched_release(self, *args, **kwargs):
+        DeviceCopy.in_release.on = True
+        try:
+            return release(self, *args, **kwargs)
+        finally:
+            DeviceCopy.in_release.on = False
+
+    monkeypatch.setattr(DiskTier, "release", watched_release)
+    monkeypatch.setattr(DeviceCopy, "host_waits_in_release", 0)
+    model = HetStack()
+    disk_model = copy.deepcopy(model)
+    torch.manual_seed(1234)
+    ram_losses, ram_params, _ = train_engine(model, het_batches(8), window=2, **options)
+    torch.manual_seed(1234)
+    twins = []
+    losses, params, engine = train_engine(disk_model, het_batches(8), window=2, nvme_dir=str(tmp_path / "nvme"),
+                                          nvme_states="all", engine_hook=_twin_hook(twins), **options)
+    assert DeviceCopy.host_waits_in_release == 0
+    assert not engine.placement.streamed_grads and engine.stats()["disk"]["write_bytes"] > 0
+    assert losses == ram_losses
+    for name, p in ram_params.items():
+        assert torch.equal(params[name], p), name
+    assert twins[0].races == []
