@@ -117,6 +117,13 @@ def test_strict_mode_poisons_a_released_slot_before_the_marker_the_next_load_wai
     assert twin.races == []
 
 
+@pytest.mark.parametrize("trace", [False, True])
+def test_copies_ask_for_device_times_only_when_tracing(trace):
+    twins = []
+    train_engine(HetStack(), het_batches(2), window=2, trace=trace, engine_hook=_twin_hook(twins))
+    assert twins[0].timed and set(twins[0].timed) == {trace}
+
+
 @pytest.mark.parametrize("options", [dict(overlap="forward"), dict(accumulation=2, strict=True)],
                          ids=["forward", "accumulation"])
 def test_the_file_tier_never_blocks_the_host_on_a_device_copy(tmp_path, monkeypatch, options):
