@@ -5,9 +5,10 @@ The engine never copies or synchronises by itself: it asks its backend. A backen
 - ``device``: where compute runs (head, tail and the window slots live there);
 - ``device_buffer(name, numel, dtype)``: a flat tensor carved from the budgeted device arena;
 - ``host_arena(capacity_bytes)``: a host arena for one store tier (pinned where that helps);
-- ``h2d(dst, src, after)`` / ``d2h(dst, src, after)``: an asynchronous copy that starts after the
-  handles in ``after`` and returns a handle with ``wait()``, ``done()``, ``nbytes`` and, once done,
-  its start and end marks (``runtime.timing.copy_marks``: host stamps on the CPU, events on CUDA);
+- ``h2d(dst, src, after, timed=)`` / ``d2h(dst, src, after, timed=)``: an asynchronous copy that
+  starts after the handles in ``after`` and returns a handle with ``wait()``, ``done()``, ``nbytes``
+  and, once done, its start and end marks (``runtime.timing.copy_marks``: host stamps on the CPU,
+  events on CUDA only when ``timed``);
 - ``clock``: makes the trace's marks (``HostClock`` on the CPU, ``EventClock`` on CUDA: timing
   events on the compute stream) and the per-step calibration that places device marks on the host
   clock (``runtime/timing.py``);

@@ -69,12 +69,13 @@ class CPUBackend:
 
     # ---- copies and ordering
 
-    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after=()):
-        """Asynchronous store -> device copy; returns its handle."""
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after=(), *, timed: bool = False):
+        """Asynchronous store -> device copy; returns its handle (always stamped: ``timed`` is
+        accepted for the CUDA backend's interface)."""
         return self.copies.copy(dst, src, queue=_H2D_QUEUE, after=[h for h in after if h is not None])
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=()):
-        """Asynchronous device -> store copy; returns its handle."""
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=(), *, timed: bool = False):
+        """Asynchronous device -> store copy; returns its handle (always stamped)."""
         return self.copies.copy(dst, src, queue=_D2H_QUEUE, after=[h for h in after if h is not None])
 
     def compute_wait(self, handle) -> None:

@@ -7,10 +7,14 @@
   (``compute_marker``) and after its gradient copy-out's event: both are in the load's ``after``.
 - The store's arenas are pinned (HostArena ``pin="auto"`` registers them with CUDA), so the copies
   are truly asynchronous DMA.
-- Times: each copy is bracketed by two timing events on its stream (the handle's ``start_mark``
-  and ``end_mark``); compute spans by events on the compute stream (``clock.mark()``). The trace
-  takes durations from ``Event.elapsed_time`` and places them on the host clock by one calibration
-  per step (``runtime/timing.py``), never from when the host issued a copy or saw it done.
+- Events: every event the host may wait on is made with ``blocking=True``, so a host wait sleeps
+  instead of spinning a core. A copy records one event without timing after it, unless asked
+  for times (``timed=True``, the trace is on).
+- Times: a timed copy is bracketed by two timing events on its stream (the handle's
+  ``start_mark`` and ``end_mark``); compute spans by events on the compute stream
+  (``clock.mark()``). The trace takes durations from ``Event.elapsed_time`` and places them on the
+  host clock by one calibration per step (``runtime/timing.py``), never from when the host issued
+  a copy or saw it done.
 
 Importable without CUDA; constructing it without a GPU raises RuntimeError.
 """
@@ -30,11 +34,17 @@ __all__ = ["CUDABackend", "EventHandle"]
 _DEVICE_ALIGN = 256  # bytes; cudaMalloc's own alignment
 
 
+def _event(*, timing: bool = False):
+    """A CUDA event the host can wait on without spinning (``blocking=True``)."""
+    return torch.cuda.Event(enable_timing=timing, blocking=True)
+
+
 class EventHandle:
     """A copy (or a compute point) on a CUDA stream: complete when its ``event`` has fired.
 
-    A copy's handle carries its device marks, ``start_mark`` and ``end_mark`` (timing events
-    recorded on the copy's stream just before and after it); a compute marker has none (None).
+    A timed copy's handle carries its device marks, ``start_mark`` and ``end_mark`` (timing events
+    recorded on the copy's stream just before and after it); an untimed copy and a compute marker
+    have none (None).
     """
 
     def __init__(self, event, nbytes: int, keepalive=(), start_mark=None) -> None:
@@ -74,7 +84,7 @@ class CUDABackend:
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
         # marks for the trace: timing events, on the compute stream unless a stream is named
-        self.clock = EventClock(lambda: torch.cuda.Event(enable_timing=True),
+        self.clock = EventClock(lambda: _event(timing=True),
                                 lambda: torch.cuda.current_stream(self.device))
         self._file_engine = None
 
@@ -116,7 +126,7 @@ class CUDABackend:
             self._file_engine = CopyEngine(threads=2, queues=2)
         return self._file_engine, 0, 1
 
-    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, after) -> EventHandle:
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, after, timed: bool) -> EventHandle:
         for h in after:
             if h is None:
                 continue
@@ -124,19 +134,27 @@ class CUDABackend:
                 stream.wait_event(h.event)
             else:  # a host-side request (a file read): the host waits before issuing the copy
                 h.wait()
+        nbytes = dst.numel() * dst.element_size()
         with torch.cuda.stream(stream):
+            if not timed:  # NOTE: one event without timing: recording and querying it is cheaper
+                dst.copy_(src, non_blocking=True)
+                end = _event()
+                end.record(stream)
+                return EventHandle(end, nbytes, (dst, src))
             start = self.clock.mark(stream)
             dst.copy_(src, non_blocking=True)
             end = self.clock.mark(stream)
-        return EventHandle(end, dst.numel() * dst.element_size(), (dst, src), start_mark=start)
+        return EventHandle(end, nbytes, (dst, src), start_mark=start)
 
-    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after=()) -> EventHandle:
-        """Store -> device copy on the load stream, after the events of ``after``."""
-        return self._copy(self.h2d_stream, dst, src, after)
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after=(), *, timed: bool = False) -> EventHandle:
+        """Store -> device copy on the load stream, after the events of ``after``; bracketed by
+        timing events when ``timed``."""
+        return self._copy(self.h2d_stream, dst, src, after, timed)
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=()) -> EventHandle:
-        """Device -> store copy on the copy-out stream, after the events of ``after``."""
-        return self._copy(self.d2h_stream, dst, src, after)
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=(), *, timed: bool = False) -> EventHandle:
+        """Device -> store copy on the copy-out stream, after the events of ``after``; bracketed by
+        timing events when ``timed``."""
+        return self._copy(self.d2h_stream, dst, src, after, timed)
 
     def compute_wait(self, handle: EventHandle) -> None:
         """The compute stream waits for ``handle``'s event; the host does not block."""
@@ -144,7 +162,7 @@ class CUDABackend:
 
     def compute_marker(self) -> EventHandle:
         """An event after everything issued so far on the compute stream."""
-        event = torch.cuda.Event()  # ordering only: no timing
+        event = _event()  # ordering only: no timing
         event.record(torch.cuda.current_stream(self.device))
         return EventHandle(event, 0)
 

@@ -12,6 +12,12 @@ directory. A *cache* of ``cache_blocks`` slots, one host buffer per disk state e
 - ``prefetch(block, states)`` starts the reads for a block the optimizer will need soon, into a
   free slot, without ever blocking (nothing is free: nothing happens).
 
+Copies the file engine cannot wait on (a CUDA copy's event) never block the host when a lease is
+released: they join the slot's readers (waited for only when the slot is reused), and a dirty
+state's write-back is *deferred* until they are done; the tier submits deferred writes when it
+next finds them ready (any acquire, release or prefetch), or waits for them where the CPU backend
+waits for its copies anyway (reusing the slot, a lease that modifies the state, ``synchronize``).
+
 Ordering, exactly: one slot per block at most, so a record is only read when no copy of it is
 cached, and a slot is evicted only after every write (and every copy reading it, ``after=``) has
 finished; a record is therefore never read while it is being written. A lease that will modify a
@@ -80,6 +86,8 @@ class _Slot:
         self.reads: dict[str, CopyHandle] = {}  # state -> read in flight into its buffer
         self.writes: dict[str, CopyHandle] = {}  # state -> write-back of its buffer
         self.readers: list = []  # copies reading the buffers (h2d): finish before reuse
+        # state -> (copies the file engine cannot wait on, engine handles) a write-back waits for
+        self.deferred: dict[str, tuple[list, list[CopyHandle]]] = {}
 
 
 class Lease:
@@ -171,14 +179,22 @@ class DiskTier:
         """
         self._raise_failed()
         with self._cond:
+            self._issue_deferred()
             slot = self._slot_for(block, blocking=True)
             slot.users += 1
             slot.stamp = next(self._clock)
             overwritten = [slot.reads[s] for s in fresh if s in slot.reads]  # a prefetch into a fresh buffer
             reads = self._stage(slot, block, states, fresh)
+            changed = set(fresh) | set(modify)
+            deferred = [h for s in changed if s in slot.deferred for h in slot.deferred[s][0]]
         for handle in overwritten:
             self._wait(handle, f"prefetching block {block}")
-        for state in set(fresh) | set(modify):
+        if deferred:  # the buffer is about to change: its deferred write-back must start first
+            for h in deferred:
+                h.wait()
+            with self._cond:
+                self._issue_deferred(slot)
+        for state in changed:
             if state in slot.writes:
                 self._wait(slot.writes[state], f"writing {state} of block {block}")
         if fresh or modify:
@@ -195,30 +211,28 @@ class DiskTier:
         block's value (a streamed gradient once consumed).
         """
         slot: _Slot = lease.slot
-        deps = []
+        deps, device = [], []
         for h in after:
             if h is None:
                 continue
-            if isinstance(h, CopyHandle):
-                deps.append(h)
-            else:  # a CUDA event: the file engine cannot wait on it, so the host does
-                h.wait()
+            # NOTE: a CUDA copy's event: the file engine cannot wait on it, and the host must not
+            # (that would be a device sync per block); the write-back is deferred until it is done
+            (deps if isinstance(h, CopyHandle) else device).append(h)
         with self._cond:
             try:
-                slot.readers = [h for h in slot.readers if not h.done()] + deps
+                self._issue_deferred()
+                slot.readers = [h for h in slot.readers if not h.done()] + deps + device
                 for state in dirty:
                     if state not in self._files:
                         continue  # streamed gradient: never written
-                    slot.valid.discard(state)  # until the write is issued, the file is behind the buffer
-                    handle = self._submit(self._files[state].write, self._record[state][lease.block], state,
-                                          slot.buffers[state], queue=self._write_q, after=deps,
-                                          what=f"writing {state} of block {lease.block}")
-                    slot.valid.add(state)
-                    slot.writes[state] = handle
-                    self._written[state].add(lease.block)
-                    self._events.append(("file_write", lease.block, handle))
-                    self.counters["write_bytes"] += handle.nbytes
-                    self.counters["writes"] += 1
+                    if device or state in slot.deferred:
+                        waits, engine_deps = slot.deferred.get(state, ([], []))
+                        slot.deferred[state] = (waits + device, engine_deps + deps)
+                        slot.valid.add(state)  # the buffer holds the value once the copies are done
+                        self._written[state].add(lease.block)
+                    else:
+                        self._write(slot, state, deps)
+                self._issue_deferred(slot)
                 for state in drop:
                     slot.valid.discard(state)
             finally:
@@ -230,6 +244,7 @@ class DiskTier:
         if self._failed is not None:
             return False
         with self._cond:
+            self._issue_deferred()
             slot = self._slot_for(block, blocking=False)
             if slot is None:
                 return False
@@ -255,6 +270,10 @@ class DiskTier:
                 return None
             self._cond.wait()
         t0 = time.monotonic()
+        for waits, _ in victim.deferred.values():
+            for h in waits:
+                h.wait()
+        self._issue_deferred(victim)
         for h in [*victim.reads.values(), *victim.writes.values(), *victim.readers]:
             self._wait(h, f"finishing I/O of block {victim.block} before its cache slot is reused")
         self.counters["evict_wait_s"] += time.monotonic() - t0
@@ -268,7 +287,31 @@ class DiskTier:
 
     @staticmethod
     def _quiet(slot: _Slot) -> bool:
-        return all(h.done() for h in [*slot.reads.values(), *slot.writes.values(), *slot.readers])
+        return not slot.deferred and all(
+            h.done() for h in [*slot.reads.values(), *slot.writes.values(), *slot.readers])
+
+    def _write(self, slot: _Slot, state: str, deps) -> None:
+        """Submit the write-back of ``state`` of the slot's block, after the engine handles ``deps``."""
+        block = slot.block
+        slot.valid.discard(state)  # until the write is issued, the file is behind the buffer
+        handle = self._submit(self._files[state].write, self._record[state][block], state,
+                              slot.buffers[state], queue=self._write_q, after=deps,
+                              what=f"writing {state} of block {block}")
+        slot.valid.add(state)
+        slot.writes[state] = handle
+        self._written[state].add(block)
+        self._events.append(("file_write", block, handle))
+        self.counters["write_bytes"] += handle.nbytes
+        self.counters["writes"] += 1
+
+    def _issue_deferred(self, slot: _Slot | None = None) -> None:
+        """Submit the deferred write-backs (of ``slot``, else of every slot) whose device copies are
+        done; never waits."""
+        for s in self._slots if slot is None else (slot,):
+            for state, (waits, deps) in list(s.deferred.items()):
+                if all(h.done() for h in waits):
+                    del s.deferred[state]
+                    self._write(s, state, deps)
 
     def _stage(self, slot: _Slot, block: int, states, fresh) -> list:
         reads = []
@@ -327,6 +370,11 @@ class DiskTier:
     def synchronize(self) -> None:
         """Wait for every read and write in flight; raise the first failure."""
         with self._cond:
+            device = [h for s in self._slots for waits, _ in s.deferred.values() for h in waits]
+        for h in device:
+            h.wait()
+        with self._cond:
+            self._issue_deferred()
             pending = [(h, f"I/O of block {s.block}") for s in self._slots
                        for h in [*s.reads.values(), *s.writes.values(), *s.readers]]
         for h, what in pending:

@@ -130,7 +130,8 @@ class PassExecutor:
             lease = self.store.acquire(block, ["grad"])
             lease.wait()
             # NOTE: after the previous micro-batch's copy-out of this block (another queue/stream)
-            h = self.backend.h2d(slot.grads[:n], lease.tensors["grad"], after=[self._grad_out.get(block)])
+            h = self.backend.h2d(slot.grads[:n], lease.tensors["grad"], after=[self._grad_out.get(block)],
+                                 timed=self.trace.enabled)
             self.store.release(lease, after=[h])
             self._copies.append(("h2d", block, h))
             with self.span("wait", block):
@@ -252,7 +253,7 @@ class PassExecutor:
         n = self.store.layouts[block].numel
         lease = self.store.acquire(block, [self.store.upload_state])
         handle = self.backend.h2d(slot.params[:n], lease.tensors[self.store.upload_state],
-                                  after=[*slot.busy, *lease.read_handles()])
+                                  after=[*slot.busy, *lease.read_handles()], timed=self.trace.enabled)
         self.store.release(lease, after=[handle])  # the cache slot stays until the copy is done
         if lease.slot is not None:
             self._load_leases[block] = lease
@@ -268,14 +269,16 @@ class PassExecutor:
 
     def _release(self, action: Release) -> None:
         slot = self.window.vacate(action.block)
+        if self.config.strict:
+            # NOTE: poisoned before the release marker is recorded, so the next load into the slot
+            # (which waits for the marker) comes after the NaN fill; and after the slot's copy-out
+            for h in slot.busy:
+                self.backend.compute_wait(h)
+            self.backend.poison(slot.params)
+            self.backend.poison(slot.grads)
         marker = self.backend.compute_marker()
         if marker is not None:
             slot.busy.append(marker)
-        if self.config.strict:
-            for h in slot.busy:
-                h.wait()
-            self.backend.poison(slot.params)
-            self.backend.poison(slot.grads)
 
     def _grad_to_host(self, block: int, param_grads) -> None:
         slot = self.window.resident[block]
@@ -306,7 +309,7 @@ class PassExecutor:
             self.grad_norms.before_copy_out(block, self.window.grad_views(block), self.stepper.grad_unscale())
         lease = self.store.acquire(block, states, fresh=["grad"])
         handle = self.backend.d2h(lease.tensors["grad"], slot.grads[:layout.numel],
-                                  after=[self.backend.compute_marker()])
+                                  after=[self.backend.compute_marker()], timed=self.trace.enabled)
         slot.busy.append(handle)
         self._grad_out[block] = handle
         self._copies.append(("d2h", block, handle))
@@ -359,9 +362,9 @@ class PassExecutor:
         keep = []
         for kind, block, h in self._copies:
             if h.done():
-                if self.trace.enabled:
-                    start, end = copy_marks(h)
-                    self.trace.defer(kind, block, start, end, h.nbytes)
+                marks = copy_marks(h) if self.trace.enabled else None
+                if marks is not None:  # None: a CUDA copy issued while the trace was off
+                    self.trace.defer(kind, block, *marks, h.nbytes)
             else:
                 keep.append((kind, block, h))
         self._copies = keep

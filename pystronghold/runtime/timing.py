@@ -64,12 +64,15 @@ def to_host_s(mark, calibration: Calibration | None) -> float:
     return calibration.host_s - mark.elapsed_time(calibration.event) / 1e3
 
 
-def copy_marks(handle) -> tuple:
+def copy_marks(handle) -> tuple | None:
     """(start, end) marks of a finished copy handle: its device marks where it has them
-    (``start_mark``/``end_mark``, CUDA copies), else its host stamps (``start_s``/``end_s``,
-    copy-engine requests, which the worker that ran them stamped)."""
+    (``start_mark``/``end_mark``, timed CUDA copies), else its host stamps (``start_s``/``end_s``,
+    copy-engine requests, which the worker that ran them stamped); None for a CUDA copy issued
+    untimed (the trace was off)."""
     if getattr(handle, "end_mark", None) is not None:
         return handle.start_mark, handle.end_mark
+    if not hasattr(handle, "start_s"):
+        return None
     return float(handle.start_s), float(handle.end_s)
 
 

@@ -64,6 +64,47 @@ def test_cuda_strict_mode_orders_every_copy(cuda_build, overlap, window):
     assert_identical(got, ref, f"strict W={window} overlap={overlap}")
 
 
+@pytest.mark.parametrize("overlap", ["backward", "forward"])
+def test_cuda_nvme_tier_is_exact_with_strict_mode(cuda_build, tmp_path, overlap):
+    """Every state on disk: write-backs wait for the copies' events (the host does not, at
+    release), strict mode poisons the slots; identical to W=all in host memory."""
+    batches = het_batches(STEPS)
+    ref = train(HetStack, batches, window="all")
+    got = train(HetStack, batches, window=2, overlap=overlap, strict=True, nvme_dir=str(tmp_path / "nvme"),
+                nvme_states="all")
+    assert_identical(got, ref, f"NVMe tier overlap={overlap}")
+
+
+def test_cuda_copies_carry_device_marks_only_when_timed(cuda_build):
+    from pystronghold.runtime.backend_cuda import CUDABackend
+    from pystronghold.runtime.timing import copy_marks
+
+    backend = CUDABackend("cuda", 1 << 20)
+    try:
+        dst = backend.device_buffer("x", 1023, torch.float32)
+        src = torch.arange(1023.0).pin_memory()
+        untimed = backend.h2d(dst, src)
+        timed = backend.d2h(torch.empty_like(src).pin_memory(), dst, after=[untimed], timed=True)
+        timed.wait()
+        assert untimed.done() and copy_marks(untimed) is None
+        start, end = copy_marks(timed)
+        assert start.elapsed_time(end) >= 0
+        torch.testing.assert_close(dst.cpu(), src)
+    finally:
+        backend.close()
+
+
+def test_cuda_traced_run_is_exact(cuda_build):
+    """Timed copies (trace on) change nothing but the trace, which has the copies."""
+    batches = het_batches(STEPS)
+    ref = train(HetStack, batches, window="all")
+    torch.manual_seed(1234)
+    losses, params, engine = train_engine(HetStack(), on_cuda(batches), device="cuda", window=2, trace=True)
+    assert_identical((losses, params), ref, "traced W=2")
+    kinds = {e.kind for e in engine.trace.events()}
+    assert {"h2d", "d2h"} <= kinds, kinds
+
+
 def test_cuda_matches_plain_pytorch_fp32(cuda_build):
     """W=2 on CUDA against plain PyTorch on CUDA (torch.optim.AdamW): fp32 rounding apart (6e-8
     relative measured on an H100); 1e-5 relative on losses, 1e-5 absolute on the masters."""
