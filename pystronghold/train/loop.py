@@ -330,6 +330,9 @@ class Trainer:
                     host_bytes=self.engine.store.nbytes, overlap=s.overlap_fraction)
                 res.intervals.append(m)
                 log.info("%s", m.line())
+                if self.auto_window is not None and len(res.intervals) == 1:
+                    log.info("%s", self.auto_window.peak_line(m.device_peak_bytes, self.step - res.start_step,
+                                                              cuda=self.engine.device.type == "cuda"))
                 writer.interval(m)
                 interval_losses, steps_in_interval = [], 0
             if (run.eval_every and self.step % run.eval_every == 0) or last:
