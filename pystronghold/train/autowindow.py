@@ -98,6 +98,11 @@ class AutoWindow:
     predicted_peak_bytes: int = 0
     """The planner's device peak of this split: window, head/tail, resident blocks, activations."""
 
+    def wrap_options(self) -> dict:
+        """The split as ``wrap``'s options: W (K = N: ``"all"``), K and their recompute."""
+        return dict(window=self.window or "all", resident_blocks=self.resident_blocks,
+                    resident_recompute=self.resident_recompute)
+
     def peak_line(self, measured_bytes: int, steps: int, cuda: bool = True) -> str:
         """The measured device peak after ``steps`` steps (``train.metrics.device_peak_bytes``) beside
         the planner's; ``cuda`` False: the measured one leaves out the activations (CPU arena)."""

@@ -97,6 +97,8 @@ def test_cuda_budget_is_free_memory_less_the_reserve(tmp_path, monkeypatch):
     # without the reserve every block would be resident; with it three slots' bytes are left
     assert auto.predicted_peak_bytes <= free - auto.reserve_bytes
     assert auto.resident_blocks < 6 and 1 <= auto.window <= auto.max_window <= 3
+    assert auto.wrap_options() == dict(window=auto.window, resident_blocks=auto.resident_blocks,
+                                       resident_recompute=auto.resident_recompute)
 
 
 def test_auto_window_respects_the_budget(tmp_path):
