@@ -7,7 +7,8 @@ cache emptied, peak counters reset), in one process:
   recompute        the same with torch.utils.checkpoint around each block
   W=all W=4 W=2    pystronghold.wrap with that many blocks on the device (bf16 weights, fp32 masters
                    and the fused CPU Adam on the host, recompute)
-  W=auto           the window the planner picks from costs measured here (as `train --window auto`)
+  W=auto           the split the planner picks from costs measured here, exactly as `train --window
+                   auto` wraps it: K device-resident blocks (their recompute), W slots for the rest
   fsdp2-offload    torch FSDP2 (fully_shard per block and the root, one rank) with CPUOffloadPolicy
                    and a bf16 MixedPrecisionPolicy; torch.optim.AdamW on the host
   deepspeed-zero2  DeepSpeed ZeRO-2 with offload_optimizer to the CPU (DeepSpeedCPUAdam), when
@@ -101,12 +102,15 @@ class Plain:
 
 
 class Windowed:
-    """pystronghold.wrap with ``window`` blocks on the device."""
+    """pystronghold.wrap with ``window`` slots on the device (and ``split``: K resident blocks, their
+    recompute)."""
 
-    def __init__(self, model, device, precision, window) -> None:
+    def __init__(self, model, device, precision, window, **split) -> None:
         self.engine = ph.wrap(model, blocks=model.blocks, window=window, device=str(device),
-                              precision=precision, optimizer=ph.AdamW(**HYPER))
+                              precision=precision, optimizer=ph.AdamW(**HYPER), **split)
         self.window = self.engine.window_size
+        self.resident_blocks = self.engine.stats()["resident_blocks"]
+        self.resident_recompute = self.engine.config.resident_recompute
 
     def step(self, x, y) -> float:
         loss = self.engine(x, y)
@@ -119,15 +123,16 @@ class Windowed:
         self.engine.close()
 
 
-def auto_window(model, args) -> int:
-    """The W ``pystronghold train --window auto`` would pick for this model and batch, here."""
+def auto_split(model, args) -> dict:
+    """``wrap``'s options (W, K, the resident recompute) as ``pystronghold train --window auto``
+    chooses and passes them for this model and batch, here (without clipping, as the bench trains)."""
     from pystronghold.train.autowindow import choose_runtime_window
     from pystronghold.runtime.config import RuntimeConfig
     from pystronghold.train.config import DataOptions, ModelOptions, TrainConfig
 
     config = TrainConfig(model=ModelOptions(model=args.model), data=DataOptions(batch=args.batch, seq=args.seq),
                          runtime=RuntimeConfig(window="auto", device=args.device, precision=args.precision))
-    return choose_runtime_window(model, config).window
+    return choose_runtime_window(model, config).wrap_options()
 
 
 class FSDP2Offload:
@@ -207,8 +212,8 @@ def make_trainer(name: str, model, args, device):
         return Plain(model, device, args.precision, recompute=name == "recompute")
     if name.startswith("W="):
         w = name[2:]
-        window = "all" if w == "all" else auto_window(model, args) if w == "auto" else int(w)
-        return Windowed(model, device, args.precision, window)
+        split = auto_split(model, args) if w == "auto" else {"window": w if w == "all" else int(w)}
+        return Windowed(model, device, args.precision, **split)
     if name == "fsdp2-offload":
         return FSDP2Offload(model, device, args.precision)
     return DeepSpeedZero2(model, device, args.precision, args.batch)
@@ -274,7 +279,9 @@ def run_config(name: str, cfg, batches, args, device) -> dict:
             seconds.append(time.perf_counter() - t0)
     finally:
         trainer.close()
-    return {"config": name, "window": getattr(trainer, "window", None), "losses": losses,
+    return {"config": name, "window": getattr(trainer, "window", None),
+            "resident_blocks": getattr(trainer, "resident_blocks", None),
+            "resident_recompute": getattr(trainer, "resident_recompute", None), "losses": losses,
             "seconds": seconds[args.warmup:],
             "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "host_peak_bytes": host_peak_bytes(), "host_peak_is_per_config": host_reset}
@@ -369,7 +376,8 @@ def timing_rows(runs: dict, diffs: dict, bad: list[str], cfg, args) -> list[dict
     for name, r in runs.items():
         t = Timing.of(r["seconds"])
         dev = r["device_peak_bytes"]
-        rows.append({"config": name, "W": r["window"] or "-", "step_ms": 1e3 * t.median_s,
+        rows.append({"config": name, "W": r["window"] or "-", "K": "-" if r["resident_blocks"] is None
+                     else r["resident_blocks"], "resident_recompute": r["resident_recompute"], "step_ms": 1e3 * t.median_s,
                      "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s, "vs_plain": t.median_s / t_plain,
                      "tokens_per_s": tokens / t.median_s, "tflops": flops / t.median_s / 1e12,
                      "device_peak_GiB": "-" if dev is None else dev / 2**30,
@@ -417,7 +425,7 @@ def main(argv=None) -> int:
     title = (f"{args.model} ({param_count(cfg) / 1e6:,.1f}M params), {args.precision}, batch {args.batch} x "
              f"{args.seq}, {args.steps} timed steps after {args.warmup}, {where}; TFLOP/s = tokens * (6 N + "
              f"12 L h T) / step time, N = {matmul_params(cfg) / 1e6:,.1f}M")
-    print_table(rows, ["config", "W", "step_ms", "p20_ms", "p80_ms", "vs_plain", "tokens_per_s", "tflops",
+    print_table(rows, ["config", "W", "K", "step_ms", "p20_ms", "p80_ms", "vs_plain", "tokens_per_s", "tflops",
                        "device_peak_GiB", "host_peak_GiB"], title)
     if not all(r["host_peak_is_per_config"] for r in runs.values()):
         print("note: /proc/self/clear_refs refused a reset: host peaks are the process's peak so far")

@@ -10,6 +10,9 @@ the planner's ``BlockCosts`` (bytes still come from the planner), and
 the device budget: the first K blocks resident (device AdamW), the rest streamed through the
 smallest W that hides their transfers. ``--resident-blocks K`` (K > 0) fixes K instead. ONE cost model:
 the planner's.
+
+On CUDA the budget is the free device memory (the allocator's cache emptied first) less a reserve
+(``device_reserve_bytes``) that the planner's byte counts do not see.
 """
 
 from __future__ import annotations
@@ -27,15 +30,41 @@ from pystronghold.optim.functional import adam_step_
 from pystronghold.options import ConfigError
 from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
-from pystronghold.planner.hardware import GPU, Hardware
+from pystronghold.planner.hardware import GPU, GiB, Hardware
 from pystronghold.planner.plan import choose_split, device_memory
 from pystronghold.planner.timeline import StepTime
 from pystronghold.runtime.precision import compute_dtype
 from pystronghold.runtime.store import available_host_bytes
 
-__all__ = ["AutoWindow", "measure_costs", "choose_runtime_window"]
+__all__ = ["AutoWindow", "measure_costs", "choose_runtime_window", "device_reserve_bytes",
+           "DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES"]
 
 log = logging.getLogger(__name__)
+
+DEVICE_RESERVE_FRACTION = 0.08
+"""Fraction of the device's total memory that ``--window auto`` keeps out of the budget on CUDA."""
+DEVICE_RESERVE_MIN_BYTES = 2 * GiB
+"""The least it keeps, bytes."""
+
+
+def device_reserve_bytes(total_bytes: int) -> int:
+    """Device bytes left out of the free memory ``--window auto`` plans with on a device of
+    ``total_bytes``: max(``DEVICE_RESERVE_MIN_BYTES``, ``DEVICE_RESERVE_FRACTION`` of it).
+
+    NOTE: the planner counts the window, head/tail, resident blocks and activations; what it does
+    not count needs room too: the caching allocator's fragmentation, cuBLAS/cuDNN workspaces, the
+    kernels' temporaries (the loss's fp32 copies of the logits), NCCL buffers and the probe's error."""
+    return max(DEVICE_RESERVE_MIN_BYTES, int(DEVICE_RESERVE_FRACTION * total_bytes))
+
+
+def _free_device_bytes(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the CUDA ``device`` once the probe's cached blocks are returned; the
+    allocator's peak counter restarts, so the run's measured peak does not hold the probe's."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
 
 
 @dataclass(slots=True)
@@ -47,7 +76,7 @@ class AutoWindow:
     max_window: int
     """Most slots that fit the device budget beside the resident blocks."""
     budget_bytes: int
-    """Device budget, bytes."""
+    """Device budget the planner was given, bytes (the free memory less the reserve on CUDA)."""
     costs: BlockCosts
     """Measured per-block seconds, planner bytes."""
     step: StepTime
@@ -62,19 +91,44 @@ class AutoWindow:
     """The streamed blocks recompute (the runtime's default)."""
     work: Workload | None = None
     """The workload the planner was given (batch, seq, precision, overlap)."""
+    free_bytes: int = 0
+    """Free device memory seen before planning (0: not read, the budget was given or the device is the CPU)."""
+    reserve_bytes: int = 0
+    """Of the free memory, kept out of the budget (``device_reserve_bytes``; 0 when not read)."""
+    predicted_peak_bytes: int = 0
+    """The planner's device peak of this split: window, head/tail, resident blocks, activations."""
+
+    def wrap_options(self) -> dict:
+        """The split as ``wrap``'s options: W (K = N: ``"all"``), K and their recompute."""
+        return dict(window=self.window or "all", resident_blocks=self.resident_blocks,
+                    resident_recompute=self.resident_recompute)
+
+    def peak_line(self, measured_bytes: int, steps: int, cuda: bool = True) -> str:
+        """The measured device peak after ``steps`` steps (``train.metrics.device_peak_bytes``) beside
+        the planner's; ``cuda`` False: the measured one leaves out the activations (CPU arena)."""
+        mib = 2**20
+        ratio = measured_bytes / max(self.predicted_peak_bytes, 1)
+        what = "" if cuda else " (CPU arena: no activations)"
+        return (f"window=auto: measured device peak{what} {measured_bytes / mib:.1f} MiB after {steps} steps, "
+                f"predicted {self.predicted_peak_bytes / mib:.1f} MiB ({ratio:.2f}x), "
+                f"budget {self.budget_bytes / mib:.1f} MiB")
 
     def line(self) -> str:
         c, s, k = self.costs, self.step, self.resident_blocks
         streamed = self.blocks - k
         recomputed = (streamed if self.checkpointing else 0) + (k if self.resident_recompute else 0)
         mib = 2**20
+        budget = (f"{self.budget_bytes / mib:.1f} MiB" if not self.free_bytes else
+                  f"{self.budget_bytes / mib:.1f} MiB = {self.free_bytes / mib:.1f} MiB free less a "
+                  f"{self.reserve_bytes / mib:.1f} MiB reserve")
         return (f"window=auto: {k} blocks resident with device AdamW ({k * c.resident_block_bytes / mib:.1f} MiB), "
                 f"{streamed} streamed through W={self.window} slots ({self.window * c.slot_bytes / mib:.1f} MiB; "
-                f"at most {self.max_window} fit {self.budget_bytes / mib:.1f} MiB), {recomputed} recomputed "
+                f"at most {self.max_window} fit {budget}), {recomputed} recomputed "
                 f"(saving {recomputed * (c.block_activation_bytes - c.block_input_bytes) / mib:.1f} MiB); "
                 f"per block measured fwd {c.fwd_s * 1e3:.2f} ms, bwd+recompute {c.bwd_s * 1e3:.2f} ms, "
                 f"load {c.load_s * 1e3:.3f} ms, grad copy {c.grad_s * 1e3:.3f} ms, host Adam {c.adam_s * 1e3:.2f} ms, "
                 f"device AdamW {c.device_adam_s * 1e3:.2f} ms; "
+                f"predicted device peak {self.predicted_peak_bytes / mib:.1f} MiB, "
                 f"predicted step {s.total_s * 1e3:.1f} ms (compute {s.compute_s * 1e3:.1f}, exposed transfer "
                 f"{s.exposed_transfer_s * 1e3:.1f}, exposed optimizer {s.exposed_optimizer_s * 1e3:.1f})")
 
@@ -146,16 +200,21 @@ def choose_runtime_window(model, config) -> AutoWindow:
     its device budget (K as given when ``--resident-blocks`` is > 0); logs the split and why."""
     rt = config.runtime
     device = torch.device(rt.device)
+    # NOTE: the device reserve is taken off the budget below (on CUDA) rather than added to the
+    # planner's peak, so that the predicted peak is what the allocator's peak counter should see
     work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
                     overlap="forward" if rt.needs_global_grad else "backward",
                     device_reserve_bytes=0, host_reserve_bytes=0)
     n = model.config.layers
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
+    free = reserve = 0
     if config.auto_window.device_budget_mb:
         budget = int(config.auto_window.device_budget_mb * 2**20)
     elif device.type == "cuda":
-        budget = int(torch.cuda.mem_get_info(device)[0])
+        free, total = _free_device_bytes(device)
+        reserve = device_reserve_bytes(total)
+        budget = max(free - reserve, 0)
     else:
         budget = base + 4 * probe.slot_bytes
     fixed = None if rt.resident_blocks in ("auto", 0) else rt.resident_blocks  # else K as given
@@ -163,12 +222,15 @@ def choose_runtime_window(model, config) -> AutoWindow:
         raise ConfigError(rt, "resident_blocks", f"({fixed}) is more than the model's {n} blocks")
     split = choose_split(probe, work, n, budget, resident=fixed)
     if split.step is None:
-        raise ValueError(f"--window auto: the device budget {budget / 2**20:.1f} MiB holds no block slot "
+        given = f" ({free / 2**20:.1f} MiB free less a {reserve / 2**20:.1f} MiB reserve)" if free else ""
+        raise ValueError(f"--window auto: the device budget {budget / 2**20:.1f} MiB{given} holds no block slot "
                          f"beside {fixed or 0} resident blocks (head/tail and activations need "
                          f"{base / 2**20:.1f} MiB, a slot {probe.slot_bytes / 2**20:.2f} MiB, a resident block "
                          f"{probe.resident_block_bytes / 2**20:.2f} MiB); raise --device-budget-mb")
+    peak = device_memory(probe, work, n, split.window, budget, split.resident, split.resident_recompute)
     decision = AutoWindow(window=split.window, max_window=split.max_window, budget_bytes=budget, costs=probe,
                           step=split.step, resident_blocks=split.resident,
-                          resident_recompute=split.resident_recompute, blocks=n, work=work)
+                          resident_recompute=split.resident_recompute, blocks=n, work=work,
+                          free_bytes=free, reserve_bytes=reserve, predicted_peak_bytes=peak.peak_bytes)
     log.info("%s", decision.line())
     return decision

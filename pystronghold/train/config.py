@@ -108,7 +108,8 @@ class AutoWindowOptions:
     """How --window auto chooses W."""
 
     device_budget_mb: float = 0.0
-    """window=auto only: device bytes the window may use, MiB; 0: 4 slots' worth."""
+    """window=auto only: device bytes the split may use, MiB; 0: on CUDA the free memory less a reserve
+    (``train.autowindow.device_reserve_bytes``), on the CPU head/tail, activations and 4 slots."""
 
     def __post_init__(self) -> None:
         if self.device_budget_mb < 0:

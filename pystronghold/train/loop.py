@@ -150,22 +150,19 @@ class Trainer:
             self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
                              materialize_blocks=False)
             blocks = self.model.blocks
-        window = config.runtime.window
         self.auto_window = None
-        if window == "auto":
+        split = {}
+        if config.runtime.window == "auto":
             from pystronghold.train.autowindow import choose_runtime_window
 
             self.auto_window = choose_runtime_window(self.model, config)
-            window = self.auto_window.window or "all"  # W=0: every block resident
+            split = self.auto_window.wrap_options()
         o = config.optim
         # NOTE: the run's RuntimeConfig as the user gave it, plus what only exists now: W, K and the
         # resident recompute chosen by --window auto, the process groups, the AdamW of OptimOptions;
         # the trace feeds the metrics.
-        split = ({} if self.auto_window is None else
-                 dict(resident_blocks=self.auto_window.resident_blocks,
-                      resident_recompute=self.auto_window.resident_recompute))
         runtime = dataclasses.replace(
-            config.runtime, window=window, trace=True, parallel=self.groups, **split,
+            config.runtime, trace=True, parallel=self.groups, **split,
             optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
                                          decay=o.decay))
         self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.parallel.pipeline)
@@ -330,6 +327,9 @@ class Trainer:
                     host_bytes=self.engine.store.nbytes, overlap=s.overlap_fraction)
                 res.intervals.append(m)
                 log.info("%s", m.line())
+                if self.auto_window is not None and len(res.intervals) == 1:
+                    log.info("%s", self.auto_window.peak_line(m.device_peak_bytes, self.step - res.start_step,
+                                                              cuda=self.engine.device.type == "cuda"))
                 writer.interval(m)
                 interval_losses, steps_in_interval = [], 0
             if (run.eval_every and self.step % run.eval_every == 0) or last:

@@ -3,6 +3,7 @@ losses; without CUDA the GPU run says so in one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from pystronghold.bench_suite import bench_dir
+from pystronghold.models import GPT
+from pystronghold.train import autowindow
 
 SCRIPT = str(bench_dir() / "gpu_train.py")
 
@@ -37,6 +40,7 @@ def test_cpu_subset_records_equal_losses(tmp_path):
         assert r["losses_ok"] and r["max_rel_loss_diff"] <= payload["loss_rtol"]
         assert r["step_ms"] > 0 and r["tflops"] > 0 and r["host_peak_GiB"] > 0
     assert records["W=2"]["W"] == 2 and records["W=all"]["W"] == 4 and 1 <= records["W=auto"]["W"] <= 4
+    assert records["W=2"]["K"] == 0 and records["plain"]["K"] == "-" and 0 <= records["W=auto"]["K"] <= 4
     # tokens * (6 N + 12 L h T) for the tiny preset (hidden 64, MLP 256, vocabulary 256, 4 blocks):
     # a block is 2 norms (256) + qkv (12,480) + proj (4,096) + fc1 (16,640) + fc2 (16,384) + 2 biases (128)
     n = 4 * 49_984 + 256 * 64
@@ -67,8 +71,6 @@ def test_without_cuda_one_clear_line():
 
 
 def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_path, monkeypatch, capsys):
-    import importlib.util
-
     monkeypatch.syspath_prepend(str(bench_dir()))
     spec = importlib.util.spec_from_file_location("gpu_train_under_test", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
@@ -77,7 +79,7 @@ def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_p
     def out_of_memory(model, args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(bench, "auto_window", out_of_memory)
+    monkeypatch.setattr(bench, "auto_split", out_of_memory)
     out = tmp_path / "partial.json"
     code = bench.main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--configs", "W=auto,W=2",
                        "--json", str(out)])
@@ -86,3 +88,32 @@ def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_p
     assert [r["config"] for r in payload["records"]] == ["plain", "W=2"]
     assert payload["failed"] == {"W=auto": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
     assert "!!! W=auto FAILED" in capsys.readouterr().out
+
+
+def test_auto_row_wraps_the_split_train_window_auto_chooses(monkeypatch):
+    """W=auto wraps K resident blocks, their recompute and W as ``choose_runtime_window`` gives them
+    (the planner's decision is made up here: K = 2 recomputing, W = 1)."""
+    monkeypatch.syspath_prepend(str(bench_dir()))
+    spec = importlib.util.spec_from_file_location("gpu_train_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args, cfg = bench.parse_args(["--device", "cpu", "--steps", "1", "--warmup", "0"])
+    given = []
+
+    def decide(model, config):
+        given.append(config)
+        return autowindow.AutoWindow(window=1, max_window=2, budget_bytes=0, costs=None, step=None,
+                                     resident_blocks=2, resident_recompute=True, blocks=cfg.layers)
+
+    monkeypatch.setattr(autowindow, "choose_runtime_window", decide)
+    trainer = bench.make_trainer("W=auto", GPT(cfg, seed=0), args, torch.device("cpu"))
+    try:
+        stats = trainer.engine.stats()
+        assert (stats["resident_blocks"], trainer.engine.window_size) == (2, 1)
+        assert trainer.engine.config.resident_recompute
+        assert (trainer.resident_blocks, trainer.window, trainer.resident_recompute) == (2, 1, True)
+    finally:
+        trainer.close()
+    config, = given  # the run's shapes and precision, without clipping (the bench does not clip)
+    assert (config.data.batch, config.seq, config.runtime.precision) == (args.batch, args.seq, args.precision)
+    assert config.runtime.window == "auto" and config.runtime.clip_grad_norm is None

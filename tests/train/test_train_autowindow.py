@@ -12,10 +12,11 @@ import pystronghold
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.planner.cost import Workload
 from pystronghold.planner.hardware import GPU, Hardware
-from pystronghold.planner.plan import largest_layers, make_plan
-from pystronghold.planner.plan import choose_split
+from pystronghold.planner.hardware import GiB
+from pystronghold.planner.plan import choose_split, device_memory, largest_layers, make_plan
 from pystronghold.train import Trainer
-from pystronghold.train.autowindow import measure_costs
+from pystronghold.train import autowindow
+from pystronghold.train.autowindow import choose_runtime_window, device_reserve_bytes, measure_costs
 from pystronghold.train.metrics import memory_report
 from train_helpers import tiny_config
 
@@ -37,15 +38,67 @@ def test_auto_window_is_the_planners_choice_and_is_logged(tmp_path, caplog):
         split = choose_split(auto.costs, auto.work, 6, auto.budget_bytes)
         assert (split.resident, split.resident_recompute, split.window) == (
             auto.resident_blocks, auto.resident_recompute, auto.window)
+        assert auto.predicted_peak_bytes == device_memory(auto.costs, auto.work, 6, auto.window, auto.budget_bytes,
+                                                          auto.resident_blocks, auto.resident_recompute).peak_bytes
+        assert 0 < auto.predicted_peak_bytes <= auto.budget_bytes
         assert auto.work.overlap == "forward"  # tiny_config clips
         c = auto.costs
         assert c.fwd_s > 0 and c.bwd_s > 0 and c.load_s > 0 and c.device_adam_s > 0 and c.recompute_s == c.fwd_s
         text = caplog.text
         assert f"W={auto.window}" in text and "fwd" in text and "load" in text and "predicted step" in text
         assert f"{auto.resident_blocks} blocks resident with device AdamW" in text and "recomputed" in text
-        trainer.train()
+        assert f"predicted device peak {auto.predicted_peak_bytes / 2**20:.1f} MiB" in text
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
+            trainer.train()
+        measured = trainer.result.intervals[0].device_peak_bytes
+        assert f"measured device peak (CPU arena: no activations) {measured / 2**20:.1f} MiB after 2 steps" in caplog.text
     finally:
         trainer.close()
+
+
+def test_device_reserve_is_a_floor_or_a_fraction():
+    assert device_reserve_bytes(16 * GiB) == 2 * GiB  # the floor: 8% would be 1.3 GiB
+    assert device_reserve_bytes(80 * GiB) == int(0.08 * 80 * GiB)
+
+
+def test_cuda_budget_is_free_memory_less_the_reserve(tmp_path, monkeypatch):
+    """On CUDA the planner is given the free memory (read after the allocator's cache is emptied)
+    less the reserve, and the split it chooses is the one recorded and wrapped. CUDA is mocked: the
+    block is measured on the CPU, the free memory is made up."""
+    config = tiny_config(tmp_path, window="auto", model=MODEL)
+    on_cpu = choose_runtime_window(GPT(GPTConfig(**MODEL)), config)
+    slot = on_cpu.costs.slot_bytes
+    base = on_cpu.budget_bytes - 4 * slot  # head/tail + activations (the CPU budget is base + 4 slots)
+    total = 80 * GiB
+    free = device_reserve_bytes(total) + base + 3 * slot  # three slots beyond the reserve
+    calls = []
+    real_measure = autowindow.measure_costs
+    monkeypatch.setattr(autowindow, "measure_costs",
+                        lambda model, work, device, budget_bytes: real_measure(model, work, torch.device("cpu"),
+                                                                               budget_bytes))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset_peak"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: calls.append("mem_get_info") or (free, total))
+    planned = []
+    real_split = autowindow.choose_split
+
+    def spy_split(costs, work, n, capacity_bytes, **kw):
+        planned.append(capacity_bytes)
+        return real_split(costs, work, n, capacity_bytes, **kw)
+
+    monkeypatch.setattr(autowindow, "choose_split", spy_split)
+    config.runtime.device = "cuda"  # NOTE: set after validation, which would refuse it without CUDA
+    auto = choose_runtime_window(GPT(GPTConfig(**MODEL)), config)
+    assert calls.index("empty_cache") < calls.index("mem_get_info")
+    assert planned == [free - device_reserve_bytes(total)] == [auto.budget_bytes]
+    assert (auto.free_bytes, auto.reserve_bytes) == (free, device_reserve_bytes(total))
+    # without the reserve every block would be resident; with it three slots' bytes are left
+    assert auto.predicted_peak_bytes <= free - auto.reserve_bytes
+    assert auto.resident_blocks < 6 and 1 <= auto.window <= auto.max_window <= 3
+    assert auto.wrap_options() == dict(window=auto.window, resident_blocks=auto.resident_blocks,
+                                       resident_recompute=auto.resident_recompute)
 
 
 def test_auto_window_respects_the_budget(tmp_path):
