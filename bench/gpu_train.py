@@ -123,16 +123,18 @@ class Windowed:
         self.engine.close()
 
 
-def auto_split(model, args) -> dict:
+def auto_split(model, args) -> tuple[dict, float]:
     """``wrap``'s options (W, K, the resident recompute) as ``pystronghold train --window auto``
-    chooses and passes them for this model and batch, here (without clipping, as the bench trains)."""
+    chooses and passes them for this model and batch, here (without clipping, as the bench trains),
+    and the planner's predicted step, seconds."""
     from pystronghold.train.autowindow import choose_runtime_window
     from pystronghold.runtime.config import RuntimeConfig
     from pystronghold.train.config import DataOptions, ModelOptions, TrainConfig
 
     config = TrainConfig(model=ModelOptions(model=args.model), data=DataOptions(batch=args.batch, seq=args.seq),
                          runtime=RuntimeConfig(window="auto", device=args.device, precision=args.precision))
-    return choose_runtime_window(model, config).wrap_options()
+    decision = choose_runtime_window(model, config)
+    return decision.wrap_options(), decision.step.total_s
 
 
 class FSDP2Offload:
@@ -212,8 +214,12 @@ def make_trainer(name: str, model, args, device):
         return Plain(model, device, args.precision, recompute=name == "recompute")
     if name.startswith("W="):
         w = name[2:]
-        split = auto_split(model, args) if w == "auto" else {"window": w if w == "all" else int(w)}
-        return Windowed(model, device, args.precision, **split)
+        if w != "auto":
+            return Windowed(model, device, args.precision, window=w if w == "all" else int(w))
+        split, predicted_s = auto_split(model, args)
+        trainer = Windowed(model, device, args.precision, **split)
+        trainer.predicted_step_s = predicted_s
+        return trainer
     if name == "fsdp2-offload":
         return FSDP2Offload(model, device, args.precision)
     return DeepSpeedZero2(model, device, args.precision, args.batch)
@@ -281,7 +287,8 @@ def run_config(name: str, cfg, batches, args, device) -> dict:
         trainer.close()
     return {"config": name, "window": getattr(trainer, "window", None),
             "resident_blocks": getattr(trainer, "resident_blocks", None),
-            "resident_recompute": getattr(trainer, "resident_recompute", None), "losses": losses,
+            "resident_recompute": getattr(trainer, "resident_recompute", None),
+            "predicted_step_s": getattr(trainer, "predicted_step_s", None), "losses": losses,
             "seconds": seconds[args.warmup:],
             "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "host_peak_bytes": host_peak_bytes(), "host_peak_is_per_config": host_reset}
@@ -378,6 +385,7 @@ def timing_rows(runs: dict, diffs: dict, bad: list[str], cfg, args) -> list[dict
         dev = r["device_peak_bytes"]
         rows.append({"config": name, "W": r["window"] or "-", "K": "-" if r["resident_blocks"] is None
                      else r["resident_blocks"], "resident_recompute": r["resident_recompute"], "step_ms": 1e3 * t.median_s,
+                     "predicted_step_ms": None if r["predicted_step_s"] is None else 1e3 * r["predicted_step_s"],
                      "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s, "vs_plain": t.median_s / t_plain,
                      "tokens_per_s": tokens / t.median_s, "tflops": flops / t.median_s / 1e12,
                      "device_peak_GiB": "-" if dev is None else dev / 2**30,

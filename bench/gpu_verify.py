@@ -222,7 +222,7 @@ def train_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> 
                 f"{batch_label} {name}: {r['step_ms']:.1f} ms/step ({r['vs_plain']:.2f}x plain's time), "
                 f"{r['tflops']:.1f} TFLOP/s, device peak {peak if isinstance(peak, str) else f'{peak:.1f}'} GiB, "
                 f"host peak {r['host_peak_GiB']:.1f} GiB, losses {'ok' if r['losses_ok'] else 'DIFFER'}"
-                + (f", K={r['resident_blocks']}" if r.get("resident_blocks") is not None else "")
+                + (f", K={r['K']}" if r.get("K") not in (None, "-") else "")
                 + (f", predicted {r['predicted_step_ms']:.1f} ms" if r.get("predicted_step_ms") else ""))
         for name, why in payload.get("failed", {}).items():
             result.figures.append(f"{batch_label} {name}: FAILED: {why}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
+import types
 import sys
 
 import pytest
@@ -102,7 +103,8 @@ def test_auto_row_wraps_the_split_train_window_auto_chooses(monkeypatch):
 
     def decide(model, config):
         given.append(config)
-        return autowindow.AutoWindow(window=1, max_window=2, budget_bytes=0, costs=None, step=None,
+        return autowindow.AutoWindow(window=1, max_window=2, budget_bytes=0, costs=None,
+                                     step=types.SimpleNamespace(total_s=0.25),
                                      resident_blocks=2, resident_recompute=True, blocks=cfg.layers)
 
     monkeypatch.setattr(autowindow, "choose_runtime_window", decide)
@@ -112,6 +114,7 @@ def test_auto_row_wraps_the_split_train_window_auto_chooses(monkeypatch):
         assert (stats["resident_blocks"], trainer.engine.window_size) == (2, 1)
         assert trainer.engine.config.resident_recompute
         assert (trainer.resident_blocks, trainer.window, trainer.resident_recompute) == (2, 1, True)
+        assert trainer.predicted_step_s == 0.25  # the planner's step, for the predicted-vs-measured row
     finally:
         trainer.close()
     config, = given  # the run's shapes and precision, without clipping (the bench does not clip)
