@@ -1,5 +1,8 @@
 """Pinned host arenas and the copy engine's host<->device copies on a real GPU."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -50,6 +53,29 @@ def test_copy_engine_h2d_and_d2h(cuda_build, pinned, nbytes):
     torch.cuda.synchronize()
     assert torch.equal(dev.cpu(), src)
     assert torch.equal(back, src)
+
+
+def test_pinning_releases_the_gil(cuda_build):
+    """cudaHostRegister faults in every page (the store pins 1 GiB chunks beside the fill): this
+    thread keeps running Python through the middle of another thread's pinning."""
+    span = {}
+
+    def pin():
+        span["start"] = time.monotonic()
+        span["pinned"] = HostArena(1 << 30, pin="cuda").pinned
+        span["end"] = time.monotonic()
+
+    ticks = []
+    thread = threading.Thread(target=pin)
+    thread.start()
+    while thread.is_alive():
+        ticks.append(time.monotonic())
+    thread.join()
+    assert span["pinned"]
+    start, end = span["start"], span["end"]
+    quarter = (end - start) / 4
+    middle = [t for t in ticks if start + quarter < t < end - quarter]
+    assert middle, f"no Python ran in the middle of {end - start:.3f} s of pinning: the GIL was held"
 
 
 def test_copy_engine_refuses_device_to_device(cuda_build):
