@@ -9,6 +9,7 @@ import torch
 from pystronghold.io import CopyEngine, HostArena
 
 MiB = 1 << 20
+BUSY_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s of a busy current stream
 
 
 def test_pin_cuda_registers_the_arena(cuda_build):
@@ -76,6 +77,29 @@ def test_pinning_releases_the_gil(cuda_build):
     quarter = (end - start) / 4
     middle = [t for t in ticks if start + quarter < t < end - quarter]
     assert middle, f"no Python ran in the middle of {end - start:.3f} s of pinning: the GIL was held"
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_copy_engine_waits_for_the_current_stream(cuda_build, pinned):
+    """A copy starts after the work queued on torch's current stream when it was requested: a
+    write of `dev` there, held back by a busy kernel, lands before the engine's H2D (which must
+    win) and before its D2H (which must read it)."""
+    nbytes = 3 * MiB + 100
+    arena = HostArena(2 * nbytes + 8192, pin="cuda" if pinned else "none")
+    src = arena.allocate("src", (nbytes,), torch.uint8)
+    back = arena.allocate("back", (nbytes,), torch.uint8)
+    src.copy_(torch.randint(1, 256, (nbytes,), dtype=torch.uint8))
+    dev = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with CopyEngine(threads=2, chunk_bytes=MiB) as engine:
+        torch.cuda._sleep(BUSY_CYCLES)
+        dev.fill_(7)
+        engine.copy(dev, src).wait()
+        assert torch.equal(dev.cpu(), src)  # the fill came first
+        torch.cuda._sleep(BUSY_CYCLES)
+        dev.fill_(9)
+        engine.copy(back, dev).wait()
+        assert bool((back == 9).all())  # the D2H read the fill, not what was there before
 
 
 def test_copy_engine_refuses_device_to_device(cuda_build):
