@@ -6,6 +6,8 @@
 #include "copy_engine.h"
 
 #if defined(PYSTRONGHOLD_WITH_CUDA)
+#include <c10/cuda/CUDAStream.h>
+
 #include "copy_engine_cuda.h"
 #endif
 
@@ -56,9 +58,21 @@ static std::shared_ptr<Request> make_tensor_copy(CopyEngine& engine, const at::T
     char* d = static_cast<char*>(dst.data_ptr());
     const char* s = static_cast<const char*>(src.data_ptr());
     const int64_t staging = engine.chunk_bytes();
+    // NOTE: the copy starts after the work the caller queued on its current stream of `device`
+    // (e.g. the kernel that fills `src`, or one still reading `dst`): an event recorded now, on the
+    // calling thread, which every chunk's stream waits for. Destroyed with the request.
+    std::shared_ptr<CUevent_st> caller_done;
+    try {
+      caller_done.reset(cuda::record_event(device, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()),
+                        [](CUevent_st* event) { cuda::destroy_event(event); });
+    } catch (const std::runtime_error& exc) {
+      TORCH_CHECK(false, "CopyEngine.copy: ordering the copy after the current stream of cuda:", device,
+                  " failed: ", exc.what());
+    }
     req->run_chunk = [=](int64_t offset, int64_t len, int64_t, WorkerContext& ctx) {
       try {
-        cuda::copy_chunk(d + offset, s + offset, len, to_device, device, pinned, staging, &ctx.cuda_state);
+        cuda::copy_chunk(d + offset, s + offset, len, to_device, device, pinned, staging, caller_done.get(),
+                         &ctx.cuda_state);
       } catch (const std::runtime_error& exc) {
         throw CopyFailure{std::string(to_device ? "host-to-device" : "device-to-host") +
                               " copy at offset " + std::to_string(offset) + ", size " +

@@ -1,6 +1,7 @@
 // CUDA runtime side of the copy engine and the host arena (see copy_engine_cuda.h). Each worker
 // thread owns, per device, a non-blocking stream and a pinned staging buffer, so host<->device
-// chunks of different workers overlap and never touch torch's current stream.
+// chunks of different workers overlap and never run on torch's current stream; each chunk's stream
+// waits for an event recorded on that stream when the copy was requested.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -85,8 +86,32 @@ bool is_pinned(const void* ptr) {
   return attr.type == cudaMemoryTypeHost;
 }
 
+CUevent_st* record_event(int device, CUstream_st* stream) {
+  int previous = -1;
+  check(cudaGetDevice(&previous), "cudaGetDevice");
+  // NOTE: the event must belong to the stream's device; the caller's current device comes back
+  // however this ends (torch keeps its own idea of it).
+  struct RestoreDevice {
+    int device;
+    ~RestoreDevice() {
+      if (cudaSetDevice(device) != cudaSuccess) cudaGetLastError();
+    }
+  } restore{previous};
+  check(cudaSetDevice(device), "cudaSetDevice");
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  const cudaError_t rc = cudaEventRecord(event, stream);
+  if (rc != cudaSuccess) cudaEventDestroy(event);
+  check(rc, "cudaEventRecord on the caller's current stream");
+  return event;
+}
+
+void destroy_event(CUevent_st* event) noexcept {
+  if (event != nullptr && cudaEventDestroy(event) != cudaSuccess) cudaGetLastError();
+}
+
 void copy_chunk(void* dst, const void* src, int64_t len, bool to_device, int device, bool host_pinned,
-                int64_t staging_bytes, void** worker_state) {
+                int64_t staging_bytes, CUevent_st* after, void** worker_state) {
   if (len == 0) return;
   std::string why;
   if (device_count(&why) == 0) throw std::runtime_error("no usable CUDA device: " + why);
@@ -94,6 +119,7 @@ void copy_chunk(void* dst, const void* src, int64_t len, bool to_device, int dev
   auto* state = static_cast<WorkerState*>(*worker_state);
   DeviceSlot& slot = state->slot(device, staging_bytes, !host_pinned);
   check(cudaSetDevice(device), "cudaSetDevice");
+  if (after != nullptr) check(cudaStreamWaitEvent(slot.stream, after, 0), "cudaStreamWaitEvent");
   const cudaMemcpyKind kind = to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
   if (host_pinned) {
     check(cudaMemcpyAsync(dst, src, static_cast<size_t>(len), kind, slot.stream), "cudaMemcpyAsync");

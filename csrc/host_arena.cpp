@@ -118,6 +118,10 @@ class HostArena {
     const auto addr = reinterpret_cast<uintptr_t>(map);
     mem_->base = reinterpret_cast<char*>((addr + base_align - 1) / base_align * base_align);
     mem_->bytes = capacity;
+    // NOTE: pinning and locking fault in every page (seconds per GiB): other Python threads (the
+    // store's fill) run meanwhile. Nothing below touches a Python object; an error thrown here
+    // takes the GIL back as it unwinds.
+    py::gil_scoped_release nogil;
     if (pin != "none") register_pages(pin == "cuda");
     if (lock) {
       if (mlock(mem_->base, static_cast<size_t>(capacity)) == 0) {

@@ -5,7 +5,8 @@ pinned with `cudaHostRegister` (so copies to the device are true DMA); otherwise
 page-aligned anonymous memory, `mlock`ed on request (a failed lock is logged as a warning with
 the reason, never an error). A capacity larger than the host can give (MemAvailable, or the cgroup
 limit) fails before anything is allocated. Views keep the allocation alive after the arena object
-is dropped.
+is dropped. Views read as zero: the allocation is fresh anonymous memory (zero pages), and no byte
+is handed out twice.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class HostArena:
 
     def allocate(self, name: str, shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor view of `shape` and `dtype`, aligned to max(alignment, itemsize) bytes, carved from the
-        arena (uninitialised). Raises RuntimeError with the numbers when it does not fit, and when
+        arena (zero: nothing wrote it before). Raises RuntimeError with the numbers when it does not fit, and when
         `name` is taken."""
         shape = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):

@@ -11,6 +11,12 @@ tensors alive until it is done. Errors never vanish: `wait()` raises `CopyError`
 Kinds: host to host here; host to device / device to host (cudaMemcpyAsync on the engine's own
 streams, staged through pinned memory when the host side is not pinned) on CUDA builds; host to
 file and file to host through `pystronghold.io.FileStore`.
+
+Ordering against torch's streams (host<->device copies): a copy starts after the work queued on
+torch's current stream of the tensor's device when `copy()` was called (an event recorded there
+then, which the engine's streams wait for), and is complete on the device when its handle is done.
+Work on other streams is not waited for, and work queued after `copy()` returns runs alongside
+the copy: wait for the handle before using `dst`, or before writing `src`, on any stream.
 """
 
 from __future__ import annotations
@@ -126,6 +132,9 @@ class CopyEngine:
         dst, src: contiguous tensors holding the same number of bytes (dtypes may differ), both on
         the CPU, or one on the CPU and one on a CUDA device (CUDA builds). queue: which queue
         (requests on one queue complete in order). after: handles that must complete first.
+        A host<->device copy also starts after everything queued so far on torch's current stream
+        of that device (e.g. the kernel that wrote `src`); until the handle is done, neither the
+        caller's later work on that stream nor any other stream may read `dst` or write `src`.
         Raises RuntimeError when the engine is closed or the tensors do not qualify.
         """
         return CopyHandle(self._engine.copy(dst, src, int(queue), native_requests(after)))

@@ -13,7 +13,14 @@ import torch
 from .functional import param_grad_norms
 from .hyper import AdamW, AdamWHyper
 
-__all__ = ["DeviceAdamW"]
+__all__ = ["DeviceAdamW", "fused_adamw_for"]
+
+
+def fused_adamw_for(device: torch.device | str) -> bool:
+    """Whether ``DeviceAdamW`` of masters on ``device`` runs torch's fused AdamW kernel: on CUDA,
+    when this torch has it (``torch._fused_adamw_``); elsewhere torch's single-tensor loop, the
+    kernel plain PyTorch runs on the CPU (whose results the CPU tests compare against)."""
+    return torch.device(device).type == "cuda" and hasattr(torch, "_fused_adamw_")
 
 
 class DeviceAdamW:
@@ -27,7 +34,7 @@ class DeviceAdamW:
                  groups: list[int] | None = None, fused: bool = False) -> None:
         """``masters``: fp32 values of ``params`` taken before they were cast to compute precision;
         ``groups``: the engine's param group of each parameter (default all in group 0); ``fused``:
-        torch's fused AdamW kernel (CUDA); otherwise its single-tensor loop."""
+        torch's fused AdamW kernel (``fused_adamw_for`` the device); otherwise its single-tensor loop."""
         self.params = params
         self.fused = fused
         half = any(p.dtype != torch.float32 for p in params)

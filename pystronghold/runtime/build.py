@@ -23,7 +23,7 @@ from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.grad_norms import BlockGradNorms
-from pystronghold.optim.device_adamw import DeviceAdamW
+from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
 from pystronghold.runtime.placement import Placement, plan_placement
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
@@ -99,7 +99,7 @@ class OptimizerParts:
     """The update side of an engine, as ``build_optimizers`` made it."""
 
     device_optimizer: DeviceAdamW
-    """AdamW of head and tail on the device."""
+    """AdamW of head and tail on the device (fused on CUDA, as the resident blocks')."""
     resident: ResidentBlocks
     """Device-resident blocks with their device AdamW."""
     updates: HostUpdates
@@ -162,7 +162,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
                             read_queue=read_q, write_queue=write_q, arena_factory=backend.host_arena,
                             preallocate=config.nvme_preallocate)
 
-        # NOTE: arenas made (pinned, zeroed) by a builder thread while the fill runs
+        # NOTE: arenas made (pinned) by a builder thread while the fill runs
         store = HostStore(layouts, dtype, backend.host_arena, placement=placement,
                           disk_factory=disk_factory, background=True)
         fill_times = fill_store(store, model, streamed, block_named, block_params, materialize,
@@ -202,7 +202,8 @@ def build_optimizers(parts: EngineParts, config: RuntimeConfig, group_of: dict[i
                           param_groups=[[group_of[id(p)] for p in ps] for ps in parts.block_params])
     return OptimizerParts(
         device_optimizer=DeviceAdamW(parts.head_tail_params, config.optimizer, parts.head_tail_masters,
-                                     [group_of[id(p)] for p in parts.head_tail_params]),
+                                     [group_of[id(p)] for p in parts.head_tail_params],
+                                     fused=fused_adamw_for(device)),
         resident=ResidentBlocks(parts.resident_blocks, parts.resident_params, config.optimizer, device,
                                 parts.dtype, recompute=config.resident_recompute, group_of=group_of),
         updates=updates,

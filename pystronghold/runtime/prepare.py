@@ -164,7 +164,7 @@ def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block
     whole model never needs to fit in host memory. ``block_params[i]`` is updated in place to the
     block's Parameter objects (materializing may make new ones). Logs one line with the phases and
     returns them in seconds: ``total``, ``init`` (materializing, summed over threads), ``init_wait``
-    (the fill waiting for it), ``arenas`` (making, pinning and zeroing the store's arenas, overlapped
+    (the fill waiting for it), ``arenas`` (making and pinning the store's arenas, overlapped
     with the fill when the store builds them in the background), ``arena_wait``, ``copy``; and
     ``threads``."""
     t_start = time.perf_counter()

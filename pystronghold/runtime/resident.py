@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pystronghold.optim.device_adamw import DeviceAdamW
+from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
 from pystronghold.optim.hyper import AdamW, AdamWHyper
 from pystronghold.runtime.prepare import head_tail_bytes
 
@@ -45,7 +45,7 @@ class ResidentBlocks:
         with torch.no_grad():
             for p in flat:
                 p.data = p.data.to(device=device, dtype=dtype)
-        self.optimizer = DeviceAdamW(flat, spec, masters, groups, fused=device.type == "cuda")
+        self.optimizer = DeviceAdamW(flat, spec, masters, groups, fused=fused_adamw_for(device))
         self.nbytes = head_tail_bytes(flat, dtype)
         """Device bytes: parameters and gradients in compute precision, fp32 moments (and masters)."""
         self._first = [0]

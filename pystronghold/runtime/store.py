@@ -122,8 +122,9 @@ class HostStore:
     (default ``DEFAULT_CHUNK_BYTES``; ``tiers[state][block]``; None for a block whose state is on
     disk). Every user goes through ``acquire``/``release`` leases, which hand out the host buffer
     directly or stage a disk state in the tier's cache (``pystronghold.runtime.disk_tier``). ``arena_factory(capacity_bytes)`` makes
-    a HostArena (pinned on CUDA). The caller planned the placement against its budget first: this
-    class allocates. With ``background=True`` the arenas are made (pinned, zeroed) by a builder
+    a new HostArena (pinned on CUDA), whose views read as zero: the moments, gradients and gaps
+    start at zero without a pass over them. The caller planned the placement against its budget first: this
+    class allocates. With ``background=True`` the arenas are made (pinned) by a builder
     thread in block order, so filling block i overlaps making the arenas of later blocks; a lease on
     a block waits for its buffers (``wait_built``) and raises the builder's error if it failed.
     """
@@ -165,7 +166,7 @@ class HostStore:
         self._built = 0  # chunks built so far, in order
         self._build_error: BaseException | None = None
         self._stop = False
-        self.build_s = 0.0  # seconds the builder spent making arenas (mmap, pinning, zeroing)
+        self.build_s = 0.0  # seconds the builder spent making arenas (mmap, pinning)
         # NOTE: the tier is built before the arenas, so a failure in either leaves no files once
         # close() ran (the engine closes the store and the scratch directory on any failure)
         self.disk: DiskTier | None = disk_factory(placement, numels) if placement.spilled else None
@@ -197,9 +198,10 @@ class HostStore:
                 arena = self._arena_factory(chunk.capacity)
                 dtype = state_dtype(chunk.state, self.compute_dtype)
                 for b in chunk.blocks:
-                    buf = arena.allocate(f"{chunk.state}.{b}", (self.layouts[b].numel,), dtype)
-                    buf.zero_()
-                    self.tiers[chunk.state][b] = buf
+                    # NOTE: not zeroed here: a new arena's views are zero (fresh anonymous pages,
+                    # never handed out twice), and zeroing would be a second pass over the store
+                    self.tiers[chunk.state][b] = arena.allocate(f"{chunk.state}.{b}", (self.layouts[b].numel,),
+                                                                dtype)
                 with self._cond:
                     self.arenas[chunk.state].append(arena)
                     self._built += 1

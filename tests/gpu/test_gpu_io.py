@@ -1,11 +1,15 @@
 """Pinned host arenas and the copy engine's host<->device copies on a real GPU."""
 
+import threading
+import time
+
 import pytest
 import torch
 
 from pystronghold.io import CopyEngine, HostArena
 
 MiB = 1 << 20
+BUSY_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s of a busy current stream
 
 
 def test_pin_cuda_registers_the_arena(cuda_build):
@@ -50,6 +54,52 @@ def test_copy_engine_h2d_and_d2h(cuda_build, pinned, nbytes):
     torch.cuda.synchronize()
     assert torch.equal(dev.cpu(), src)
     assert torch.equal(back, src)
+
+
+def test_pinning_releases_the_gil(cuda_build):
+    """cudaHostRegister faults in every page (the store pins 1 GiB chunks beside the fill): this
+    thread keeps running Python through the middle of another thread's pinning."""
+    span = {}
+
+    def pin():
+        span["start"] = time.monotonic()
+        span["pinned"] = HostArena(1 << 30, pin="cuda").pinned
+        span["end"] = time.monotonic()
+
+    ticks = []
+    thread = threading.Thread(target=pin)
+    thread.start()
+    while thread.is_alive():
+        ticks.append(time.monotonic())
+    thread.join()
+    assert span["pinned"]
+    start, end = span["start"], span["end"]
+    quarter = (end - start) / 4
+    middle = [t for t in ticks if start + quarter < t < end - quarter]
+    assert middle, f"no Python ran in the middle of {end - start:.3f} s of pinning: the GIL was held"
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_copy_engine_waits_for_the_current_stream(cuda_build, pinned):
+    """A copy starts after the work queued on torch's current stream when it was requested: a
+    write of `dev` there, held back by a busy kernel, lands before the engine's H2D (which must
+    win) and before its D2H (which must read it)."""
+    nbytes = 3 * MiB + 100
+    arena = HostArena(2 * nbytes + 8192, pin="cuda" if pinned else "none")
+    src = arena.allocate("src", (nbytes,), torch.uint8)
+    back = arena.allocate("back", (nbytes,), torch.uint8)
+    src.copy_(torch.randint(1, 256, (nbytes,), dtype=torch.uint8))
+    dev = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with CopyEngine(threads=2, chunk_bytes=MiB) as engine:
+        torch.cuda._sleep(BUSY_CYCLES)
+        dev.fill_(7)
+        engine.copy(dev, src).wait()
+        assert torch.equal(dev.cpu(), src)  # the fill came first
+        torch.cuda._sleep(BUSY_CYCLES)
+        dev.fill_(9)
+        engine.copy(back, dev).wait()
+        assert bool((back == 9).all())  # the D2H read the fill, not what was there before
 
 
 def test_copy_engine_refuses_device_to_device(cuda_build):

@@ -91,6 +91,20 @@ def test_lock_locks_or_warns_with_the_reason():
         assert not caught
 
 
+def test_views_read_as_zero_even_where_a_dropped_arena_was_written():
+    """The store relies on it instead of zeroing its buffers (fresh pages, never handed out twice):
+    a recycling allocator would fail here."""
+    for round in range(3):
+        arena = HostArena(16 * MiB, pin="none")
+        views = [arena.allocate("a", (7,), torch.uint8), arena.allocate("b", (2 * MiB + 3,), torch.float32),
+                 arena.allocate("c", (1023,), torch.float64)]
+        for view in views:
+            assert not view.any(), f"round {round}: a fresh view holds non-zero bytes"
+            view.fill_(round + 1)  # dirty, then dropped: the next arena must not see these bytes
+        del arena, views
+        gc.collect()
+
+
 def test_views_outlive_the_arena_and_feed_the_copy_engine():
     arena = HostArena(4 * MiB)
     a = arena.allocate("a", (MiB // 4,), torch.float32)

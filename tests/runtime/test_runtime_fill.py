@@ -125,6 +125,28 @@ def test_a_failing_arena_is_raised_by_the_block_that_needs_it():
         store.close()
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_a_new_store_reads_as_zero_though_the_last_one_was_written(background):
+    """The store does not zero its buffers: its arenas' fresh views are zero. Every state of every
+    block (moments, gradients, gaps) must start at zero, also after a store was filled and dropped."""
+    layouts = [BlockLayout([("w", torch.nn.Parameter(torch.zeros(1000))), ("b", torch.nn.Parameter(torch.zeros(7)))])
+               for _ in range(3)]
+    for round in range(3):
+        store = HostStore(layouts, torch.bfloat16, lambda n: HostArena(n, pin="none"), chunk_bytes=5000,
+                          background=background)
+        try:
+            store.wait_built()
+            assert store.arena_count > len(store.placement.states)  # several chunks per state
+            for state in store.placement.states:
+                for b in range(len(layouts)):
+                    flat = store.read_state(b, state)
+                    assert flat.numel() == layouts[b].numel and not flat.any(), (round, state, b)
+                    flat.fill_(round + 1)  # dirty: the next store must not see it
+        finally:
+            store.close()
+        del store
+
+
 def test_the_phases_are_logged(caplog):
     with caplog.at_level("INFO", logger="pystronghold.runtime.prepare"):
         engine = _wrapped(True, init_threads=2)

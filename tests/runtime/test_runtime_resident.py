@@ -224,8 +224,9 @@ def test_lazy_blocks_materialize_into_resident_and_streamed_blocks():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fused device AdamW)")
 def test_cuda_every_block_resident_is_plain_pytorch_with_fused_adamw():
-    """On CUDA, W=all and K=N: the losses and parameters of plain PyTorch + fused AdamW (the blocks
-    run torch's fused kernel; head and tail torch's single-tensor loop, hence a tolerance)."""
+    """On CUDA, W=all and K=N: the losses and parameters of plain PyTorch + fused AdamW (blocks,
+    head and tail run torch's fused kernel, but in separate optimizers over fp32 masters, hence a
+    tolerance)."""
     model, batches = tiny_gpt(layers=4), [(x.cuda(), y.cuda()) for x, y in gpt_batches(10)]
     plain = copy.deepcopy(model).cuda()
     opt = torch.optim.AdamW(plain.parameters(), **HYPER, fused=True)
