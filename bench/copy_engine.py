@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LoadWatch, interleave, paired_ratio, print_table, write_json  # noqa: E402
+from common import LoadWatch, interleave, paired_ratio, print_table, time_call, write_json  # noqa: E402
 
 from pystronghold._ext import native  # noqa: E402
 from pystronghold.io import CopyEngine, FileStore, HostArena  # noqa: E402

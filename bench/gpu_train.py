@@ -307,8 +307,8 @@ def init_single_rank(device: torch.device) -> None:
 
     if dist.is_initialized():
         return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL's one rank uses this device
+    if device.type == "cuda":  # NCCL's one rank uses this device ("cuda" alone: the current one)
+        torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device.index)
     for key in ("RANK", "LOCAL_RANK"):  # DeepSpeed reads them
         os.environ.setdefault(key, "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -413,10 +413,10 @@ def main(argv=None) -> int:
             skipped[name] = reason
             print(f"{name}: skipped: {reason}")
             continue
-        if name in DISTRIBUTED:
-            init_single_rank(device)
         print(f"{name}: {args.warmup} + {args.steps} steps ...", flush=True)
         try:
+            if name in DISTRIBUTED:
+                init_single_rank(device)
             runs[name] = run_config(name, cfg, batches, args, device)
         except Exception as err:  # noqa: BLE001 - one configuration failing (e.g. out of memory) must
             # not cost the others their figures on a GPU lent for minutes; it is reported and fails the run

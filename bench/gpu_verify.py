@@ -94,8 +94,9 @@ if sys.argv[1] == "cuda" and not info.get("with_cuda"):
 
 
 def env_commands(ctx: Context) -> list[Command]:
-    cmds = [Command([ctx.python, "-c", VERSIONS], label="versions"),
-            Command([ctx.python, "-m", "pystronghold", "info"], label="pystronghold info")]
+    # NOTE: `pystronghold info` runs at the end of the build stage: before `pip install -e .` the
+    # package's kernels (installed from kernels/ through package_dir) are not importable
+    cmds = [Command([ctx.python, "-c", VERSIONS], label="versions")]
     if shutil.which("nvidia-smi"):
         cmds.insert(0, Command(["nvidia-smi"], label="nvidia-smi"))
     elif not ctx.dry:
@@ -115,7 +116,8 @@ def env_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> No
 def build_commands(ctx: Context) -> list[Command]:
     if ctx.dry:  # the CPU build (incremental: nothing to do after `make build`) and the check
         return [Command([ctx.python, "setup.py", "-q", "build_ext", "--inplace"], label="build_ext (CPU)"),
-                Command([ctx.python, "-c", BUILD_CHECK, "cpu"], label="build check")]
+                Command([ctx.python, "-c", BUILD_CHECK, "cpu"], label="build check"),
+                Command([ctx.python, "-m", "pystronghold", "info"], label="pystronghold info")]
     arch = ("import torch; print('%d.%d' % torch.cuda.get_device_capability())")
     try:
         cap = subprocess.run([ctx.python, "-c", arch], capture_output=True, text=True, timeout=60).stdout.strip()
@@ -143,14 +145,19 @@ def _has_xdist(python: str) -> bool:
 
 
 def tests_commands(ctx: Context) -> list[Command]:
-    pytest = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-m", "gpu",
-              f"--junitxml={ctx.work / 'tests.xml'}"]
+    """tests/gpu alone first, one process; then the rest of ``-m gpu`` in 4 processes sharing the
+    device. NOTE: on the H100 (2026-11-26) tests/gpu's exactness tests failed with 4 processes on the
+    device and passed alone: the serial run tells a race under load from a plain bug."""
+    pytest = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-m", "gpu"]
+    serial = [*pytest, f"--junitxml={ctx.work / 'tests-serial.xml'}", "--timeout", "120", "tests/gpu"]
     if ctx.dry:  # the selection must collect; the device tests themselves skip on the CPU
         return [Command([ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "gpu",
                          "tests"], label="pytest --collect-only -m gpu tests"),
-                Command([*pytest, "--timeout", "120", "tests/gpu"], label="pytest -m gpu tests/gpu")]
+                Command(serial, label="pytest -m gpu tests/gpu")]
     parallel = ["-n", "4"] if _has_xdist(ctx.python) else []
-    return [Command([*pytest, "--timeout", "150", *parallel, "tests"], label="pytest -m gpu tests")]
+    return [Command(serial, label="pytest -m gpu tests/gpu (one process)"),
+            Command([*pytest, f"--junitxml={ctx.work / 'tests-parallel.xml'}", "--timeout", "150", *parallel,
+                     "tests"], label=f"pytest -m gpu tests{' -n 4' if parallel else ''}")]
 
 
 def tests_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
@@ -158,25 +165,27 @@ def tests_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> 
         if "--collect-only" in run.argv:
             found = re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", run.output)
             result.figures.append(f"selection -m gpu collects {found.group(1) if found else '?'} tests")
-    xml = ctx.work / "tests.xml"
-    if not xml.exists():
-        return
-    suite = ET.parse(xml).getroot()
-    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    result.figures.append(f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
-                          f"{counts['skipped']} skipped")
-    failed = []
-    for case in suite.iter("testcase"):
-        bad = case.find("failure")
-        bad = bad if bad is not None else case.find("error")
-        if bad is not None:
-            failed.append(f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:200]}")
-    result.data["failed"] = failed
-    result.data["counts"] = counts
-    result.figures += [f"FAILED {f}" for f in failed[:20]]
-    if counts["tests"] == 0:
+    ran = 0
+    for label, name in (("tests/gpu, one process", "tests-serial.xml"), ("-m gpu, all", "tests-parallel.xml")):
+        xml = ctx.work / name
+        if not xml.exists():
+            continue
+        suite = ET.parse(xml).getroot()
+        suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        ran += counts["tests"]
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        result.figures.append(f"{label}: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
+                              f"{counts['skipped']} skipped")
+        failed = []
+        for case in suite.iter("testcase"):
+            bad = case.find("failure")
+            bad = bad if bad is not None else case.find("error")
+            if bad is not None:
+                failed.append(f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:200]}")
+        result.data[name] = {"counts": counts, "failed": failed}
+        result.figures += [f"FAILED ({label}) {f}" for f in failed[:20]]
+    if ran == 0:
         result.status = "fail"
         result.errors.append("no test ran")
 
@@ -443,8 +452,10 @@ def clip_cost(ctx: Context, result: StageResult) -> None:
 
 
 def suites() -> dict[str, list[Stage]]:
-    env = Stage("env", "nvidia-smi, pystronghold info, versions", 60, 10, env_commands, env_summary, dry_timeout_s=120)
-    build = Stage("build", "the CUDA build of _C (pip install -e ., build_ext)", 180, 60, build_commands,
+    env = Stage("env", "nvidia-smi, the versions of Python, torch, CUDA, triton and friends", 60, 25, env_commands,
+                env_summary, dry_timeout_s=120)
+    build = Stage("build", "the CUDA build of _C (pip install -e ., build_ext), pystronghold info", 180, 60,
+                  build_commands,
                   build_summary, dry_timeout_s=600)
     b4, b4_sum = big_train(4, 1.0)
     b16, b16_sum = big_train(16, 1.0)
@@ -452,7 +463,7 @@ def suites() -> dict[str, list[Stage]]:
     return {
         "verify": [
             env, build,
-            Stage("tests", "pytest -m gpu: tests/gpu, the CUDA tests, the Triton kernel tests on the device", 150, 60,
+            Stage("tests", "pytest -m gpu: tests/gpu alone, then with the CUDA and Triton kernel tests", 200, 60,
                   tests_commands, tests_summary, dry_timeout_s=300),
             Stage("train-1.3b", "bench/gpu_train.py gpt3-1.3b bf16 4 x 2048 (and batch 8)", 170, 60, train_commands,
                   train_summary, dry_timeout_s=300),

@@ -120,3 +120,52 @@ def test_auto_row_wraps_the_split_train_window_auto_chooses(monkeypatch):
     config, = given  # the run's shapes and precision, without clipping (the bench does not clip)
     assert (config.data.batch, config.seq, config.runtime.precision) == (args.batch, args.seq, args.precision)
     assert config.runtime.window == "auto" and config.runtime.clip_grad_norm is None
+
+
+def _load_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(bench_dir()))
+    spec = importlib.util.spec_from_file_location("gpu_train_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_a_failing_process_group_costs_only_its_own_configuration(tmp_path, monkeypatch):
+    """The one-rank group FSDP2 and DeepSpeed need is set up inside the configuration's guard: on the
+    H100 a failing set-up there lost plain's, W=2's and W=auto's figures with it."""
+    bench = _load_bench(monkeypatch)
+
+    def no_group(device):
+        raise ValueError("Expected a torch.device with a specified index or an integer, but got:cuda")
+
+    monkeypatch.setattr(bench, "init_single_rank", no_group)
+    out = tmp_path / "partial.json"
+    code = bench.main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--configs", "plain,fsdp2-offload",
+                       "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert code == 1 and [r["config"] for r in payload["records"]] == ["plain"]
+    assert payload["failed"]["fsdp2-offload"].startswith("ValueError: Expected a torch.device")
+
+
+def test_single_rank_group_names_the_device_by_index(monkeypatch):
+    """torch.cuda.set_device refuses torch.device('cuda') without an index (torch 2.11 on the H100):
+    the group's device is the current one then."""
+    import torch.distributed as dist
+
+    bench = _load_bench(monkeypatch)
+    chosen = []
+
+    def set_device(device):
+        if isinstance(device, torch.device) and device.index is None:
+            raise ValueError("Expected a torch.device with a specified index or an integer, but got:cuda")
+        chosen.append(device)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: chosen.append(kwargs["backend"]))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    bench.init_single_rank(torch.device("cuda"))
+    bench.init_single_rank(torch.device("cuda", 1))
+    assert chosen == [3, "cpu:gloo,cuda:nccl", 1, "cpu:gloo,cuda:nccl"]
