@@ -350,7 +350,7 @@ def big_train(batch: int, clip: float) -> tuple[Callable, Callable]:
         nvme.mkdir(parents=True)
         metrics = ctx.work / f"metrics-{tag}.jsonl"
         metrics.unlink(missing_ok=True)
-        common = ["--window", "auto", "--clip", str(clip), "--nvme", str(nvme), "--steps", "6", "--warmup", "2",
+        common = ["--window", "auto", "--clip", str(clip), "--nvme", str(nvme), "--steps", "6",
                   "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--quiet",
                   "--metrics-file", str(metrics), "--max-bytes", "2000000"]
         if ctx.dry:
@@ -496,6 +496,8 @@ def main(argv=None) -> int:
                         help="seconds for the whole suite on the GPU (default 480: a 10-minute command with room)")
     parser.add_argument("--stages", default=None, help="comma-separated subset of the suite's stages")
     parser.add_argument("--python", default=sys.executable, help="the Python that runs the stages")
+    parser.add_argument("--commit", default=None,
+                        help="the commit to name in the report (a copied tree's git may not be the checkout's)")
     args = parser.parse_args(argv)
     stages = suites()[args.suite]
     if args.stages:
@@ -507,7 +509,7 @@ def main(argv=None) -> int:
         stages = [s for s in stages if s.name in wanted]
     ctx = Context(dry=args.dry_run, out=args.out.resolve(), work=args.work.resolve(), python=args.python)
     return run_suite(args.suite, stages, ctx, args.budget,
-                     "CPU (dry run)" if ctx.dry else _device_name(ctx.python))
+                     "CPU (dry run)" if ctx.dry else _device_name(ctx.python), commit=args.commit)
 
 
 if __name__ == "__main__":

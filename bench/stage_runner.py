@@ -242,13 +242,14 @@ def write_report(ctx: Context, suite: str, results: list[StageResult], started: 
     (ctx.out / "REPORT.md").write_text("\n".join(lines) + "\n")
 
 
-def run_suite(suite: str, stages: list[Stage], ctx: Context, budget_s: float, device: str) -> int:
+def run_suite(suite: str, stages: list[Stage], ctx: Context, budget_s: float, device: str,
+              commit: str | None = None) -> int:
     """Run ``stages`` within ``budget_s`` seconds (the dry run: each its ``dry_timeout_s``); 0 when
     every stage passed. ``device``: the machine's accelerator, in words, for the report."""
     ctx.out.mkdir(parents=True, exist_ok=True)
     ctx.work.mkdir(parents=True, exist_ok=True)
     started, t0 = time.time(), time.perf_counter()
-    header = {"commit": _git("rev-parse", "--short=12", "HEAD"), "dirty": bool(_git("status", "--porcelain")),
+    header = {"commit": commit or _git("rev-parse", "--short=12", "HEAD"), "dirty": bool(_git("status", "--porcelain")),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": os.uname().nodename, "device": device}
     results: list[StageResult] = []
     with open(ctx.out / "log.txt", "w", encoding="utf-8", errors="replace") as log:
