@@ -1,4 +1,5 @@
-"""Vocab-parallel cross-entropy: Triton kernels vs F.cross_entropy, on one rank and on 2 gloo ranks."""
+"""Vocab-parallel cross-entropy: Triton kernels vs F.cross_entropy, on one rank (interpreter on CPU, kernels on
+GPU) and on 2 gloo ranks (CPU tensors in the interpreter: CPU machines only)."""
 
 import os
 import socket
@@ -16,6 +17,8 @@ import pystronghold.nn.functional as PF  # noqa: E402
 from pystronghold.nn import dispatch  # noqa: E402
 from pystronghold.kernels import cross_entropy as ce  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# ../shared/TRITON_CPU.md; they hold on a GPU too: the kernels have no tl.dot (no TF32), only fp32 loads and reductions
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 T, V = 32, 1000
 CANARY = -77.0
@@ -27,13 +30,13 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "triton")  # on a GPU too: these tests are the kernels' own
 
 
-def _targets(vocab_local: int, generator=None):
-    """Random targets plus both sides of every shard boundary and three ignored rows."""
+def _targets(vocab_local: int, generator=None, device="cpu"):
+    """Random targets plus both sides of every shard boundary and three ignored rows (drawn on CPU)."""
     target = torch.randint(0, V, (T,), generator=generator)
     boundaries = [0, V - 1] + [b + d for b in range(vocab_local, V, vocab_local) for d in (-1, 0)]
     target[1:1 + len(boundaries)] = torch.tensor(boundaries)
     target[[0, 17, T - 1]] = -100
-    return target
+    return target.to(device)
 
 
 def _compare(logits_full, target, shard_range, dtype, eps, reduction, group=None):
@@ -43,7 +46,8 @@ def _compare(logits_full, target, shard_range, dtype, eps, reduction, group=None
     loss = PF.vocab_parallel_cross_entropy(shard, target, group=group, label_smoothing=eps, reduction=reduction)
     full_ref = logits_full.to(dtype).float().clone().requires_grad_()  # dtype-rounded inputs, fp32 math
     ref = F.cross_entropy(full_ref, target, label_smoothing=eps, reduction=reduction)
-    weights = torch.linspace(0.5, 1.5, T) if reduction == "none" else torch.tensor(1.0)
+    device = logits_full.device
+    weights = torch.linspace(0.5, 1.5, T, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
     (loss.float() * weights).sum().backward()
     (ref * weights).sum().backward()
     tol = TOL[dtype]
@@ -62,21 +66,21 @@ ONE_RANK += [(dt, eps, red) for dt in (torch.float16, torch.bfloat16) for eps, r
 
 @pytest.mark.parametrize("dtype,eps,reduction", ONE_RANK, ids=str)
 def test_cross_entropy_one_rank(eps, reduction, dtype):
-    logits = 3 * torch.randn(T, V)
-    _compare(logits, _targets(V), (0, V), dtype, eps, reduction)
+    logits = 3 * torch.randn(T, V, device=DEVICE)
+    _compare(logits, _targets(V, device=DEVICE), (0, V), dtype, eps, reduction)
 
 
 def test_cross_entropy_canaries_untouched():
     pad = 41
-    logits, target = torch.randn(T, 37), torch.randint(0, 37, (T,))
-    buf = torch.full((T * 37 + 2 * pad,), CANARY)
+    logits, target = torch.randn(T, 37, device=DEVICE), torch.randint(0, 37, (T,), device=DEVICE)
+    buf = torch.full((T * 37 + 2 * pad,), CANARY, device=DEVICE)
     loss, _, grad = ce.ce_fwd(logits, target, None, -100, 0.0, "mean", True, grad=buf[pad:pad + T * 37].view(T, 37))
     assert (buf[:pad] == CANARY).all() and (buf[-pad:] == CANARY).all()
     torch.testing.assert_close(loss, F.cross_entropy(logits, target, reduction="none"))
 
 
 def test_cross_entropy_bad_inputs():
-    logits, target = torch.randn(4, 10), torch.zeros(4, dtype=torch.long)
+    logits, target = torch.randn(4, 10, device=DEVICE), torch.zeros(4, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="reduction"):
         PF.vocab_parallel_cross_entropy(logits, target, reduction="max")
     with pytest.raises(ValueError, match="expected logits_shard"):
@@ -117,5 +121,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors in the interpreter; on CUDA "
+                    "the one-rank tests cover the kernels, the CPU run the cross-rank reduction")
 def test_vocab_parallel_two_gloo_ranks():
     mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
