@@ -12,7 +12,7 @@ serial (one job at a time, in issue order), run concurrently:
 - collective: the data-parallel all-reduce of each block's gradient (after its backward);
 - D2H: gradient copy-outs (after the all-reduce);
 - CPU: the fused Adam of each block (after its copy-out; in "forward" overlap mode all of them
-  after the last copy-out, block 0 first).
+  once the whole backward has ended, resident blocks included, block 0 first).
 
 With K device-resident blocks (``resident``: blocks 0 .. K-1, ``pystronghold.runtime.resident``)
 those have no load, copy-out or host update: they compute forward and backward (without the
@@ -94,9 +94,13 @@ def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int, resident: int 
             if overlap == "backward":
                 cpu = max(cpu, d2h) + c.adam_s
                 update_done[j] = cpu
+        backward_end = comp
         comp += r * c.device_adam_s  # the resident blocks' device AdamW, in step()
-        if overlap == "forward" and r < n:  # the global gradient (norm, overflow check) first
-            cpu = max(cpu, d2h)
+        if overlap == "forward" and r < n:
+            # the global gradient (norm, overflow check) first: step() reads the norm, which needs
+            # every gradient, the resident blocks' too, then submits the host updates (the device
+            # AdamW runs meanwhile)
+            cpu = max(cpu, d2h, backward_end)
             for k in range(r, n):
                 cpu += c.adam_s
                 update_done[k] = cpu

@@ -51,6 +51,17 @@ def test_forward_overlap_waits_for_the_whole_gradient():
     assert fwd.total_s > back.total_s
 
 
+def test_forward_overlap_updates_start_after_the_resident_blocks_backward():
+    # K=2 resident + 2 streamed (W=2), fwd 1, bwd 2, host Adam 3 per streamed block, clipping. The
+    # norm needs the resident blocks' gradients too, so the updates start when the whole backward
+    # has ended (as step() submits them), not after the last streamed copy-out: block 2's update
+    # ends 3 s into the next step, block 3's 6 s; forward: residents to 2, block 2 from 3 to 4,
+    # block 3 from 6 to 7; backward 8: 15 s per step (by hand; 12 if they started 4 s earlier).
+    st = simulate_step(costs(adam=3.0), n_blocks=4, window=2, overlap="forward", resident=2)
+    assert st.total_s == pytest.approx(15.0)
+    assert st.exposed_optimizer_s == pytest.approx(3.0)
+
+
 def test_gradient_copies_hold_slots_in_backward():
     fast = simulate_step(costs(load=0.1, grad=0.1), n_blocks=6, window=2)
     slow = simulate_step(costs(load=0.1, grad=1.5), n_blocks=6, window=2)
