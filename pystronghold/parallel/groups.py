@@ -96,23 +96,36 @@ def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, pp: int = 1, 
     when needed. ``pp``: pipeline stages (``pystronghold.parallel.pipeline``).
 
     When the default process group does not exist yet and the environment names a world
-    (``WORLD_SIZE``, as torchrun sets), it is created with ``backend`` (default: nccl when CUDA is
-    available, else gloo) and ``timeout_s`` seconds as the collective timeout, so a rank whose
-    peers died raises instead of waiting forever. Without either, the run is one process.
+    (``WORLD_SIZE``, as torchrun sets), the sizes are checked against that world first (a bad
+    configuration raises on every rank before any of them touches the network), then the group is
+    created with ``backend`` (default: nccl when CUDA is available, else gloo) and ``timeout_s``
+    seconds as the collective timeout, so a rank whose peers died raises instead of waiting
+    forever. Without either, the run is one process.
     The TP and DP groups get the same ``timeout_s`` whoever created the default group.
     ``heads`` (optional) is checked for divisibility by ``tp_size`` before any group is made.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, timeout=timeout)
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    create = not dist.is_initialized() and "WORLD_SIZE" in os.environ
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    elif create:  # the world init_process_group would join (env://, as torchrun sets it)
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
+    else:
+        world, rank = 1, 0
+    # NOTE: checked before the default group is created: creating it is itself collective (the
+    # store's rendezvous, gloo's full mesh), so a rank that raised after it would tear down its
+    # sockets while a slower peer is still connecting, and that peer would fail with a connection
+    # error instead of this ValueError.
     try:
         dp_size = validate_parallel_sizes(world, tp_size, dp_size, heads, pp_size=pp)
     except ValueError as err:
         if rank == 0:
             log.error("bad parallel configuration: %s", err)
         raise
+    if create:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=timeout)
+        world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return ParallelGroups(rank=0, world_size=1, tp_size=1, dp_size=1, tp_rank=0, dp_rank=0,
                               tp_group=None, dp_group=None)

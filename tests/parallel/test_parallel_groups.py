@@ -114,15 +114,29 @@ def test_a_failing_rank_is_reported_and_the_others_stopped():
 
 
 def _torchrun_start_with_bad_tp(rank: int, world: int) -> None:
-    # as under torchrun: init_parallel creates the default group from the environment itself
+    # as under torchrun: init_parallel would create the default group from the environment itself
     records = _Records()
     logging.getLogger("pystronghold.parallel.groups").addHandler(records)
     with pytest.raises(ValueError, match="tp_size=3 must divide the world size 2"):
         init_parallel(tp_size=3, timeout_s=10)
-    assert dist.is_initialized()
+    # checked against WORLD_SIZE before the rendezvous: creating the group is collective, and a rank
+    # that raised after it would close its sockets under a slower peer still connecting
+    assert not dist.is_initialized()
     assert len(records.messages) == (1 if rank == 0 else 0)
 
 
 def test_bad_tp_at_start_fails_on_every_rank_without_hanging():
     """Every rank gets the ValueError at start and returns (a rank left waiting would time out)."""
     run_ranks(_torchrun_start_with_bad_tp, 2, init=False, timeout_s=60)
+
+
+def _torchrun_start_with_good_tp(rank: int, world: int) -> None:
+    g = init_parallel(tp_size=2, heads=4, timeout_s=30)  # checked against WORLD_SIZE, then created
+    assert dist.is_initialized() and (g.world_size, g.rank, g.tp_size, g.tp_rank) == (2, rank, 2, rank)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=g.tp_group)
+    assert x.item() == 2
+
+
+def test_good_tp_at_start_creates_the_default_group():
+    run_ranks(_torchrun_start_with_good_tp, 2, init=False)
