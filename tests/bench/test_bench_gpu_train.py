@@ -164,8 +164,9 @@ def test_single_rank_group_names_the_device_by_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: chosen.append(kwargs["backend"]))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # set by the call: undone after the test
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
     bench.init_single_rank(torch.device("cuda"))
     bench.init_single_rank(torch.device("cuda", 1))
     assert chosen == [3, "cpu:gloo,cuda:nccl", 1, "cpu:gloo,cuda:nccl"]
