@@ -56,6 +56,12 @@ class PassExecutor:
         self._grad_valid = [False] * self.n_streamed  # host grad holds earlier micro-batches' sum
         self._block_backwards = [0] * self.n_streamed  # each block's backward uses since the last step
         self._copies: list[tuple[str, int, object]] = []  # for the trace
+        if config.strict:
+            # NOTE: fresh device memory holds whatever was there (zeros, often): poisoned too, a read
+            # before a slot's first load lands shows as NaN rather than as plausible numbers
+            for slot in window.slots:
+                backend.poison(slot.params)
+                backend.poison(slot.grads)
         self.micro_batches = 0
         """Backward passes since the last step."""
         self.test_skip_waits: set[str] = set()

@@ -136,6 +136,19 @@ def test_strict_mode_catches_a_removed_wait():
     assert losses and not math.isfinite(losses[0])
 
 
+def test_strict_mode_catches_a_read_before_a_slots_first_load():
+    """W=all: no slot is released before its first use, so only a poisoned fresh slot turns a
+    compute that does not wait for the first loads into NaN (fresh device memory reads as zeros,
+    often: plausible, wrong numbers)."""
+    batches = het_batches(2)
+    model = HetStack()
+    losses = []
+    with pytest.raises(FloatingPointError, match="inf/NaN"):
+        train_engine(copy.deepcopy(model), batches, window=len(model.blocks), strict=True,
+                     engine_hook=lambda e: (_slow(e, skip_wait=True), _record_losses(e, losses)))
+    assert losses and not math.isfinite(losses[0])
+
+
 def _record_losses(engine, out):
     inner = engine.backward
 
