@@ -279,3 +279,25 @@ def token_batches(vocab_size: int, batch: int, seq: int, count: int, seed: int =
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab_size, (batch, seq), generator=g),
              torch.randint(0, vocab_size, (batch, seq), generator=g)) for _ in range(count)]
+
+
+# ---- host memory
+
+def reset_host_peak() -> bool:
+    """Reset the process's peak RSS (VmHWM); False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def host_peak_bytes() -> int:
+    """The process's peak resident set (VmHWM), bytes; 0 where /proc is absent."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timing, print_table, write_json  # noqa: E402
+from common import Timing, host_peak_bytes, print_table, reset_host_peak, write_json  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, block_param_count, param_count  # noqa: E402
@@ -235,26 +235,6 @@ def matmul_params(cfg) -> int:
 def model_flops_per_step(cfg, batch: int, seq: int) -> float:
     """tokens * (6 N + 12 L h T) (see the module docstring)."""
     return batch * seq * (6 * matmul_params(cfg) + 12 * cfg.layers * cfg.hidden * seq)
-
-
-def reset_host_peak() -> bool:
-    """Reset the process's peak RSS (VmHWM); False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def host_peak_bytes() -> int:
-    """The process's peak resident set (VmHWM), bytes; 0 where /proc is absent."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def fresh_state(device: torch.device) -> None:

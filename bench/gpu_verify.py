@@ -36,14 +36,13 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_verify_big import big_train  # noqa: E402
 from stage_runner import (ROOT, Command, CommandRun, Context, Stage, StageResult, Target,  # noqa: E402
                           run_suite)
 
@@ -213,11 +212,11 @@ def _records(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _ratio_target(name: str, num: float | None, den: float | None, goal: float, unit: str = "x") -> Target:
+def _ratio_target(name: str, num: float | None, den: float | None, goal: float) -> Target:
     if not num or not den:
-        return Target(name, "not measured", f">= {goal}{unit}", None)
+        return Target(name, "not measured", f">= {goal}x", None)
     ratio = num / den
-    return Target(name, f"{ratio:.2f}{unit}", f">= {goal}{unit}", ratio >= goal)
+    return Target(name, f"{ratio:.2f}x", f">= {goal}x", ratio >= goal)
 
 
 def train_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
@@ -334,129 +333,11 @@ def fill_summary(ctx: Context, result: StageResult, runs: list[CommandRun]) -> N
                                      "<= 30 s", whole <= 30))
 
 
-# ---- gpt3-6.7b through `pystronghold train`
-
-STORE_LINE = re.compile(r"store ready in .*")
-SPLIT_LINE = re.compile(r"window=auto: .*")
-PREDICTED = re.compile(r"predicted step ([\d.]+) ms")
-
-
-def big_train(batch: int, clip: float) -> tuple[Callable, Callable]:
-    tag = f"b{batch}{'' if clip else '-noclip'}"
-
-    def commands(ctx: Context) -> list[Command]:
-        nvme = ctx.work / f"nvme-{tag}"
-        shutil.rmtree(nvme, ignore_errors=True)
-        nvme.mkdir(parents=True)
-        metrics = ctx.work / f"metrics-{tag}.jsonl"
-        metrics.unlink(missing_ok=True)
-        common = ["--window", "auto", "--clip", str(clip), "--nvme", str(nvme), "--steps", "6",
-                  "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--quiet",
-                  "--metrics-file", str(metrics), "--max-bytes", "2000000"]
-        if ctx.dry:
-            size = ["--model", "tiny", "--device", "cpu", "--precision", "fp32", "--seq", "64",
-                    "--batch", str(batch), "--nvme-states", "all"]
-        else:
-            size = ["--model", "gpt3-6.7b", "--device", "cuda", "--precision", "bf16", "--seq", "2048",
-                    "--batch", str(batch)]
-        return [Command([ctx.python, "-m", "pystronghold", "train", *size, *common], label=f"train {tag}")]
-
-    def summarize(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
-        if not runs:
-            return
-        out = runs[-1].output
-        store, split = STORE_LINE.search(out), SPLIT_LINE.search(out)
-        if store:
-            result.figures.append(store.group(0))
-            secs = re.match(r"store ready in ([\d.]+) s", store.group(0))
-            if secs and not ctx.dry:
-                result.targets.append(Target(f"6.7B {tag}: store ready", f"{float(secs.group(1)):.1f} s", "<= 30 s",
-                                             float(secs.group(1)) <= 30))
-        if split:
-            result.figures.append(split.group(0)[:400])
-        steps = [json.loads(ln) for ln in (ctx.work / f"metrics-{tag}.jsonl").read_text().splitlines()
-                 if ln.strip()] if (ctx.work / f"metrics-{tag}.jsonl").exists() else []
-        steps = [s for s in steps if "ms_per_step" in s]
-        result.data = {"steps": steps, "store": store.group(0) if store else None,
-                       "split": split.group(0) if split else None, "host_peak_rss_bytes": runs[-1].max_rss_bytes}
-        result.figures.append(f"host peak RSS {runs[-1].max_rss_bytes / 2**30:.1f} GiB")
-        if not steps:
-            result.errors.append("no metrics line: the run made no step")
-            return
-        timed = [s["ms_per_step"] for s in steps[2:]] or [s["ms_per_step"] for s in steps]
-        step_ms = statistics.median(timed)
-        losses = [s["loss"] for s in steps]
-        peak = max(s["device_peak_bytes"] for s in steps)
-        flops = _model_flops(ctx, batch)
-        result.data.update(step_ms=step_ms, losses=losses, device_peak_bytes=peak, flops_per_step=flops)
-        tflops = flops / (step_ms / 1e3) / 1e12 if flops else None
-        result.figures.append(f"{len(steps)} steps: median {step_ms:.0f} ms/step over steps 3-{len(steps)}"
-                              + (f", {tflops:.1f} model TFLOP/s" if tflops else "")
-                              + f", device peak {peak / 2**30:.2f} GiB, losses {' '.join(f'{x:.3f}' for x in losses)}")
-        falls = losses[-1] < losses[0]
-        result.targets.append(Target(f"6.7B {tag}: the loss falls", f"{losses[0]:.3f} -> {losses[-1]:.3f}",
-                                     "last < first", falls))
-        if not falls:
-            result.status = "fail" if result.status == "pass" else result.status
-            result.errors.append(f"the loss did not fall: {losses}")
-        predicted = PREDICTED.search(split.group(0)) if split else None
-        if predicted:
-            err = abs(float(predicted.group(1)) / step_ms - 1)
-            result.data["predicted_step_ms"] = float(predicted.group(1))
-            result.targets.append(Target(f"planner 6.7B {tag}: |predicted / measured - 1|",
-                                         f"{100 * err:.1f}% ({float(predicted.group(1)):.0f} vs {step_ms:.0f} ms)",
-                                         "<= 10%", err <= 0.10 if not ctx.dry else None))
-        if not clip:
-            clip_cost(ctx, result)
-        if ctx.dry:
-            return
-        if batch == 4 and clip:
-            result.targets.append(Target("6.7B b4: step time", f"{step_ms / 1e3:.2f} s", "<= 1.8 s",
-                                         step_ms <= 1800))
-        if batch == 16 and tflops:
-            result.targets.append(Target("6.7B b16: model TFLOP/s", f"{tflops:.0f}", ">= 300", tflops >= 300))
-
-    return commands, summarize
-
-
-MODEL_FLOPS = """
-import sys
-sys.path.insert(0, "bench")
-from gpu_train import model_flops_per_step
-from pystronghold.train.model_spec import resolve_model
-print(model_flops_per_step(resolve_model(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))
-"""
-
-
-def _model_flops(ctx: Context, batch: int) -> float | None:
-    """Model FLOPs of one step as bench/gpu_train.py counts them (in a child: the driver imports no torch)."""
-    model, seq = ("tiny", 64) if ctx.dry else ("gpt3-6.7b", 2048)
-    try:
-        done = subprocess.run([ctx.python, "-c", MODEL_FLOPS, model, str(batch), str(seq)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
-        return float(done.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
-def clip_cost(ctx: Context, result: StageResult) -> None:
-    """The b4 step with clipping against this stage's without (the target: at most 1.10x)."""
-    clip = next((r for r in ctx.results if r.name == "train-6.7b-b4"), None)
-    if clip is None or "step_ms" not in clip.data or "step_ms" not in result.data:
-        result.targets.append(Target("6.7B b4: clipping / no clipping step time", "not measured", "<= 1.10x", None))
-        return
-    ratio = clip.data["step_ms"] / result.data["step_ms"]
-    result.figures.append(f"clipping costs {ratio:.2f}x the step without it")
-    result.targets.append(Target("6.7B b4: clipping / no clipping step time", f"{ratio:.2f}x", "<= 1.10x",
-                                 None if ctx.dry else ratio <= 1.10))
-
-
 def suites() -> dict[str, list[Stage]]:
     env = Stage("env", "nvidia-smi, the versions of Python, torch, CUDA, triton and friends", 60, 25, env_commands,
                 env_summary, dry_timeout_s=120)
     build = Stage("build", "the CUDA build of _C (pip install -e ., build_ext), pystronghold info", 180, 60,
-                  build_commands,
-                  build_summary, dry_timeout_s=600)
+                  build_commands, build_summary, dry_timeout_s=600)
     b4, b4_sum = big_train(4, 1.0)
     b16, b16_sum = big_train(16, 1.0)
     b4n, b4n_sum = big_train(4, 0.0)

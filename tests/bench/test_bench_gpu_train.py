@@ -71,11 +71,16 @@ def test_without_cuda_one_clear_line():
     assert proc.stdout.strip().splitlines() == [proc.stdout.strip()] and "no CUDA device" in proc.stdout
 
 
-def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_path, monkeypatch, capsys):
+def _load_bench(monkeypatch):
     monkeypatch.syspath_prepend(str(bench_dir()))
     spec = importlib.util.spec_from_file_location("gpu_train_under_test", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_path, monkeypatch, capsys):
+    bench = _load_bench(monkeypatch)
 
     def out_of_memory(model, args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -94,10 +99,7 @@ def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_p
 def test_auto_row_wraps_the_split_train_window_auto_chooses(monkeypatch):
     """W=auto wraps K resident blocks, their recompute and W as ``choose_runtime_window`` gives them
     (the planner's decision is made up here: K = 2 recomputing, W = 1)."""
-    monkeypatch.syspath_prepend(str(bench_dir()))
-    spec = importlib.util.spec_from_file_location("gpu_train_under_test", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench(monkeypatch)
     args, cfg = bench.parse_args(["--device", "cpu", "--steps", "1", "--warmup", "0"])
     given = []
 
@@ -121,13 +123,6 @@ def test_auto_row_wraps_the_split_train_window_auto_chooses(monkeypatch):
     assert (config.data.batch, config.seq, config.runtime.precision) == (args.batch, args.seq, args.precision)
     assert config.runtime.window == "auto" and config.runtime.clip_grad_norm is None
 
-
-def _load_bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(bench_dir()))
-    spec = importlib.util.spec_from_file_location("gpu_train_under_test", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def test_a_failing_process_group_costs_only_its_own_configuration(tmp_path, monkeypatch):
