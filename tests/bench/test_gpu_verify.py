@@ -48,11 +48,10 @@ def test_every_stage_runs_and_reports_failures_timeouts_and_figures(tmp_path):
               _stage("hangs", orphan, timeout=1.5),
               _stage("last", "print('still ran')", summarize=figures)]
     ctx = Context(dry=True, out=tmp_path / "out", work=tmp_path / "work", python=sys.executable)
-    start = time.perf_counter()
     rc = run_suite("unit", stages, ctx, budget_s=1000, device="none")
     assert rc == 1
-    assert time.perf_counter() - start < 30  # the hanging stage was cut at its timeout
     report, markdown = _report(ctx)
+    assert report["stages"][2]["commands"][0]["rc"] is None  # the hanging stage was killed at its timeout
     assert [(s["name"], s["status"]) for s in report["stages"]] == [
         ("first", "pass"), ("broken", "fail"), ("hangs", "timeout"), ("last", "pass")]
     assert report["status"] == "fail"
