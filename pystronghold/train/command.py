@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 __all__ = ["add_train_command", "add_export_command", "config_from_args"]
 
@@ -40,6 +41,23 @@ def _one_line_error(prog: str):
     return error
 
 
+RANK_0_REPORT_WAIT_S = 60.0
+
+
+def _leave_the_first_exit_to_rank_0(message: str) -> None:
+    """A rank other than 0 that failed at start-up: wait (at most ``RANK_0_REPORT_WAIT_S`` seconds)
+    for the launcher to stop it, and print ``message`` only if it is still running then.
+
+    Every rank fails alike on bad input, and rank 0 alone prints it. A rank that got there first and
+    exited would make torchrun report its silent failure and terminate rank 0 before it printed
+    (start-up times differ by seconds under load): so the others let rank 0 exit first, and
+    torchrun's SIGTERM ends them. A rank still alive after the wait failed where rank 0 did not
+    (its own files, say), so it says why itself.
+    """
+    time.sleep(RANK_0_REPORT_WAIT_S)
+    print(f"pystronghold train: error: rank {os.environ.get('RANK')}: {message}", file=sys.stderr)
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Run ``pystronghold train``: 0 on success, 2 on bad input, 1 when training fails."""
     from pystronghold.train.checkpoint import CheckpointError
@@ -59,7 +77,10 @@ def run_train(args: argparse.Namespace) -> int:
         trainer = Trainer(config)
     except (ValueError, OSError, MemoryError, CheckpointError) as e:  # bad input, data, host too small
         close_parallel()
-        error(str(e))
+        if rank0:
+            error(str(e))
+        else:
+            _leave_the_first_exit_to_rank_0(str(e))
         return 2
     except BaseException:
         close_parallel()

@@ -11,9 +11,11 @@ rank 0 only, within a timeout (no rank left waiting).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
-from torchrun_cli import assert_logs_reference, reference_losses, run_train
+from torchrun_cli import ARGS, TIMEOUT_S, assert_logs_reference, reference_losses, run_train
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,33 @@ def test_misconfiguration_fails_on_every_rank_with_one_message(extra, message):
     assert "exitcode: 2" in p.stderr  # our exit status, not a crash (torchrun reports the first failure)
     # NOTE: torchrun itself prints its ChildFailedError traceback; no rank prints one
     assert "pystronghold/" not in p.stderr.replace("pystronghold/.venv", "")
+
+
+def test_rank_0_reports_even_when_it_starts_last(tmp_path):
+    """Rank 0 reaches the check seconds after the others (as under load): its line is still printed,
+    and torchrun reports its exit status, not a silent rank's."""
+    late_rank_0 = tmp_path / "late_rank_0.py"
+    late_rank_0.write_text("import os, sys, time\n"
+                           "if os.environ['RANK'] == '0':\n    time.sleep(5)\n"
+                           "from pystronghold.cli import main\nsys.exit(main())\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(late_rank_0), "train", *ARGS, "--tp", "3"],
+                       capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    ours = [line for line in p.stderr.splitlines() if line.startswith("pystronghold train: error:")]
+    assert ours == ["pystronghold train: error: --tp 3 must divide the number of processes 2"], p.stderr
+    assert "exitcode: 2" in p.stderr
+
+
+def test_a_rank_failing_alone_says_why_after_waiting_for_rank_0(monkeypatch, capsys):
+    from pystronghold.cli import main
+    from pystronghold.train import command
+
+    monkeypatch.setattr(command, "RANK_0_REPORT_WAIT_S", 0.0)
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train", *ARGS, "--data", "/nonexistent/text"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pystronghold train: error: rank 1: ") and "/nonexistent/text" in err[0]
 
 
 def test_single_process_with_tp_says_how_to_launch():
