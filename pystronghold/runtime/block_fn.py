@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree as pytree
 
+from pystronghold.runtime import autocast_state
 from pystronghold.runtime.purity import argument_name, fingerprint, is_mutable_cache, output_checksums
 
 __all__ = ["install", "BlockFunction"]
@@ -129,6 +130,7 @@ class BlockFunction(torch.autograd.Function):
                     out = fn(*args, **kwargs)
             else:
                 rng = _rng_state(engine.device) if train else None
+                autocast = autocast_state.capture(engine.device) if train else None
                 args, kwargs = pytree.tree_unflatten(list(flat), spec)
                 out = fn(*args, **kwargs)
         engine.leave(block, "fwd")
@@ -144,7 +146,7 @@ class BlockFunction(torch.autograd.Function):
             if keep:
                 ctx.graph = (tensors, inputs)
             else:
-                ctx.rng, ctx.prints = rng, prints
+                ctx.rng, ctx.autocast, ctx.prints = rng, autocast, prints
                 ctx.checksums = output_checksums(tensors) if engine.config.strict else None
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
                 saved = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -170,7 +172,8 @@ class BlockFunction(torch.autograd.Function):
             _check_unchanged(block, ctx.spec, inputs, ctx.prints, "between its forward and its recompute")
             args, kwargs = pytree.tree_unflatten(inputs, ctx.spec)
             fn = engine.block_forwards[block]
-            with engine.span("recompute", block), torch.enable_grad():
+            # NOTE: under the forward's autocast: backward usually runs after the caller's has closed
+            with engine.span("recompute", block), torch.enable_grad(), autocast_state.entered(ctx.autocast):
                 out = _run_with_rng(ctx.rng, engine.device, lambda: fn(*args, **kwargs))
             outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
             if ctx.checksums is not None:

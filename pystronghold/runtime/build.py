@@ -62,6 +62,9 @@ class EngineParts:
     """Full model names of ``head_tail_params``."""
     head_tail_masters: list[torch.Tensor]
     """fp32 masters of ``head_tail_params`` on the device, from the values before any cast."""
+    saved_dtypes: dict[str, torch.dtype]
+    """Each parameter's dtype before ``wrap``, by full model name: ``model.state_dict()`` gives the
+    fp32 masters in it, as the model would under plain autocast."""
     window_size: int
     """W: device slots."""
     dtype: torch.dtype
@@ -124,6 +127,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
     n = total - k  # streamed blocks: global index k + local index
     window = window_slots(config.window, n, k)
     dtype = compute_dtype(config.precision)
+    saved_dtypes = {name: p.dtype for name, p in model.named_parameters()}
     par = config.parallel
     if config.nvme_dir is not None:
         check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
@@ -184,7 +188,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
                      for p, span in zip(ps, lay.spans)},  # block parameters are placeholders now
         block_names=[[names[id(p)] for p in ps] for ps in resident_params + block_params],
         head_tail_params=head_tail_params, head_tail_names=[names[id(p)] for p in head_tail_params],
-        head_tail_masters=head_tail_masters, window_size=window, dtype=dtype,
+        head_tail_masters=head_tail_masters, saved_dtypes=saved_dtypes, window_size=window, dtype=dtype,
         planned_arena_bytes=planned_arena_bytes, placement=placement, scratch=scratch, backend=backend,
         store=store, fill_times=fill_times, window=Window(backend, layouts, block_params, window, dtype),
         plans={train: build_plan(n, window, train) for train in (True, False)} if n else {},

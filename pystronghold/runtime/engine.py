@@ -26,8 +26,8 @@ from pystronghold.runtime.host_time import HostSpans
 from pystronghold.runtime.schedule import Plan
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.optim.window_optimizer import WindowOptimizer
-from pystronghold.runtime.state_dict import (EngineStates, install_model_hooks, load_optimizer_state_dict,
-                                             optimizer_state_dict)
+from pystronghold.runtime.state_dict import (EngineStates, engine_state_dict, install_model_hooks,
+                                             load_engine_state_dict, load_optimizer_state_dict, optimizer_state_dict)
 from pystronghold.runtime.step import OptimizerStep
 
 __all__ = ["Engine"]
@@ -82,7 +82,8 @@ class Engine:
             torch.autograd.graph.register_multi_grad_hook(self.resident.params, self.executor.count_backward,
                                                           mode="any")
         self.states = EngineStates(self, parts.block_names, parts.head_tail_names)
-        install_model_hooks(self, model, parts.streamed_blocks)  # model.state_dict() etc. via the store
+        # model.state_dict() etc. via the store, the masters in their dtype before wrap
+        install_model_hooks(self, model, parts.streamed_blocks, parts.saved_dtypes)
         self._forward_signature = forward_signature(model)
         kept = {True: "recomputed", False: "activations kept"}
         log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes, %s), %d streamed "
@@ -172,6 +173,16 @@ class Engine:
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """fp32 value of every parameter by its model name (host store for blocks); synchronizes first."""
         return self.states.master_parameters()
+
+    def state_dict(self) -> dict:
+        """What the engine itself holds: step counts (the run's, the fp16 skips, each block's), the fp16
+        loss scale and the layer-drop draws (``state_dict.engine_state_dict``). With
+        ``model.state_dict()`` and ``engine.optimizer.state_dict()`` it is a whole checkpoint."""
+        return engine_state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load ``state_dict()``'s values (between steps; ValueError for a state that does not fit)."""
+        load_engine_state_dict(self, state)
 
     def use_step_plan(self, plan: Plan, train: bool = True) -> None:
         """Train with ``plan`` (``schedule.plan_uses``) covering a whole optimizer step instead of

@@ -48,9 +48,19 @@ class DynamicLossScaler:
             self.clean_steps = 0
         else:
             self.clean_steps += 1
-            if self.clean_steps == self.interval:
+            if self.clean_steps >= self.interval:  # >=: a state saved under a longer interval
                 self.scale *= self.growth
                 self.clean_steps = 0
 
     def state_dict(self) -> dict:
+        """``{"scale": current loss scale, "clean_steps": steps since the last change}``."""
         return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``'s scale and clean-step count."""
+        if not isinstance(state, dict) or not {"scale", "clean_steps"} <= state.keys():
+            raise ValueError(f"loss scale state: expected a dict with 'scale' and 'clean_steps', got {state!r}")
+        scale, clean = float(state["scale"]), int(state["clean_steps"])
+        if not (scale > 0 and clean >= 0):
+            raise ValueError(f"loss scale state: need scale > 0 and clean_steps >= 0, got {scale} and {clean}")
+        self.scale, self.clean_steps = scale, clean

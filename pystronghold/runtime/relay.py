@@ -44,6 +44,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from pystronghold.runtime import autocast_state
+
 __all__ = ["Relay", "RelayAborted", "accumulate"]
 
 log = logging.getLogger(__name__)
@@ -61,15 +63,6 @@ class _Staged:
     def __init__(self, storage, host: torch.Tensor, handle) -> None:
         self.storage, self.host, self.handle, self.freed = storage, host, handle, False
         self.back = None  # the copy bringing it back, once issued
-
-
-def caller_autocast(device: torch.device) -> list[dict]:
-    """The calling thread's autocast state on the CPU and on ``device``'s type, as the arguments of
-    the ``torch.autocast`` contexts that reproduce it (autocast is thread-local: a micro-batch
-    thread enters a context of its own for each, to compute as the caller would)."""
-    cache = torch.is_autocast_cache_enabled()
-    return [dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), cache_enabled=cache)
-            for kind in dict.fromkeys(("cpu", device.type)) if torch.is_autocast_enabled(kind)]
 
 
 def _bytes_of(storage, device: torch.device) -> torch.Tensor:
@@ -165,7 +158,7 @@ class Relay:
         errors: list[BaseException | None] = [None] * m
         grad_enabled = torch.is_grad_enabled()
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        autocast = caller_autocast(device)
+        autocast = autocast_state.capture(device)
 
         def run(j: int) -> None:
             self._local.index = j
@@ -173,8 +166,7 @@ class Relay:
                 with contextlib.ExitStack() as thread_state:
                     if j > 0:  # a new thread: the caller's grad mode, autocast, device and stream
                         torch.set_grad_enabled(grad_enabled)
-                        for kwargs in autocast:
-                            thread_state.enter_context(torch.autocast(**kwargs))
+                        thread_state.enter_context(autocast_state.entered(autocast))
                         if stream is not None:
                             torch.cuda.set_device(device)
                             torch.cuda.set_stream(stream)

@@ -1,17 +1,20 @@
-"""Whole values of a wrapped model: ``model.state_dict()``, ``engine.optimizer.state_dict()`` and
-their ``load_state_dict``, over the store where the block states really live.
+"""Whole values of a wrapped model: ``model.state_dict()``, ``engine.optimizer.state_dict()``,
+``engine.state_dict()`` and their ``load_state_dict``, over the store where the block states live.
 
 A windowed block's ``Parameter`` is an empty placeholder between passes; its value (fp32 master)
 and AdamW moments are in the host store (or the file tier). ``EngineStates`` (``engine.states``)
 reads and writes them one block at a time, by full parameter name; ``install_model_hooks`` makes
 ``model.state_dict()`` / ``model.load_state_dict()`` go through it, and ``optimizer_state_dict`` /
-``load_optimizer_state_dict`` give ``engine.optimizer`` torch AdamW's format.
+``load_optimizer_state_dict`` give ``engine.optimizer`` torch AdamW's format. ``model.state_dict()``
+holds the fp32 masters in each parameter's dtype before ``wrap`` whatever the compute precision,
+as the model under plain autocast would: a bf16 run saves and resumes without rounding.
+``engine_state_dict`` is the rest: step counts, the fp16 loss scale, the layer-drop draws.
 
-Memory: as in PyTorch, state dicts alias the live values rather than copy them: in fp32 a block
-entry of ``model.state_dict()`` and the moments of ``engine.optimizer.state_dict()`` are views
-into the host store (nothing is doubled; copy them to keep a snapshot while training goes on).
-A state on disk is read one block at a time into a copy, and bf16/fp16 values are cast copies
-(the model once). ``load_state_dict`` stages one block at a time. The checkpoint writer (``pystronghold.train.checkpoint``) streams block by block through
+Memory: as in PyTorch, state dicts alias the live values rather than copy them: a block entry of
+``model.state_dict()`` (of a model built in fp32) and the moments of ``engine.optimizer.state_dict()``
+are views into the host store (nothing is doubled; copy them to keep a snapshot while training goes
+on). A state on disk is read one block at a time into a copy. ``load_state_dict`` stages one block
+at a time. The checkpoint writer (``pystronghold.train.checkpoint``) streams block by block through
 ``read_block`` / ``write_block``.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["EngineStates", "install_model_hooks", "optimizer_state_dict", "load_optimizer_state_dict",
-           "block_step_counts", "set_block_step_counts"]
+           "block_step_counts", "set_block_step_counts", "engine_state_dict", "load_engine_state_dict"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """The AdamW states kept per parameter besides its value (torch's names)."""
@@ -138,23 +141,39 @@ class EngineStates:
 # ---- model.state_dict() / load_state_dict()
 
 
-def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleList) -> None:
-    """Make ``state_dict()`` of ``model`` (or of any module containing blocks) return every block's
-    trained values from the store, in the model's dtype, and ``load_state_dict()`` write them there."""
+def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleList,
+                        saved_dtypes: dict[str, torch.dtype]) -> None:
+    """Make ``state_dict()`` of ``model`` (or of any module containing blocks) return every
+    parameter's fp32 master (the store's for streamed blocks) in its dtype before ``wrap``
+    (``saved_dtypes``, by full name), and ``load_state_dict()`` write the masters."""
     for b, block in enumerate(blocks):
-        _hook_block(engine, b, block)
+        _hook_block(engine, b, block, saved_dtypes)
     block_modules = {id(m) for block in blocks for m in block.modules()}
-    # bf16/fp16: fp32 masters of head/tail and resident blocks are copies; a load must reach them too
+    names = {id(p): name for name, p in model.named_parameters()}
+    # head/tail and resident blocks: in bf16/fp16 their fp32 masters are copies beside the parameters
     for dev, write in ((engine.device_optimizer, lambda i, v: engine.states.write_head_tail(i, master=v)),
                        (engine.resident.optimizer, _resident_master_writer(engine))):
-        separate = {id(p): i for i, (p, m) in enumerate(zip(dev.params, dev.masters)) if m is not p}
-        if not separate:
-            continue
+        index = {id(p): i for i, p in enumerate(dev.params)}
         for module in model.modules():
-            own = {name: separate[id(p)] for name, p in module.named_parameters(recurse=False)
-                   if id(p) in separate}
-            if own and id(module) not in block_modules:
-                module.register_load_state_dict_pre_hook(_master_loader(dev, own, write))
+            if id(module) in block_modules:
+                continue
+            own = {name: index[id(p)] for name, p in module.named_parameters(recurse=False) if id(p) in index}
+            separate = {name: i for name, i in own.items() if dev.masters[i] is not dev.params[i]}
+            if separate:
+                module.register_load_state_dict_pre_hook(_master_loader(dev, separate, write))
+            dtypes = {name: saved_dtypes[names[id(dev.params[i])]] for name, i in own.items()}
+            saved = {name: i for name, i in own.items() if name in separate or dtypes[name] != dev.params[i].dtype}
+            if saved:
+                module.register_state_dict_post_hook(_master_saver(dev, saved, dtypes))
+
+
+def _master_saver(dev, own: dict[str, int], dtypes: dict[str, torch.dtype]):
+    def save_masters(module, state_dict, prefix, local_metadata) -> None:
+        for name, index in own.items():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = dev.masters[index].detach().to(dtypes[name])
+
+    return save_masters
 
 
 def _resident_master_writer(engine):
@@ -175,18 +194,19 @@ def _master_loader(dev, own: dict[str, int], write):
     return load_masters
 
 
-def _hook_block(engine, b: int, block: torch.nn.Module) -> None:
+def _hook_block(engine, b: int, block: torch.nn.Module, saved_dtypes: dict[str, torch.dtype]) -> None:
     """Hooks of streamed block ``b`` (its global index is ``resident.count + b``)."""
     spans = engine.store.layouts[b].spans
     params = engine.window.params[b]
     g = engine.resident.count + b
+    dtypes = [saved_dtypes[name] for name in engine.states.block_names[g]]
 
     def save(module, state_dict, prefix, local_metadata) -> None:
         masters = engine.states.read_block(g, ("master",))["master"].values()
-        for span, value in zip(spans, masters):
+        for span, value, dtype in zip(spans, masters, dtypes):
             key = prefix + span.name
             if key in state_dict:
-                state_dict[key] = value.to(engine.dtype)  # fp32: the store's view itself
+                state_dict[key] = value.to(dtype)  # fp32: the store's view itself
 
     def stage(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
         if local_metadata.get("assign_to_params_buffers", False):
@@ -254,11 +274,54 @@ def set_block_step_counts(engine, counts: list[int], what: str) -> None:
     """Set each block's AdamW step count from ``counts`` (one per model block, ``block_step_counts``'s
     order), after ``engine.steps``; ValueError naming ``what`` when a resident block's count is not
     the engine's (a resident block is updated at every step)."""
+    _check_block_step_counts(engine, engine.steps, counts, what)
+    engine.block_steps = [int(c) for c in counts[engine.n_blocks - engine.n_streamed:]]
+
+
+def _check_block_step_counts(engine, steps: int, counts: list[int], what: str) -> None:
     k = engine.n_blocks - engine.n_streamed
-    if len(counts) != engine.n_blocks or any(c != engine.steps for c in counts[:k]):
+    if len(counts) != engine.n_blocks or any(c != steps for c in counts[:k]):
         raise ValueError(f"{what}: step counts per block {list(counts)} do not fit {engine.n_blocks} blocks whose "
-                         f"first {k} (resident, updated at every step) are at the engine's {engine.steps}")
-    engine.block_steps = [int(c) for c in counts[k:]]
+                         f"first {k} (resident, updated at every step) are at the engine's {steps}")
+
+
+# ---- engine.state_dict() / load_state_dict(): what the engine itself holds
+
+ENGINE_STATE_KEYS = ("steps", "skipped_steps", "block_steps", "loss_scaler", "layer_drop")
+"""The keys of ``engine_state_dict``."""
+
+
+def engine_state_dict(engine) -> dict:
+    """What a resumed run needs besides the model's and the optimizer's state dicts: ``steps``
+    (optimizer steps taken), ``skipped_steps`` (fp16 overflows), ``block_steps`` (each model block's
+    AdamW step count, ``block_step_counts``), ``loss_scaler`` (the fp16 scale and its clean-step
+    count; None in fp32/bf16) and ``layer_drop`` (its generator's state; None without layer drop).
+    Plain Python values and tensors: ``torch.save`` writes it."""
+    return {"steps": engine.steps, "skipped_steps": engine.skipped_steps, "block_steps": block_step_counts(engine),
+            "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+            "layer_drop": engine.layer_drop.state_dict() if engine.layer_drop.enabled else None}
+
+
+def load_engine_state_dict(engine, state: dict) -> None:
+    """Load ``engine_state_dict``'s values, between steps; checked before anything changes. A loss
+    scale loads into an fp16 engine only (one that finds none keeps its initial scale), and the
+    layer-drop draws into an engine with layer drop (one that finds none starts from its seed)."""
+    missing = [k for k in ENGINE_STATE_KEYS if k not in state] if isinstance(state, dict) else ENGINE_STATE_KEYS
+    if missing:
+        raise ValueError(f"engine.load_state_dict: the state has no {', '.join(missing)}; pass what "
+                         "engine.state_dict() returned")
+    if engine.micro_batches or engine.in_pass():
+        raise RuntimeError("engine.load_state_dict: a step is in progress (forward/backward passes since "
+                           "the last step); load between steps")
+    steps = int(state["steps"])
+    _check_block_step_counts(engine, steps, list(state["block_steps"]), "engine.load_state_dict")
+    engine.synchronize()
+    if engine.scaler is not None and state["loss_scaler"] is not None:
+        engine.scaler.load_state_dict(state["loss_scaler"])  # checks the state first
+    if engine.layer_drop.enabled and state["layer_drop"] is not None:
+        engine.layer_drop.load_state_dict(state["layer_drop"])
+    engine.steps, engine.skipped_steps = steps, int(state["skipped_steps"])
+    set_block_step_counts(engine, list(state["block_steps"]), "engine.load_state_dict")
 
 
 def _check_group(group: dict) -> None:

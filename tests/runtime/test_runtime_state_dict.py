@@ -47,27 +47,50 @@ def test_state_dict_holds_every_trained_block_weight_in_the_model_dtype():
     engine.close()
 
 
-def test_bf16_state_dict_is_in_bf16_and_load_sets_the_fp32_masters():
-    model = tiny_gpt(layers=3)
-    fp32_values = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = wrapped(model, precision="bf16")
-    state = model.state_dict()
-    for name in engine.states.block_names[0]:
-        assert state[name].dtype == torch.bfloat16
-        assert torch.equal(state[name], fp32_values[name].bfloat16()), name
-    shifted = {k: v + 0.001 for k, v in fp32_values.items()}
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_state_dict_holds_the_fp32_masters_and_load_sets_them(precision):
+    """As the model under plain autocast: fp32 values (the model's dtype before wrap) for streamed
+    and resident blocks, head and tail alike, not their rounded compute copies."""
+    model = tiny_gpt(layers=4)
+    names = list(model.state_dict())
+    engine = wrapped(model, precision=precision, resident_blocks=1)
+    engine_steps(engine, gpt_batches(FIRST))
+    state, masters = model.state_dict(), engine.master_parameters()
+    assert list(state) == names
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    for name, value in masters.items():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
+        assert not torch.equal(value.to(compute).float(), value), name  # so a rounded copy would show
+    name = engine.states.block_names[1][0]  # a streamed block: a view into the store, nothing doubled
+    assert state[name].untyped_storage().data_ptr() == engine.store.read_state(0, "master").untyped_storage().data_ptr()
+    shifted = {k: v + 0.001 for k, v in state.items()}
     model.load_state_dict(shifted)
-    masters = engine.master_parameters()
-    for name, value in masters.items():  # fp32 masters take the fp32 values, head/tail included
+    for name, value in engine.master_parameters().items():  # fp32 masters take the fp32 values
         assert torch.equal(value, shifted[name]), name
     engine.close()
 
 
-@pytest.mark.parametrize("case", ["window", "clip", "disk", "hf-gpt2"])
+def test_state_dict_is_in_each_parameters_dtype_before_wrap():
+    model = tiny_gpt(layers=3)
+    model.head.to(torch.bfloat16)  # a head built in bf16: its masters are saved in bf16
+    engine = wrapped(model)
+    state, masters = model.state_dict(), engine.master_parameters()
+    for name, value in masters.items():
+        dtype = torch.bfloat16 if name.startswith("head.") else torch.float32
+        assert state[name].dtype == dtype and torch.equal(state[name], value.to(dtype)), name
+    engine.close()
+
+
+@pytest.mark.parametrize("case", ["window", "clip", "disk", "hf-gpt2", "bf16", "fp16-layer-drop"])
 def test_save_and_restore_the_usual_way_continues_bit_for_bit(case, tmp_path):
-    """torch.save(model.state_dict()) and torch.save(engine.optimizer.state_dict()) after 3 steps;
-    a fresh model and engine load both and continue: the losses and weights of an uninterrupted run."""
-    options = {"clip": dict(clip_grad_norm=0.5), "disk": dict(nvme_dir=str(tmp_path), nvme_states="all")}
+    """torch.save of model.state_dict(), engine.optimizer.state_dict() and engine.state_dict() after
+    3 steps; a fresh model and engine load them and continue: the losses and weights of an
+    uninterrupted run (bf16: the fp32 masters are saved; fp16: the loss scale, which has backed off
+    from 2**18 and grows every 2 clean steps, and the layer-drop draws come back too)."""
+    options = {"clip": dict(clip_grad_norm=0.5), "disk": dict(nvme_dir=str(tmp_path), nvme_states="all"),
+               "bf16": dict(precision="bf16", resident_blocks=1),
+               "fp16-layer-drop": dict(precision="fp16", initial_loss_scale=2.0**18, loss_scale_interval=2,
+                                       layer_drop=0.3, layer_drop_seed=5)}
     options = options.get(case, {})
     if case == "hf-gpt2":
         transformers = pytest.importorskip("transformers")
@@ -93,6 +116,10 @@ def test_save_and_restore_the_usual_way_continues_bit_for_bit(case, tmp_path):
     engine_steps(engine, batches[:FIRST], loss_of)
     torch.save(model.state_dict(), tmp_path / "model.pt")
     torch.save(engine.optimizer.state_dict(), tmp_path / "optim.pt")
+    torch.save(engine.state_dict(), tmp_path / "engine.pt")
+    saved = engine.stats()
+    if case == "fp16-layer-drop":  # else the engine's state would not matter
+        assert saved["skipped_steps"] > 0 and len(set(engine.state_dict()["block_steps"])) > 1
     rng = torch.get_rng_state()  # dropout masks of the steps to come
     want = engine_steps(engine, batches[FIRST:], loss_of)
     want_params = {k: v.clone() for k, v in engine.master_parameters().items()}
@@ -106,6 +133,9 @@ def test_save_and_restore_the_usual_way_continues_bit_for_bit(case, tmp_path):
     engine = wrapped(fresh, **options)
     fresh.load_state_dict(torch.load(tmp_path / "model.pt"))
     engine.optimizer.load_state_dict(torch.load(tmp_path / "optim.pt"))
+    engine.load_state_dict(torch.load(tmp_path / "engine.pt"))
+    assert {k: engine.stats()[k] for k in ("steps", "skipped_steps", "loss_scale")} == \
+        {k: saved[k] for k in ("steps", "skipped_steps", "loss_scale")}
     torch.set_rng_state(rng)
     got = engine_steps(engine, batches[FIRST:], loss_of)
     assert got == want
@@ -223,6 +253,27 @@ def test_bad_state_dicts_are_refused_with_one_line_errors():
         engine.optimizer.load_state_dict(amsgrad)
     with pytest.raises(ValueError, match="assign=True"):
         model.load_state_dict(model.state_dict(), assign=True)
+    engine.close()
+
+
+def test_bad_engine_states_are_refused_before_anything_changes():
+    model = tiny_gpt(layers=3)
+    engine = wrapped(model, precision="fp16", resident_blocks=1)
+    engine_steps(engine, gpt_batches(2))
+    state, before = engine.state_dict(), engine.stats()
+    with pytest.raises(ValueError, match="engine.load_state_dict: the state has no loss_scaler; pass what "
+                                         "engine.state_dict"):
+        engine.load_state_dict({k: v for k, v in state.items() if k != "loss_scaler"})
+    with pytest.raises(ValueError, match=r"step counts per block \[5, 5, 5\] do not fit 3 blocks"):
+        engine.load_state_dict({**state, "steps": 7, "block_steps": [5, 5, 5]})
+    with pytest.raises(ValueError, match="loss scale state: need scale > 0"):
+        engine.load_state_dict({**state, "steps": 9, "block_steps": [9, 9, 9],
+                                "loss_scaler": {"scale": 0.0, "clean_steps": 0}})
+    assert engine.stats() == before
+    x, y = gpt_batches(1)[0]
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError, match="a step is in progress"):
+        engine.load_state_dict(state)
     engine.close()
 
 
