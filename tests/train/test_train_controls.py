@@ -19,7 +19,7 @@ from pystronghold.cli import main
 from pystronghold.train import Trainer
 from pystronghold.train.command import StopOnSignal
 from pystronghold.train.metrics import IntervalMetrics
-from train_helpers import TINY, run_training, text_dir, tiny_config
+from train_helpers import TINY, kill_when_marked, run_training, text_dir, tiny_config
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -65,6 +65,34 @@ def test_signal_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, sig, s
     step = int(final.split("after step ")[1].split(";")[0])
     assert step >= 1 and f"checkpoint {ck / f'step-{step:08d}'}" in final
     assert (ck / f"step-{step:08d}" / "manifest.json").is_file()
+
+
+# NOTE: the child restores Python's own SIGINT handler: a shell starts background jobs with SIGINT
+# ignored, and a child inherits that. Start-up is held at a hook (first the data, then the LR
+# schedule, made once the engine and its threads exist) until the signal interrupts it.
+START_UP_SCRIPT = """
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import pystronghold.train.loop as loop
+
+def held(*args, **kwargs):
+    open({marker!r}, "w").close()
+    time.sleep(600)
+
+setattr(loop, {hook!r}, held)
+from pystronghold.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("hook", ["load_corpus", "warmup_cosine"])
+def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path, hook):
+    marker, err = tmp_path / "started", tmp_path / "stderr.txt"
+    script = START_UP_SCRIPT.format(marker=str(marker), hook=hook, argv=_cli(tmp_path, "--steps", "2")[3:])
+    status = kill_when_marked(script, marker, f"start-up ({hook})", sig=signal.SIGINT, stderr=err)
+    text = err.read_text()
+    assert status == 130 and "Traceback" not in text, text[-2000:]
+    assert text.strip().splitlines() == ["pystronghold train: interrupted"], text
 
 
 def test_a_second_signal_stops_at_once():
