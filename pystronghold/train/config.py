@@ -135,8 +135,8 @@ class RunOptions:
     quiet: bool = False
     """No progress bar (metrics lines still go to the log)."""
     metrics_file: str | None = field(default=None, metadata={"metavar": "FILE"})
-    """Also write every metrics line as one JSON object per line (JSONL) to this file (appended
-    to on --resume)."""
+    """Also write every metrics line as one JSON object per line (JSONL) to this file (on --resume:
+    appended to, after dropping its records of the steps trained again)."""
     tensorboard: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Also write the metrics as TensorBoard scalars into this directory (needs `pip install tensorboard`)."""
 
