@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 
@@ -52,8 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    command = "pystronghold"
+    try:
+        args = build_parser().parse_args(argv)
+        command = f"pystronghold {args.command}"
+        return args.run(args)
+    except KeyboardInterrupt:  # NOTE: Ctrl-C while starting (imports, building); a run handles its own
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

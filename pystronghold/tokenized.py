@@ -24,7 +24,7 @@ import torch
 
 from pystronghold.data import Corpus, DataConfig, load_corpus
 
-__all__ = ["load_tokenizer", "tokenized_corpus", "TOKENIZER_FILES"]
+__all__ = ["load_tokenizer", "has_tokenizer", "tokenized_corpus", "TOKENIZER_FILES"]
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 """Any of these in a model directory means it has a tokenizer."""
 
 
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a saved tokenizer (one of ``TOKENIZER_FILES``)."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(directory: str | os.PathLike):
     """The tokenizer saved in ``directory``; ValueError (one line) when there is none."""
     path = Path(directory)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(path):
         raise ValueError(f"{path}: no tokenizer in the model directory (none of {', '.join(TOKENIZER_FILES)}); "
                          "save one there with tokenizer.save_pretrained(DIR)")
     try:

@@ -49,22 +49,31 @@ def run_training(config: TrainConfig, *, keep: bool = False):
     return trainer if keep else result
 
 
-def kill_when_marked(script: str, marker: Path, what: str, timeout_s: float = 120.0) -> None:
-    """Run ``script`` in a child Python; SIGKILL it as soon as it writes ``marker``. ``what`` names
-    the point the child must reach (in the failure message)."""
+def kill_when_marked(script: str, marker: Path, what: str, timeout_s: float = 120.0, *, sig: int | None = None,
+                     stderr: Path | None = None) -> int:
+    """Run ``script`` in a child Python; send it ``sig`` (default SIGKILL) as soon as it writes
+    ``marker``. ``what`` names the point the child must reach (in the failure message). The child's
+    stderr goes to the file ``stderr`` when given. Returns the child's exit status."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    child = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    err = open(stderr, "w") if stderr is not None else None
+    child = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             stderr=err)
     try:
         deadline = time.monotonic() + timeout_s
         while not marker.exists():
             assert child.poll() is None, f"the child exited before {what}"
             assert time.monotonic() < deadline, f"the child did not reach {what} in {timeout_s} s"
             time.sleep(0.1)
-        child.send_signal(signal.SIGKILL)
+        child.send_signal(signal.SIGKILL if sig is None else sig)
+        return child.wait(timeout=timeout_s)  # TimeoutExpired: the signal did not end it
     finally:
+        if child.poll() is None:
+            child.kill()
         child.wait()
+        if err is not None:
+            err.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -11,6 +12,10 @@ from pystronghold.runtime.config import RuntimeConfig
 __all__ = ["wrap"]
 
 log = logging.getLogger(__name__)
+
+_WRAPPED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+"""Models and blocks that ``wrap`` made an engine of: their weights now live in its store (the
+blocks' own parameters are emptied), so a second engine of them would train nothing real."""
 
 
 def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, materialize=None,
@@ -39,6 +44,8 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
 
     if config is not None and options:
         raise TypeError(f"wrap: give config= or options ({', '.join(options)}), not both")
+    if isinstance(model, Engine):
+        raise TypeError("wrap: model is already an Engine (made by pystronghold.wrap); train it as it is")
     config = config if config is not None else RuntimeConfig(**options)
     if config.window == "auto":
         raise ValueError("wrap: window='auto' is chosen from measured block times before wrap "
@@ -53,8 +60,12 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
         log.info("wrap: using %r (%d blocks) as the block stack", name, len(blocks))
     if not isinstance(blocks, torch.nn.ModuleList):
         raise TypeError(f"wrap: blocks= must be an nn.ModuleList, got {type(blocks).__name__}")
+    if model in _WRAPPED or any(block in _WRAPPED for block in blocks):
+        raise ValueError(f"wrap: this {type(model).__name__} is already wrapped (its weights live in the engine "
+                         "an earlier wrap made); keep using that engine, or wrap a new model")
     from pystronghold.runtime.purity import disable_hf_cache
 
     engine = Engine(model, blocks, config, materialize=materialize)
+    _WRAPPED.update([model, *blocks])
     disable_hf_cache(model)
     return engine

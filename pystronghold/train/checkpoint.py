@@ -46,7 +46,7 @@ from pystronghold.runtime.state_dict import block_step_counts, set_block_step_co
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
            "newest_valid_checkpoint", "latest_checkpoint", "read_manifest", "checkpoint_weights",
-           "export_weights"]
+           "export_weights", "save_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -420,8 +420,18 @@ def export_weights(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     if out.suffix == ".pt":
         torch.save({"config": manifest["model"], "state_dict": weights}, out)
     else:
-        from safetensors.torch import save_file
-
-        save_file(weights, str(out), metadata={"config": json.dumps(manifest["model"]),
-                                               "step": str(manifest["step"])})
+        save_safetensors(weights, out, metadata={"config": json.dumps(manifest["model"]),
+                                                 "step": str(manifest["step"])})
     return out
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, leaving ``path`` with the permissions of any new file (the
+    umask's: 0644 under 022) rather than save_file's 0600 (it writes a private temporary file)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0o077)  # NOTE: read by setting it; the strictest meanwhile, for other threads' files
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

@@ -191,6 +191,9 @@ def run_export(args: argparse.Namespace) -> int:
 
     from pathlib import Path
 
+    if not args.hf and (args.tokenizer is not None or args.no_tokenizer):
+        print("pystronghold export: error: --tokenizer and --no-tokenizer need --hf", file=sys.stderr)
+        return 2
     path = Path(args.checkpoint)
     if not (path / "manifest.json").exists():
         path = latest_checkpoint(path) or path
@@ -198,7 +201,8 @@ def run_export(args: argparse.Namespace) -> int:
         if args.hf:
             from pystronghold.train.export_hf import export_hf
 
-            out = export_hf(path, args.output, max_shard_bytes=parse_bytes(args.max_shard_size, "--max-shard-size"))
+            out = export_hf(path, args.output, max_shard_bytes=parse_bytes(args.max_shard_size, "--max-shard-size"),
+                            tokenizer_dir=args.tokenizer, copy_tokenizer=not args.no_tokenizer)
         else:
             out = export_weights(path, args.output)
     except (CheckpointError, OSError, ValueError) as e:
@@ -241,6 +245,11 @@ def add_export_command(subparsers) -> argparse.ArgumentParser:
                              "tokenizer) of a run trained with --model hf:DIR")
     parser.add_argument("--max-shard-size", default="2GiB", metavar="BYTES",
                         help="--hf: most bytes per safetensors shard, e.g. 2GiB, 500MB (default: 2GiB)")
+    tokenizer = parser.add_mutually_exclusive_group()
+    tokenizer.add_argument("--tokenizer", metavar="DIR",
+                           help="--hf: copy the tokenizer (and generation config) from DIR (default: the "
+                                "run's --model hf:DIR)")
+    tokenizer.add_argument("--no-tokenizer", action="store_true", help="--hf: write the model without a tokenizer")
     parser.error = _one_line_error("pystronghold export")
     parser.set_defaults(run=run_export)
     return parser

@@ -26,6 +26,22 @@ from pystronghold.train.model_spec import HF_DEFAULT_SEQ, model_lr, resolve_mode
 __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
            "CheckpointOptions", "ParallelOptions", "TrainConfig", "TRAIN_RUNTIME_DEFAULTS"]
 
+
+def _writable_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
+def _check_creatable_dir(flag: str, path: str) -> None:
+    """ValueError naming ``flag`` and ``path`` unless ``path`` is a writable directory or can be made
+    one (its nearest existing ancestor is a writable directory). Checked when the option is parsed,
+    so a bad output path is refused before the run rather than after it; nothing is created."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not _writable_dir(probe):
+        raise ValueError(f"{flag} {path}: {probe} is not a writable directory")
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelOptions:
     """Which GPT is trained."""
@@ -135,8 +151,8 @@ class RunOptions:
     quiet: bool = False
     """No progress bar (metrics lines still go to the log)."""
     metrics_file: str | None = field(default=None, metadata={"metavar": "FILE"})
-    """Also write every metrics line as one JSON object per line (JSONL) to this file (appended
-    to on --resume)."""
+    """Also write every metrics line as one JSON object per line (JSONL) to this file (on --resume:
+    appended to, after dropping its records of the steps trained again)."""
     tensorboard: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Also write the metrics as TensorBoard scalars into this directory (needs `pip install tensorboard`)."""
 
@@ -153,15 +169,18 @@ class RunOptions:
                 require("plots", "--trace (timeline.png, loss.png)")
             except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
                 raise ValueError(str(e)) from None
+            _check_creatable_dir("--trace", self.trace)
         if self.metrics_file is not None:
             parent = os.path.dirname(os.path.abspath(self.metrics_file))
-            if os.path.isdir(self.metrics_file) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-                raise ValueError(f"--metrics-file {self.metrics_file}: not a file in a writable directory")
+            if (os.path.isdir(self.metrics_file) or not _writable_dir(parent)
+                    or (os.path.exists(self.metrics_file) and not os.access(self.metrics_file, os.W_OK))):
+                raise ValueError(f"--metrics-file {self.metrics_file}: not a writable file in a writable directory")
         if self.tensorboard is not None:
             import importlib.util
 
             if importlib.util.find_spec("tensorboard") is None:
                 raise ValueError("--tensorboard needs the 'tensorboard' package (pip install tensorboard)")
+            _check_creatable_dir("--tensorboard", self.tensorboard)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -185,12 +204,7 @@ class CheckpointOptions:
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
         if self.checkpoint_dir:
-            d = os.path.abspath(self.checkpoint_dir)
-            probe = d
-            while not os.path.exists(probe):
-                probe = os.path.dirname(probe)
-            if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-                raise ValueError(f"--checkpoint-dir {self.checkpoint_dir}: {probe} is not a writable directory")
+            _check_creatable_dir("--checkpoint-dir", self.checkpoint_dir)
 
 
 def _sizes_from_text(text: str, flag: str) -> tuple[int, ...]:

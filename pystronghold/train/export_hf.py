@@ -6,7 +6,8 @@ config.json). The export writes ``config.json`` (that config, ``dtype`` float32:
 optimizer's fp32 masters, so the exported model gives the trained engine's fp32 logits), the weights
 as safetensors shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json`` (keys
 are the model's own parameter names, tied weights stored once, as ``save_pretrained`` does), and
-copies the tokenizer and generation files of the source directory when it still has them. The
+copies the tokenizer and generation files of the source directory (or of ``tokenizer_dir``); a
+source that has lost its tokenizer (moved, deleted) is refused before anything is written. The
 checkpoint is read one block file at a time, so at most one shard plus one block is in memory.
 Everything goes to a temporary sibling directory first, renamed to OUTDIR when complete.
 
@@ -26,10 +27,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from pystronghold.models.hf import HFModelConfig
-from pystronghold.train.checkpoint import CheckpointError, checkpoint_weights, read_manifest
+from pystronghold.tokenized import TOKENIZER_FILES, has_tokenizer
+from pystronghold.train.checkpoint import CheckpointError, checkpoint_weights, read_manifest, save_safetensors
 
 __all__ = ["export_hf", "save_pretrained", "DEFAULT_SHARD_BYTES", "COPIED_FILES"]
 
@@ -51,16 +52,20 @@ def _hf_spec(path: Path, manifest: dict) -> HFModelConfig:
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer_dir: str | os.PathLike | None = None,
+              copy_tokenizer: bool = True) -> Path:
     """Write checkpoint ``checkpoint`` as a Hugging Face model directory ``out`` (see the module
-    docstring); ``out`` must not exist or be empty. Returns ``out``. CheckpointError for a checkpoint
-    that is corrupt or was not made from a Hugging Face model; ValueError for a bad ``out``."""
+    docstring); ``out`` must not exist or be empty. The tokenizer and generation files come from
+    ``tokenizer_dir``, by default the run's ``--model hf:DIR``; none with ``copy_tokenizer=False``.
+    Returns ``out``. CheckpointError for a checkpoint that is corrupt or was not made from a Hugging
+    Face model; ValueError for a bad ``out`` or a tokenizer source without a tokenizer."""
     path, out = Path(checkpoint), Path(out)
     _check_output(out, max_shard_bytes)
     manifest = read_manifest(path)
     spec = _hf_spec(path, manifest)
+    source = _tokenizer_source(spec.source, tokenizer_dir) if copy_tokenizer else None
     names = _write_directory(out, checkpoint_weights(path, manifest), spec.config, max_shard_bytes,
-                             source=spec.source)
+                             source=source)
     copied = [n for n in COPIED_FILES if (out / n).is_file()]
     log.info("export: %s (%s, step %d) -> %s: %d shard(s)%s", path, spec.architecture, manifest["step"], out,
              len(names), f", copied {', '.join(copied)}" if copied else "")
@@ -72,12 +77,15 @@ def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DE
     """Write the Hugging Face model trained by ``engine`` (made by ``pystronghold.from_pretrained``)
     as a directory ``out`` that ``AutoModelForCausalLM.from_pretrained`` loads: the fp32 masters
     (blocks read from the store), ``engine.model.config`` with ``use_cache`` on and ``dtype``
-    float32, and the tokenizer files of ``tokenizer_dir`` when given. ``out`` must not exist or be
-    empty. Returns ``out``. NOTE: masters held on disk (the NVMe tier) are all read into host memory
-    here; for a model larger than host memory save a checkpoint and use ``export_hf`` (one block at
-    a time)."""
+    float32, and the tokenizer files of ``tokenizer_dir`` when given (ValueError when it holds
+    none). ``out`` must not exist or be empty. Returns ``out``. NOTE: masters held on disk (the NVMe
+    tier) are all read into host memory here; for a model larger than host memory save a checkpoint
+    and use ``export_hf`` (one block at a time)."""
     out = Path(out)
     _check_output(out, max_shard_bytes)
+    if tokenizer_dir is not None and not has_tokenizer(tokenizer_dir):
+        raise ValueError(f"save_pretrained: tokenizer_dir {tokenizer_dir} holds no tokenizer (none of "
+                         f"{', '.join(TOKENIZER_FILES)})")
     model_config = getattr(engine.model, "config", None)
     if model_config is None or not hasattr(model_config, "to_dict"):
         raise TypeError(f"save_pretrained: engine.model is a {type(engine.model).__name__}, not a Hugging "
@@ -87,6 +95,20 @@ def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DE
     names = _write_directory(out, [weights], config, max_shard_bytes, source=tokenizer_dir)
     log.info("save_pretrained: %s -> %s: %d shard(s)", type(engine.model).__name__, out, len(names))
     return out
+
+
+def _tokenizer_source(run_source: str, tokenizer_dir: str | os.PathLike | None) -> Path:
+    """``tokenizer_dir``, else the run's ``--model hf:DIR``: checked to hold a tokenizer before any
+    weight is written (the source directory may have moved since the run); ValueError saying how to
+    give another when it does not."""
+    source = Path(tokenizer_dir if tokenizer_dir is not None else run_source)
+    if not has_tokenizer(source):
+        where = (f"--tokenizer {source}" if tokenizer_dir is not None
+                 else f"the tokenizer source {source} (the run's --model hf:DIR)")
+        state = "does not exist" if not source.is_dir() else f"holds none of {', '.join(TOKENIZER_FILES)}"
+        raise ValueError(f"{where} {state}; give --tokenizer DIR (a directory holding the model's tokenizer "
+                         "files), or --no-tokenizer to export the model alone")
+    return source
 
 
 def _check_output(out: Path, max_shard_bytes: int) -> None:
@@ -134,7 +156,7 @@ def _write_shards(weight_dicts, out: Path, max_shard_bytes: int) -> list[str]:
         nonlocal current, current_bytes
         if current:
             name = f"part-{len(written):05d}.safetensors"
-            save_file(current, str(out / name), metadata={"format": "pt"})
+            save_safetensors(current, out / name, metadata={"format": "pt"})
             written.append(name)
             shards.append({k: None for k in current})
             current, current_bytes = {}, 0

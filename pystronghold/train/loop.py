@@ -281,7 +281,7 @@ class Trainer:
         after each step (progress)."""
         run, res, tracer = self.config.run, self.result, self.engine.trace
         tracer.clear()
-        writer = MetricsWriter(run.metrics_file, run.tensorboard, append=self.result.start_step > 0) \
+        writer = MetricsWriter(run.metrics_file, run.tensorboard, resumed_step=self.result.start_step) \
             if self.rank == 0 else MetricsWriter(None, None)
         try:
             self._run_steps(res, writer, on_step)

@@ -13,7 +13,9 @@ steps of the interval; ``-`` where the interval moved nothing of that kind.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -84,15 +86,24 @@ class IntervalMetrics:
 
 
 class MetricsWriter:
-    """Metrics lines also as JSONL (``--metrics-file``) and TensorBoard scalars (``--tensorboard``)."""
+    """Metrics lines also as JSONL (``--metrics-file``) and TensorBoard scalars (``--tensorboard``).
 
-    def __init__(self, jsonl: str | None, tensorboard: str | None, *, append: bool = False) -> None:
-        self._file = open(jsonl, "a" if append else "w", encoding="utf-8") if jsonl else None
+    A run resumed after ``resumed_step`` steps trains the steps after it again, so what an earlier
+    process wrote for them is dropped: the JSONL file keeps only its records of steps up to
+    ``resumed_step``, and TensorBoard purges its later events (``purge_step``). ``resumed_step`` 0:
+    a new run (the file is overwritten)."""
+
+    def __init__(self, jsonl: str | None, tensorboard: str | None, *, resumed_step: int = 0) -> None:
+        self._file = None
+        if jsonl:
+            if resumed_step > 0:
+                _keep_records_up_to(Path(jsonl), resumed_step)
+            self._file = open(jsonl, "a" if resumed_step > 0 else "w", encoding="utf-8")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(tensorboard)
+            self._tb = SummaryWriter(tensorboard, purge_step=resumed_step + 1 if resumed_step > 0 else None)
 
     def interval(self, m: IntervalMetrics) -> None:
         """Write one metrics line's figures (a JSON object; TensorBoard scalars under ``train/``)."""
@@ -117,6 +128,26 @@ class MetricsWriter:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """Rewrite the JSONL file ``path`` (if any) with only its records of steps <= ``step``; a line
+    that is no JSON record (torn by a killed run) goes too. Atomic: a temporary file renamed."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 @dataclass(slots=True)

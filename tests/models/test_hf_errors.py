@@ -138,3 +138,43 @@ def test_tensor_parallel_and_auto_window_are_refused_for_hf_models(tmp_path, cap
     err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--window", "auto"])
     assert "--window auto" in err and "give --window N" in err
     assert "no such directory" in _cli_error(capsys, ["train", "--model", f"hf:{tmp_path / 'nope'}"])
+
+
+def test_export_hf_names_a_moved_tokenizer_source_and_writes_files_by_the_umask(tmp_path, capsys):
+    """The run's --model hf:DIR moved away: one line naming it and the options, nothing written;
+    --tokenizer DIR copies from there, --no-tokenizer writes none. Files get the umask's mode
+    (safetensors alone leaves its files 0600)."""
+    import os
+    import stat
+
+    directory = save_tiny(tmp_path, "gpt2")
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    ck = tmp_path / "ck"
+    assert main(["train", "--model", f"hf:{directory}", "--data", str(text), "--steps", "1", "--batch", "2",
+                 "--seq", "16", "--eval-every", "0", "--eval-batches", "1", "--quiet", "--checkpoint-dir",
+                 str(ck)]) == 0
+    moved = directory.rename(tmp_path / "moved")
+    err = _cli_error(capsys, ["export", str(ck), str(tmp_path / "out"), "--hf"])
+    assert f"the tokenizer source {directory} (the run's --model hf:DIR) does not exist" in err
+    assert "give --tokenizer DIR" in err and "--no-tokenizer" in err
+    assert not (tmp_path / "out").exists()
+    assert "--tokenizer and --no-tokenizer need --hf" in _cli_error(
+        capsys, ["export", str(ck), str(tmp_path / "w.safetensors"), "--tokenizer", str(moved)])
+
+    def modes(path):
+        return {p.name: stat.S_IMODE(p.stat().st_mode) for p in ([path] if path.is_file() else path.iterdir())}
+
+    umask = os.umask(0o022)
+    try:
+        assert main(["export", str(ck), str(tmp_path / "out"), "--hf", "--tokenizer", str(moved)]) == 0
+        assert main(["export", str(ck), str(tmp_path / "bare"), "--hf", "--no-tokenizer"]) == 0
+        os.umask(0o027)
+        assert main(["export", str(ck), str(tmp_path / "w.safetensors")]) == 0
+    finally:
+        os.umask(umask)
+    written = modes(tmp_path / "out")
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(written)
+    assert set(written.values()) == {0o644}, written
+    assert not any(name.startswith("tokenizer") for name in modes(tmp_path / "bare"))
+    assert modes(tmp_path / "w.safetensors") == {"w.safetensors": 0o640}

@@ -51,6 +51,23 @@ def test_ambiguous_block_stacks_are_refused():
         ph.wrap(EncDec())
 
 
+def test_wrapping_a_wrapped_model_is_refused_at_wrap():
+    model = tiny_gpt(layers=3)
+    engine = ph.wrap(model, window=2)
+    try:
+        for again in (lambda: ph.wrap(model, window=2), lambda: ph.wrap(model, blocks=model.blocks, window=3)):
+            with pytest.raises(ValueError, match="^wrap: this GPT is already wrapped .*keep using that engine"):
+                again()
+        with pytest.raises(TypeError, match="^wrap: model is already an Engine"):
+            ph.wrap(engine)
+        x, y = gpt_batches(1)[0]  # the refusals left the first engine as it was
+        engine.backward(engine(x, y))
+        engine.step()
+    finally:
+        engine.close()
+    ph.wrap(tiny_gpt(layers=3), window=2).close()  # another model of the same class is no wrapped one
+
+
 def test_empty_block_list_is_refused():
     model = HetStack()
     model.blocks = nn.ModuleList()

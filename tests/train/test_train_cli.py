@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -92,10 +93,15 @@ def test_bad_input_is_one_line(capsys, argv, words):
     assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err, err
 
 
-def test_checkpoint_dir_under_a_file(capsys, tmp_path):
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--trace", "--metrics-file", "--tensorboard"])
+def test_an_output_path_under_a_file_is_refused_before_the_run(capsys, tmp_path, flag):
+    if flag == "--tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        pytest.skip("tensorboard is not installed (the option is refused for that first)")
     (tmp_path / "f").write_text("x")
-    code, err = _bad(capsys, ["--checkpoint-dir", str(tmp_path / "f" / "ck")])
-    assert code == 2 and "not a writable directory" in err and len(err.splitlines()) == 1
+    out = tmp_path / "f" / "out"
+    code, err = _bad(capsys, [flag, str(out), "--model", "tiny", "--steps", "1", "--max-bytes", "65536"])
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"pystronghold train: error: {flag} {out}: ") and "not a writable" in err, err
 
 
 def test_unwritable_checkpoint_dir(capsys, tmp_path):

@@ -19,7 +19,7 @@ from pystronghold.cli import main
 from pystronghold.train import Trainer
 from pystronghold.train.command import StopOnSignal
 from pystronghold.train.metrics import IntervalMetrics
-from train_helpers import TINY, run_training, text_dir, tiny_config
+from train_helpers import TINY, kill_when_marked, run_training, text_dir, tiny_config
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -67,6 +67,34 @@ def test_signal_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, sig, s
     assert (ck / f"step-{step:08d}" / "manifest.json").is_file()
 
 
+# NOTE: the child restores Python's own SIGINT handler: a shell starts background jobs with SIGINT
+# ignored, and a child inherits that. Start-up is held at a hook (first the data, then the LR
+# schedule, made once the engine and its threads exist) until the signal interrupts it.
+START_UP_SCRIPT = """
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import pystronghold.train.loop as loop
+
+def held(*args, **kwargs):
+    open({marker!r}, "w").close()
+    time.sleep(600)
+
+setattr(loop, {hook!r}, held)
+from pystronghold.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("hook", ["load_corpus", "warmup_cosine"])
+def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path, hook):
+    marker, err = tmp_path / "started", tmp_path / "stderr.txt"
+    script = START_UP_SCRIPT.format(marker=str(marker), hook=hook, argv=_cli(tmp_path, "--steps", "2")[3:])
+    status = kill_when_marked(script, marker, f"start-up ({hook})", sig=signal.SIGINT, stderr=err)
+    text = err.read_text()
+    assert status == 130 and "Traceback" not in text, text[-2000:]
+    assert text.strip().splitlines() == ["pystronghold train: interrupted"], text
+
+
 def test_a_second_signal_stops_at_once():
     class Run:
         step, stop_requested = 3, None
@@ -89,6 +117,61 @@ def test_metrics_file_has_one_json_object_per_metrics_line(tmp_path):
     assert all(set(r) == set(IntervalMetrics.__dataclass_fields__) for r in metrics)
     assert [r["loss"] for r in metrics] == [m.loss for m in res.intervals]
     assert [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r] == res.val_losses
+
+
+def _killed_in_step_4_and_resumed(tmp_path, between=lambda: None, **outputs) -> list:
+    """Train 4 steps (checkpoint every 2, a metrics line every step) with RunOptions ``outputs``,
+    failing in step 4 (as if killed), call ``between()``, then resume from step 2 to the end.
+    Returns the resumed run's metrics lines."""
+    def config(resume: bool):
+        c = tiny_config(tmp_path, steps=4, ckpt=str(tmp_path / "ck"), every=2, resume=resume)
+        c.run = dataclasses.replace(c.run, log_every=1, **outputs)
+        return c
+
+    def killed_in_step_4(step: int, loss: float) -> None:
+        if step == 4:  # before its metrics line
+            raise RuntimeError("killed")
+
+    trainer = Trainer(config(resume=False))
+    try:
+        with pytest.raises(RuntimeError, match="killed"):
+            trainer.train(killed_in_step_4)
+    finally:
+        trainer.close()
+    between()
+    result = run_training(config(resume=True))
+    assert result.start_step == 2
+    return result.intervals
+
+
+def test_a_resumed_run_writes_each_step_once_in_the_metrics_file(tmp_path):
+    jsonl = tmp_path / "run.jsonl"
+    first: list[dict] = []
+
+    def read_and_tear() -> None:  # the killed run's records, then a line torn by the kill
+        first.extend(json.loads(s) for s in jsonl.read_text().splitlines())
+        with open(jsonl, "a") as f:
+            f.write('{"step": 4, "lo')
+
+    resumed = _killed_in_step_4_and_resumed(tmp_path, read_and_tear, metrics_file=str(jsonl))
+    assert [r["step"] for r in first] == [1, 2, 3]
+    rows = [json.loads(s) for s in jsonl.read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert rows[:2] == first[:2]  # kept as they were
+    assert [r["loss"] for r in rows[2:] if "loss" in r] == [m.loss for m in resumed]
+    assert [r["step"] for r in rows if "val_loss" in r] == [4]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    resumed = _killed_in_step_4_and_resumed(tmp_path, tensorboard=str(tmp_path / "tb"))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [1, 2, 3, 4]
+    assert [e.value for e in losses[2:]] == pytest.approx([m.loss for m in resumed], rel=1e-6)  # stored as fp32
 
 
 def test_metrics_file_in_a_missing_directory_is_one_line(capsys, tmp_path):
