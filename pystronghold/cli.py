@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         command = f"pystronghold {args.command}"
         return args.run(args)
     except KeyboardInterrupt:  # NOTE: Ctrl-C while starting (imports, building); a run handles its own
-        print(f"{command}: interrupted", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets the Ctrl-C
+            print(f"{command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
 
 
