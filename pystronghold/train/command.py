@@ -42,6 +42,7 @@ def _one_line_error(prog: str):
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``pystronghold train``: 0 on success, 2 on bad input, 1 when training fails."""
+    from pystronghold.runtime.divergence import DivergenceError
     from pystronghold.train.checkpoint import CheckpointError
     from pystronghold.train.loop import Trainer, close_parallel
 
@@ -79,6 +80,8 @@ def run_train(args: argparse.Namespace) -> int:
             result = trainer.train(on_step)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once
         failure = f"interrupted again: stopped at once in step {trainer.step + 1} (no checkpoint written)"
+    except DivergenceError as e:  # inf/NaN: its one line names the step already
+        failure = str(e)
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
         # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
         # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
