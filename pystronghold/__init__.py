@@ -40,8 +40,8 @@ class _TorchBeforeExtension(importlib.abc.MetaPathFinder):
 if not any(isinstance(f, _TorchBeforeExtension) for f in sys.meta_path):
     sys.meta_path.insert(0, _TorchBeforeExtension())
 
-__all__ = ["wrap", "AdamW", "from_pretrained", "save_pretrained", "replicate", "split", "stage",
-           "pipeline", "plan", "auto_plan", "__version__"]
+__all__ = ["wrap", "AdamW", "DivergenceError", "from_pretrained", "save_pretrained", "replicate", "split",
+           "stage", "pipeline", "plan", "auto_plan", "__version__"]
 
 _STRATEGY = {"replicate", "split", "stage", "pipeline", "annotate", "set_default_strategy", "layout_of"}
 
@@ -55,6 +55,10 @@ def __getattr__(name: str):
         from pystronghold.optim.hyper import AdamW
 
         return AdamW
+    if name == "DivergenceError":
+        from pystronghold.runtime.divergence import DivergenceError
+
+        return DivergenceError
     if name == "from_pretrained":
         from pystronghold.models.hf import from_pretrained
 

@@ -151,6 +151,12 @@ class RuntimeConfig:
     """fp16 only: first loss scale."""
     loss_scale_interval: int = 2000
     """fp16 only: clean steps before the loss scale doubles."""
+    max_skipped_steps: int = option(20, help=(
+        "fp16: stop (one line, exit status 1) after this many steps in a row skipped for inf/NaN gradients; "
+        "the run also stops when they overflow at the loss scale's floor, 1."))
+    """fp16 only: ``DivergenceError`` after this many consecutive steps skipped for an overflow (each
+    halves the loss scale: 20 of them, a millionth of it). The run also stops at an overflow with
+    the scale at its floor, 1, whatever this says. >= 1."""
 
     def __post_init__(self) -> None:
         if self.window not in ("all", "auto") and (not isinstance(self.window, int) or isinstance(self.window, bool)):
@@ -193,6 +199,11 @@ class RuntimeConfig:
         if self.resident_blocks != "auto" and (not isinstance(self.resident_blocks, int)
                                                or isinstance(self.resident_blocks, bool) or self.resident_blocks < 0):
             raise ConfigError(self, "resident_blocks", f"must be an int >= 0 or 'auto', got {self.resident_blocks!r}")
+        if not self.initial_loss_scale >= 1:
+            raise ConfigError(self, "initial_loss_scale", f"must be >= 1 (the loss scale's floor), "
+                              f"got {self.initial_loss_scale!r}")
+        if type(self.max_skipped_steps) is not int or self.max_skipped_steps < 1:
+            raise ConfigError(self, "max_skipped_steps", f"must be an int >= 1, got {self.max_skipped_steps!r}")
         if self.copy_threads < 1:
             raise ConfigError(self, "copy_threads", f"must be >= 1, got {self.copy_threads}")
 

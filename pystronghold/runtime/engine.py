@@ -127,8 +127,9 @@ class Engine:
         return self.model.training
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the fp16 loss scale (unchanged in fp32/bf16): what backward propagates."""
-        return loss * self.scaler.scale if self.scaler is not None else loss
+        """``loss`` times the fp16 loss scale (unchanged in fp32/bf16): what backward propagates. In
+        fp16, ``step()`` refuses a step with a backward pass that did not start from it."""
+        return self.scaler.scale_loss(loss) if self.scaler is not None else loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16)."""
@@ -261,7 +262,8 @@ class Engine:
 
     # read by state_dict.py, checkpoints and tests, set when a checkpoint is loaded
     steps = _stepper_counter("steps", "Optimizer steps taken (skipped fp16 steps not counted).")
-    skipped_steps = _stepper_counter("skipped_steps", "fp16 steps skipped for an overflow.")
+    skipped_steps = _stepper_counter("skipped_steps", "fp16 steps skipped for an overflow (a run that "
+                                     "cannot go on raises ``DivergenceError`` instead).")
     block_steps = _stepper_counter("block_steps", "AdamW steps of each streamed block (layer drop: fewer "
                                    "for a block skipped in some steps); set after ``steps``.")
 
@@ -275,6 +277,7 @@ class Engine:
         gradient copy-out waited for, the step (``OptimizerStep.run``), a new accumulation begun."""
         with self.trace.span("step"):
             self.executor.finish_accumulation()
+            self.stepper.check_loss_scaled(self.executor.micro_batches)
             self.stepper.run(self.executor.active_blocks())
             self.executor.end_accumulation()
 

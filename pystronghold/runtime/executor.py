@@ -322,7 +322,7 @@ class PassExecutor:
         self._grad_valid[block] = True
         if streamed:
             self.updates.submit_update(block, handle, hyper=self.stepper.block_hyper(block),
-                                       lease=lease)
+                                       lease=lease, step=self.stepper.attempted_steps + 1)
             if block > 0:
                 self.store.prefetch(block - 1, self.updates.update_states)
             return

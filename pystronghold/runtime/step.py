@@ -6,7 +6,8 @@ data-parallel averaging of the device gradients, then either the streamed path (
 "backward": block updates already ran during backward; only head/tail and resident blocks step
 here) or the whole-model path (global norm when clipping or fp16 needs it, the overflow skip, the
 clip coefficient, one host update per streamed block and the device updates). It owns the step
-counters and the loss scaler. See docs/DESIGN.md "Window runtime".
+counters and the loss scaler, and stops a diverged run (``divergence.py``). See docs/DESIGN.md
+"Window runtime".
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 import torch
 
 from pystronghold.parallel.data import any_rank, average_grads_, global_grad_norm, is_pipeline_copy, is_tp_shard
+from pystronghold.parallel.groups import group_size
+from pystronghold.runtime.divergence import DivergenceError, describe_nonfinite
 
 __all__ = ["OptimizerStep"]
 
@@ -82,9 +85,29 @@ class OptimizerStep:
         """Factor that turns a stored gradient into the true one (1 / loss scale in fp16, else 1)."""
         return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
+    @property
+    def attempted_steps(self) -> int:
+        """Steps taken or skipped: the number a user counts (``engine.step()`` calls)."""
+        return self._steps + self.skipped_steps
+
+    def check_loss_scaled(self, backward_passes: int) -> None:
+        """fp16: RuntimeError unless each of the step's ``backward_passes`` went through the scaled
+        loss (a plain ``loss.backward()`` gives gradients the unscale would shrink by the scale).
+        A pipeline stage is exempt: the pipeline scales the loss on its last stage only."""
+        if self.scaler is None or group_size(self.pp_group) > 1:
+            return
+        scaled = self.scaler.take_scaled_backwards()
+        if scaled < backward_passes:
+            raise RuntimeError(
+                f"fp16: {backward_passes - scaled} of this step's {backward_passes} backward passes did not go "
+                "through the loss scale (a plain loss.backward()?); call engine.backward(loss), which scales "
+                "the loss, or back-propagate engine.scale_loss(loss)")
+
     def run(self, blocks: list[int] | None = None) -> None:
         """One step over head, tail, resident and streamed blocks; the caller has waited for every
-        gradient copy-out. An fp16 overflow skips the whole step (``skipped_steps`` counts it).
+        gradient copy-out. An fp16 overflow skips the whole step (``skipped_steps`` counts it);
+        ``DivergenceError`` when the run cannot go on (inf/NaN gradients in bf16/fp32, fp16 skips
+        at the scale's floor or ``max_skipped_steps`` in a row), before anything is updated.
         ``blocks``: the streamed blocks that ran this step (a layer-drop step; None: all); the
         others are not updated."""
         average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
@@ -98,7 +121,9 @@ class OptimizerStep:
             scale = self.grad_unscale()
             coef = 1.0
             if self.config.needs_global_grad:
-                total = self.grad_norm = self._global_grad_norm(scale)
+                params, norms = self._param_grad_norms(scale)
+                total = self.grad_norm = global_grad_norm(norms, [is_tp_shard(p) for p in params],
+                                                          self.tp_group, pp_group=self.pp_group)
                 if self.scaler is not None:
                     overflow = not math.isfinite(total)
                     if self.parallel:  # every rank skips together, or none does
@@ -108,7 +133,11 @@ class OptimizerStep:
                         log.info("fp16 overflow: step skipped for every block; loss scale now %g",
                                  self.scaler.scale)
                         self.skipped_steps += 1
+                        self._stop_if_skipping_for_good()
                         return
+                elif not math.isfinite(total):  # the norm is reduced over the ranks: all stop here
+                    raise DivergenceError(self.attempted_steps + 1, f"the gradient norm is {total}: "
+                                          f"{self._nonfinite(params, norms)}; nothing was updated")
                 if self.config.clip_grad_norm is not None:
                     # NOTE: the fp32 arithmetic of torch.nn.utils.clip_grad_norm_, for bit-exactness
                     coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
@@ -116,7 +145,8 @@ class OptimizerStep:
             hyper = self.hyper(step, grad_scale=scale * coef)
             # 0, 1, 2, ...: the order the next forward loads them (layer drop: the blocks that ran)
             for block in range(self.n_streamed) if blocks is None else blocks:
-                self.updates.submit_update(block, None, hyper=self.block_hyper(block, scale * coef))
+                self.updates.submit_update(block, None, hyper=self.block_hyper(block, scale * coef),
+                                           step=self.attempted_steps + 1)
             self.device_optimizer.step(hyper)
             self.resident.step(hyper, self.steps)
             if self.overlap == "none":
@@ -125,19 +155,40 @@ class OptimizerStep:
         for block in range(self.n_streamed) if blocks is None else blocks:
             self.block_steps[block] += 1
 
-    def _global_grad_norm(self, grad_scale: float) -> float:
-        """L2 norm over every gradient (head, blocks, tail), combined in model.parameters() order;
-        tensor-parallel shards summed over the TP group (pystronghold.parallel.data)."""
+    def _param_grad_norms(self, grad_scale: float) -> tuple[list, list[torch.Tensor]]:
+        """Every parameter with a gradient (head, blocks, tail) in model.parameters() order, and its
+        gradient's L2 norm; ``global_grad_norm`` combines them (tensor-parallel shards summed over
+        the TP group, pystronghold.parallel.data)."""
         norms = {**self.device_optimizer.grad_norms(grad_scale), **self.resident.grad_norms(grad_scale)}
         for block, per_param in self.grad_norms.take().items():
             for p, n in zip(self.window.params[block], per_param):
                 norms[id(p)] = n
         # a pipeline's last-stage copy of a tied weight is counted once (by the first stage)
         params = [p for p in self.model.parameters() if id(p) in norms and not is_pipeline_copy(p)]
-        return global_grad_norm([norms[id(p)] for p in params], [is_tp_shard(p) for p in params],
-                                self.tp_group, pp_group=self.pp_group)
+        return params, [norms[id(p)] for p in params]
+
+    def _nonfinite(self, params: list, norms: list[torch.Tensor]) -> str:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return describe_nonfinite([names.get(id(p), "?") for p in params], norms)
+
+    def _stop_if_skipping_for_good(self) -> None:
+        """DivergenceError after an fp16 overflow that backing off cannot cure: one at the floor
+        scale, or the ``max_skipped_steps``-th in a row (every rank decides alike: the overflow
+        verdict and so the scaler are the same on all)."""
+        scaler, in_a_row = self.scaler, self.scaler.overflows_in_a_row
+        if scaler.overflow_at_floor:
+            why = f"the loss scale is at its floor, {scaler.min_scale:g}"
+        elif in_a_row >= self.config.max_skipped_steps:
+            why = f"that is max_skipped_steps (--max-skipped-steps {self.config.max_skipped_steps})"
+        else:
+            return
+        raise DivergenceError(self.attempted_steps,
+                              f"{in_a_row} steps in a row skipped for inf/NaN fp16 gradients ({self.skipped_steps} "
+                              f"skipped in all) and {why}", skipped_steps=self.skipped_steps)
 
     def zero_grad(self) -> None:
         """Head/tail and resident gradients forgotten (``.grad`` None); the executor resets blocks'."""
         self.device_optimizer.zero_grad()
         self.resident.zero_grad()
+        if self.scaler is not None:  # the forgotten passes' count goes with them
+            self.scaler.take_scaled_backwards()

@@ -20,6 +20,7 @@ import torch
 
 from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm, param_grad_norms
 from pystronghold.optim.hyper import AdamWHyper
+from pystronghold.runtime.divergence import DivergenceError
 
 __all__ = ["HostUpdates"]
 
@@ -65,13 +66,16 @@ class HostUpdates:
 
         self.norms[block] = self._pool.submit(job)
 
-    def submit_update(self, block: int, grad_handle, *, hyper: list[AdamWHyper], lease=None) -> None:
+    def submit_update(self, block: int, grad_handle, *, hyper: list[AdamWHyper], lease=None,
+                      step: int | None = None) -> None:
         """Run AdamW on the block's master buffer (and refresh its shadow) after its copy-out.
 
         hyper: each param group's values at this step, step count and gradient scale included
         (``WindowOptimizer.hyper``); handed unchanged to the fused Adam.
         lease: the gradient's lease from the copy-out when the gradient goes straight to this
         update (backward overlap); it is released, and the cached gradient dropped, afterwards.
+        step: the engine's step number, for the ``DivergenceError`` of a gradient with inf/NaN
+        values (default: the block's AdamW step).
         """
         store = self.store
         ranges = self._group_ranges[block]
@@ -99,9 +103,9 @@ class HostUpdates:
                 with self.tracer.span("optimizer", block, nbytes=t["master"].nbytes):
                     ok = self._adam(t, ranges, hyper)
                 if not ok:
-                    raise FloatingPointError(
-                        f"block {block}: its gradient has inf/NaN values; the update was not applied. "
-                        "Use precision='fp16' loss scaling or clip_grad_norm to skip such steps.")
+                    raise DivergenceError(hyper[0].step if step is None else step,
+                                          f"the gradient of block {block} has inf/NaN values; its update "
+                                          "was not applied")
                 dirty = outputs
             finally:
                 store.release(own, dirty=dirty, drop=["grad"] if lease is not None else ())

@@ -42,6 +42,7 @@ from safetensors.torch import load as st_load, save as st_save
 
 from pystronghold.parallel.data import is_pipeline_copy, tied_source
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
+from pystronghold.runtime.divergence import check_finite_state
 from pystronghold.runtime.state_dict import block_step_counts, set_block_step_counts
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
@@ -187,6 +188,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
 
     def write(rel: str, tensors: dict[str, torch.Tensor]) -> None:
         if writer:
+            check_finite_state(tensors, step=trainer.step, where=f"checkpoint {name} ({rel})")
             files[rel] = _write(tmp / rel, st_save(tensors))
             if _after_file is not None:
                 _after_file(rel)

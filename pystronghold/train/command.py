@@ -60,6 +60,7 @@ def _leave_the_first_exit_to_rank_0(message: str) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``pystronghold train``: 0 on success, 2 on bad input, 1 when training fails."""
+    from pystronghold.runtime.divergence import DivergenceError
     from pystronghold.train.checkpoint import CheckpointError
     from pystronghold.train.loop import Trainer, close_parallel
 
@@ -100,6 +101,8 @@ def run_train(args: argparse.Namespace) -> int:
             result = trainer.train(on_step)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once
         failure = f"interrupted again: stopped at once in step {trainer.step + 1} (no checkpoint written)"
+    except DivergenceError as e:  # inf/NaN: its one line names the step already
+        failure = str(e)
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
         # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
         # (DistBackendError) and keeps its traceback: that is a crash, not bad input.

@@ -64,13 +64,16 @@ class TrainResult:
     """Trace files and pictures written."""
     stopped_by: str | None = None
     """Name of the signal (e.g. "SIGINT") that stopped the run after a step; None: it ran to the end."""
+    skipped_steps: int = 0
+    """fp16 steps of this process skipped for inf/NaN gradients (their losses are in ``losses``)."""
 
     def summary_lines(self) -> list[str]:
         out = []
         if self.losses:
             out.append(f"trained steps {self.start_step + 1}..{self.losses[-1][0]}: loss "
                        f"{self.losses[0][1]:.4f} -> {self.losses[-1][1]:.4f}"
-                       + (f", validation {self.val_losses[-1][1]:.4f}" if self.val_losses else ""))
+                       + (f", validation {self.val_losses[-1][1]:.4f}" if self.val_losses else "")
+                       + (f"; {self.skipped_steps} skipped (fp16 inf/NaN gradients)" if self.skipped_steps else ""))
             if self.time.wall_s > 0:
                 out.append(f"tokens/s {self.intervals[-1].tokens_per_s:.0f} (last interval), "
                            f"ms/step {1e3 * self.time.wall_s / len(self.losses):.1f} (mean)")
@@ -299,11 +302,14 @@ class Trainer:
         interval_losses: list[float] = []
         t_interval = time.perf_counter()
         steps_in_interval = 0
+        skipped_before = self.engine.skipped_steps  # at the start of the run, then of the interval
+        skipped_at_start = skipped_before
         while self.step < run.steps:
             t0 = time.perf_counter()
             loss = self.train_step()
             res.time.wall_s += time.perf_counter() - t0
             res.losses.append((self.step, loss))
+            res.skipped_steps = self.engine.skipped_steps - skipped_at_start
             interval_losses.append(loss)
             steps_in_interval += 1
             if on_step is not None:
@@ -324,7 +330,9 @@ class Trainer:
                     tokens_per_s=tokens_per_step * steps_in_interval / elapsed,
                     h2d_gbps=s.gbps.get("h2d"), d2h_gbps=s.gbps.get("d2h"),
                     device_peak_bytes=device_peak_bytes(self.engine, memory_report(self.engine).head_tail_bytes),
-                    host_bytes=self.engine.store.nbytes, overlap=s.overlap_fraction)
+                    host_bytes=self.engine.store.nbytes, overlap=s.overlap_fraction,
+                    skipped_steps=self.engine.skipped_steps - skipped_before)
+                skipped_before = self.engine.skipped_steps
                 res.intervals.append(m)
                 log.info("%s", m.line())
                 if self.auto_window is not None and len(res.intervals) == 1:

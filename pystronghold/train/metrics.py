@@ -69,6 +69,9 @@ class IntervalMetrics:
     """Bytes of the host store (every block's master, moments, gradient, shadow)."""
     overlap: float | None
     """Fraction of transfer and host-update time hidden behind compute, in [0, 1]."""
+    skipped_steps: int = 0
+    """fp16 steps of the interval skipped for inf/NaN gradients (in the JSONL and TensorBoard
+    figures, not on the line: each skip is logged when it happens)."""
 
     def line(self) -> str:
         """The fixed-field metrics line."""

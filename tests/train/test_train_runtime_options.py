@@ -21,7 +21,8 @@ TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --lr --w
                "--nvme-sparse --steps --seed --log-every --eval-every --eval-batches --trace --quiet "
                "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --tp --dp "
                "--dp-split --pp --micro-batches --pp-schedule --pp-chunks "
-               "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed").split()
+               "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed "
+               "--max-skipped-steps").split()
 
 
 def _train(*argv):
