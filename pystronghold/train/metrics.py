@@ -131,6 +131,10 @@ class MemoryReport:
     """Device arena of the W slots (parameters + gradients in compute precision)."""
     head_tail_bytes: int
     """Head and tail on the device: parameters, gradients, fp32 masters (bf16/fp16), Adam moments."""
+    resident_blocks: int
+    """K: blocks kept on the device with a device AdamW (``--resident-blocks``)."""
+    resident_blocks_bytes: int
+    """Those K blocks on the device: parameters, gradients, fp32 masters and AdamW moments."""
     device_peak_bytes: int
     """Peak device bytes measured (CUDA: max_memory_allocated, activations included; CPU: window
     arena + head/tail, activations are ordinary host allocations there)."""
@@ -144,12 +148,14 @@ class MemoryReport:
     """Where the NVMe tier is and what it holds (None without one)."""
 
     def lines(self) -> list[str]:
+        planned = self.window_bytes + self.resident_blocks_bytes + self.head_tail_bytes
+        resident = (f" + {self.resident_blocks} resident blocks {format_bytes(self.resident_blocks_bytes)}"
+                    if self.resident_blocks else "")
         out = [f"device: window W={self.window} of {self.blocks} blocks {format_bytes(self.window_bytes)}"
-               f" + head/tail {format_bytes(self.head_tail_bytes)} = "
-               f"{format_bytes(self.window_bytes + self.head_tail_bytes)}; measured peak "
-               f"{format_bytes(self.device_peak_bytes)}",
+               f"{resident} + head/tail {format_bytes(self.head_tail_bytes)} = {format_bytes(planned)}; "
+               f"measured peak {format_bytes(self.device_peak_bytes)}",
                f"resident model would need {format_bytes(self.resident_bytes)} on the device "
-               f"({self.resident_bytes / max(1, self.window_bytes + self.head_tail_bytes):.1f}x the window)",
+               f"({self.resident_bytes / max(1, planned):.1f}x this run's)",
                "host store: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_tiers.items())
                + f" (total {format_bytes(sum(self.host_tiers.values()))})"]
         if self.disk is not None:
@@ -181,6 +187,7 @@ def memory_report(engine) -> MemoryReport:
                 f"{format_bytes(st['write_bytes'])}, cache hits {st['hits']} / misses {st['misses']}")
     return MemoryReport(window=engine.window_size, blocks=engine.n_blocks,
                         window_bytes=int(engine.planned_arena_bytes), head_tail_bytes=head_tail,
+                        resident_blocks=engine.resident.count, resident_blocks_bytes=engine.resident.nbytes,
                         device_peak_bytes=device_peak_bytes(engine, head_tail),
                         resident_bytes=(block_numel + ht_numel) * per, host_tiers=tiers, disk=disk)
 
