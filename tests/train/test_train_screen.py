@@ -3,6 +3,11 @@ the log lines, and which loss each line gives."""
 
 from __future__ import annotations
 
+import io
+import logging
+import sys
+
+from pystronghold.train.command import Progress
 from pystronghold.train.metrics import format_bytes
 from train_helpers import run_training, tiny_config
 
@@ -19,3 +24,31 @@ def test_memory_line_sums_the_resident_blocks_too(tmp_path):
     line = m.lines()[0]
     assert f"+ 2 resident blocks {format_bytes(m.resident_blocks_bytes)} +" in line, line
     assert f"= {format_bytes(planned)}; measured peak {format_bytes(m.device_peak_bytes)}" in line, line
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_log_lines_beside_the_progress_bar_start_on_a_line_of_their_own(monkeypatch, caplog):
+    """On a terminal a metrics line logged while the bar is drawn used to follow the bar's text on
+    its line; through tqdm.write the bar is cleared first (a carriage return) and redrawn after."""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    caplog.set_level(logging.INFO)
+    console = logging.StreamHandler(sys.stdout)  # as run_train's logging.basicConfig(stream=sys.stdout)
+    logging.root.addHandler(console)
+    try:
+        progress = Progress(4, 0, terminal)
+        progress.update(1, 5.0)
+        logging.getLogger("pystronghold.train").info("step 1 | loss 5.0000")
+        progress.update(2, 4.0)
+        progress.close()
+        assert console in logging.root.handlers  # the console handler is back after the bar
+    finally:
+        logging.root.removeHandler(console)
+    text = terminal.getvalue()
+    at = text.index("step 1 | loss 5.0000")
+    assert "train:" in text[:at] and text[at - 1] == "\r" and text[at + 20] == "\n", repr(text)
