@@ -158,10 +158,10 @@ class Progress:
     def update(self, step: int, loss: float) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}")
+            self.bar.set_postfix_str(f"this step's loss {loss:.3f}")
         elif step % self.every == 0 or step == self.total:
-            print(f"train: step {step}/{self.total} ({100 * step // self.total}%), loss {loss:.3f}",
-                  file=self.stream, flush=True)
+            print(f"train: step {step}/{self.total} ({100 * step // self.total}%), "
+                  f"this step's loss {loss:.3f}", file=self.stream, flush=True)
 
     def close(self) -> None:
         self._open.close()

@@ -3,8 +3,8 @@ time went.
 
 The metrics line has fixed fields, in this order (``METRIC_FIELDS``)::
 
-    step 100 | loss 2.3141 | ms/step 412.3 | tok/s 2484 | h2d 3.10 GB/s | d2h 2.95 GB/s
-      | dev peak 4.3 MiB | host 36.4 MiB | overlap 71.2%
+    step 100 | loss 2.3141 (mean of 10 steps) | ms/step 412.3 | tok/s 2484 | h2d 3.10 GB/s
+      | d2h 2.95 GB/s | dev peak 4.3 MiB | host 36.4 MiB | overlap 71.2%
 
 Bandwidths and overlap come from the engine's trace (``pystronghold.trace.TraceSummary``) over the
 steps of the interval; ``-`` where the interval moved nothing of that kind.
@@ -67,13 +67,17 @@ class IntervalMetrics:
     """Bytes of the host store (every block's master, moments, gradient, shadow)."""
     overlap: float | None
     """Fraction of transfer and host-update time hidden behind compute, in [0, 1]."""
+    loss_steps: int = 1
+    """Steps ``loss`` is the mean of (the interval's)."""
 
     def line(self) -> str:
-        """The fixed-field metrics line."""
+        """The fixed-field metrics line. NOTE: its loss says when it is a mean, apart from the
+        progress bar's, which is the last step's."""
         def gbps(v):
             return "-" if v is None else f"{v:.2f} GB/s"
         overlap = "-" if self.overlap is None else f"{100 * self.overlap:.1f}%"
-        return (f"step {self.step} | loss {self.loss:.4f} | ms/step {self.ms_per_step:.1f} | "
+        mean = f" (mean of {self.loss_steps} steps)" if self.loss_steps > 1 else ""
+        return (f"step {self.step} | loss {self.loss:.4f}{mean} | ms/step {self.ms_per_step:.1f} | "
                 f"tok/s {self.tokens_per_s:.0f} | h2d {gbps(self.h2d_gbps)} | d2h {gbps(self.d2h_gbps)} | "
                 f"dev peak {format_bytes(self.device_peak_bytes)} | host {format_bytes(self.host_bytes)} | "
                 f"overlap {overlap}")

@@ -7,6 +7,8 @@ import io
 import logging
 import sys
 
+import pytest
+
 from pystronghold.train.command import Progress
 from pystronghold.train.metrics import format_bytes
 from train_helpers import run_training, tiny_config
@@ -52,3 +54,15 @@ def test_log_lines_beside_the_progress_bar_start_on_a_line_of_their_own(monkeypa
     text = terminal.getvalue()
     at = text.index("step 1 | loss 5.0000")
     assert "train:" in text[:at] and text[at - 1] == "\r" and text[at + 20] == "\n", repr(text)
+
+
+def test_each_loss_on_the_screen_says_which_it_is(tmp_path, capsys):
+    """The metrics line's loss is a mean over its interval, the progress line's one step's: both say
+    so (they used to read "loss" alike, with different values for the same step)."""
+    result = run_training(tiny_config(tmp_path, steps=4))  # --log-every 2
+    m = result.intervals[-1]
+    assert m.loss_steps == 2 and m.loss == pytest.approx((result.losses[-2][1] + result.losses[-1][1]) / 2)
+    assert f"| loss {m.loss:.4f} (mean of 2 steps) |" in m.line()
+    progress = Progress(4, 3, io.StringIO())  # not a terminal: plain lines
+    progress.update(4, result.losses[-1][1])
+    assert f"this step's loss {result.losses[-1][1]:.3f}" in progress.stream.getvalue()
