@@ -69,10 +69,12 @@ def format_split(plan: Plan) -> list[str]:
     how = "as asked" if plan.resident_asked is not None else "chosen"
     host = "host store" if plan.host.tier == "host" else "host store incl. NVMe staging"
     keep = "recomputed" if plan.resident_recompute else "activations kept"
+    streamed = (f"streamed  {d['streamed_blocks']} blocks through W={plan.window} slots: {_gib(d['window_bytes'])} "
+                f"on the device, {_gib(d['streamed_host_bytes'])} {host}, CPU Adam" if d["streamed_blocks"] else
+                "streamed  0 blocks: no window, no host store")
     return [f"resident  {k} of {n} blocks ({how}) with device AdamW: {_gib(d['resident_bytes'])} on the device "
             f"(params, grads, fp32 masters and moments; {keep})",
-            f"streamed  {d['streamed_blocks']} blocks through W={plan.window} slots: {_gib(d['window_bytes'])} "
-            f"on the device, {_gib(d['streamed_host_bytes'])} {host}, CPU Adam",
+            streamed,
             f"recompute {d['recomputed_blocks']} blocks (saves {_gib(d['recomputed_saved_bytes'])} of activations)"]
 
 
@@ -100,6 +102,17 @@ def _s(t: float) -> str:
     return f"{t * 1e3:,.1f} ms" if t < 1 else f"{t:,.2f} s"
 
 
+def _share(part: float, total: float) -> str:
+    """``part`` of ``total`` in whole percent; NOTE: a share that rounds to 0% or 100% without
+    being it reads "<1%" or ">99%" (an exposed transfer of 0.3% is not none)."""
+    share = 100 * part / total
+    if 0 < share < 0.5:
+        return "<1%"
+    if 99.5 <= share < 100:
+        return ">99%"
+    return f"{share:.0f}%"
+
+
 def format_plan(plan: Plan) -> str:
     """The human-readable report: model, window, memory, step time, largest models."""
     cfg, work, hw, c, dev, host = plan.config, plan.work, plan.hardware, plan.costs, plan.device, plan.host
@@ -123,16 +136,18 @@ def format_plan(plan: Plan) -> str:
     else:
         how = "none chosen: the model does not fit"
     if plan.fits and plan.streamed_blocks == 0:
-        how = "every block resident: nothing streams"
-    out.append(f"window W  {plan.window if plan.fits or plan.window_asked else '-'} ({how}; "
-               f"up to {plan.max_window} fit beside the resident blocks; STRONGHOLD formula: {plan.stronghold_window})")
+        out.append(f"window W  none (every block resident: nothing streams; STRONGHOLD formula: "
+                   f"{plan.stronghold_window})")
+    else:
+        out.append(f"window W  {plan.window if plan.fits or plan.window_asked else '-'} ({how}; up to "
+                   f"{plan.max_window} fit beside the resident blocks; STRONGHOLD formula: {plan.stronghold_window})")
     out += format_split(plan)
     update = "host update (NVMe read + write)" if host.tier == "nvme" else "CPU Adam"
     out.append(f"per block fwd {_s(c.fwd_s)}, bwd {_s(c.bwd_s)}, load {_s(c.load_s)}, "
                f"grad out {_s(c.grad_s)}, {update} {_s(c.adam_s)}, device AdamW {_s(c.device_adam_s)}")
     out += ["", format_table(["memory", "bytes", "of"], [
         ["device: resident blocks", _gib(dev.resident_bytes), f"{plan.resident_blocks} x {_gib(c.resident_block_bytes)}"],
-        ["device: window", _gib(dev.window_bytes), f"{plan.window} x {_gib(c.slot_bytes)}"],
+        ["device: window", _gib(dev.window_bytes), f"{plan.window} x {_gib(c.slot_bytes)}" if plan.window else "-"],
         ["device: head + tail", _gib(dev.head_tail_bytes), "params, grads, AdamW"],
         ["device: activations", _gib(dev.activation_bytes),
          f"{plan.recomputed_blocks} blocks checkpointed, {cfg.layers - plan.recomputed_blocks} kept"],
@@ -150,19 +165,23 @@ def format_plan(plan: Plan) -> str:
         out.append(f"NVMe tier {host.disk_reason}")
     if plan.step is not None:
         st = plan.step
-        rows = [["compute", _s(st.compute_s), f"{100 * st.compute_s / st.total_s:.0f}%"],
-                ["exposed transfer", _s(st.exposed_transfer_s), f"{100 * st.exposed_transfer_s / st.total_s:.0f}%"],
-                ["exposed optimizer", _s(st.exposed_optimizer_s), f"{100 * st.exposed_optimizer_s / st.total_s:.0f}%"],
+        rows = [["compute", _s(st.compute_s), _share(st.compute_s, st.total_s)],
+                ["exposed transfer", _s(st.exposed_transfer_s), _share(st.exposed_transfer_s, st.total_s)],
+                ["exposed optimizer", _s(st.exposed_optimizer_s), _share(st.exposed_optimizer_s, st.total_s)],
                 ["step", _s(st.total_s), f"{plan.tokens_per_s:,.0f} tokens/s"]]
         out += ["", format_table(["step time", "seconds", "share"], rows, align="lrl")]
     else:
+        host_short = "host memory" + ("" if hw.nvme_bytes else " (--nvme GB puts optimizer states on NVMe)")
         out += ["", "DOES NOT FIT: " + ", ".join(
             what for what, ok in [("device memory (even W = 1)", plan.max_window >= 1 and dev.fits),
-                                  ("host memory", host.host_bytes <= host.host_capacity_bytes),
-                                  ("disk", host.disk_bytes <= host.disk_capacity_bytes)] if not ok)]
+                                  (host_short, host.host_bytes <= host.host_capacity_bytes),
+                                  ("disk (more than the --nvme space)", host.disk_bytes <= host.disk_capacity_bytes)]
+            if not ok)]
     if plan.largest:
-        rows = [[str(r.hidden), str(r.heads), str(r.layers), _params(r.params) if r.layers else "-",
-                 r.bound, str(r.window), _s(r.step_s) if r.layers else "-"] for r in plan.largest]
-        out += ["", "largest trainable model (same seq, batch, precision; W = 1 must fit):",
+        rows = [[str(r.hidden), str(r.heads), str(r.layers), _params(r.params), r.bound, str(r.window or "none"),
+                 _s(r.step_s)] if r.layers else [str(r.hidden), str(r.heads), "0", "-", r.bound, "-", "-"]
+                for r in plan.largest]
+        none = "; W none: every block resident" if any(r.layers and not r.window for r in plan.largest) else ""
+        out += ["", f"largest trainable model (same seq, batch, precision; W = 1 must fit{none}):",
                 format_table(["hidden", "heads", "layers", "params", "bound by", "W", "step"], rows)]
     return "\n".join(out)

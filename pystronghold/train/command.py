@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -162,29 +163,32 @@ class StopOnSignal:
 
 class Progress:
     """A tqdm bar on a terminal; elsewhere (a file, a pipe) plain lines at every tenth of the run and
-    at its end, so redirected output holds no redraws."""
+    at its end, so redirected output holds no redraws. While the bar is shown, the root logger's
+    console lines go through ``tqdm.write``: each on a line of its own, the bar redrawn below it."""
 
     def __init__(self, total: int, initial: int, stream) -> None:
         self.total, self.stream = total, stream
         self.every = max(1, -(-total // 10))
         self.bar = None
+        self._open = contextlib.ExitStack()
         if stream.isatty():
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                            file=stream)
+            self.bar = self._open.enter_context(tqdm(total=total, initial=initial, desc="train", unit="step",
+                                                     dynamic_ncols=True, file=stream))
+            self._open.enter_context(logging_redirect_tqdm())
 
     def update(self, step: int, loss: float) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}")
+            self.bar.set_postfix_str(f"this step's loss {loss:.3f}")
         elif step % self.every == 0 or step == self.total:
-            print(f"train: step {step}/{self.total} ({100 * step // self.total}%), loss {loss:.3f}",
-                  file=self.stream, flush=True)
+            print(f"train: step {step}/{self.total} ({100 * step // self.total}%), "
+                  f"this step's loss {loss:.3f}", file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self._open.close()
 
 
 def run_export(args: argparse.Namespace) -> int:

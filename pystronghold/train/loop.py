@@ -326,6 +326,7 @@ class Trainer:
                 res.time.add(s)
                 m = IntervalMetrics(
                     step=self.step, loss=sum(interval_losses) / len(interval_losses),
+                    loss_steps=len(interval_losses),
                     ms_per_step=1e3 * elapsed / steps_in_interval,
                     tokens_per_s=tokens_per_step * steps_in_interval / elapsed,
                     h2d_gbps=s.gbps.get("h2d"), d2h_gbps=s.gbps.get("d2h"),

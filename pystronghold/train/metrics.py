@@ -3,8 +3,8 @@ time went.
 
 The metrics line has fixed fields, in this order (``METRIC_FIELDS``)::
 
-    step 100 | loss 2.3141 | ms/step 412.3 | tok/s 2484 | h2d 3.10 GB/s | d2h 2.95 GB/s
-      | dev peak 4.3 MiB | host 36.4 MiB | overlap 71.2%
+    step 100 | loss 2.3141 (mean of 10 steps) | ms/step 412.3 | tok/s 2484 | h2d 3.10 GB/s
+      | d2h 2.95 GB/s | dev peak 4.3 MiB | host 36.4 MiB | overlap 71.2%
 
 Bandwidths and overlap come from the engine's trace (``pystronghold.trace.TraceSummary``) over the
 steps of the interval; ``-`` where the interval moved nothing of that kind.
@@ -72,13 +72,17 @@ class IntervalMetrics:
     skipped_steps: int = 0
     """fp16 steps of the interval skipped for inf/NaN gradients (in the JSONL and TensorBoard
     figures, not on the line: each skip is logged when it happens)."""
+    loss_steps: int = 1
+    """Steps ``loss`` is the mean of (the interval's)."""
 
     def line(self) -> str:
-        """The fixed-field metrics line."""
+        """The fixed-field metrics line. NOTE: its loss says when it is a mean, apart from the
+        progress bar's, which is the last step's."""
         def gbps(v):
             return "-" if v is None else f"{v:.2f} GB/s"
         overlap = "-" if self.overlap is None else f"{100 * self.overlap:.1f}%"
-        return (f"step {self.step} | loss {self.loss:.4f} | ms/step {self.ms_per_step:.1f} | "
+        mean = f" (mean of {self.loss_steps} steps)" if self.loss_steps > 1 else ""
+        return (f"step {self.step} | loss {self.loss:.4f}{mean} | ms/step {self.ms_per_step:.1f} | "
                 f"tok/s {self.tokens_per_s:.0f} | h2d {gbps(self.h2d_gbps)} | d2h {gbps(self.d2h_gbps)} | "
                 f"dev peak {format_bytes(self.device_peak_bytes)} | host {format_bytes(self.host_bytes)} | "
                 f"overlap {overlap}")
@@ -165,6 +169,10 @@ class MemoryReport:
     """Device arena of the W slots (parameters + gradients in compute precision)."""
     head_tail_bytes: int
     """Head and tail on the device: parameters, gradients, fp32 masters (bf16/fp16), Adam moments."""
+    resident_blocks: int
+    """K: blocks kept on the device with a device AdamW (``--resident-blocks``)."""
+    resident_blocks_bytes: int
+    """Those K blocks on the device: parameters, gradients, fp32 masters and AdamW moments."""
     device_peak_bytes: int
     """Peak device bytes measured (CUDA: max_memory_allocated, activations included; CPU: window
     arena + head/tail, activations are ordinary host allocations there)."""
@@ -178,12 +186,14 @@ class MemoryReport:
     """Where the NVMe tier is and what it holds (None without one)."""
 
     def lines(self) -> list[str]:
+        planned = self.window_bytes + self.resident_blocks_bytes + self.head_tail_bytes
+        resident = (f" + {self.resident_blocks} resident blocks {format_bytes(self.resident_blocks_bytes)}"
+                    if self.resident_blocks else "")
         out = [f"device: window W={self.window} of {self.blocks} blocks {format_bytes(self.window_bytes)}"
-               f" + head/tail {format_bytes(self.head_tail_bytes)} = "
-               f"{format_bytes(self.window_bytes + self.head_tail_bytes)}; measured peak "
-               f"{format_bytes(self.device_peak_bytes)}",
+               f"{resident} + head/tail {format_bytes(self.head_tail_bytes)} = {format_bytes(planned)}; "
+               f"measured peak {format_bytes(self.device_peak_bytes)}",
                f"resident model would need {format_bytes(self.resident_bytes)} on the device "
-               f"({self.resident_bytes / max(1, self.window_bytes + self.head_tail_bytes):.1f}x the window)",
+               f"({self.resident_bytes / max(1, planned):.1f}x this run's)",
                "host store: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_tiers.items())
                + f" (total {format_bytes(sum(self.host_tiers.values()))})"]
         if self.disk is not None:
@@ -215,6 +225,7 @@ def memory_report(engine) -> MemoryReport:
                 f"{format_bytes(st['write_bytes'])}, cache hits {st['hits']} / misses {st['misses']}")
     return MemoryReport(window=engine.window_size, blocks=engine.n_blocks,
                         window_bytes=int(engine.planned_arena_bytes), head_tail_bytes=head_tail,
+                        resident_blocks=engine.resident.count, resident_blocks_bytes=engine.resident.nbytes,
                         device_peak_bytes=device_peak_bytes(engine, head_tail),
                         resident_bytes=(block_numel + ht_numel) * per, host_tiers=tiers, disk=disk)
 

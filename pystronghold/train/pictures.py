@@ -3,6 +3,7 @@ each for compute, H2D, D2H, optimizer, file I/O, stall) and loss.png (training a
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 from pystronghold.trace import Tracer, lanes_of
@@ -15,9 +16,19 @@ next to steps of hundreds of milliseconds; drawn to scale it would vanish)."""
 
 
 def step_starts(events, steps: list[int]) -> list[tuple[int, float]]:
-    """``(step number, start in seconds)`` of the steps in ``events``: a step starts with the forward
-    of block 0. ``steps``: the numbers of the last steps run, oldest first (matched from the end)."""
-    starts = sorted(e.start_s for e in events if e.kind == "compute_fwd" and e.block == 0)
+    """``(step number, start in seconds)`` of the steps in ``events``, oldest first. ``steps``: the
+    numbers of the last steps run, oldest first (matched from the end).
+
+    A step ends with its optimizer step (the host span of kind "step", ``Engine.run_step``) and
+    starts with the first host span after the previous one's end (for the trace's first step, its
+    first host span). NOTE: not the forward of block 0: a device-resident block 0 is not traced, and
+    gradient accumulation runs several forwards per step."""
+    step_ends = sorted(e.end_s for e in events if e.kind == "step")
+    host = sorted(e.start_s for e in events if e.lane == "host")  # the "step" spans among them
+    starts, previous_end = [], float("-inf")
+    for end in step_ends:
+        starts.append(host[bisect.bisect_left(host, previous_end)])
+        previous_end = end
     starts = starts[len(starts) - min(len(starts), len(steps)):]
     return list(zip(steps[len(steps) - len(starts):], starts))
 
@@ -26,7 +37,8 @@ def timeline_title(n_steps: int, window, summary) -> str:
     """The timeline's title. Its figure is for the pictured steps only, named so that it is not
     read as the run summary's whole-run "background work hidden behind compute"."""
     hidden = "-" if summary.overlap_fraction is None else f"{100 * summary.overlap_fraction:.0f}%"
-    return (f"last {n_steps} steps, W={window}: in these steps {hidden} of copy and host-update time "
+    shown = f"last {n_steps} steps" if n_steps else "the whole trace"
+    return (f"{shown}, W={window}: in these steps {hidden} of copy and host-update time "
             f"overlapped compute; compute stalled {summary.stall_s * 1e3:.1f} ms waiting")
 
 
@@ -107,16 +119,14 @@ def write_outputs(out: Path, events, result, max_png_steps: int = 3) -> list[Pat
     for e in events:
         full.record(e.kind, e.block, e.start_s, e.end_s, e.nbytes, e.lane)
     paths = [full.write_chrome_json(out / "trace.json")]
-    # the last steps: events after the (max_png_steps + 1)-th last forward of block 0
-    starts = sorted(e.start_s for e in events if e.kind == "compute_fwd" and e.block == 0)
-    cut = starts[-max_png_steps] if len(starts) >= max_png_steps else float("-inf")
+    shown = step_starts(events, [k for k, _ in result.losses])[-max_png_steps:]
+    cut = shown[0][1] if shown else float("-inf")
     tail = Tracer(enabled=True)
     for e in events:
         if e.start_s >= cut:
             tail.record(e.kind, e.block, e.start_s, e.end_s, e.nbytes, e.lane)
     window = result.memory.window if result.memory else "?"
-    shown = min(max_png_steps, len(starts))
-    paths.append(write_timeline_png(out / "timeline.png", tail, timeline_title(shown, window, tail.summary()),
-                                    steps=step_starts(tail.events(), [k for k, _ in result.losses])))
+    paths.append(write_timeline_png(out / "timeline.png", tail,
+                                    timeline_title(len(shown), window, tail.summary()), steps=shown))
     paths.append(write_loss_png(out / "loss.png", result.losses, result.val_losses))
     return paths

@@ -14,7 +14,7 @@ import torch
 from pystronghold.cli import main
 from pystronghold.train import Trainer
 from pystronghold.train.metrics import METRIC_FIELDS
-from train_helpers import text_dir, tiny_config
+from train_helpers import run_training, text_dir, tiny_config
 
 ENV = dict(os.environ, OMP_NUM_THREADS="2")
 
@@ -168,3 +168,22 @@ def test_train_with_nvme_reports_the_tier_and_bad_nvme_input_is_one_line(tmp_pat
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_timeline_pictures_the_last_steps_with_a_resident_block_0(tmp_path, monkeypatch):
+    """Block 0 resident, two micro-batches per step: the picture still shows the last 3 steps, each
+    marked where it starts."""
+    from pystronghold.train import pictures
+
+    drawn = {}
+
+    def draw(path, tracer, title, steps=None):
+        drawn.update(title=title, steps=steps, first_s=min(e.start_s for e in tracer.events()))
+        return path
+
+    monkeypatch.setattr(pictures, "write_timeline_png", draw)
+    run_training(tiny_config(tmp_path, steps=5, window=1, resident=1, accumulation=2, trace=str(tmp_path / "out")))
+    assert drawn["title"].startswith("last 3 steps, W=1:"), drawn["title"]
+    assert [k for k, _ in drawn["steps"]] == [3, 4, 5]
+    starts = [s for _, s in drawn["steps"]]
+    assert starts == sorted(starts) and starts[0] == drawn["first_s"]

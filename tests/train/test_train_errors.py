@@ -106,14 +106,19 @@ def test_timeline_title_and_run_summary_name_their_figures_apart():
     assert "overlap" not in background and "hidden" not in title
 
 
-def test_timeline_step_markers_are_the_forwards_of_block_0():
+def test_timeline_step_markers_follow_the_optimizer_steps_not_block_0():
+    """Block 0 resident (never traced) and two micro-batches per step: each step starts with its
+    first host span after the previous optimizer step."""
     from pystronghold.trace import Tracer
     from pystronghold.train.pictures import step_starts
 
     tracer = Tracer(enabled=True)
-    for k, t in enumerate((1.0, 2.0, 3.0)):
-        tracer.record("compute_fwd", 0, t, t + 0.1, 0)
-        tracer.record("compute_fwd", 1, t + 0.1, t + 0.2, 0)
+    for t in (1.0, 2.0, 3.0):
+        for micro in (0.0, 0.4):  # each micro-batch: the model's code (resident block 0), block 1
+            tracer.record("model", None, t + micro, t + micro + 0.1)
+            tracer.record("compute_fwd", 1, t + micro + 0.1, t + micro + 0.2)
+            tracer.record("compute_bwd", 1, t + micro + 0.2, t + micro + 0.3)
+        tracer.record("step", None, t + 0.8, t + 0.9)
     events = tracer.events()
     assert step_starts(events, [4, 5, 6, 7]) == [(5, 1.0), (6, 2.0), (7, 3.0)]
     assert step_starts(events, [7]) == [(7, 3.0)]
