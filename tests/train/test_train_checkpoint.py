@@ -12,8 +12,8 @@ import torch
 
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.train import Trainer
-from pystronghold.train.checkpoint import (CheckpointError, export_weights, latest_checkpoint,
-                                           load_checkpoint, read_manifest)
+from pystronghold.train.checkpoint import CheckpointError, export_weights, load_checkpoint, read_manifest
+from pystronghold.train.checkpoint_dir import latest_checkpoint
 from train_helpers import TINY, kill_when_marked, run_training, tiny_config
 
 
@@ -131,3 +131,4 @@ def test_export_loads_into_a_plain_gpt(tmp_path):
     plain.load_state_dict(load_file(str(out)), strict=True)
     with torch.no_grad():
         torch.testing.assert_close(plain(x), expected, rtol=0, atol=0)
+
