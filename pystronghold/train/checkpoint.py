@@ -8,7 +8,8 @@ Layout of one checkpoint (``<dir>/step-00000100/``)::
     state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states
                                          (with the layer-drop generator), data position, loss-scaler
                                          state (small)
-    manifest.json                        format, version, model config, step, sha256 of every file
+    manifest.json                        format, version, model config, step, lineage (the run ids
+                                         that led to it), sha256 of every file
 
 Nothing in it depends on the window size or the number of ranks that wrote it: tensors are keyed
 by parameter name and hold whole parameters (``manifest.json`` records the PP x TP x DP layout that
@@ -22,14 +23,17 @@ tied embedding is saved once, under the embedding's name, and restored from it. 
 goes into ``<dir>/.tmp-step-...`` one block at a time (at most one block's serialised bytes in
 extra memory), each file fsynced, the manifest
 last; only then is the directory renamed to ``step-...``. A crash or kill leaves at most a ``.tmp``
-directory (ignored, and removed by the next save) and the previous checkpoints intact. Loading
-verifies every checksum before it changes anything.
+directory (ignored, and removed by the next save) and the previous checkpoints intact; a failed
+write (a full disk) removes its ``.tmp`` and names the step and file. Loading verifies every
+checksum before it changes anything. Names, manifests, the directory's lock and which checkpoints
+a run may delete are ``checkpoint_dir.py``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -44,28 +48,26 @@ from pystronghold.parallel.data import is_pipeline_copy, tied_source
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 from pystronghold.runtime.divergence import check_finite_state
 from pystronghold.runtime.state_dict import block_step_counts, set_block_step_counts
+from pystronghold.train.checkpoint_dir import (FORMAT, VERSION, CheckpointError, block_file, checkpoint_name,
+                                               read_manifest)
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint",
-           "newest_valid_checkpoint", "latest_checkpoint", "read_manifest", "checkpoint_weights",
-           "export_weights", "save_safetensors"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "load_checkpoint", "read_manifest",
+           "checkpoint_weights", "export_weights", "save_safetensors"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = "pystronghold-checkpoint"
-VERSION = 1
-_PREFIX = "step-"
 _BLOCK_STATES = (("master", ""), ("exp_avg", ".exp_avg"), ("exp_avg_sq", ".exp_avg_sq"))
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt, incomplete or made for another model."""
-
-
 def _write(path: Path, data: bytes) -> dict:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        e.filename = e.filename or str(path)  # a failed write or fsync names no file
+        raise
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
@@ -101,15 +103,6 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state(state["numpy"])
 
 
-def _steps(root: Path) -> list[tuple[int, Path]]:
-    out = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit() and (p / "manifest.json").is_file():
-                out.append((int(p.name[len(_PREFIX):]), p))
-    return sorted(out)
-
-
 def _split(param: torch.Tensor) -> tuple[int, int, int]:
     """``(dim, rank, size)`` of a tensor-parallel parameter; ``(0, 0, 1)`` for a whole one."""
     return getattr(param, "tp_split", (0, 0, 1))
@@ -135,73 +128,76 @@ def _model_dict(config) -> dict:
     return dataclasses.asdict(dataclasses.replace(config, tp_size=1))
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step under ``root``, or None."""
-    found = _steps(Path(root))
-    return found[-1][1] if found else None
-
-
-def newest_valid_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` whose files all match their sha256; each newer
-    one that does not is logged (naming the file) and skipped. None when none is valid."""
-    skipped = []
-    for _, path in reversed(_steps(Path(root))):
-        try:
-            read_manifest(path)
-        except CheckpointError as e:
-            log.warning("resume: %s; trying an older checkpoint", e)
-            skipped.append(path.name)
-            continue
-        if skipped:
-            log.warning("resume: falling back to %s (the newest valid checkpoint; skipped %s)",
-                        path, ", ".join(skipped))
-        return path
-    return None
-
-
 # ---- save
 
-def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_file=None) -> Path | None:
-    """Write ``trainer``'s state as ``root/step-NNNNNNNN`` (atomically); keep the newest ``keep``.
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, an I/O error): the message names the
+    step and the file; ``errno`` is the cause's. Its partial save has been removed."""
+
+
+def save_checkpoint(trainer, root: str | os.PathLike, *, _after_file=None) -> Path | None:
+    """Write ``trainer``'s state as ``root/step-NNNNNNNN`` (atomically). Deletes nothing but stale
+    ``.tmp-*`` saves: which older checkpoints go is ``checkpoint_dir.prune_checkpoints``'s.
 
     In a run of several processes every rank calls it: with tensor parallelism the TP ranks of DP
     replica 0 gather each split tensor (a collective, one block at a time); global rank 0 alone
-    writes and gets the directory, every other rank gets None. ``_after_file(name)`` is a test hook
-    called after each file is written.
+    writes and gets the directory, every other rank gets None. CheckpointWriteError when a write
+    fails. ``_after_file(name)`` is a test hook called after each file is written.
     """
-    engine = trainer.engine
-    engine.synchronize()  # every host update (forward-overlap ones too) has landed in the store
+    trainer.engine.synchronize()  # every host update (forward-overlap ones too) has landed in the store
     groups = trainer.groups
     if groups is not None and groups.dp_rank != 0:
         return None  # NOTE: DP replicas hold identical state; replica 0 (with global rank 0) saves it
     writer = groups is None or groups.rank == 0
-    tp_group = _tp_group(trainer)
     root = Path(root)
-    name = f"{_PREFIX}{trainer.step:08d}"
+    name = checkpoint_name(trainer.step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
-    if writer:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        (tmp / "blocks").mkdir(parents=True)
+    try:
+        if writer:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-*"):  # left by a killed save (one run per directory: not a live one)
+                shutil.rmtree(stale, ignore_errors=True)
+            (tmp / "blocks").mkdir(parents=True)
+        files = _write_tensors(trainer, tmp if writer else None, _after_file)
+        if not writer:
+            return None
+        final = _write_manifest(trainer, root, tmp, name, files)
+    except FloatingPointError:  # inf/NaN state: refused, and nothing of it kept
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except OSError as e:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # NOTE: on a full disk the partial save is what fills it
+        error = CheckpointWriteError(f"checkpoint of step {trainer.step} not written: {e.strerror or e} "
+                                     f"({e.filename or tmp}); its partial save was removed")
+        error.errno = e.errno
+        raise error from e
+    log.info("checkpoint: step %d written to %s", trainer.step, final)
+    return final
+
+
+def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
+    """Gather and (into ``tmp``, on the writing rank) write every block file and the head/tail
+    file; returns ``{file: sha256 and size}`` of what this rank wrote."""
+    states = trainer.engine.states
+    tp_group = _tp_group(trainer)
     files: dict[str, dict] = {}
 
     def write(rel: str, tensors: dict[str, torch.Tensor]) -> None:
-        if writer:
-            check_finite_state(tensors, step=trainer.step, where=f"checkpoint {name} ({rel})")
+        if tmp is not None:
+            check_finite_state(tensors, step=trainer.step, where=f"checkpoint of step {trainer.step} ({rel})")
             files[rel] = _write(tmp / rel, st_save(tensors))
-            if _after_file is not None:
-                _after_file(rel)
+            if after_file is not None:
+                after_file(rel)
 
-    states = engine.states
     pipe, indices, rename = _pipeline(trainer)
     local = {g: b for b, g in enumerate(indices)}
-    total = trainer.config.gpt.layers if pipe is not None else len(states.block_names)
     # NOTE: the format is keyed by full model names. Every TP rank walks the same blocks, states and
     # parameters in the same order, so the gathers match; a gathered block is written and dropped
     # before the next one is read (engine.states reads one block, from disk if it is there). With
     # pipeline stages, the stage holding block g sends it to the others (rank 0 writes it).
-    for g in range(total):
+    for g in range(_block_count(trainer)):
         b, tensors = local.get(g), None
         if b is not None:
             splits = [_split(p) for p in states.block_params(b)]
@@ -213,7 +209,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
             del values
         if pipe is not None:
             tensors = pipe.share_from(pipe.stage_of_block(g), tensors)
-        write(f"blocks/block-{g:05d}.safetensors", tensors)
+        write(block_file(g), tensors)
     tensors = {}
     for n, p, m, st in states.head_tail():
         if is_pipeline_copy(p):
@@ -227,10 +223,19 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
     if pipe is not None:  # head on the first stage, tail on the last
         tensors = {k: v for stage in range(pipe.groups.pp_size) for k, v in pipe.share_from(stage, tensors).items()}
     write("head_tail.safetensors", tensors)
-    if not writer:
-        return None
-    import io
+    return files
 
+
+def _block_count(trainer) -> int:
+    """Blocks of the whole model (a pipeline stage holds only some)."""
+    if _pipeline(trainer)[0] is not None:
+        return trainer.config.gpt.layers
+    return len(trainer.engine.states.block_names)
+
+
+def _write_manifest(trainer, root: Path, tmp: Path, name: str, files: dict[str, dict]) -> Path:
+    """Write ``state.pt`` and the manifest into ``tmp``, fsync, and rename it to ``root/name``."""
+    engine, groups = trainer.engine, trainer.groups
     buf = io.BytesIO()
     torch.save({"step": trainer.step, "engine_steps": engine.steps, "skipped_steps": engine.skipped_steps,
                 "block_steps": block_step_counts(engine),
@@ -240,8 +245,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
                 "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
     files["state.pt"] = _write(tmp / "state.pt", buf.getvalue())
     manifest = {"format": FORMAT, "version": VERSION, "step": trainer.step,
-                "model": _model_dict(trainer.config.gpt), "blocks": total,
-                "precision": trainer.config.runtime.precision,
+                "model": _model_dict(trainer.config.gpt), "blocks": _block_count(trainer),
+                "precision": trainer.config.runtime.precision, "lineage": list(trainer.lineage),
                 "written_by": {"tp": groups.tp_size if groups else 1, "dp": groups.dp_size if groups else 1,
                                "pp": groups.pp_size if groups else 1},
                 "files": files}
@@ -255,44 +260,10 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, keep: int = 2, _after_f
         shutil.rmtree(old)
     tmp.rename(final)
     _fsync_dir(root)
-    for _, old in _steps(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    log.info("checkpoint: step %d written to %s", trainer.step, final)
     return final
 
 
 # ---- load
-
-def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
-    """The manifest of checkpoint ``path``; with ``verify``, every file's checksum is checked first.
-
-    Raises CheckpointError naming what is wrong.
-    """
-    path = Path(path)
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: no manifest.json (not a checkpoint, or incomplete)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: manifest.json is corrupt ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint {path}: format version {manifest.get('version')}, this "
-                              f"pystronghold reads version {VERSION}")
-    if verify:
-        for rel, meta in manifest["files"].items():
-            h = hashlib.sha256()
-            try:
-                with open(path / rel, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 22), b""):
-                        h.update(chunk)
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint {path}: {rel} is missing") from None
-            if h.hexdigest() != meta["sha256"]:
-                raise CheckpointError(f"checkpoint {path}: {rel} is corrupt (sha256 mismatch)")
-    return manifest
-
 
 def _load_file(path: Path, rel: str, meta: dict) -> dict[str, torch.Tensor]:
     data = (path / rel).read_bytes()
@@ -318,6 +289,22 @@ def _mine(saved: dict[str, torch.Tensor], key: str, param: torch.Tensor, shape, 
     return part.contiguous()
 
 
+def _model_difference(saved: dict, mine: dict, most: int = 3) -> str:
+    """The first ``most`` model settings that differ, one line: ``hidden 32 (this run 64), ...``
+    (a Hugging Face config's keys as ``config.KEY``)."""
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    saved, mine = flat(saved), flat(mine)
+    keys = [k for k in {**saved, **mine} if saved.get(k) != mine.get(k)]
+    text = ", ".join(f"{k} {saved.get(k, '(none)')} (this run {mine.get(k, '(none)')})" for k in keys[:most])
+    return text + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
 @torch.no_grad()
 def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     """Restore ``trainer`` (model, optimizer states, step, schedule, RNG, data position, scaler).
@@ -329,13 +316,12 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     manifest = read_manifest(path)
     mine, saved_model = _model_dict(trainer.config.gpt), dict(manifest["model"], tp_size=1)
     if saved_model != mine:
-        diff = {k: (saved_model.get(k), v) for k, v in mine.items() if saved_model.get(k) != v}
-        raise CheckpointError(f"checkpoint {path} was made for another model: (saved, this run) {diff}")
+        raise CheckpointError(f"checkpoint {path} was made for another model: {_model_difference(saved_model, mine)}")
     engine = trainer.engine
     states = engine.states
     _, indices, rename = _pipeline(trainer)
     for b, names in enumerate(states.block_names):
-        rel = f"blocks/block-{indices[b]:05d}.safetensors"  # a pipeline stage reads its own blocks
+        rel = block_file(indices[b])  # a pipeline stage reads its own blocks
         if rel not in manifest["files"]:
             raise CheckpointError(f"checkpoint {path}: {rel} is missing (it has {manifest.get('blocks')} blocks)")
         saved = _load_file(path, rel, manifest["files"][rel])
@@ -355,10 +341,11 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     data = (path / "state.pt").read_bytes()
     if hashlib.sha256(data).hexdigest() != manifest["files"]["state.pt"]["sha256"]:
         raise CheckpointError(f"checkpoint {path}: state.pt is corrupt (sha256 mismatch)")
-    import io
-
     state = torch.load(io.BytesIO(data), weights_only=False)
     trainer.step = state["step"]
+    # NOTE: this run continues the loaded one's lineage (absent before lineages: it starts here)
+    before = manifest.get("lineage")
+    trainer.lineage = [*(before if isinstance(before, list) else []), trainer.lineage[-1]]
     engine.steps, engine.skipped_steps = state["engine_steps"], state["skipped_steps"]
     # NOTE: absent from checkpoints written before layer drop: every block at engine_steps
     if any(c != engine.steps for c in state.get("block_steps", ())):
@@ -385,7 +372,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: its data position does not fit this run's data ({e})") from None
     if engine.scaler is not None and state["scaler"] is not None:
-        engine.scaler.scale, engine.scaler.clean_steps = state["scaler"]["scale"], state["scaler"]["clean_steps"]
+        engine.scaler.load_state_dict(state["scaler"])  # scale, clean steps and overflows in a row
     _set_rng_state(state["rng"])
     # NOTE: the draws of a --layer-drop run continue where they stopped (absent from older
     # checkpoints, or when the writer skipped no blocks: this run's seed then starts them)

@@ -62,7 +62,7 @@ def _leave_the_first_exit_to_rank_0(message: str) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Run ``pystronghold train``: 0 on success, 2 on bad input, 1 when training fails."""
     from pystronghold.runtime.divergence import DivergenceError
-    from pystronghold.train.checkpoint import CheckpointError
+    from pystronghold.train.checkpoint import CheckpointError, CheckpointWriteError
     from pystronghold.train.loop import Trainer, close_parallel
 
     # Under torchrun every rank runs this; only rank 0 logs, draws the bar and prints errors (every
@@ -107,7 +107,8 @@ def run_train(args: argparse.Namespace) -> int:
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
         # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
         # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
-        failure = f"at step {trainer.step + 1}: {e}"
+        # a failed save names its own step (the one just trained), others the step in progress
+        failure = str(e) if isinstance(e, CheckpointWriteError) else f"at step {trainer.step + 1}: {e}"
     finally:
         if progress is not None:
             progress.close()
@@ -194,16 +195,22 @@ class Progress:
 def run_export(args: argparse.Namespace) -> int:
     """Run ``pystronghold export``: 0 on success, 2 for a missing/corrupt checkpoint."""
     from pystronghold.options import parse_bytes
-    from pystronghold.train.checkpoint import CheckpointError, export_weights, latest_checkpoint
+    from pystronghold.train.checkpoint import CheckpointError, export_weights
+    from pystronghold.train.checkpoint_dir import checkpoint_steps, newest_valid_checkpoint
 
     from pathlib import Path
 
     if not args.hf and (args.tokenizer is not None or args.no_tokenizer):
         print("pystronghold export: error: --tokenizer and --no-tokenizer need --hf", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.WARNING, format="pystronghold export: %(message)s", stream=sys.stderr)
     path = Path(args.checkpoint)
-    if not (path / "manifest.json").exists():
-        path = latest_checkpoint(path) or path
+    if checkpoint_steps(path):  # a --checkpoint-dir: its newest valid checkpoint, damaged newer ones named
+        path = newest_valid_checkpoint(path)
+        if path is None:
+            print(f"pystronghold export: error: no valid checkpoint in {args.checkpoint} (see the warnings above)",
+                  file=sys.stderr)
+            return 2
     try:
         if args.hf:
             from pystronghold.train.export_hf import export_hf

@@ -192,9 +192,13 @@ class CheckpointOptions:
     checkpoint_every: int = 0
     """Steps between checkpoints (one is always written at the end); 0: only at the end."""
     keep: int = 2
-    """Most recent checkpoints kept (older ones are deleted after a new one is complete)."""
+    """Most recent checkpoints kept (older ones this run, or the runs it resumed, wrote are deleted
+    after a new one is complete; other runs' checkpoints never are)."""
     resume: bool = False
-    """Continue from the latest complete checkpoint in --checkpoint-dir."""
+    """Continue from the newest valid checkpoint in --checkpoint-dir."""
+    overwrite: bool = False
+    """Start a fresh run in a --checkpoint-dir that holds checkpoints (refused without it): they
+    are deleted once this run's first checkpoint is complete."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
@@ -203,6 +207,10 @@ class CheckpointOptions:
             raise ValueError(f"--keep must be >= 1, got {self.keep}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
+        if self.overwrite and not self.checkpoint_dir:
+            raise ValueError("--overwrite needs --checkpoint-dir")
+        if self.overwrite and self.resume:
+            raise ValueError("--overwrite starts a fresh run, --resume continues one: give one of them")
         if self.checkpoint_dir:
             _check_creatable_dir("--checkpoint-dir", self.checkpoint_dir)
 

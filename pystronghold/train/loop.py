@@ -23,6 +23,8 @@ from pystronghold.data import DataConfig, BatchSampler, load_corpus, validation_
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
+from pystronghold.train.checkpoint_dir import (CheckpointError, DirectoryLock, new_run_id, open_run_directory,
+                                               prune_checkpoints)
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
                                         device_peak_bytes, memory_report, summarize_events)
@@ -124,6 +126,18 @@ class Trainer:
             self.groups = init_parallel(par.tp, par.dp_size, pp=par.pp, heads=cfg.heads, backend=backend,
                                         timeout_s=par.dist_timeout)
         self.rank = self.groups.rank if self.groups is not None else 0
+        # NOTE: before anything long: a directory another run holds, or a fresh run's refusal
+        self.checkpoint_lock, resume_from = self._open_checkpoint_dir()
+        try:
+            self._build(resume_from)
+        except BaseException:
+            self.release_checkpoint_dir()
+            raise
+
+    def _build(self, resume_from: Path | None) -> None:
+        """Data, model, engine and schedule; then the checkpoint ``resume_from`` is loaded."""
+        config = self.config
+        cfg, run, par = config.gpt, config.run, config.parallel
         seed_everything(run.seed)
         if self.hf:  # the model's files are checked (headers only) before the text is tokenized
             from pystronghold.models.hf import load_lazy
@@ -180,23 +194,48 @@ class Trainer:
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0
+        self.lineage = [new_run_id()]
+        """Run ids of the runs this one continues, its own last (recorded in its checkpoints)."""
         self.result = TrainResult()
         self._all_events: list = []  # kept only with --trace
         self.stop_requested: str | None = None
         """Set (to a signal's name) from outside, e.g. a signal handler: the run stops after the step
         in progress, writing a checkpoint when --checkpoint-dir is set."""
-        if config.checkpoint.resume:
-            from pystronghold.train.checkpoint import latest_checkpoint, load_checkpoint, newest_valid_checkpoint
+        if resume_from is not None:
+            from pystronghold.train.checkpoint import load_checkpoint
 
-            root = config.checkpoint.checkpoint_dir
-            if latest_checkpoint(root) is None:
-                raise ValueError(f"--resume: no complete checkpoint in {root}")
-            path = newest_valid_checkpoint(root)
-            if path is None:
-                raise ValueError(f"--resume: every checkpoint in {root} is corrupt (see the warnings above)")
-            load_checkpoint(self, path)
-            log.info("resumed from %s at step %d", path, self.step)
+            load_checkpoint(self, resume_from)
+            log.info("resumed from %s at step %d", resume_from, self.step)
         self.result.start_step = self.step
+
+    def _open_checkpoint_dir(self) -> tuple[DirectoryLock | None, Path | None]:
+        """(the --checkpoint-dir lock, the checkpoint to resume from): rank 0 locks the directory,
+        refuses a fresh run where checkpoints are and picks the one to resume (``open_run_directory``);
+        the other ranks take its answer, so every rank raises, or goes on, together."""
+        ck = self.config.checkpoint
+        if not ck.checkpoint_dir:
+            return None, None
+        lock, answer, error = None, None, None
+        if self.rank == 0:
+            try:
+                lock, path = open_run_directory(ck.checkpoint_dir, resume=ck.resume, overwrite=ck.overwrite)
+                answer = ("resume", str(path) if path is not None else None)
+            except Exception as e:  # NOTE: whatever it is, the other ranks must hear of it, not wait
+                answer, error = ("error", str(e)), e
+        if self.groups is not None:
+            import torch.distributed as dist
+
+            shared = [answer]
+            dist.broadcast_object_list(shared, src=0)
+            answer = shared[0]
+        if answer[0] == "error":
+            raise error or CheckpointError(answer[1])
+        return lock, Path(answer[1]) if answer[1] is not None else None
+
+    def release_checkpoint_dir(self) -> None:
+        """Give up the --checkpoint-dir lock (rank 0; ``close`` does it)."""
+        if self.checkpoint_lock is not None:
+            self.checkpoint_lock.release()
 
     # ---- one step
 
@@ -361,9 +400,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 # NOTE: every rank calls it: the TP ranks of DP replica 0 gather the split tensors,
                 # rank 0 writes; all wait so that no rank runs ahead of a checkpoint being written.
-                written = save_checkpoint(self, ck.checkpoint_dir, keep=ck.keep)
+                written = save_checkpoint(self, ck.checkpoint_dir)
                 if written is not None:
                     res.checkpoints.append(str(written))
+                    prune_checkpoints(ck.checkpoint_dir, keep=ck.keep, lineage=self.lineage, written=written,
+                                      overwrite=ck.overwrite)
                 self._barrier()
                 res.time.checkpoint_s += time.perf_counter() - t0
             if self.step % run.log_every == 0 or last:
@@ -397,12 +438,15 @@ class Trainer:
 
         self.result.outputs += [str(p) for p in write_outputs(out, self._all_events, self.result)]
 
-    def close(self) -> None:
-        """Stop the engine's worker threads and leave torch.distributed (when this run joined it)."""
+    def close(self, *, keep_process_group: bool = False) -> None:
+        """Stop the engine's worker threads, release the checkpoint directory and leave
+        torch.distributed (when this run joined it, unless ``keep_process_group``)."""
         try:
             self.engine.close()
         finally:
-            close_parallel()
+            self.release_checkpoint_dir()
+            if not keep_process_group:
+                close_parallel()
 
 
 def close_parallel() -> None:

@@ -113,7 +113,7 @@ def test_bad_jsonl_line_and_foreign_tokenizer(tmp_path):
 
 def test_export_hf_refuses_a_gpt_checkpoint_and_a_full_directory(tmp_path, capsys):
     from pystronghold.train import Trainer
-    from pystronghold.train.checkpoint import latest_checkpoint
+    from pystronghold.train.checkpoint_dir import latest_checkpoint
     from train_helpers import tiny_config
 
     ck = tmp_path / "ck"

@@ -10,7 +10,7 @@ import torch
 
 import pystronghold as ph
 from pystronghold.train import Trainer
-from pystronghold.train.checkpoint import latest_checkpoint
+from pystronghold.train.checkpoint_dir import latest_checkpoint
 from pystronghold.runtime.disk_tier import DiskTierError
 from pystronghold.runtime.placement import plan_placement
 from runtime_models import (HetStack, assert_same_training, gpt_batches, het_batches, one_torch_thread,

@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume (fp32), window independence, kill during save, corruption, export."""
+"""Checkpoints: exact resume (fp32), window independence, kills during steps and saves, corruption, export."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.train import Trainer
-from pystronghold.train.checkpoint import (CheckpointError, export_weights, latest_checkpoint,
-                                           load_checkpoint, read_manifest)
+from pystronghold.train.checkpoint import CheckpointError, export_weights, load_checkpoint, read_manifest
+from pystronghold.train.checkpoint_dir import latest_checkpoint, newest_valid_checkpoint
 from train_helpers import TINY, kill_when_marked, run_training, tiny_config
 
 
@@ -131,3 +131,80 @@ def test_export_loads_into_a_plain_gpt(tmp_path):
     plain.load_state_dict(load_file(str(out)), strict=True)
     with torch.no_grad():
         torch.testing.assert_close(plain(x), expected, rtol=0, atol=0)
+
+
+_KILLABLE_RUN = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+import pystronghold.train.checkpoint as checkpoint
+from pystronghold.train import Trainer
+from train_helpers import tiny_config
+
+kill_step, kill_file, marker = {step}, {file}, Path({marker!r})
+
+def wait_for_the_kill():
+    marker.write_text("here")
+    time.sleep(120)
+
+save = checkpoint.save_checkpoint
+
+def save_or_die_inside(trainer, root, **options):  # the loop looks save_checkpoint up at each save
+    written = []
+
+    def after_file(name):
+        if trainer.step == kill_step and len(written) == kill_file:
+            wait_for_the_kill()
+        written.append(name)
+    return save(trainer, root, _after_file=after_file, **options)
+
+checkpoint.save_checkpoint = save_or_die_inside
+
+def on_step(step, loss):
+    with open({losses!r}, "a") as f:
+        f.write(f"{{step}} {{loss!r}}\\n")
+    if step == kill_step and kill_file is None:
+        wait_for_the_kill()  # after the step, before its checkpoint
+
+trainer = Trainer(tiny_config(Path({tmp!r}), steps={steps}, ckpt={ck!r}, every=1, resume={resume}))
+trainer.train(on_step)
+"""
+
+
+def test_random_kills_in_steps_and_saves_then_resume_gives_the_uninterrupted_losses(tmp_path):
+    """SIGKILL at three seeded random points (after a step, or between two files of its save), each
+    run resuming the one killed before it (which also proves the kernel released its lock): every
+    loss any run logged, and the last run's, are the uninterrupted run's, bit for bit (fp32)."""
+    import random
+
+    steps = 6
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the children (kill_when_marked): the same sums in the same order
+    try:
+        _random_kills(tmp_path, steps, random.Random(49))  # kills in step 1's save, after step 4, in step 5's save
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _random_kills(tmp_path, steps, rng):
+    straight = dict(run_training(tiny_config(tmp_path, steps=steps)).losses)
+    ck, losses = tmp_path / "ck", tmp_path / "losses.txt"
+    start = 0
+    for kill in range(3):
+        step = rng.randint(start + 1, steps)
+        file = rng.choice([None, 0, 1, 2, 3, 4])  # None: before the save; k: after its k+1-th file
+        marker = tmp_path / f"kill-{kill}"
+        script = _KILLABLE_RUN.format(tests=str(Path(__file__).parents[1]), step=step, file=file,
+                                      marker=str(marker), losses=str(losses), tmp=str(tmp_path), steps=steps,
+                                      ck=str(ck), resume=start > 0)
+        kill_when_marked(script, marker, f"kill point {kill} (step {step}, file {file})")
+        newest = newest_valid_checkpoint(ck)
+        assert newest is not None or step == 1, f"kill {kill}: no checkpoint of step {step - 1}"
+        start = read_manifest(newest)["step"] if newest is not None else 0
+        assert start == step - 1, f"kill {kill} at step {step}, file {file}: newest checkpoint at step {start}"
+    logged = [line.split() for line in losses.read_text().splitlines()]
+    assert logged and all(float(loss) == straight[int(s)] for s, loss in logged)
+    last = run_training(tiny_config(tmp_path, steps=steps, ckpt=str(ck), resume=start > 0))
+    assert last.losses == [(s, straight[s]) for s in range(start + 1, steps + 1)]
+    # the checkpoint resumed and the last run's (at its end): --keep 2 of one lineage, no .tmp left
+    assert sorted(p.name for p in ck.iterdir()) == [f"step-{start:08d}", f"step-{steps:08d}"]

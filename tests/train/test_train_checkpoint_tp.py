@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.train import Trainer
-from pystronghold.train.checkpoint import export_weights, read_manifest, save_checkpoint
+from pystronghold.train.checkpoint import CheckpointError, export_weights, read_manifest, save_checkpoint
 from pystronghold.train.config import CheckpointOptions, ParallelOptions
 from train_helpers import tiny_config
 
@@ -42,7 +42,7 @@ def _train(config, *, close_parallel: bool = True, before=None) -> list[tuple[in
         return trainer.train().losses
     finally:
         # NOTE: the ranks of _tp2_runs keep their process group for the next Trainer; _dist closes it
-        trainer.close() if close_parallel else trainer.engine.close()
+        trainer.close(keep_process_group=not close_parallel)
 
 
 def _tp2_runs(rank: int, world: int, tmp: str, base) -> None:
@@ -60,6 +60,10 @@ def _tp2_runs(rank: int, world: int, tmp: str, base) -> None:
     out["resumed"] = _train(tp2(tmp / "tp2", resume=True), close_parallel=False,
                             before=lambda trainer: save_checkpoint(trainer, tmp / "again"))
     out["from_single"] = _train(tp2(tmp / "single", resume=True), close_parallel=False)
+    # a fresh run into tp2/, which holds checkpoints: rank 0 refuses, and rank 1 with it (no one waits)
+    with pytest.raises(CheckpointError) as refused:
+        Trainer(tp2(tmp / "tp2"))
+    out["refused"] = str(refused.value)
     if rank == 0:
         (tmp / "tp2.json").write_text(json.dumps(out))
 
@@ -76,7 +80,8 @@ def runs(tmp_path_factory):
     shutil.rmtree(single / STEP6)
     run_ranks(_tp2_runs, 2, str(tmp), base, init=False, timeout_s=120)
     out = json.loads((tmp / "tp2.json").read_text())
-    return tmp, base, {"single": straight, **{k: [tuple(x) for x in v] for k, v in out.items()}}
+    refused = out.pop("refused")
+    return tmp, base, {"single": straight, "refused": refused, **{k: [tuple(x) for x in v] for k, v in out.items()}}
 
 
 def _assert_losses_close(got, expected) -> None:
@@ -90,6 +95,7 @@ def test_tp2_resume_reproduces_the_uninterrupted_tp2_losses(runs):
     assert losses["resumed"] == losses["straight"][3:]  # steps 4..6, bit for bit
     _assert_losses_close(losses["straight"], losses["single"])  # TP=2 trains as one process does
     assert sorted(p.name for p in (tmp / "tp2").iterdir()) == [STEP3, STEP6]  # one writer: no clashes
+    assert "already holds checkpoints (newest: step 6" in losses["refused"]
 
 
 def test_tp2_checkpoint_holds_whole_parameters(runs):

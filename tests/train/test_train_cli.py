@@ -84,6 +84,8 @@ def _bad(capsys, argv):
     (["--device", "tpu"], "--device must be"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--overwrite"], "--overwrite needs --checkpoint-dir"),
+    (["--overwrite", "--resume", "--checkpoint-dir", "ck"], "--overwrite starts a fresh run, --resume continues one"),
     (["--bogus"], "unrecognized arguments"),
     (["--model", "gpt3-175b"], "GiB of host memory"),
 ])

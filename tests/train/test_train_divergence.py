@@ -13,7 +13,8 @@ import pytest
 from pystronghold.cli import main
 from pystronghold.runtime.divergence import DivergenceError
 from pystronghold.train import Trainer
-from pystronghold.train.checkpoint import latest_checkpoint, save_checkpoint
+from pystronghold.train.checkpoint import save_checkpoint
+from pystronghold.train.checkpoint_dir import latest_checkpoint
 from train_helpers import run_training, tiny_config
 
 TRAIN = ["train", "--model", "tiny", "--steps", "40", "--batch", "2", "--seq", "16", "--eval-batches", "1",

@@ -19,7 +19,7 @@ TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --lr --w
                "--weight-decay --decay --beta2 --clip --accumulation --window --device --precision "
                "--device-budget-mb --resident-blocks --host-memory --nvme --nvme-states --nvme-cache-blocks "
                "--nvme-sparse --steps --seed --log-every --eval-every --eval-batches --trace --quiet "
-               "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --tp --dp "
+               "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --overwrite --tp --dp "
                "--dp-split --pp --micro-batches --pp-schedule --pp-chunks "
                "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed "
                "--max-skipped-steps").split()

@@ -1,0 +1,325 @@
+"""What a checkpoint directory holds and who owns it: names, manifests and their integrity, the one
+run allowed to write it (a lock), and which of its checkpoints that run may delete.
+
+Rules, in the order a run meets them:
+
+- **One run per directory.** ``open_run_directory`` takes an exclusive ``flock`` on ``<dir>/.lock``
+  (the file names the holder's PID and host, and is removed at the end); a second run refuses in
+  one line. The kernel releases the lock when its holder exits or is killed (``kill -9`` included).
+- **A fresh run never adopts a directory with checkpoints.** Without ``--resume`` it refuses,
+  naming the newest step and model there and the choices (``--resume``, another directory,
+  ``--overwrite``). With ``--overwrite`` the earlier checkpoints are deleted, loudly, only once this
+  run's first checkpoint is complete (a run that fails before that leaves them).
+- **A damaged checkpoint is moved aside**, not left as the newest: ``--resume`` renames it to
+  ``step-NNNNNNNN.corrupt`` (kept for inspection, logged) and falls back to the next older one.
+- **Pruning deletes only this lineage's checkpoints.** Every manifest records ``lineage``: the run
+  ids of the runs that led to it, its writer's last. A fresh run has a new id; a resumed one appends
+  its id to the loaded checkpoint's lineage. ``prune_checkpoints`` keeps the one just written and
+  the newest ``keep - 1`` other checkpoints whose writer is in the lineage; checkpoints of other runs
+  (or without a lineage: older pystronghold) are deleted only under ``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import uuid
+from pathlib import Path
+
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "checkpoint_name", "block_file", "checkpoint_steps",
+           "latest_checkpoint", "read_manifest", "newest_valid_checkpoint", "set_aside", "new_run_id",
+           "DirectoryLock", "open_run_directory", "prune_checkpoints", "describe_model"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "pystronghold-checkpoint"
+VERSION = 1
+_PREFIX = "step-"
+_ASIDE = ".corrupt"
+LOCK_FILE = ".lock"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, incomplete or made for another model, or a checkpoint
+    directory this run may not use."""
+
+
+class _OtherVersion(CheckpointError):
+    """A whole checkpoint of another format version: skipped by a resume, never moved aside."""
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint of ``step``: ``step-NNNNNNNN``."""
+    return f"{_PREFIX}{step:08d}"
+
+
+def block_file(index: int) -> str:
+    """The path, inside a checkpoint, of global block ``index``'s file."""
+    return f"blocks/block-{index:05d}.safetensors"
+
+
+def checkpoint_steps(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-NNNNNNNN`` directory under ``root``, by step: complete or
+    damaged (saves in progress are ``.tmp-*``, damaged ones set aside end in ``.corrupt``)."""
+    root, out = Path(root), []
+    if root.is_dir():
+        for p in root.iterdir():
+            digits = p.name[len(_PREFIX):]
+            if p.name.startswith(_PREFIX) and digits.isdigit() and p.is_dir():
+                out.append((int(digits), p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The checkpoint with the highest step under ``root`` (not verified), or None."""
+    found = checkpoint_steps(root)
+    return found[-1][1] if found else None
+
+
+# ---- manifests
+
+def _manifest_json(path: Path) -> dict:
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no manifest.json (not a checkpoint, or incomplete)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: manifest.json is corrupt ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: not a {FORMAT} manifest")
+    return manifest
+
+
+def _check_listing(path: Path, manifest: dict) -> None:
+    """CheckpointError unless the manifest has its step, model and an entry for every file."""
+    files, blocks = manifest.get("files"), manifest.get("blocks")
+    if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("model"), dict) \
+            or not isinstance(blocks, int):
+        raise CheckpointError(f"checkpoint {path}: manifest.json is damaged (no step, model or block count)")
+    if not isinstance(files, dict) or not all(isinstance(m, dict) and isinstance(m.get("sha256"), str)
+                                              for m in files.values()):
+        raise CheckpointError(f"checkpoint {path}: manifest.json is damaged (no list of files and checksums)")
+    missing = [rel for rel in ["state.pt", "head_tail.safetensors", *map(block_file, range(blocks))]
+               if rel not in files]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint {path}: manifest.json is damaged (it does not list {missing[0]}{more})")
+
+
+def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
+    """The manifest of checkpoint ``path``, checked to list every file; with ``verify``, every
+    file's checksum is checked too. Raises CheckpointError naming what is wrong."""
+    path = Path(path)
+    manifest = _manifest_json(path)
+    if manifest.get("version") != VERSION:
+        raise _OtherVersion(f"checkpoint {path}: format version {manifest.get('version')}, this "
+                              f"pystronghold reads version {VERSION}")
+    _check_listing(path, manifest)
+    if verify:
+        for rel, meta in manifest["files"].items():
+            h = hashlib.sha256()
+            try:
+                with open(path / rel, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {path}: {rel} is missing") from None
+            if h.hexdigest() != meta["sha256"]:
+                raise CheckpointError(f"checkpoint {path}: {rel} is corrupt (sha256 mismatch)")
+    return manifest
+
+
+def _writer(path: Path) -> str | None:
+    """The run id that wrote checkpoint ``path`` (its lineage's last), None when unknown."""
+    try:
+        lineage = _manifest_json(path).get("lineage")
+    except CheckpointError:
+        return None
+    return lineage[-1] if isinstance(lineage, list) and lineage and isinstance(lineage[-1], str) else None
+
+
+def describe_model(model: dict) -> str:
+    """A few words naming the model of a manifest's ``model`` entry."""
+    if "architecture" in model:
+        return f"{model['architecture']} from hf:{model.get('source')}"
+    fields = ("layers", "hidden", "heads", "vocab_size")
+    return "GPT " + ", ".join(f"{k} {model[k]}" for k in fields if k in model)
+
+
+# ---- damaged checkpoints
+
+def set_aside(path: str | os.PathLike) -> Path:
+    """Rename damaged checkpoint ``path`` to ``step-NNNNNNNN.corrupt`` (``.corrupt-2``, ... when
+    taken), out of every listing, kept for inspection. Returns the new path."""
+    path = Path(path)
+    target, n = path.with_name(path.name + _ASIDE), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{_ASIDE}-{n}")
+    path.rename(target)
+    return target
+
+
+def newest_valid_checkpoint(root: str | os.PathLike, *, move_damaged: bool = False) -> Path | None:
+    """The newest checkpoint under ``root`` whose manifest is whole and whose files all match their
+    sha256; each newer one that is not is logged (naming what is wrong) and skipped, and with
+    ``move_damaged`` a damaged one is moved aside (``set_aside``; only the run holding the
+    directory's lock may). None when none is valid."""
+    return _newest_valid(Path(root), move_damaged)[0]
+
+
+def _newest_valid(root: Path, move_damaged: bool) -> tuple[Path | None, list[str]]:
+    """(``newest_valid_checkpoint``, what was wrong with each newer one)."""
+    skipped, reasons = [], []
+    for _, path in reversed(checkpoint_steps(root)):
+        try:
+            read_manifest(path)
+        except CheckpointError as e:
+            if move_damaged and not isinstance(e, _OtherVersion):
+                log.warning("%s; moved it aside as %s", e, set_aside(path).name)
+            else:
+                log.warning("%s; trying an older checkpoint", e)
+            skipped.append(path.name)
+            reasons.append(str(e))
+            continue
+        if skipped:
+            log.warning("falling back to %s (the newest valid checkpoint; skipped %s)", path, ", ".join(skipped))
+        return path, reasons
+    return None, reasons
+
+
+# ---- ownership
+
+def new_run_id() -> str:
+    """A fresh run id for a lineage (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``root/.lock`` (created with ``root``), which holds the holder's PID
+    and host; CheckpointError naming them when another process holds it. ``release()`` removes the
+    file; the kernel releases the lock when the process ends, however it ends (the file then stays,
+    unlocked, and the next run takes it)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        self.path, self._fd = root / LOCK_FILE, None
+        # NOTE: a holder removes the file as it releases it; a lock won on a removed file is void,
+        # so lock, then check that the file locked is still the one at the path
+        for _ in range(8):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 256).decode(errors="replace").split()
+                os.close(fd)
+                pid, host = (holder + ["unknown", "unknown"])[:2]
+                raise CheckpointError(f"--checkpoint-dir {root} is in use by another run (PID {pid} on host "
+                                      f"{host}); one run per checkpoint directory: wait for it to end or give "
+                                      "another --checkpoint-dir") from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                # NOTE: a file system without locks: run unlocked rather than not at all
+                log.warning("--checkpoint-dir %s cannot be locked (%s): make sure no other run uses it", root, e)
+                return
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)
+        else:
+            raise CheckpointError(f"--checkpoint-dir {root}: could not lock {self.path} (other runs keep "
+                                  "replacing it)")
+        self._fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+
+    def release(self) -> None:
+        """Remove the lock file and give the lock up; safe to call twice."""
+        if self._fd is not None:
+            try:
+                self.path.unlink()  # while still locked: whoever opened it before finds it gone
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def open_run_directory(root: str | os.PathLike, *, resume: bool, overwrite: bool) -> tuple[DirectoryLock, Path | None]:
+    """Lock ``root`` for a run and return ``(lock, checkpoint to resume from or None)``.
+
+    A fresh run is refused where checkpoints are, unless ``overwrite`` (then their deletion, after
+    this run's first checkpoint, is announced). ``resume`` takes the newest valid checkpoint,
+    moving damaged newer ones aside. CheckpointError for a refusal, a held lock, or nothing to resume.
+    """
+    root = Path(root)
+    lock = DirectoryLock(root)
+    try:
+        found = checkpoint_steps(root)
+        if resume:
+            if not found:
+                raise CheckpointError(f"--resume: no checkpoint in {root}")
+            path, reasons = _newest_valid(root, move_damaged=True)
+            if path is None:
+                more = f" (and {len(reasons) - 1} older: see the warnings above)" if len(reasons) > 1 else ""
+                raise CheckpointError(f"--resume: no valid checkpoint in {root}: {reasons[0]}{more}")
+            return lock, path
+        if found:
+            step, newest = found[-1]
+            try:
+                model = describe_model(_manifest_json(newest).get("model") or {})
+            except CheckpointError:
+                model = "its manifest unreadable"
+            if not overwrite:
+                raise CheckpointError(f"--checkpoint-dir {root} already holds checkpoints (newest: step {step}, "
+                                      f"{model}); add --resume to continue that run, give another "
+                                      "--checkpoint-dir, or add --overwrite to replace them")
+            log.warning("--overwrite: the %d checkpoint(s) in %s (newest: step %d, %s) are deleted once this "
+                        "run's first checkpoint is written", len(found), root, step, model)
+        return lock, None
+    except BaseException:
+        lock.release()
+        raise
+
+
+def prune_checkpoints(root: str | os.PathLike, *, keep: int, lineage: list[str], written: str | os.PathLike,
+                      overwrite: bool = False) -> list[Path]:
+    """Delete the checkpoints under ``root`` beyond the newest ``keep`` of this run's ``lineage``
+    (run ids); never ``written`` (the checkpoint just saved, counted in ``keep``), never another run's
+    unless ``overwrite`` (then all of those). Returns the deleted directories."""
+    written, ours, others = Path(written), [], []
+    for _, path in checkpoint_steps(root):
+        if path == written:
+            continue
+        (ours if _writer(path) in lineage else others).append(path)
+    doomed = ours[:max(len(ours) - (keep - 1), 0)] + (others if overwrite else [])
+    for path in doomed:
+        # NOTE: renamed first (atomic), so a kill mid-delete leaves a .tmp-* that the next save
+        # removes, never half a checkpoint that no manifest names any more
+        gone = path.with_name(f".tmp-pruned-{path.name}-{os.getpid()}")
+        try:
+            path.rename(gone)
+        except OSError as e:
+            log.warning("could not delete old checkpoint %s: %s", path, e)
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
+    if overwrite and others:
+        log.warning("--overwrite: deleted %d earlier checkpoint(s) in %s (%s)", len(others), root,
+                    ", ".join(p.name for p in others))
+    return doomed

@@ -1,0 +1,175 @@
+"""The checkpoint directory's rules (train/checkpoint_dir.py): a fresh run refuses a directory with
+checkpoints (--overwrite replaces them), one run per directory (a lock), pruning only of this
+lineage's checkpoints, damaged checkpoints (files or manifest) moved aside and fallen back from, a
+full disk named, and another model's checkpoint refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+
+import pytest
+
+from pystronghold.cli import main
+from pystronghold.train import Trainer
+from pystronghold.train.checkpoint import CheckpointError, read_manifest
+from pystronghold.train.checkpoint_dir import latest_checkpoint, newest_valid_checkpoint
+from train_helpers import TINY, run_training, tiny_config
+
+
+def _config(tmp_path, ck, *, keep: int = 2, overwrite: bool = False, **kw):
+    config = tiny_config(tmp_path, ckpt=str(ck), **kw)
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, keep=keep,
+                                                                      overwrite=overwrite))
+
+
+def _train_cli(tmp_path, *extra: str) -> list[str]:
+    tiny_config(tmp_path)  # writes model.json and the text
+    return ["train", "--model", str(tmp_path / "model.json"), "--data", str(tmp_path / "text"), "--max-bytes",
+            "65536", "--batch", "4", "--seq", "32", "--window", "2", "--eval-every", "0", "--quiet", *extra]
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def _names(ck) -> list[str]:
+    return sorted(p.name for p in ck.iterdir())
+
+
+def _writer(path) -> str:
+    return read_manifest(path, verify=False)["lineage"][-1]
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_overwrite_replaces_them(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    run_training(_config(tmp_path, ck, steps=4, every=2))  # step-2 and step-4 of a 4-block GPT, hidden 32
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(newest: step 4, GPT layers 4, "
+                                              r"hidden 32.*--resume.*another --checkpoint-dir.*--overwrite"):
+        Trainer(_config(tmp_path, ck, steps=2))
+    assert main(_train_cli(tmp_path, "--checkpoint-dir", str(ck), "--steps", "2")) == 2
+    assert "already holds checkpoints" in _one_line(capsys)
+    # --overwrite: nothing is deleted before this run's first checkpoint is complete ...
+    Trainer(_config(tmp_path, ck, steps=2, overwrite=True, model=dict(TINY, hidden=64))).close()
+    assert _names(ck) == ["step-00000002", "step-00000004"]
+    # ... then every earlier checkpoint goes, and --resume continues the new run
+    run_training(_config(tmp_path, ck, steps=3, every=1, overwrite=True, model=dict(TINY, hidden=64)))
+    assert _names(ck) == ["step-00000002", "step-00000003"]
+    assert all(read_manifest(ck / n)["model"]["hidden"] == 64 for n in _names(ck))
+    resumed = run_training(_config(tmp_path, ck, steps=4, resume=True, model=dict(TINY, hidden=64)))
+    assert resumed.start_step == 3
+
+
+def test_pruning_deletes_only_this_runs_checkpoints(tmp_path):
+    """A longer earlier run's step-35 and step-40 beside this run's: --keep 1 keeps this run's
+    newest (and theirs), where keeping the highest steps deleted each of this run's on writing it."""
+    other = tmp_path / "other"
+    run_training(_config(tmp_path, other, steps=2))
+    ck = tmp_path / "ck"
+    trainer = Trainer(_config(tmp_path, ck, steps=3, every=1, keep=1))
+    try:
+        for step in (35, 40):  # put there behind the lock's back (or by an older pystronghold)
+            shutil.copytree(other / "step-00000002", ck / f"step-000000{step}")
+        trainer.train()
+    finally:
+        trainer.close()
+    assert _names(ck) == ["step-00000003", "step-00000035", "step-00000040"]
+    assert _writer(ck / "step-00000003") != _writer(ck / "step-00000040")
+
+
+def test_resume_moves_a_corrupt_newest_aside_and_keeps_the_valid_one(tmp_path, caplog):
+    ck = tmp_path / "ck"
+    run_training(_config(tmp_path, ck, steps=4, every=2))
+    block = ck / "step-00000004" / "blocks" / "block-00001.safetensors"
+    block.write_bytes(block.read_bytes()[:-1] + b"?")
+    with caplog.at_level(logging.WARNING):
+        resumed = run_training(_config(tmp_path, ck, steps=3, every=1, keep=1, resume=True))
+    assert resumed.start_step == 2
+    assert "moved it aside as step-00000004.corrupt" in caplog.text
+    # --keep 1: the checkpoint just written stays, the corrupt one is out of the way (kept)
+    assert _names(ck) == ["step-00000003", "step-00000004.corrupt"]
+    assert run_training(_config(tmp_path, ck, steps=4, resume=True)).start_step == 3
+    # the resumed runs continue one lineage: the first run's id, then each resume's
+    assert len(read_manifest(ck / "step-00000004")["lineage"]) == 3
+
+
+def test_a_second_run_on_the_directory_is_refused_naming_the_holder(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    first = Trainer(_config(tmp_path, ck, steps=2))
+    try:
+        holder = f"PID {os.getpid()} on host {socket.gethostname()}"
+        with pytest.raises(CheckpointError, match=f"in use by another run \\({holder}\\)"):
+            Trainer(_config(tmp_path, ck, steps=2))
+        assert main(_train_cli(tmp_path, "--checkpoint-dir", str(ck), "--steps", "2")) == 2
+        assert holder in _one_line(capsys)
+    finally:
+        first.close()
+    run_training(_config(tmp_path, ck, steps=1))  # released by close (and by the kernel on kill -9:
+    # test_train_checkpoint.py's random kills resume each killed run)
+
+
+@pytest.mark.parametrize("damage", ["no file list", "no state.pt entry", "deleted"])
+def test_manifest_damage_falls_back_like_file_damage(tmp_path, capsys, caplog, damage):
+    ck = tmp_path / "ck"
+    run_training(_config(tmp_path, ck, steps=4, every=2))
+    manifest_file = ck / "step-00000004" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    if damage == "deleted":
+        manifest_file.unlink()
+    else:
+        if damage == "no file list":
+            del manifest["files"]
+        else:
+            del manifest["files"]["state.pt"]
+        manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="step-00000004: .*manifest"):
+        read_manifest(ck / "step-00000004")
+    # export falls back (and says why), leaving the directory as it is
+    with caplog.at_level(logging.WARNING):
+        assert main(["export", str(ck), str(tmp_path / "w.safetensors")]) == 0
+    assert f"weights of {ck / 'step-00000002'}" in capsys.readouterr().out
+    assert "step-00000004: " in caplog.text and "manifest" in caplog.text
+    assert latest_checkpoint(ck).name == "step-00000004"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(_config(tmp_path, ck, steps=4, resume=True))
+    trainer.close()
+    assert trainer.step == 2 and "moved it aside as step-00000004.corrupt" in caplog.text
+
+
+def test_a_full_disk_names_the_step_and_file_and_removes_the_partial_save(tmp_path, capsys, monkeypatch):
+    ck = tmp_path / "ck"
+    fsync = os.fsync
+
+    def full_while_saving_step_4(fd):
+        if ".tmp-step-00000004" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_while_saving_step_4)
+    code = main(_train_cli(tmp_path, "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--steps", "4",
+                           "--log-every", "2"))
+    err = _one_line(capsys)
+    assert code == 1
+    assert "error: checkpoint of step 4 not written: No space left on device (" in err
+    assert f"{ck}/.tmp-step-00000004-{os.getpid()}/blocks/block-00000.safetensors)" in err
+    assert "partial save was removed" in err and "at step" not in err
+    assert _names(ck) == ["step-00000002"]  # no .tmp left on the full disk
+    assert newest_valid_checkpoint(ck) == ck / "step-00000002"
+
+
+def test_resuming_another_models_checkpoint_says_what_differs_in_one_line(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    run_training(_config(tmp_path, ck, steps=2))
+    with pytest.raises(CheckpointError) as info:
+        Trainer(_config(tmp_path, ck, steps=3, resume=True, model=dict(TINY, hidden=64, heads=4, layers=3)))
+    assert str(info.value) == (f"checkpoint {ck / 'step-00000002'} was made for another model: layers 4 (this "
+                               "run 3), hidden 32 (this run 64), heads 2 (this run 4)")
+    run_training(_config(tmp_path, ck, steps=3, resume=True))  # the failed run let the directory go
