@@ -186,7 +186,7 @@ def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
 
     def write(rel: str, tensors: dict[str, torch.Tensor]) -> None:
         if tmp is not None:
-            check_finite_state(tensors, step=trainer.step, where=f"checkpoint of step {trainer.step} ({rel})")
+            check_finite_state(tensors, step=trainer.step, where=f"checkpoint {checkpoint_name(trainer.step)} ({rel})")
             files[rel] = _write(tmp / rel, st_save(tensors))
             if after_file is not None:
                 after_file(rel)
