@@ -95,3 +95,21 @@ def test_skipped_fp16_steps_are_counted_in_the_summary_and_the_metrics(tmp_path)
     lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum(d["skipped_steps"] for d in lines if "skipped_steps" in d) == skipped
     assert f"; {skipped} skipped (fp16 inf/NaN gradients)" in result.summary_lines()[0]
+
+
+def test_resume_continues_the_count_of_skipped_steps_in_a_row(tmp_path):
+    """A run killed amid a run of skipped fp16 steps resumes with that count: the stop after
+    --max-skipped-steps in a row cannot be dodged by restarting."""
+    ck = str(tmp_path / "ck")
+    trainer = Trainer(tiny_config(tmp_path, steps=2, precision="fp16", ckpt=ck))
+    try:
+        trainer.train()
+        trainer.engine.scaler.overflows_in_a_row = 3  # as if the last three steps had been skipped
+        save_checkpoint(trainer, ck)
+    finally:
+        trainer.close()
+    resumed = Trainer(tiny_config(tmp_path, steps=3, precision="fp16", ckpt=ck, resume=True))
+    try:
+        assert resumed.engine.scaler.overflows_in_a_row == 3
+    finally:
+        resumed.close()
