@@ -23,17 +23,37 @@ STEPS = 4
 # ---- a model whose loss uses what a hook collects inside its blocks
 
 
-class CollectingStack(nn.Module):
-    """head -> MLP blocks -> tail; a forward hook on each block's first layer collects that layer's
-    output, and the loss adds a penalty on what was collected (as an MoE router loss does)."""
+class SplitBlock(nn.Module):
+    """Its ``split`` submodule returns a view (B, T, 2, d/2) of the projection's output; a lazily
+    made mask is kept as an attribute of ``scale`` (block state, returned by it as it is)."""
 
-    def __init__(self, d: int = 8) -> None:
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj, self.split, self.scale = nn.Linear(d, d), nn.Unflatten(-1, (2, d // 2)), MaskOnce()
+
+    def forward(self, x):
+        h = self.split(self.proj(x))
+        return x + torch.tanh(h.flatten(-2)) * self.scale(x)
+
+
+class MaskOnce(nn.Module):
+    def forward(self, x):
+        if getattr(self, "mask", None) is None:
+            self.mask = torch.linspace(0.5, 1.5, x.shape[-1])
+        return self.mask
+
+
+class CollectingStack(nn.Module):
+    """head -> blocks -> tail; a forward hook on a layer of each block collects that layer's output,
+    and the loss adds a penalty on what was collected (as an MoE router loss does)."""
+
+    def __init__(self, d: int = 8, split: bool = False) -> None:
         super().__init__()
         self.head, self.tail = nn.Linear(10, d), nn.Linear(d, 3)
-        self.blocks = nn.ModuleList([MLPBlock(d, 16) for _ in range(3)])
+        self.blocks = nn.ModuleList([SplitBlock(d) if split else MLPBlock(d, 16) for _ in range(3)])
         self.collected: list[torch.Tensor] = []
-        for block in self.blocks:
-            block.fc1.register_forward_hook(self.collect)  # a bound method: deepcopy rebinds it
+        for block in self.blocks:  # a bound method: deepcopy rebinds it
+            (block.split if split else block.fc1).register_forward_hook(self.collect)
 
     def collect(self, module, args, output) -> None:
         self.collected.append(output)
@@ -53,6 +73,15 @@ def test_a_hooked_submodule_output_used_by_the_loss_trains_to_plain_pytorch(wind
     ref, got = run_both(CollectingStack, het_batches(STEPS), window=window, checkpointing=checkpointing,
                         strict=True)
     assert_same_training(ref, got)  # measured: bit for bit on this CPU
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_hooked_view_trains_and_block_state_stays_out_of_the_graph(checkpointing):
+    ref, got = run_both(lambda: CollectingStack(split=True), het_batches(STEPS), window=2,
+                        checkpointing=checkpointing, strict=True)
+    assert_same_training(ref, got)
+    model = got[2].model
+    assert all(not block.scale.mask.requires_grad for block in model.blocks)
 
 
 class MeanKeepingStack(CollectingStack):
