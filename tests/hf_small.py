@@ -29,6 +29,30 @@ def hf_llama() -> nn.Module:
 MODELS = {"gpt2": hf_gpt2, "llama": hf_llama}
 
 
+def _moe_common() -> dict:
+    """Two blocks, 4 experts, 2 per token; the router load-balancing loss on (its default weight):
+    transformers collects the router logits with forward hooks on each block's router."""
+    return dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0,
+                eos_token_id=0, num_experts_per_tok=2, output_router_logits=True)
+
+
+def hf_mixtral() -> nn.Module:
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **_moe_common()))
+
+
+def hf_qwen3_moe() -> nn.Module:
+    cfg = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, head_dim=8, **_moe_common())
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def hf_olmoe() -> nn.Module:
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=4, **_moe_common()))
+
+
+MOE_MODELS = {"mixtral": hf_mixtral, "qwen3_moe": hf_qwen3_moe, "olmoe": hf_olmoe}
+
+
 def token_batches(steps: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(steps)]

@@ -17,15 +17,22 @@ With ``checkpointing=False`` (keep activations) the forward builds the graph and
 tensors that are views of the block's slot are packed as (offset, size, stride) and re-resolved
 against the slot the block is reloaded into for backward, so eviction between forward and backward
 stays correct.
+
+Tensors a block hands out by a side channel (a hook on a submodule storing its output, as Hugging
+Face's router-logit and attention recorders do) are found after its forward and carried as extra
+outputs of the Function, recomputed in backward (``side_outputs.py``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.utils import _pytree as pytree
 
 from pystronghold.runtime import autocast_state
 from pystronghold.runtime.purity import argument_name, fingerprint, is_mutable_cache, output_checksums
+from pystronghold.runtime.side_outputs import Replay, Watch, attach
 
 __all__ = ["install", "BlockFunction"]
 
@@ -60,7 +67,9 @@ def _slot_pack_hooks(engine, block: int):
         if lo <= ptr < hi and t.untyped_storage().data_ptr() == storage and t.dtype == dtype \
                 and t.device == device:
             return ("slot", (ptr - lo) // itemsize, tuple(t.shape), tuple(t.stride()))
-        return ("keep", t)
+        # NOTE: an alias, not the tensor object: the graph must not keep the block's intermediate
+        # tensors alive, or every saved one would look like a side output (side_outputs.py)
+        return ("keep", t.detach())
 
     def unpack(packed):
         if packed[0] == "keep":
@@ -112,7 +121,8 @@ def _check_same_output(block: int, checksums: list, outs) -> None:
 
 
 class BlockFunction(torch.autograd.Function):
-    """forward(engine, block, train, spec, box, anchor, *flat_args) -> tensor outputs of the block."""
+    """forward(engine, block, train, spec, box, anchor, *flat_args) -> tensor outputs of the block,
+    then an alias of each of its side outputs (``box["sides"]``)."""
 
     @staticmethod
     def forward(ctx, engine, block, train, spec, box, anchor, *flat):
@@ -120,19 +130,21 @@ class BlockFunction(torch.autograd.Function):
         keep = train and not engine.config.checkpointing
         recompute = train and not keep
         prints = _fingerprints(block, spec, flat) if recompute else None
+        watch = Watch(block, box["module"], engine.config.strict) if train else contextlib.nullcontext()
         engine.enter(block, "fwd", train)
         with engine.span("compute_fwd", block):
             if keep:
                 inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
                           for x in flat]
                 args, kwargs = pytree.tree_unflatten(inputs, spec)
-                with torch.enable_grad(), _slot_pack_hooks(engine, block):
+                with torch.enable_grad(), _slot_pack_hooks(engine, block), watch:
                     out = fn(*args, **kwargs)
             else:
                 rng = _rng_state(engine.device) if train else None
                 autocast = autocast_state.capture(engine.device) if train else None
                 args, kwargs = pytree.tree_unflatten(list(flat), spec)
-                out = fn(*args, **kwargs)
+                with watch:
+                    out = fn(*args, **kwargs)
         engine.leave(block, "fwd")
         if recompute:
             _check_unchanged(block, spec, flat, prints, "during its forward")
@@ -140,14 +152,20 @@ class BlockFunction(torch.autograd.Function):
         is_t = [isinstance(x, torch.Tensor) for x in leaves]
         box["spec"], box["leaves"], box["is_tensor"] = out_spec, leaves, is_t
         tensors = [x for x, t in zip(leaves, is_t) if t]
+        sides = watch.escaped(inputs if keep else flat, tensors) if train else []
+        box["sides"] = sides
         if train:
             ctx.engine, ctx.block, ctx.spec, ctx.keep = engine, block, spec, keep
             ctx.is_input_tensor = [isinstance(x, torch.Tensor) for x in flat]
             if keep:
-                ctx.graph = (tensors, inputs)
+                with torch.enable_grad():  # the graph's own handle on each (attach rebinds the object)
+                    privates = [s.tensor.view_as(s.tensor) for s in sides]
+                ctx.graph = (tensors + privates, inputs)
             else:
                 ctx.rng, ctx.autocast, ctx.prints = rng, autocast, prints
-                ctx.checksums = output_checksums(tensors) if engine.config.strict else None
+                ctx.replay = Replay(sides) if sides else None
+                ctx.checksums = (output_checksums(tensors + [s.tensor for s in sides]) if engine.config.strict
+                                 else None)
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
                 saved = [x for x in flat if isinstance(x, torch.Tensor)]
                 ctx.save_for_backward(*saved)
@@ -155,7 +173,7 @@ class BlockFunction(torch.autograd.Function):
                     engine.executor.relay.keep_or_stage(saved)
         if keep:
             tensors = [t.detach() for t in tensors]
-        return tuple(tensors)
+        return tuple(tensors) + tuple(s.tensor.detach() for s in sides)
 
     @staticmethod
     def backward(ctx, *grad_outs):
@@ -172,10 +190,14 @@ class BlockFunction(torch.autograd.Function):
             _check_unchanged(block, ctx.spec, inputs, ctx.prints, "between its forward and its recompute")
             args, kwargs = pytree.tree_unflatten(inputs, ctx.spec)
             fn = engine.block_forwards[block]
+            replay = ctx.replay or contextlib.nullcontext()
             # NOTE: under the forward's autocast: backward usually runs after the caller's has closed
-            with engine.span("recompute", block), torch.enable_grad(), autocast_state.entered(ctx.autocast):
+            with (engine.span("recompute", block), torch.enable_grad(), autocast_state.entered(ctx.autocast),
+                  replay):
                 out = _run_with_rng(ctx.rng, engine.device, lambda: fn(*args, **kwargs))
             outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+            if ctx.replay is not None:
+                outs += ctx.replay.tensors(block)
             if ctx.checksums is not None:
                 _check_same_output(block, ctx.checksums, outs)
         params = engine.window.params[block]
@@ -227,7 +249,7 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
             if engine.executor.layer_dropped(_index, torch.is_grad_enabled()):
                 return _skipped(_index, args)  # layer drop: not loaded, not updated this step
             flat, spec = pytree.tree_flatten((args, kwargs))
-            box: dict = {}
+            box: dict = {"module": blocks[_index]}
             relay = engine.executor.relay if torch.is_grad_enabled() else None  # runtime/relay.py
             if relay is not None:
                 relay.arrive()  # every micro-batch reaches this block before it runs for this one
@@ -235,6 +257,8 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
                                        engine.anchor, *flat)
             if relay is not None:
                 outs = relay.cut(_index, outs)  # the backward of this block is driven by the relay
+            sides = box["sides"]
+            attach(sides, outs[len(outs) - len(sides):])
             outs = iter(outs)
             leaves = [next(outs) if t else x for x, t in zip(box["leaves"], box["is_tensor"])]
             if engine.executor.layer_drop.enabled:

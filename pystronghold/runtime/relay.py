@@ -137,7 +137,9 @@ class Relay:
 
     def cut(self, block: int, outputs: tuple) -> tuple:
         """Outputs of a block call -> what the model continues with: every output that requires grad
-        becomes a detached leaf; the real outputs are kept for the backward stage of this block."""
+        becomes a detached leaf; the real outputs are kept for the backward stage of this block.
+        (The block's side outputs are among them: ``side_outputs.attach`` hangs each escaped tensor
+        on its leaf.)"""
         reals, leaves, handed = [], [], []
         for t in outputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
