@@ -130,7 +130,8 @@ def main(argv=None) -> int:
         load = watch.stop()
         rows.append({**row, **load.fields()})
     print_table(rows, ["subject", "size", "baseline_ms", "candidate_ms", "ratio", "ratio_p20", "ratio_p80", "load"],
-                "candidate time / baseline time (paired; > 1: the check costs that fraction more)")
+                "candidate time / baseline time, paired (finite-check: the check as a share of serialising "
+                "the block; side-outputs: a training step with the watch / without)")
     write_json(args.json, "safety_costs", rows)
     return 0
 
