@@ -162,13 +162,11 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, _after_file=None) -> Pa
         if not writer:
             return None
         final = _write_manifest(trainer, root, tmp, name, files)
-    except FloatingPointError:  # inf/NaN state: refused, and nothing of it kept
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except OSError as e:
+    except (FloatingPointError, OSError) as e:  # inf/NaN state refused, or a failed write
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)  # NOTE: on a full disk the partial save is what fills it
+        if not isinstance(e, OSError):
+            raise
         error = CheckpointWriteError(f"checkpoint of step {trainer.step} not written: {e.strerror or e} "
                                      f"({e.filename or tmp}); its partial save was removed")
         error.errno = e.errno

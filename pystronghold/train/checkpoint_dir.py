@@ -34,7 +34,7 @@ from pathlib import Path
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "checkpoint_name", "block_file", "checkpoint_steps",
            "latest_checkpoint", "read_manifest", "newest_valid_checkpoint", "set_aside", "new_run_id",
-           "DirectoryLock", "open_run_directory", "prune_checkpoints", "describe_model"]
+           "DirectoryLock", "open_run_directory", "open_run_directory_on_rank_0", "prune_checkpoints", "describe_model"]
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +296,30 @@ def open_run_directory(root: str | os.PathLike, *, resume: bool, overwrite: bool
     except BaseException:
         lock.release()
         raise
+
+
+def open_run_directory_on_rank_0(root: str | os.PathLike, *, resume: bool, overwrite: bool, rank: int,
+                                 shared: bool) -> tuple[DirectoryLock | None, Path | None]:
+    """``open_run_directory`` for a run of one or several processes (``shared``: torch.distributed
+    is initialized): rank 0 locks, refuses or picks the checkpoint, and the others take its answer,
+    so every rank raises, or goes on, together. Returns ``(lock, checkpoint to resume from or
+    None)``; the lock is rank 0's (None elsewhere)."""
+    lock, answer, error = None, None, None
+    if rank == 0:
+        try:
+            lock, path = open_run_directory(root, resume=resume, overwrite=overwrite)
+            answer = ("resume", str(path) if path is not None else None)
+        except Exception as e:  # NOTE: whatever it is, the other ranks must hear of it, not wait
+            answer, error = ("error", str(e)), e
+    if shared:
+        import torch.distributed as dist
+
+        box = [answer]
+        dist.broadcast_object_list(box, src=0)
+        answer = box[0]
+    if answer[0] == "error":
+        raise error or CheckpointError(answer[1])
+    return lock, Path(answer[1]) if answer[1] is not None else None
 
 
 def prune_checkpoints(root: str | os.PathLike, *, keep: int, lineage: list[str], written: str | os.PathLike,

@@ -23,8 +23,7 @@ from pystronghold.data import DataConfig, BatchSampler, load_corpus, validation_
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
-from pystronghold.train.checkpoint_dir import (CheckpointError, DirectoryLock, new_run_id, open_run_directory,
-                                               prune_checkpoints)
+from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
                                         device_peak_bytes, memory_report, summarize_events)
@@ -127,7 +126,12 @@ class Trainer:
                                         timeout_s=par.dist_timeout)
         self.rank = self.groups.rank if self.groups is not None else 0
         # NOTE: before anything long: a directory another run holds, or a fresh run's refusal
-        self.checkpoint_lock, resume_from = self._open_checkpoint_dir()
+        ck = config.checkpoint
+        self.checkpoint_lock, resume_from = None, None
+        if ck.checkpoint_dir:
+            self.checkpoint_lock, resume_from = open_run_directory_on_rank_0(
+                ck.checkpoint_dir, resume=ck.resume, overwrite=ck.overwrite, rank=self.rank,
+                shared=self.groups is not None)
         try:
             self._build(resume_from)
         except BaseException:
@@ -207,30 +211,6 @@ class Trainer:
             load_checkpoint(self, resume_from)
             log.info("resumed from %s at step %d", resume_from, self.step)
         self.result.start_step = self.step
-
-    def _open_checkpoint_dir(self) -> tuple[DirectoryLock | None, Path | None]:
-        """(the --checkpoint-dir lock, the checkpoint to resume from): rank 0 locks the directory,
-        refuses a fresh run where checkpoints are and picks the one to resume (``open_run_directory``);
-        the other ranks take its answer, so every rank raises, or goes on, together."""
-        ck = self.config.checkpoint
-        if not ck.checkpoint_dir:
-            return None, None
-        lock, answer, error = None, None, None
-        if self.rank == 0:
-            try:
-                lock, path = open_run_directory(ck.checkpoint_dir, resume=ck.resume, overwrite=ck.overwrite)
-                answer = ("resume", str(path) if path is not None else None)
-            except Exception as e:  # NOTE: whatever it is, the other ranks must hear of it, not wait
-                answer, error = ("error", str(e)), e
-        if self.groups is not None:
-            import torch.distributed as dist
-
-            shared = [answer]
-            dist.broadcast_object_list(shared, src=0)
-            answer = shared[0]
-        if answer[0] == "error":
-            raise error or CheckpointError(answer[1])
-        return lock, Path(answer[1]) if answer[1] is not None else None
 
     def release_checkpoint_dir(self) -> None:
         """Give up the --checkpoint-dir lock (rank 0; ``close`` does it)."""
