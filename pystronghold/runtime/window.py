@@ -40,6 +40,13 @@ class Window:
         for s in self.slots:
             s.params.zero_()
             s.grads.zero_()
+        # NOTE: the fills run on the compute stream and a slot's first load on the copy stream: the
+        # load waits for them like for a release, or (on CUDA, a busy device) the fill may land on
+        # top of the loaded block and zero it
+        filled = backend.compute_marker()
+        if filled is not None:
+            for s in self.slots:
+                s.busy.append(filled)
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=backend.device)
         self.resident: dict[int, Slot] = {}  # block -> slot, from load issue to release
         # (slot, block) -> (param views, grad views): made once, reused at every bind and copy-out

@@ -65,7 +65,7 @@ class StreamTwin:
         self.seq = itertools.count()
         self.poisoned: dict[int, int] = {}  # data_ptr -> seq of its last NaN fill
         self.h2d_after = -1  # the load stream has waited for every marker up to this seq
-        self.races: list[str] = []  # loads that a GPU could run before a NaN fill of their slot
+        self.races: list[str] = []  # loads that a GPU could run before a fill of their slot
         self.timed: list[bool] = []
 
     def __getattr__(self, name):
@@ -85,6 +85,13 @@ class StreamTwin:
     def poison(self, tensor) -> None:
         self.poisoned[tensor.data_ptr()] = next(self.seq)
         self.inner.poison(tensor)
+
+    def device_buffer(self, name, numel, dtype):
+        """A slot buffer: the window fills it on the compute stream as it makes it (counted as a
+        write the next load into it must wait for, like a NaN fill)."""
+        buffer = self.inner.device_buffer(name, numel, dtype)
+        self.poisoned[buffer.data_ptr()] = next(self.seq)
+        return buffer
 
     def h2d(self, dst, src, after=(), *, timed=False):
         self.timed.append(timed)
@@ -107,6 +114,26 @@ def _twin_hook(twins: list):
         engine.executor.backend = twin
         twins.append(twin)
     return hook
+
+
+@pytest.mark.parametrize("window", [1, 2, "all"])
+def test_a_slots_first_load_waits_for_the_fill_that_made_it(monkeypatch, window):
+    """The window zero-fills its new slots on the compute stream; their first loads (the copy
+    stream) must wait for those fills, or on a busy GPU the zeros land on the loaded block (seen on
+    an H100 with four test processes sharing it: W=all lost its first step)."""
+    from pystronghold.runtime import build
+
+    twins = []
+    made = build.make_backend
+
+    def twin_backend(*args, **kwargs):
+        twins.append(StreamTwin(made(*args, **kwargs)))
+        return twins[-1]
+
+    monkeypatch.setattr(build, "make_backend", twin_backend)
+    train_engine(HetStack(), het_batches(2), window=window)
+    assert twins and twins[0].poisoned, "the twin saw no slot buffer"
+    assert twins[0].races == []
 
 
 def test_strict_mode_poisons_a_released_slot_before_the_marker_the_next_load_waits_for():
