@@ -387,6 +387,17 @@ def main(argv=None) -> int:
     batches = [tuple(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
                      for _ in range(2)) for _ in range(args.warmup + args.steps)]
     runs, skipped, failed = {}, {}, {}
+    rtol = LOSS_RTOL[args.precision]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU backend"
+
+    def save(rows: list[dict], done: bool) -> None:
+        """The JSON after every configuration (``complete`` False until the last): a run killed at a
+        lent GPU's timeout keeps the configurations it finished."""
+        write_json(args.json, "gpu_train", rows, {
+            "args": vars(args), "device": where, "loss_rtol": rtol, "skipped": skipped, "failed": failed,
+            "complete": done, "flops_per_step": model_flops_per_step(cfg, args.batch, args.seq),
+            "flops_formula": "tokens * (6 * (layers * block_params + padded_vocab * hidden) + 12 * layers * hidden * seq)"})
+
     for name in args.configs:
         reason = skip_reason(name, device, named=args.named_configs)
         if reason is not None:
@@ -404,12 +415,17 @@ def main(argv=None) -> int:
                 raise
             failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
             print(f"!!! {name}: FAILED: {failed[name]}", flush=True)
+        if name in runs:
+            diffs = check_losses(runs)
+            rows = timing_rows(runs, diffs, [n for n, d in diffs.items() if not d <= rtol], cfg, args)
+            row = rows[-1]
+            print(f"{name}: {row['step_ms']:.1f} ms/step ({row['vs_plain']:.2f}x plain's time), "
+                  f"{row['tflops']:.1f} TFLOP/s, losses {diffs[name]:.1e} from plain's", flush=True)
+            save(rows, done=False)
 
-    rtol = LOSS_RTOL[args.precision]
     diffs = check_losses(runs)
     bad = report_losses(runs, diffs, rtol, args.precision)  # correctness first
     rows = timing_rows(runs, diffs, bad, cfg, args)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU backend"
     title = (f"{args.model} ({param_count(cfg) / 1e6:,.1f}M params), {args.precision}, batch {args.batch} x "
              f"{args.seq}, {args.steps} timed steps after {args.warmup}, {where}; TFLOP/s = tokens * (6 N + "
              f"12 L h T) / step time, N = {matmul_params(cfg) / 1e6:,.1f}M")
@@ -421,10 +437,7 @@ def main(argv=None) -> int:
         print(f"note: {name} skipped: {reason}")
     for name, error in failed.items():
         print(f"!!! {name} FAILED: {error}")
-    write_json(args.json, "gpu_train", rows, {
-        "args": vars(args), "device": where, "loss_rtol": rtol, "skipped": skipped, "failed": failed,
-        "flops_per_step": model_flops_per_step(cfg, args.batch, args.seq),
-        "flops_formula": "tokens * (6 * (layers * block_params + padded_vocab * hidden) + 12 * layers * hidden * seq)"})
+    save(rows, done=True)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -156,4 +156,14 @@ void pystronghold::bind_copy_engine(pybind11::module_& m) {
     std::memcpy(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(nbytes));
   }, py::arg("dst"), py::arg("src"),
   "One plain single-thread memcpy of src into dst, GIL released: the benchmark's baseline.");
+  m.def("page_locked", [](const at::Tensor& host) {
+    TORCH_CHECK(host.device().is_cpu(), "page_locked: expects a host tensor, got one on ", host.device());
+#if defined(PYSTRONGHOLD_WITH_CUDA)
+    return cuda::is_pinned(host.data_ptr());
+#else
+    return false;
+#endif
+  }, py::arg("host"),
+  "Whether CUDA (cudaPointerGetAttributes) sees the host tensor's memory as page-locked: the copy "
+  "engine's own test for direct DMA (torch's Tensor.is_pinned may answer otherwise for registered memory).");
 }

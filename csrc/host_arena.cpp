@@ -86,6 +86,18 @@ struct ArenaMemory {
   bool registered = false;
   bool locked = false;
   ~ArenaMemory() {
+    // NOTE: unregistering and unmapping a pinned GiB takes a tenth of a second or more (the store
+    // frees tens of GiB at close): other Python threads run meanwhile when this thread holds the GIL
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      release();
+    } else {
+      release();
+    }
+  }
+
+ private:
+  void release() noexcept {
 #if defined(PYSTRONGHOLD_WITH_CUDA)
     if (registered) cuda::host_unregister(base);
 #endif

@@ -96,6 +96,25 @@ def test_a_failing_configuration_is_reported_and_the_others_still_measured(tmp_p
     assert "!!! W=auto FAILED" in capsys.readouterr().out
 
 
+def test_a_run_killed_midway_keeps_the_configurations_it_finished(tmp_path, monkeypatch):
+    """A lent GPU's stage timeout kills the run: the JSON written after each configuration keeps
+    the rows finished so far, marked incomplete."""
+    bench = _load_bench(monkeypatch)
+    run_config = bench.run_config
+
+    def killed_at_the_second(name, *args, **kwargs):
+        if name != "plain":
+            raise KeyboardInterrupt  # not an Exception: nothing in the script catches it, like SIGKILL
+        return run_config(name, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_config", killed_at_the_second)
+    out = tmp_path / "killed.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--device", "cpu", "--steps", "1", "--warmup", "0", "--configs", "plain,W=2", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert [r["config"] for r in payload["records"]] == ["plain"] and payload["complete"] is False
+
+
 def test_auto_row_wraps_the_split_train_window_auto_chooses(monkeypatch):
     """W=auto wraps K resident blocks, their recompute and W as ``choose_runtime_window`` gives them
     (the planner's decision is made up here: K = 2 recomputing, W = 1)."""
