@@ -335,7 +335,11 @@ class Trainer:
                 on_step(self.step, loss)
             last = self.step == run.steps
             if self.step % run.log_every == 0 or last:
+                t0 = time.perf_counter()
                 self.engine.synchronize()
+                # NOTE: the step's work still in flight (device kernels, host updates) is training
+                # time too: on an H100 leaving it out made the summary's mean 882 ms/step for 1526
+                res.time.wall_s += time.perf_counter() - t0
                 elapsed = time.perf_counter() - t_interval
                 events = tracer.events()
                 tracer.clear()
