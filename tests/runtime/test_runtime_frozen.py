@@ -161,6 +161,28 @@ def test_hugging_face_llama_with_frozen_layers_trains_to_plain_pytorch():
         assert torch.equal(got[1][name], value), name
 
 
+@pytest.mark.parametrize("schedule", ["default", "relay"])
+def test_only_trainable_gradients_leave_the_device(schedule):
+    """From the trace: each step copies out the trainable part of every block that has one, once
+    (the relay: once for both micro-batches), and nothing of the wholly frozen blocks 1 and 4;
+    loads move whole blocks, frozen parameters included. The relay trains as the default does."""
+    from relay_training import train
+
+    model, batches, m = frozen_gpt("middle"), gpt_batches(6), 2
+    default = train(copy.deepcopy(model), batches, m, schedule="default", window=2)
+    got = default if schedule == "default" else train(model, batches, m, schedule=schedule, window=2, strict=True)
+    torch.testing.assert_close(got[0], default[0], rtol=1e-6, atol=0)
+    engine, steps = got[4], 3
+    layouts = engine.store.layouts
+    assert [lay.train_numel == 0 for lay in layouts] == [False, True, False, False, True, False]
+    copied = {}
+    for e in got[3]:
+        copied[e.block] = copied.get(e.block, 0) + e.nbytes
+    per_step = 1 if schedule == "relay" else m  # the default schedule copies out every micro-batch
+    assert copied == {b: steps * per_step * lay.train_numel * 4 for b, lay in enumerate(layouts) if lay.train_numel}
+    assert {e.nbytes for e in got[2] if e.block == 1} == {layouts[1].numel * 4}
+
+
 # ---- memory: a frozen parameter costs its compute-dtype bytes
 
 
