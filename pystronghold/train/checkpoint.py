@@ -4,6 +4,7 @@ Layout of one checkpoint (``<dir>/step-00000100/``)::
 
     blocks/block-00000.safetensors ...   one file per block: for each parameter (full model name)
                                          its fp32 master, ``<name>.exp_avg`` and ``<name>.exp_avg_sq``
+                                         (a frozen parameter: its value, in the compute dtype)
     head_tail.safetensors                head and tail fp32 masters and their AdamW moments
     state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states
                                          (with the layer-drop generator), data position, loss-scaler
@@ -198,12 +199,12 @@ def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
     for g in range(_block_count(trainer)):
         b, tensors = local.get(g), None
         if b is not None:
-            splits = [_split(p) for p in states.block_params(b)]
+            splits = {n: _split(p) for n, p in zip(states.block_names[b], states.block_params(b))}
             values = states.read_block(b, [tier for tier, _ in _BLOCK_STATES])
             tensors = {}
             for tier, suffix in _BLOCK_STATES:
-                for n, split in zip(states.block_names[b], splits):
-                    tensors[rename(n) + suffix] = gather_tp_tensor(values[tier][n], split, tp_group)
+                for n, value in values[tier].items():  # a frozen parameter: its value, no moments
+                    tensors[rename(n) + suffix] = gather_tp_tensor(value, splits[n], tp_group)
             del values
         if pipe is not None:
             tensors = pipe.share_from(pipe.stage_of_block(g), tensors)
@@ -323,9 +324,9 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
         if rel not in manifest["files"]:
             raise CheckpointError(f"checkpoint {path}: {rel} is missing (it has {manifest.get('blocks')} blocks)")
         saved = _load_file(path, rel, manifest["files"][rel])
-        params, shapes = states.block_params(b), states.block_shapes(b)
+        params, shapes, trains = states.block_params(b), states.block_shapes(b), states.block_trainable(b)
         states.write_block(b, {tier: [_mine(saved, rename(n) + suffix, p, shape, path)
-                                      for n, p, shape in zip(names, params, shapes)]
+                                      for n, p, shape, t in zip(names, params, shapes, trains) if t or tier == "master"]
                                for tier, suffix in _BLOCK_STATES})
     saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
     for i, (n, p, m, _) in enumerate(states.head_tail()):
@@ -383,11 +384,12 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
 def checkpoint_weights(path: str | os.PathLike, manifest: dict):
     """The fp32 weights of checkpoint ``path`` (its ``manifest``, from ``read_manifest``), one file at
     a time: yields ``{model parameter name: tensor}`` per block file, then the head/tail file
-    (optimizer moments left out), so a caller holds one block's weights at a time."""
+    (optimizer moments left out; a frozen parameter, kept in the compute dtype, cast to fp32), so a
+    caller holds one block's weights at a time."""
     path = Path(path)
     for rel, meta in manifest["files"].items():
         if rel.endswith(".safetensors"):
-            yield {k: v for k, v in _load_file(path, rel, meta).items()
+            yield {k: v.float() for k, v in _load_file(path, rel, meta).items()
                    if not k.endswith((".exp_avg", ".exp_avg_sq", ".step"))}
 
 
