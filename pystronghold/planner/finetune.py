@@ -193,9 +193,9 @@ def check_freeze(config, finetune: FineTune) -> None:
     for i in range(1, config.layers):
         frozen = [bool(pattern.search(block_prefix(config, i) + n)) for n in names]
         if frozen != first:
-            raise ValueError(f"--freeze {finetune.freeze!r} freezes {sum(first)} of block 0's {len(names)} "
+            raise ValueError(f"--freeze '{finetune.freeze}' freezes {sum(first)} of block 0's {len(names)} "
                              f"parameters but {sum(frozen)} of block {i}'s; the planner costs identical "
                              "blocks: freeze the same parameters in every block")
     if not any(first) and not any(pattern.search(name) for name, _ in head_tail_param_shapes(config)):
-        raise ValueError(f"--freeze {finetune.freeze!r} matches no parameter (names look like "
+        raise ValueError(f"--freeze '{finetune.freeze}' matches no parameter (names look like "
                          f"{block_prefix(config, 0)}{names[0]})")

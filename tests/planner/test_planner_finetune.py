@@ -152,7 +152,9 @@ def test_lora_counts_and_layout_are_peft_s(tmp_path, make, targets):
     shape = read_hf_shape(_hf_dir(tmp_path, model))
     finetune = FineTune(lora_rank=4, lora_targets=targets)
     plan = make_plan(shape, Workload(batch=1, seq=16, finetune=finetune), hw())
-    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=list(targets) if targets else None))
+    config = peft.LoraConfig(r=4, target_modules=list(targets) if targets else None,
+                             fan_in_fan_out=shape.fan_in_fan_out)  # GPT-2's Conv1D weights are (in, out)
+    peft_model = peft.get_peft_model(model, config)
     trainable, total = peft_model.get_nb_trainable_parameters()
     assert (plan.trainable_params, plan.params + plan.trainable_params) == (trainable, total)
     # one block as the runtime lays it out: trainable parameters first, then the frozen ones
@@ -238,11 +240,13 @@ def test_resident_blocks_leave_no_disk_cost_on_a_store_that_then_fits_the_host()
     (["--freeze", r"blocks\.0\."], "freezes 12 of block 0's 12 parameters but 0 of block 1's"),
     (["--freeze", "nothing"], "--freeze 'nothing' matches no parameter"),
     (["--lora-rank", "8", "--tp", "2"], "tensor parallelism 1 only"),
+    (["--model", "hf:/no/such/dir", "--lora-rank", "8"], "--model hf:/no/such/dir: no such directory"),
+    (["--model", f"hf:{LLAMA_70B}", "--hidden", "4096"], "--hidden does not apply to a Hugging Face model"),
 ])
 def test_cli_fine_tune_errors_are_one_line(args, message, capsys):
     try:
-        rc = main(["plan", "--gpu", "h100-80gb", "--host-memory", "64", "--model", "gpt3-1.3b", "--widths", "2048",
-                   *args])
+        model = [] if "--model" in args else ["--model", "gpt3-1.3b", "--widths", "2048"]
+        rc = main(["plan", "--gpu", "h100-80gb", "--host-memory", "64", *model, *args])
     except SystemExit as e:
         rc = e.code
     err = capsys.readouterr().err
