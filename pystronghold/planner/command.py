@@ -18,6 +18,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from pystronghold.models.hf import HF_PREFIX
 from pystronghold.options import ConfigError, add_options, component, from_args, option
 from pystronghold.runtime.config import RuntimeConfig
 
@@ -31,6 +32,8 @@ EXAMPLES = """examples:
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
   pystronghold plan --gpu h100-80gb --host-memory 512 --model gpt3-13b --pp 4 --tp 2 --micro-batches 8
   pystronghold plan --cluster cluster.yaml --model gpt3-350m --global-batch 512 --precision fp32
+  pystronghold plan --gpu h100-80gb --host-memory 125 --nvme 2000 --model hf:bench/models/llama-3-70b --seq 4096 --lora-rank 16
+  pystronghold plan --gpu rtx4090 --host-memory 64 --model gpt3-2.7b --freeze 'head|ln|attn'
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
@@ -62,8 +65,9 @@ class PlanRequest:
     nvme_bandwidth: float = field(default=3.0, metadata={"metavar": "GB/S"})
     """NVMe read/write bandwidth, GB/s."""
     model: str | None = field(default=None, metadata={"metavar": "PRESET"})
-    """GPT preset (tiny, mini, small, gpt2-124m, gpt3-125m ... gpt3-175b); or give --layers,
-    --hidden, --heads."""
+    """GPT preset (tiny, mini, small, gpt2-124m, gpt3-125m ... gpt3-175b), or hf:DIR, a Hugging Face
+    model directory (only its config.json is read; needs transformers; bench/models/llama-3-70b is
+    Llama 3 70B's); or give --layers, --hidden, --heads."""
     layers: int | None = None
     """Transformer blocks (overrides the preset's)."""
     hidden: int | None = None
@@ -103,6 +107,18 @@ class PlanRequest:
     --host-memory)."""
     global_batch: int | None = option(None)
     """Samples per step over all ranks, with --cluster (default: --batch x the devices)."""
+    lora_rank: int | None = option(None, metavar="R")
+    """Plan a LoRA fine-tune of rank R: every base parameter frozen (stored once in the compute
+    precision, 2 B/param in bf16, no optimizer state), adapters A (R x in) and B (out x R) on each
+    --lora-targets layer trained; the largest-model table is then the largest LoRA fine-tune."""
+    lora_targets: str | None = option(None, metavar="NAME,...")
+    """Comma-separated layers LoRA adapts, as PEFT's target_modules (a module whose name is or ends
+    with .NAME). Default, as PEFT's: the attention's q and v projections (q_proj,v_proj) for Llama,
+    Mistral and Qwen2; c_attn for GPT-2; qkv for the GPT presets."""
+    freeze: str | None = option(None, metavar="REGEX")
+    """Plan a partial fine-tune: parameters whose full name matches REGEX (re.search on names such
+    as blocks.3.attn.qkv.weight, head.tok.weight, model.layers.3.mlp.up_proj.weight) are frozen,
+    the rest train. It must freeze the same parameters in every block."""
     runtime: RuntimeConfig = component(lambda: RuntimeConfig(**PLAN_RUNTIME_DEFAULTS),
                                        only=("window", "resident_blocks", "precision", "checkpointing",
                                              "accumulation_steps", "schedule"))
@@ -143,6 +159,16 @@ class PlanRequest:
             raise ValueError(f"--nvme must be >= 0 GiB, got {self.nvme}")
         if self.efficiency > 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
+        self.finetune()  # validates --lora-rank, --lora-targets, --freeze
+        if self.cluster is not None and (self.lora_rank is not None or self.freeze is not None):
+            raise ConfigError(self, "cluster", "plans full fine-tuning only: drop `lora_rank` and `freeze`")
+        if self.model is not None and self.model.startswith(HF_PREFIX):
+            for name in ("hidden", "heads", "widths", "cluster"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(self, name, f"does not apply to a Hugging Face model (`model`): "
+                                      "its config.json gives the shape")
+            if self.tp != 1 or self.pp != 1:
+                raise ConfigError(self, "model", "(a Hugging Face model) is planned at --tp 1 and --pp 1")
         if self.widths is not None:
             try:
                 widths = [int(w) for w in self.widths.split(",")]
@@ -151,11 +177,24 @@ class PlanRequest:
             if min(widths) < 1:
                 raise ValueError(f"--widths must be positive, got {self.widths!r}")
 
+    def finetune(self):
+        """The ``FineTune`` of --lora-rank, --lora-targets and --freeze."""
+        from pystronghold.planner.finetune import FineTune
+
+        targets = None if self.lora_targets is None else tuple(self.lora_targets.split(","))
+        return FineTune(lora_rank=self.lora_rank, lora_targets=targets, freeze=self.freeze)
+
     def model_config(self):
-        """The GPTConfig of --model (or --layers/--hidden/--heads) at --tp and --seq."""
+        """The GPTConfig of --model (or --layers/--hidden/--heads) at --tp and --seq; the
+        ``HFShape`` of --model hf:DIR (at --layers when given)."""
         from pystronghold.models.gpt import GPTConfig
         from pystronghold.models.presets import PRESETS
 
+        if self.model is not None and self.model.startswith(HF_PREFIX):
+            from pystronghold.planner.hf_shape import read_hf_shape
+
+            shape = read_hf_shape(self.model[len(HF_PREFIX):])
+            return shape if self.layers is None else dataclasses.replace(shape, layers=self.layers)
         if self.model is not None:
             if self.model not in PRESETS:
                 raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(PRESETS)}")
@@ -198,7 +237,7 @@ class PlanRequest:
         rt = self.runtime
         work = Workload(batch=self.batch, seq=self.seq, precision=rt.precision,
                         checkpointing=rt.checkpointing, dp_size=self.dp, overlap=self.overlap,
-                        compute_efficiency=self.efficiency)
+                        compute_efficiency=self.efficiency, finetune=self.finetune())
         hw.gpu.flops(rt.precision)  # refuses bf16 on a GPU without it
         window = {"auto": None, "all": config.layers}.get(rt.window, rt.window)
         widths = None if self.widths is None else [int(w) for w in self.widths.split(",")]
@@ -211,6 +250,7 @@ class PlanRequest:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``pystronghold plan``: 0 when the model fits, 1 when it does not, 2 on bad input."""
+    from pystronghold.planner.finetune import check_freeze
     from pystronghold.planner.plan import largest_models, make_plan
     from pystronghold.planner.relay import schedule_report
     from pystronghold.planner.report import format_plan, plan_to_dict
@@ -222,6 +262,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
             return run_cluster_plan(request)
         config, work, hw, window, widths, resident = request.resolve()
+        check_freeze(config, work.finetune)
         pipeline = None
         if request.pp_chunks != 1 and request.pp < 2:
             raise ValueError(f"--pp-chunks {request.pp_chunks} needs a pipeline (--pp >= 2 and --pp-schedule interleaved)")

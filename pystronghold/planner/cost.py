@@ -1,6 +1,7 @@
 """The cost model: bytes, FLOPs and seconds of one block, of head + tail, and of one training step.
 
-Everything is per tensor-parallel rank (a rank holds 1/tp of the split weights, see
+The model is a ``GPTConfig`` or a Hugging Face model's ``HFShape`` (``planner/hf_shape.py``);
+what trains is ``Workload.finetune`` (``planner/finetune.py``). Everything is per tensor-parallel rank (a rank holds 1/tp of the split weights, see
 ``pystronghold.parallel``). The formulas are explained in ``docs/DESIGN.md`` ("Planner"). Names:
 B micro-batch, T tokens per sample, C hidden, F MLP width, V padded vocabulary, a heads, t = tp,
 s = bytes per element in the compute precision (4 fp32, 2 bf16/fp16), P_b = parameters of one
@@ -13,7 +14,9 @@ import math
 from dataclasses import dataclass
 
 from pystronghold.models.gpt import GPTConfig
+from pystronghold.planner.finetune import FineTune, param_split
 from pystronghold.planner.hardware import GiB, Hardware
+from pystronghold.planner.params import block_param_shapes, head_tail_param_shapes, numel
 from pystronghold.runtime import layout
 from pystronghold.runtime.precision import DTYPES, compute_dtype
 
@@ -64,6 +67,9 @@ class Workload:
     nvme_staging_blocks: int = 4
     """Blocks whose NVMe-resident states are staged in host memory at once (read-ahead and
     write-behind of the updates)."""
+    finetune: FineTune = FineTune()
+    """Which parameters train: all (the default), LoRA adapters on a frozen base, or all but the
+    ``--freeze`` ones."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "dp_size", "nvme_staging_blocks"):
@@ -100,14 +106,8 @@ def block_params_per_rank(config: GPTConfig) -> int:
 
 def block_param_numels(config: GPTConfig) -> list[int]:
     """Elements of each parameter of one block on one rank, in ``Block.named_parameters()`` order
-    (ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2; weight then bias)."""
-    C, Fw, t, bias = config.hidden, config.ffn_hidden, config.tp_size, config.bias
-
-    def layer(weight: int, b: int) -> list[int]:
-        return [weight, b] if bias else [weight]
-
-    return (layer(C, C) + layer(3 * C * C // t, 3 * C // t) + layer(C * C // t, C) + layer(C, C)
-            + layer(C * Fw // t, Fw // t) + layer(Fw * C // t, C))
+    (ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2; weight then bias; ``params.block_param_shapes``)."""
+    return [numel(shape) for _, shape in block_param_shapes(config)]
 
 
 def block_buffer_numel(config: GPTConfig) -> int:
@@ -128,19 +128,18 @@ def slot_bytes(config: GPTConfig, precision: str) -> int:
 def head_tail_params_per_rank(config: GPTConfig) -> int:
     """Parameters of head (token + position embedding) and tail (final norm, LM head) on one rank;
     a tied LM head is counted once."""
-    C, V, t = config.hidden, config.padded_vocab_size, config.tp_size
-    head = V * C // t + config.seq_len * C
-    tail = C + int(config.bias) * C + (0 if config.tie_embeddings else V * C // t)
-    return head + tail
+    return sum(numel(shape) for _, shape in head_tail_param_shapes(config))
 
 
 # ---- FLOPs and activations
 
 def block_forward_flops(config: GPTConfig, batch: int, seq: int) -> float:
-    """Forward FLOPs of one block on one rank: matmuls 2*B*T*(4*C^2 + 2*C*F) (= 24*B*T*C^2 at
-    F = 4C) plus attention 4*B*T^2*C (scores and weighted sum, causal mask not discounted), / tp."""
-    B, T, C, Fw = batch, seq, config.hidden, config.ffn_hidden
-    return (2.0 * B * T * (4 * C * C + 2 * C * Fw) + 4.0 * B * T * T * C) / config.tp_size
+    """Forward FLOPs of one block on one rank: matmuls 2*B*T*(its matrices' elements) plus
+    attention 4*B*T^2*a*d / t (scores and weighted sum over a heads of width d, causal mask not
+    discounted). For the GPT: 2*B*T*(4*C^2 + 2*C*F)/t (= 24*B*T*C^2 at F = 4C) + 4*B*T^2*C/t."""
+    matrices = sum(numel(shape) for _, shape in block_param_shapes(config) if len(shape) == 2)
+    attention = config.heads * (config.hidden // config.heads if isinstance(config, GPTConfig) else config.head_dim)
+    return 2.0 * batch * seq * matrices + 4.0 * batch * seq * seq * attention / config.tp_size
 
 
 def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
@@ -151,10 +150,19 @@ def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
     attention kernel also 2*a*T^2*B / t (scores, softmax output); with dropout, 1-byte masks of
     2*B*T*C (+ a*T^2*B / t). At s = 2, F = 4C, t = 1 with dropout and no fused attention this is
     Korthikanti's B*T*C*(34 + 5*a*T/C).
+
+    A Hugging Face block (``HFShape``, t = 1), likewise: 4*B*T*C (RMS/LayerNorm inputs and
+    outputs) + B*T*(a*d + 2*g*d) (Q, K, V with g key/value heads) + B*T*a*d (attention output) +
+    4*B*T*F for a gated MLP (gate and up outputs, the activation, their product) or 2*B*T*F (GELU
+    input and output). LoRA's rank-R intermediates (B*T*R per adapter) are not counted.
     """
     B, T, C, t, s = work.batch, seq, config.hidden, config.tp_size, work.dtype_bytes
     btc = B * T * C
-    elems = 4 * btc + (4 + 2 * config.ffn_hidden // C) * btc // t
+    if isinstance(config, GPTConfig):
+        elems = 4 * btc + (4 + 2 * config.ffn_hidden // C) * btc // t
+    else:
+        attention, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
+        elems = 4 * btc + B * T * (2 * attention + 2 * kv + (4 if config.gated_mlp else 2) * config.mlp_width)
     scores = config.heads * T * T * B // t
     if not work.flash_attention:
         elems += 2 * scores
@@ -172,9 +180,11 @@ def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
     full vocabulary and nothing is copied to fp32. The gathered ``F.cross_entropy`` it replaced held
     the full logits, their fp32 copy, the fp32 log-softmax and its fp32 gradient: B*T*V*(s + 12).
     The torch path of the cross-entropy (``PYSTRONGHOLD_KERNELS=vocab_parallel_cross_entropy:torch``,
-    or no triton) still holds fp32 copies of the shard, up to B*T*V/t*(s + 12): not budgeted here."""
+    or no triton) still holds fp32 copies of the shard, up to B*T*V/t*(s + 12): not budgeted here.
+    A Hugging Face model's loss (``models.hf.causal_lm_loss``) is that gathered one: B*T*V*(s + 12)."""
     B, V, C, s, t = work.batch, config.padded_vocab_size, config.hidden, work.dtype_bytes, config.tp_size
-    return 3 * B * seq * (V // t) * s + 2 * B * seq * C * s
+    logits = 3 * B * seq * (V // t) * s if isinstance(config, GPTConfig) else B * seq * V * (s + 12)
+    return logits + 2 * B * seq * C * s
 
 
 def host_bytes_per_param(precision: str) -> int:
@@ -196,16 +206,17 @@ class BlockCosts:
     """Bytes and seconds of one block (and of head + tail) on one rank for a given model/workload/hardware."""
 
     block_params: int
-    """Parameters of one block on this rank (P_b)."""
+    """Parameters of one block on this rank (P_b), frozen ones and LoRA adapters included."""
     block_numel: int
     """Elements of one block's flat buffer as the runtime lays it out: P_b plus the alignment
     padding between parameters (``block_buffer_numel``); sizes the host store's buffers."""
     slot_bytes: int
-    """Device bytes of one window slot: parameters and gradients in compute precision, 2*P_b*s
-    (plus the runtime's alignment padding, see ``slot_bytes``)."""
+    """Device bytes of one window slot: parameters and the trainable ones' gradients in compute
+    precision, (P_b + P_t)*s (plus the runtime's alignment padding, see ``slot_bytes``)."""
     head_tail_bytes: int
-    """Device bytes of head + tail: parameters, gradients, fp32 masters (bf16/fp16), Adam moments,
-    and the fp32 gradient copy the device AdamW makes in bf16/fp16."""
+    """Device bytes of head + tail: trainable parameters with their gradients, fp32 masters
+    (bf16/fp16), Adam moments and the fp32 gradient copy the device AdamW makes in bf16/fp16;
+    frozen ones in compute precision only."""
     block_input_bytes: int
     """Bytes of one block's saved input (B*T*C*s)."""
     block_activation_bytes: int
@@ -217,68 +228,97 @@ class BlockCosts:
     bwd_s: float
     """Backward of one block, seconds: 2x forward, +1x forward when recomputing."""
     head_tail_s: float
-    """Forward + backward of the LM head, seconds (3 * 2*B*T*C*V / tp FLOPs)."""
+    """Forward + backward of the LM head, seconds (3 * 2*B*T*C*V / tp FLOPs; 2x when its weight
+    is frozen)."""
     load_s: float
     """Host-to-device copy of one block's parameters, seconds (P_b*s / H2D bandwidth)."""
     grad_s: float
-    """Device-to-host copy of one block's gradient, seconds (P_b*s / D2H bandwidth)."""
+    """Device-to-host copy of one block's gradient, seconds (P_t*s / D2H bandwidth)."""
     allreduce_s: float
     """Data-parallel all-reduce of one block's gradient before its copy-out, seconds."""
     adam_s: float
-    """Host update of one block, seconds: P_b / (CPU Adam rate / ranks), or the NVMe tier's
-    read + write of its states when that is slower."""
+    """Host update of one block, seconds: P_t / (CPU Adam rate / ranks), or the NVMe tier's
+    share of the disk traffic when that is slower."""
     recompute_s: float = 0.0
     """The part of ``bwd_s`` that recomputes the forward (``fwd_s`` with checkpointing, else 0):
     what a device-resident block that keeps its activations does not spend."""
     resident_block_bytes: int = 0
     """Device bytes of one device-resident block: parameters and gradients in compute precision,
-    fp32 AdamW moments and (bf16/fp16) fp32 masters and their fp32 gradients, as for head + tail."""
+    fp32 AdamW moments and (bf16/fp16) fp32 masters and their fp32 gradients, as for head + tail;
+    frozen parameters in compute precision only."""
     device_adam_s: float = 0.0
-    """Device AdamW of one resident block, seconds: P_b * DEVICE_ADAM_BYTES / device memory bandwidth."""
+    """Device AdamW of one resident block, seconds: P_t * DEVICE_ADAM_BYTES / device memory bandwidth."""
+    block_frozen_params: int = 0
+    """Frozen parameters of one block (P_f; P_t = P_b - P_f train): stored once in compute
+    precision, loaded like the others, with no gradient, moments, copy-out or update."""
+    block_frozen_numel: int = 0
+    """Elements of the frozen part of a block's flat buffer (laid out after the trainable part):
+    the store's upload state holds them, its other states only the first
+    ``block_numel - block_frozen_numel`` elements."""
 
 
 def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_per_param: float = 0.0
                 ) -> BlockCosts:
     """The ``BlockCosts`` of ``config`` trained as ``work`` on ``hw``. ``nvme_bytes_per_param``:
-    bytes read plus written on the NVMe tier per parameter and step (0: no disk tier)."""
+    bytes read plus written on the NVMe tier per parameter and step (0: no disk tier).
+
+    Frozen parameters (``work.finetune``) are loaded but have no gradient copy-out, all-reduce or
+    update, and the backward skips their matrices' weight gradients (2*B*T FLOPs per element);
+    LoRA adds its adapters' 2*B*T FLOPs per parameter to the forward."""
     s = work.dtype_bytes
     seq = work.seq or config.seq_len
     if seq > config.seq_len:
         raise ValueError(f"Workload.seq={seq} is longer than the model's seq_len={config.seq_len}")
     ranks = config.tp_size * work.dp_size
-    p_b = block_params_per_rank(config)
-    p_ht = head_tail_params_per_rank(config)
+    split = param_split(config, work.finetune)
+    p_b = split.block_params
+    p_t = sum(split.block_trainable)
+    offsets, numel = layout.param_offsets([*split.block_trainable, *split.block_frozen])
+    train_numel = offsets[len(split.block_trainable)] if split.block_frozen else numel
     flops = hw.gpu.flops(work.precision) * work.compute_efficiency
     btc_bytes = work.batch * seq * config.hidden * s
     tp_ar = ring_allreduce_s(btc_bytes, config.tp_size, hw.gpu.interconnect_bytes_per_s)
-    fwd = block_forward_flops(config, work.batch, seq) / flops + 2 * tp_ar
+    fwd = (block_forward_flops(config, work.batch, seq) + 2.0 * work.batch * seq * split.block_adapters
+           ) / flops + 2 * tp_ar
     recompute = fwd if work.checkpointing else 0.0
-    bwd = 2 * (fwd - 2 * tp_ar) + 2 * tp_ar + recompute
+    frozen_weight_grads = 2.0 * work.batch * seq * split.block_frozen_matmul / flops
+    bwd = 2 * (fwd - 2 * tp_ar) - frozen_weight_grads + 2 * tp_ar + recompute
     lm_flops = 2.0 * work.batch * seq * config.hidden * config.padded_vocab_size / config.tp_size
-    adam = p_b / (hw.cpu_adam_params_per_s / ranks)
+    adam = p_t / (hw.cpu_adam_params_per_s / ranks)
     if nvme_bytes_per_param:
         adam = max(adam, nvme_bytes_per_param * p_b / (hw.nvme_bytes_per_s / ranks))
     # params, grads, fp32 moments (+ fp32 masters and their grads): head, tail and resident blocks alike
-    per_param = layout.device_bytes_per_param(compute_dtype(work.precision))
+    dtype = compute_dtype(work.precision)
+    per_param = layout.device_bytes_per_param(dtype)
     return BlockCosts(
         block_params=p_b,
-        block_numel=block_buffer_numel(config),
-        slot_bytes=slot_bytes(config, work.precision),
-        head_tail_bytes=p_ht * per_param,
+        block_numel=numel,
+        slot_bytes=_slot_bytes(numel, train_numel, dtype),
+        head_tail_bytes=split.head_tail_trainable * per_param + split.head_tail_frozen * s,
         block_input_bytes=btc_bytes,
         block_activation_bytes=block_activation_bytes(config, work, seq),
         tail_activation_bytes=tail_activation_bytes(config, work, seq),
         fwd_s=fwd,
         bwd_s=bwd,
-        head_tail_s=3 * lm_flops / flops,
+        head_tail_s=(2 if split.lm_head_frozen else 3) * lm_flops / flops,
         load_s=p_b * s / hw.gpu.h2d_bytes_per_s,
-        grad_s=p_b * s / hw.gpu.d2h_bytes_per_s,
-        allreduce_s=ring_allreduce_s(p_b * s, work.dp_size, hw.gpu.interconnect_bytes_per_s),
+        grad_s=p_t * s / hw.gpu.d2h_bytes_per_s,
+        allreduce_s=ring_allreduce_s(p_t * s, work.dp_size, hw.gpu.interconnect_bytes_per_s),
         adam_s=adam,
         recompute_s=recompute,
-        resident_block_bytes=p_b * per_param,
-        device_adam_s=p_b * DEVICE_ADAM_BYTES[work.precision] / hw.gpu.memory_bytes_per_s,
+        resident_block_bytes=p_t * per_param + (p_b - p_t) * s,
+        device_adam_s=p_t * DEVICE_ADAM_BYTES[work.precision] / hw.gpu.memory_bytes_per_s,
+        block_frozen_params=p_b - p_t,
+        block_frozen_numel=numel - train_numel,
     )
+
+
+def _slot_bytes(numel: int, train_numel: int, dtype) -> int:
+    """``layout.slot_bytes``; with frozen parameters the gradient buffer holds only the trainable
+    part, as the runtime's window sizes it."""
+    if train_numel == numel:
+        return layout.slot_bytes(numel, dtype)
+    return layout.buffer_bytes(numel, "grad", dtype) + layout.buffer_bytes(train_numel, "grad", dtype)
 
 
 def analytic_window(costs: BlockCosts) -> int:

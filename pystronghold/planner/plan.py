@@ -7,19 +7,25 @@ All figures are per rank unless they say otherwise (host and disk are per machin
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
+import torch
+
 from pystronghold.models.gpt import GPTConfig
-from pystronghold.models.presets import param_count
 from pystronghold.planner.cost import (BlockCosts, Workload, analytic_window, block_costs,
                                        host_bytes_per_param)
+from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import Hardware
+from pystronghold.planner.params import model_params
 from pystronghold.planner.timeline import StepTime, choose_window, simulate_step
-from pystronghold.runtime.placement import plan_placement
+from pystronghold.runtime.layout import buffer_bytes, stored_states
+from pystronghold.runtime.placement import Placement, plan_placement, spill_order
 from pystronghold.runtime.precision import compute_dtype
 
 __all__ = ["DeviceMemory", "HostMemory", "Plan", "Split", "LargestModel", "device_memory", "host_memory",
-           "max_window_with", "choose_split", "make_plan", "largest_layers", "largest_models"]
+           "place_frozen_store", "max_window_with", "choose_split", "make_plan", "largest_layers",
+           "largest_models"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,8 @@ class HostMemory:
     """Bytes read plus written on disk per training step (all ranks)."""
     disk_reason: str = ""
     """Why the NVMe tier is or is not used, in words ("" without --nvme)."""
+    frozen_disk_blocks: int = 0
+    """Blocks whose frozen parameters (the store's upload state) are on disk, per rank."""
 
     @property
     def fits(self) -> bool:
@@ -107,33 +115,97 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
                         resident_bytes=resident * c.resident_block_bytes)
 
 
+def place_frozen_store(numels: list[int], dtype, *, train_numels: list[int], budget_bytes: int,
+                       nvme: bool = False, cache_blocks: int = 4, streamed_grads: bool = False) -> Placement:
+    """``runtime.placement.plan_placement`` for blocks with frozen parameters, laid out as the
+    runtime lays them (``runtime/store.py``'s ``BlockLayout``): the state a load uploads (the
+    shadow; the master in fp32) holds the whole block (``numels``), every other state only its
+    trainable part (``train_numels``). States go to disk in ``spill_order``, the last blocks first,
+    skipping a state a block does not have; the cache holds ``cache_blocks`` blocks of each state
+    with any block on disk. MemoryError when nothing fits (its message is not shown: the plan
+    reports the shortfall)."""
+    upload = "master" if dtype == torch.float32 else "shadow"
+    states = stored_states(dtype)
+    sizes = {s: [n if s == upload else t for n, t in zip(numels, train_numels)] for s in states}
+    per = {s: [buffer_bytes(k, s, dtype) for k in sizes[s]] for s in states}
+    ram = sum(sum(v) for v in per.values())
+    if ram <= budget_bytes:
+        return Placement(states=states, compute_dtype=dtype, host_bytes=ram, budget_bytes=budget_bytes)
+    if not nvme:
+        raise MemoryError("the store does not fit the host and there is no NVMe tier")
+    disk: dict[str, list[int]] = {}
+    cache = 0
+    for state in spill_order(dtype, streamed_grads=streamed_grads):
+        for block in reversed(range(len(numels))):
+            if ram + cache <= budget_bytes:
+                break
+            if not per[state][block]:
+                continue
+            if state not in disk:
+                disk[state] = []
+                cache += cache_blocks * buffer_bytes(max(sizes[state]), state, dtype)
+            disk[state].append(block)
+            ram -= per[state][block]
+    if ram + cache > budget_bytes:
+        raise MemoryError("even with every state on disk the host part does not fit")
+    return Placement(states=states, compute_dtype=dtype, disk_blocks={s: tuple(sorted(b)) for s, b in disk.items()},
+                     cache_blocks=cache_blocks, streamed_grads=streamed_grads and "grad" in disk,
+                     host_bytes=ram + cache, cache_bytes=cache,
+                     disk_bytes=sum(per[s][b] for s, blocks in disk.items() for b in blocks
+                                    if not (s == "grad" and streamed_grads)),
+                     budget_bytes=budget_bytes)
+
+
+def _frozen_step_io_bytes(placement: Placement, numels: list[int], train_numels: list[int]) -> int:
+    """``Placement.step_io_bytes`` with frozen parameters: a load reads the whole upload state
+    (forward and backward), an update reads and writes the trainable part of its disk states (the
+    shadow: written only); streamed gradients never touch the disk."""
+    upload = "shadow" if "shadow" in placement.states else "master"
+    total = 0
+    for state, blocks in placement.disk_blocks.items():
+        if state == "grad" and placement.streamed_grads:
+            continue
+        for b in blocks:
+            loads = 2 * buffer_bytes(numels[b], state, placement.compute_dtype) if state == upload else 0
+            update = (1 if state == "shadow" else 2) * buffer_bytes(train_numels[b], state, placement.compute_dtype)
+            total += loads + update
+    return total
+
+
 def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, ranks: int) -> HostMemory:
     """Host (and disk) bytes of the store, placed exactly as the runtime places it
-    (``pystronghold.runtime.placement.plan_placement``): everything in host memory when it fits the
-    host (less the reserve, shared by the ranks), else, with NVMe, the states that do not fit go to
-    disk and ``nvme_staging_blocks`` blocks of them are staged in host memory."""
+    (``pystronghold.runtime.placement.plan_placement``; ``place_frozen_store`` with frozen
+    parameters): everything in host memory when it fits the host (less the reserve, shared by the
+    ranks), else, with NVMe, the states that do not fit go to disk and ``nvme_staging_blocks``
+    blocks of them are staged in host memory."""
     dtype = compute_dtype(work.precision)
     numels = [costs.block_numel] * n_blocks  # padded, as the runtime's HostStore sizes its buffers
+    train_numels = [costs.block_numel - costs.block_frozen_numel] * n_blocks
+    place = (functools.partial(place_frozen_store, train_numels=train_numels) if costs.block_frozen_numel
+             else plan_placement)
     budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
-    everything = plan_placement(numels, dtype, budget_bytes=2**62)
+    everything = place(numels, dtype, budget_bytes=2**62)
     budget_words = (f"{budget / 2**30:.1f} GiB of host memory per rank (after the "
                     f"{work.host_reserve_bytes / 2**30:.1f} GiB reserve)")
     need_words = f"the store needs {everything.host_bytes / 2**30:.1f} GiB per rank"
     try:
-        placement = plan_placement(numels, dtype, budget_bytes=budget, nvme=bool(hw.nvme_bytes),
-                                   cache_blocks=work.nvme_staging_blocks,
-                                   streamed_grads=work.overlap == "backward")
+        placement = place(numels, dtype, budget_bytes=budget, nvme=bool(hw.nvme_bytes),
+                          cache_blocks=work.nvme_staging_blocks, streamed_grads=work.overlap == "backward")
         reason = (f"used: {need_words}, more than the {budget_words}; the states that do not fit go to disk"
                   if placement.spilled else f"not used: {need_words}, which fits the {budget_words}")
     except MemoryError:  # does not fit: report the all-in-host figures (fits is False)
         placement = everything
         reason = (f"not enough: {need_words}, more than the {budget_words}, and even with every state on "
                   f"disk its staging buffers ({work.nvme_staging_blocks} blocks) and the rest do not fit")
+    step_io = (_frozen_step_io_bytes(placement, numels, train_numels) if costs.block_frozen_numel
+               else placement.step_io_bytes(numels))
+    upload = "shadow" if "shadow" in placement.states else "master"
     return HostMemory(disk_reason=reason if hw.nvme_bytes else "",tier="nvme" if placement.spilled else "host",
                       host_bytes=ranks * placement.host_bytes + work.host_reserve_bytes,
                       host_capacity_bytes=hw.host_memory_bytes, disk_bytes=ranks * placement.disk_bytes,
                       disk_capacity_bytes=hw.nvme_bytes, disk_states=placement.disk_states,
-                      disk_step_bytes=ranks * placement.step_io_bytes(numels))
+                      disk_step_bytes=ranks * step_io,
+                      frozen_disk_blocks=len(placement.disk_blocks.get(upload, ())) if costs.block_frozen_numel else 0)
 
 
 @dataclass(slots=True)
@@ -147,7 +219,7 @@ class Plan:
     hardware: Hardware
     """Where."""
     params: int
-    """Parameters of the whole model (all ranks)."""
+    """Parameters of the whole model (all ranks), LoRA adapters not included."""
     costs: BlockCosts
     """Per-block bytes and seconds on one rank."""
     window: int
@@ -172,6 +244,11 @@ class Plan:
     """The K that was asked for; None: chosen by the planner."""
     resident_recompute: bool = False
     """The resident blocks recompute in backward (memory demanded it); False: they keep activations."""
+    trainable_params: int = 0
+    """Parameters that train (all ranks): ``params`` in a full fine-tune, the LoRA adapters, or
+    all but the frozen ones."""
+    frozen_params: int = 0
+    """Parameters that do not train (all ranks)."""
 
     @property
     def streamed_blocks(self) -> int:
@@ -199,13 +276,17 @@ class Plan:
         return self.work.batch * seq * self.work.dp_size / self.step.total_s
 
 
-def _costs(config: GPTConfig, work: Workload, hw: Hardware) -> tuple[BlockCosts, HostMemory]:
+def _costs(config: GPTConfig, work: Workload, hw: Hardware, streamed: int | None = None
+           ) -> tuple[BlockCosts, HostMemory]:
+    """Block costs and the host store of ``streamed`` blocks (default: all); when some of its
+    states are on disk, each host update also bears its share of the store's disk traffic."""
+    streamed = config.layers if streamed is None else streamed
     ranks = config.tp_size * work.dp_size
     costs = block_costs(config, work, hw)
-    host = host_memory(costs, work, hw, config.layers, ranks)
+    host = host_memory(costs, work, hw, streamed, ranks)
     if host.tier == "nvme":  # the host updates now also read and write the disk
         costs = block_costs(config, work, hw,
-                            nvme_bytes_per_param=host.disk_step_bytes / (ranks * config.layers * costs.block_params))
+                            nvme_bytes_per_param=host.disk_step_bytes / (ranks * streamed * costs.block_params))
     return costs, host
 
 
@@ -304,15 +385,24 @@ def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | Non
     split = choose_split(costs, work, n, hw.gpu.memory_bytes, window=window, resident=resident_blocks,
                          in_flight=in_flight)
     k, rc = split.resident, split.resident_recompute
-    if k and host.fits:  # the host store holds the streamed blocks only
-        host = host_memory(costs, work, hw, n - k, config.tp_size * work.dp_size)
-    plan = Plan(config=config, work=work, hardware=hw, params=param_count(config), costs=costs,
+    if k and host.fits:  # the host store holds the streamed blocks only: place them, cost their updates so
+        streamed_costs, host = _costs(config, work, hw, n - k)
+        if streamed_costs != costs and split.step is not None:
+            costs = streamed_costs
+            split = dataclasses.replace(split, step=simulate_step(costs, n, split.window, work.overlap,
+                                                                  resident=k, resident_recompute=rc))
+    params = param_split(config, work.finetune)
+    n_frozen = n * sum(params.block_frozen) + params.head_tail_frozen
+    n_params = model_params(config)
+    plan = Plan(config=config, work=work, hardware=hw, params=n_params, costs=costs,
                 window=split.window, window_asked=window, max_window=split.max_window,
                 stronghold_window=analytic_window(costs),
                 device=device_memory(costs, work, n, split.window, hw.gpu.memory_bytes, k, rc,
                                              in_flight=in_flight), host=host,
                 step=split.step if host.fits else None, resident_blocks=k, resident_asked=resident_blocks,
-                resident_recompute=rc)
+                resident_recompute=rc, frozen_params=n_frozen,
+                trainable_params=n_params if work.finetune.full
+                else n * sum(params.block_trainable) + params.head_tail_trainable)
     if not plan.fits:
         plan.step = None
     return plan
@@ -373,22 +463,25 @@ def largest_layers(config: GPTConfig, work: Workload, hw: Hardware, limit: int =
 def largest_models(config: GPTConfig, work: Workload, hw: Hardware,
                    widths: list[int] | None = None) -> list[LargestModel]:
     """``LargestModel`` at each width (default: the model's width and 2048, 4096, 8192, 12288, 16384),
-    keeping the model's head size (or 128 when it does not divide the width)."""
+    keeping the model's head size (or 128 when it does not divide the width). A Hugging Face model
+    (``HFShape``) keeps its width: one row, its most blocks."""
     widths = sorted(set(widths or [config.hidden, 2048, 4096, 8192, 12288, 16384]))
+    if not isinstance(config, GPTConfig):
+        widths = [config.hidden]
     rows = []
     for width in widths:
         head_dim = config.head_dim if width % config.head_dim == 0 else 128
         heads = max(1, width // head_dim)
         if width % heads or heads % config.tp_size:
             continue
-        cfg = dataclasses.replace(config, hidden=width, heads=heads)
+        cfg = dataclasses.replace(config, hidden=width, heads=heads) if isinstance(config, GPTConfig) else config
         layers, bound = largest_layers(cfg, work, hw)
         if layers == 0:
-            rows.append(LargestModel(hidden=width, heads=heads, layers=0, params=0, bound=bound,
+            rows.append(LargestModel(hidden=width, heads=cfg.heads, layers=0, params=0, bound=bound,
                                      window=0, step_s=0.0))
             continue
         plan = make_plan(dataclasses.replace(cfg, layers=layers), work, hw)
-        rows.append(LargestModel(hidden=width, heads=heads, layers=layers, params=plan.params,
+        rows.append(LargestModel(hidden=width, heads=cfg.heads, layers=layers, params=plan.params,
                                  bound=bound, window=plan.window,
                                  step_s=plan.step.total_s if plan.step else 0.0))
     return rows

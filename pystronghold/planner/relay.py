@@ -2,15 +2,15 @@
 m micro-batches under the default (micro-batch-major) and the relay (layer-major, L2L's) schedule,
 and the choice between them (``--schedule auto``). See docs/DESIGN.md "Relay schedule".
 
-Per step, with N streamed blocks, W slots, P_b·s bytes per block (parameters or gradient in compute
-precision) and one block input of I = B·T·C·s bytes (K device-resident blocks cross no link; each
+Per step, with N streamed blocks, W slots, P_b·s bytes per block load and P_t·s per gradient (its
+trainable parameters; P_t = P_b unless some are frozen) in compute precision, and one block input of I = B·T·C·s bytes (K device-resident blocks cross no link; each
 micro-batch keeps their input, or their activations when they do not recompute, on the device, m
 micro-batches' worth under the relay, never staged):
 
 - default: each micro-batch is a whole pass: H2D m·(N + N − W)·P_b·s (forward loads, backward
-  reloads of the blocks not kept) + (m − 1)·N·P_b·s (the host sum uploaded before the next
-  micro-batch's backward); D2H m·N·P_b·s. Saved block inputs on the device: N·I.
-- relay: one pass: H2D (N + N − W)·P_b·s, D2H N·P_b·s. Saved block inputs: m·N·I; when they do
+  reloads of the blocks not kept) + (m − 1)·N·P_t·s (the host sum uploaded before the next
+  micro-batch's backward); D2H m·N·P_t·s. Saved block inputs on the device: N·I.
+- relay: one pass: H2D (N + N − W)·P_b·s, D2H N·P_t·s. Saved block inputs: m·N·I; when they do
   not fit the device they are staged through host memory, adding m·N·I bytes in each direction.
 
 Step time: the relay is the runtime's one-pass schedule with m times the compute per block use
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from pystronghold.planner.cost import block_buffer_numel
 from pystronghold.planner.timeline import simulate_step
 
 __all__ = ["ScheduleEstimate", "schedule_estimates", "choose_schedule", "schedule_report"]
@@ -64,7 +63,8 @@ def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
     k, rc = plan.resident_blocks, plan.resident_recompute
     n = n_all - k  # the streamed blocks: the only ones that cross the link
     w = min(plan.window, n)
-    block = block_buffer_numel(plan.config) * plan.work.dtype_bytes  # what one load or copy-out moves
+    block = c.block_numel * plan.work.dtype_bytes  # what one load moves
+    grad = (c.block_numel - c.block_frozen_numel) * plan.work.dtype_bytes  # what one copy-out moves
     loads = n + max(0, n - w)
     resident_held = k * (c.block_input_bytes if rc else c.block_activation_bytes)  # per micro-batch
     # the device bytes the saved inputs may use: capacity minus everything else at the peak
@@ -79,8 +79,8 @@ def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
     later = simulate_step(replace(free, load_s=c.load_s + c.grad_s), n_all, w, overlap, **split).total_s
     default_s = first + (m - 1) * later + plan.step.exposed_optimizer_s
     out["default"] = ScheduleEstimate(
-        schedule="default", micro_batches=m, h2d_bytes=m * loads * block + (m - 1) * n * block,
-        d2h_bytes=m * n * block, saved_input_bytes=n * c.block_input_bytes, activations="device",
+        schedule="default", micro_batches=m, h2d_bytes=m * loads * block + (m - 1) * n * grad,
+        d2h_bytes=m * n * grad, saved_input_bytes=n * c.block_input_bytes, activations="device",
         device_budget_bytes=budget, step_s=default_s)
     saved = m * n * c.block_input_bytes
     staged = saved > budget
@@ -91,7 +91,7 @@ def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
     relay_s = simulate_step(relay_costs, n_all, w, overlap, **split).total_s
     out["relay"] = ScheduleEstimate(
         schedule="relay", micro_batches=m, h2d_bytes=loads * block + (saved if staged else 0),
-        d2h_bytes=n * block + (saved if staged else 0), saved_input_bytes=saved,
+        d2h_bytes=n * grad + (saved if staged else 0), saved_input_bytes=saved,
         activations="host" if staged else "device", device_budget_bytes=budget, step_s=relay_s)
     return out
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pystronghold.planner.finetune import lora_targets
 from pystronghold.planner.hardware import GiB
 from pystronghold.planner.plan import Plan
 
-__all__ = ["plan_to_dict", "split_to_dict", "format_plan", "format_split", "format_table"]
+__all__ = ["plan_to_dict", "finetune_to_dict", "split_to_dict", "format_plan", "format_finetune", "format_split",
+           "format_table"]
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -47,9 +49,26 @@ def plan_to_dict(plan: Plan) -> dict:
             "total_s": step.total_s, "compute_s": step.compute_s,
             "exposed_transfer_s": step.exposed_transfer_s,
             "exposed_optimizer_s": step.exposed_optimizer_s, "tokens_per_s": plan.tokens_per_s},
+        "finetune": finetune_to_dict(plan),
         "largest": [{"hidden": r.hidden, "heads": r.heads, "layers": r.layers, "params": r.params,
                      "bound": r.bound, "window": r.window, "step_s": r.step_s} for r in plan.largest],
     }
+
+
+def finetune_to_dict(plan: Plan) -> dict:
+    """What trains and where the frozen parameters live: parameters, and bytes (host and disk: of
+    the machine's ranks together, as ``host``; device: per rank), padding aside."""
+    ft, c, host = plan.work.finetune, plan.costs, plan.host
+    s = plan.work.dtype_bytes * plan.config.tp_size * plan.work.dp_size
+    streamed = plan.streamed_blocks
+    on_disk = host.frozen_disk_blocks
+    return {"lora_rank": ft.lora_rank, "freeze": ft.freeze,
+            "lora_targets": None if ft.lora_rank is None else list(lora_targets(plan.config, ft)),
+            "trainable_params": plan.trainable_params, "frozen_params": plan.frozen_params,
+            "frozen_host_bytes": (streamed - on_disk) * c.block_frozen_params * s,
+            "frozen_disk_bytes": on_disk * c.block_frozen_params * s,
+            "frozen_device_bytes": (plan.resident_blocks * c.block_frozen_params + plan.frozen_params
+                                    - plan.config.layers * c.block_frozen_params) * plan.work.dtype_bytes}
 
 
 def split_to_dict(plan: Plan) -> dict:
@@ -72,10 +91,35 @@ def format_split(plan: Plan) -> list[str]:
     streamed = (f"streamed  {d['streamed_blocks']} blocks through W={plan.window} slots: {_gib(d['window_bytes'])} "
                 f"on the device, {_gib(d['streamed_host_bytes'])} {host}, CPU Adam" if d["streamed_blocks"] else
                 "streamed  0 blocks: no window, no host store")
+    state = ("params, grads, fp32 masters and moments" if not plan.costs.block_frozen_params else
+             "frozen params; trainable ones with grads, fp32 masters and moments")
     return [f"resident  {k} of {n} blocks ({how}) with device AdamW: {_gib(d['resident_bytes'])} on the device "
-            f"(params, grads, fp32 masters and moments; {keep})",
+            f"({state}; {keep})",
             streamed,
             f"recompute {d['recomputed_blocks']} blocks (saves {_gib(d['recomputed_saved_bytes'])} of activations)"]
+
+
+def _what_trains(plan: Plan) -> str:
+    ft = plan.work.finetune
+    if ft.lora_rank is not None:
+        return f"LoRA r={ft.lora_rank} on {','.join(lora_targets(plan.config, ft))}"
+    return "full fine-tune" if ft.full else f"--freeze {ft.freeze!r}"
+
+
+def format_finetune(plan: Plan) -> list[str]:
+    """Two lines: what trains, and where the frozen parameters live (none in a full fine-tune)."""
+    if plan.work.finetune.full:
+        return []
+    d, c, host = finetune_to_dict(plan), plan.costs, plan.host
+    s = plan.work.dtype_bytes
+    disk = (f", NVMe {_gib(d['frozen_disk_bytes'])} (the last {host.frozen_disk_blocks} streamed blocks, read at "
+            "each load)" if host.frozen_disk_blocks else "")
+    return [f"trains    {_what_trains(plan)}: {_params(d['trainable_params'])} trainable params "
+            f"({100 * d['trainable_params'] / max(plan.params, 1):.2g}% of the model), "
+            f"{_params(d['frozen_params'])} frozen",
+            f"frozen    {s} B/param ({plan.work.precision}), no optimizer state, no gradient: host store "
+            f"{_gib(d['frozen_host_bytes'])}{disk}, device {_gib(d['frozen_device_bytes'])} (head, tail"
+            f"{', resident blocks' if plan.resident_blocks and c.block_frozen_params else ''})"]
 
 
 def format_table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
@@ -120,6 +164,7 @@ def format_plan(plan: Plan) -> str:
     out = [f"model     {cfg.layers} layers x {cfg.hidden} hidden, {cfg.heads} heads, "
            f"{_params(plan.params)} params ({_params(c.block_params)} per block), seq {seq}, "
            f"batch {work.batch}, {work.precision}, tp {cfg.tp_size} dp {work.dp_size}",
+           *format_finetune(plan),
            f"hardware  {hw.gpu.name}: {_gib(hw.gpu.memory_bytes)}, "
            f"{hw.gpu.flops(work.precision) / 1e12:,.1f} TFLOP/s x {work.compute_efficiency:.2f}, "
            f"H2D {hw.gpu.h2d_bytes_per_s / 1e9:.1f} GB/s; host {_gib(hw.host_memory_bytes)}, "
@@ -148,7 +193,8 @@ def format_plan(plan: Plan) -> str:
     out += ["", format_table(["memory", "bytes", "of"], [
         ["device: resident blocks", _gib(dev.resident_bytes), f"{plan.resident_blocks} x {_gib(c.resident_block_bytes)}"],
         ["device: window", _gib(dev.window_bytes), f"{plan.window} x {_gib(c.slot_bytes)}" if plan.window else "-"],
-        ["device: head + tail", _gib(dev.head_tail_bytes), "params, grads, AdamW"],
+        ["device: head + tail", _gib(dev.head_tail_bytes),
+         "params, grads, AdamW" if plan.work.finetune.full else "trainable: params, grads, AdamW; frozen: params"],
         ["device: activations", _gib(dev.activation_bytes),
          f"{plan.recomputed_blocks} blocks checkpointed, {cfg.layers - plan.recomputed_blocks} kept"],
         ["device: reserve", _gib(dev.reserve_bytes), ""],
@@ -182,6 +228,7 @@ def format_plan(plan: Plan) -> str:
                  _s(r.step_s)] if r.layers else [str(r.hidden), str(r.heads), "0", "-", r.bound, "-", "-"]
                 for r in plan.largest]
         none = "; W none: every block resident" if any(r.layers and not r.window for r in plan.largest) else ""
-        out += ["", f"largest trainable model (same seq, batch, precision; W = 1 must fit{none}):",
+        how = "" if work.finetune.full else f", {_what_trains(plan)}"
+        out += ["", f"largest trainable model (same seq, batch, precision{how}; W = 1 must fit{none}):",
                 format_table(["hidden", "heads", "layers", "params", "bound by", "W", "step"], rows)]
     return "\n".join(out)

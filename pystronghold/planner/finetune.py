@@ -1,0 +1,201 @@
+"""What trains: the whole model, LoRA adapters on a frozen base, or all but the frozen parameters.
+
+A frozen parameter (``requires_grad=False``) costs its value in the compute dtype, once: 2 bytes
+in bf16/fp16, 4 in fp32, in the host store (or on NVMe) and, when loaded, in the window slot; it
+has no fp32 master, no Adam moments, no gradient, no copy-out and no host update. A trainable one
+costs what full fine-tuning costs (16 bytes of host store per block parameter). The runtime lays a
+block out trainable parameters first, frozen ones after (``runtime/store.py``'s ``BlockLayout``),
+so the split below lists them in that order.
+
+LoRA (``FineTune.lora_rank``), as PEFT's ``LoraConfig(r=R, target_modules=...)`` with its defaults
+(no bias, no ``modules_to_save``): every module whose name is or ends with ``.TARGET`` and that holds
+a matrix weight of shape (out, in) gets an adapter A of shape (R, in) and B of shape (out, R),
+R·(in + out) trainable parameters; every parameter of the base model is frozen. ``FineTune.freeze``
+freezes the parameters whose full name (``blocks.3.attn.qkv.weight``, ``model.layers.3.mlp.up_proj
+.weight``) matches a regular expression (``re.search``); the rest train.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pystronghold.models.gpt import GPTConfig
+from pystronghold.options import ConfigError
+from pystronghold.planner.params import block_param_shapes, block_prefix, head_tail_param_shapes, numel
+
+__all__ = ["LORA_DEFAULT_TARGETS", "GPT_LORA_DEFAULT_TARGETS", "FineTune", "ParamSplit", "lora_targets",
+           "param_split", "check_freeze"]
+
+LORA_DEFAULT_TARGETS = {"GPT2LMHeadModel": ("c_attn",), "LlamaForCausalLM": ("q_proj", "v_proj"),
+                        "MistralForCausalLM": ("q_proj", "v_proj"), "Qwen2ForCausalLM": ("q_proj", "v_proj")}
+"""PEFT's default ``target_modules`` per architecture (its
+``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``): the attention's query and value projections,
+GPT-2's fused ``c_attn``."""
+GPT_LORA_DEFAULT_TARGETS = ("qkv",)
+"""LoRA targets of pystronghold's GPT when none are given: its fused attention input, as GPT-2's."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FineTune:
+    """Which parameters train (default: all of them). Validated on construction (``ConfigError``:
+    the fields are named as ``pystronghold plan``'s options)."""
+
+    lora_rank: int | None = None
+    """LoRA rank R: adapters on ``lora_targets``, the base model frozen (None: no LoRA)."""
+    lora_targets: tuple[str, ...] | None = None
+    """Module names LoRA adapts, as PEFT's ``target_modules`` (None: the architecture's default,
+    ``LORA_DEFAULT_TARGETS`` / ``GPT_LORA_DEFAULT_TARGETS``)."""
+    freeze: str | None = None
+    """Regular expression: parameters whose full name it matches (``re.search``) are frozen."""
+
+    def __post_init__(self) -> None:
+        r = self.lora_rank
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
+            raise ConfigError(self, "lora_rank=", "must be a positive integer (the rank R of the adapters)")
+        if self.lora_targets is not None:
+            if r is None:
+                raise ConfigError(self, "lora_targets", "needs `lora_rank`")
+            if not self.lora_targets or not all(isinstance(t, str) and t for t in self.lora_targets):
+                raise ConfigError(self, "lora_targets", f"must name layers, like q_proj,v_proj; got "
+                                  f"{','.join(map(str, self.lora_targets))!r}")
+        if self.freeze is not None:
+            if r is not None:
+                raise ConfigError(self, "freeze", "and `lora_rank` exclude each other: LoRA already freezes "
+                                  "every parameter of the base model")
+            try:
+                re.compile(self.freeze)
+            except re.error as e:
+                raise ConfigError(self, "freeze", f"is not a regular expression ({e}): {self.freeze!r}") from None
+
+    @property
+    def full(self) -> bool:
+        """Every parameter trains."""
+        return self.lora_rank is None and self.freeze is None
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSplit:
+    """One block's parameters (on one rank) and the head and tail's, split into trainable and frozen."""
+
+    block_trainable: tuple[int, ...]
+    """Elements of each trainable parameter of a block, in the order the runtime lays them out
+    (LoRA: the adapters, A then B of each target in block order)."""
+    block_frozen: tuple[int, ...]
+    """Elements of each frozen parameter of a block, after the trainable ones."""
+    block_frozen_matmul: int
+    """Elements of a block's frozen matrices: their weight gradients are not computed."""
+    block_adapters: int
+    """LoRA parameters of one block (0 without LoRA)."""
+    head_tail_trainable: int
+    """Trainable parameters of head and tail (LoRA adapters of head/tail targets included)."""
+    head_tail_frozen: int
+    """Frozen parameters of head and tail."""
+    lm_head_frozen: bool
+    """The LM head's weight is frozen (its weight gradient is not computed)."""
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block, frozen and trainable (what one load moves)."""
+        return sum(self.block_trainable) + sum(self.block_frozen)
+
+
+def lora_targets(config, finetune: FineTune) -> tuple[str, ...]:
+    """The module names LoRA adapts: ``finetune.lora_targets`` or the architecture's default."""
+    if finetune.lora_targets is not None:
+        return finetune.lora_targets
+    if isinstance(config, GPTConfig):
+        return GPT_LORA_DEFAULT_TARGETS
+    return LORA_DEFAULT_TARGETS[config.architecture]
+
+
+def _module(param_name: str) -> str:
+    return param_name.rpartition(".")[0]
+
+
+def _targeted(module: str, targets: tuple[str, ...]) -> bool:
+    """PEFT's rule for a list of ``target_modules``: the name is a target or ends with ``.target``."""
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def _adapters(shapes, targets: tuple[str, ...], rank: int, fan_in_fan_out: bool) -> list[int]:
+    """Elements of the A and B of each targeted matrix weight of ``shapes``: R·in, out·R (weights
+    are (out, in), or (in, out) with ``fan_in_fan_out``)."""
+    out = []
+    for name, shape in shapes:
+        if name.endswith(".weight") and len(shape) == 2 and _targeted(_module(name), targets):
+            fan_out, fan_in = reversed(shape) if fan_in_fan_out else shape
+            out += [rank * fan_in, fan_out * rank]
+    return out
+
+
+def _check_targets(config, targets: tuple[str, ...]) -> None:
+    """ValueError (one line) for a target that names no matrix weight of the model."""
+    shapes = block_param_shapes(config) + head_tail_param_shapes(config)
+    modules = [_module(name) for name, shape in shapes if name.endswith(".weight") and len(shape) == 2]
+    for t in targets:
+        if not _targeted_any(t, modules):
+            others = {_module(name) for name, _ in shapes}
+            what = "is not a linear layer" if _targeted_any(t, others) else "names no module of the model"
+            raise ValueError(f"--lora-targets: {t!r} {what}; its linear layers: "
+                             f"{', '.join(sorted({m.rpartition('.')[2] for m in modules}))}")
+
+
+def _targeted_any(target: str, modules) -> bool:
+    return any(_targeted(m, (target,)) for m in modules)
+
+
+def param_split(config, finetune: FineTune) -> ParamSplit:
+    """The ``ParamSplit`` of ``config`` fine-tuned as ``finetune`` (``--freeze``: as it matches
+    block 0; ``check_freeze`` checks that it matches every block alike). ValueError (one line) for
+    a LoRA target that is no linear layer of the model, or tensor parallelism with a frozen part."""
+    block, head_tail = block_param_shapes(config), head_tail_param_shapes(config)
+    if finetune.full:
+        return ParamSplit(block_trainable=tuple(numel(s) for _, s in block), block_frozen=(),
+                          block_frozen_matmul=0, block_adapters=0,
+                          head_tail_trainable=sum(numel(s) for _, s in head_tail), head_tail_frozen=0,
+                          lm_head_frozen=False)
+    if config.tp_size != 1:
+        raise ValueError("the planner costs LoRA and frozen parameters at tensor parallelism 1 only (--tp 1)")
+    lm_head = [name for name, s in head_tail if len(s) == 2 and s[0] == config.padded_vocab_size][-1]
+    if finetune.lora_rank is not None:
+        targets = lora_targets(config, finetune)
+        _check_targets(config, targets)
+        fan_in_fan_out = getattr(config, "fan_in_fan_out", False)
+        adapters = _adapters(block, targets, finetune.lora_rank, fan_in_fan_out)
+        return ParamSplit(block_trainable=tuple(adapters), block_frozen=tuple(numel(s) for _, s in block),
+                          block_frozen_matmul=sum(numel(s) for _, s in block if len(s) == 2),
+                          block_adapters=sum(adapters),
+                          head_tail_trainable=sum(_adapters(head_tail, targets, finetune.lora_rank,
+                                                            fan_in_fan_out)),
+                          head_tail_frozen=sum(numel(s) for _, s in head_tail), lm_head_frozen=True)
+    pattern, prefix = re.compile(finetune.freeze), block_prefix(config, 0)
+    frozen = [bool(pattern.search(prefix + name)) for name, _ in block]
+    frozen_head_tail = {name for name, _ in head_tail if pattern.search(name)}
+    return ParamSplit(
+        block_trainable=tuple(numel(s) for (_, s), f in zip(block, frozen) if not f),
+        block_frozen=tuple(numel(s) for (_, s), f in zip(block, frozen) if f),
+        block_frozen_matmul=sum(numel(s) for (_, s), f in zip(block, frozen) if f and len(s) == 2),
+        block_adapters=0,
+        head_tail_trainable=sum(numel(s) for name, s in head_tail if name not in frozen_head_tail),
+        head_tail_frozen=sum(numel(s) for name, s in head_tail if name in frozen_head_tail),
+        lm_head_frozen=lm_head in frozen_head_tail)
+
+
+def check_freeze(config, finetune: FineTune) -> None:
+    """ValueError (one line) when ``finetune.freeze`` matches no parameter of ``config``, or
+    freezes different parameters in different blocks (the planner costs identical blocks)."""
+    if finetune.freeze is None:
+        return
+    pattern = re.compile(finetune.freeze)
+    names = [name for name, _ in block_param_shapes(config)]
+    first = [bool(pattern.search(block_prefix(config, 0) + n)) for n in names]
+    for i in range(1, config.layers):
+        frozen = [bool(pattern.search(block_prefix(config, i) + n)) for n in names]
+        if frozen != first:
+            raise ValueError(f"--freeze '{finetune.freeze}' freezes {sum(first)} of block 0's {len(names)} "
+                             f"parameters but {sum(frozen)} of block {i}'s; the planner costs identical "
+                             "blocks: freeze the same parameters in every block")
+    if not any(first) and not any(pattern.search(name) for name, _ in head_tail_param_shapes(config)):
+        raise ValueError(f"--freeze '{finetune.freeze}' matches no parameter (names look like "
+                         f"{block_prefix(config, 0)}{names[0]})")

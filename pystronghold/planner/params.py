@@ -1,0 +1,71 @@
+"""The parameters of a model the planner costs, by name and shape, on one tensor-parallel rank.
+
+A model is a ``GPTConfig`` (the shapes follow ``models/gpt.py``'s ``Block``, ``head`` and ``tail``)
+or an ``HFShape`` (a Hugging Face model read from its directory, ``planner/hf_shape.py``, which
+carries its tables). Names are ``named_parameters()``'s: a block's relative to the block
+(``attn.qkv.weight``, ``self_attn.q_proj.weight``), head and tail ones in full (``head.tok.weight``,
+``lm_head.weight``); a tied LM head appears once. What trains and what is frozen is decided on
+these names (``planner/finetune.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from pystronghold.models.gpt import GPTConfig
+from pystronghold.models.presets import param_count
+
+if TYPE_CHECKING:
+    from pystronghold.planner.hf_shape import HFShape
+
+__all__ = ["Shapes", "block_param_shapes", "head_tail_param_shapes", "block_prefix", "model_params",
+           "numel"]
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+"""(name, shape) of each parameter, in ``named_parameters()`` order."""
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements of a tensor of ``shape``."""
+    return math.prod(shape)
+
+
+def block_param_shapes(config: GPTConfig | HFShape) -> Shapes:
+    """(name, shape) of each parameter of one block on one rank, in ``named_parameters()`` order.
+    GPT: ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2 (weight then bias); the QKV/fc1 rows and
+    the proj/fc2 columns are split over tp ranks, norms and row-parallel biases replicated."""
+    if not isinstance(config, GPTConfig):
+        return list(config.block_params)
+    C, Fw, t, bias = config.hidden, config.ffn_hidden, config.tp_size, config.bias
+
+    def layer(name: str, weight: tuple[int, ...], b: int) -> Shapes:
+        return [(f"{name}.weight", weight)] + ([(f"{name}.bias", (b,))] if bias else [])
+
+    return (layer("ln1", (C,), C) + layer("attn.qkv", (3 * C // t, C), 3 * C // t)
+            + layer("attn.proj", (C, C // t), C) + layer("ln2", (C,), C)
+            + layer("mlp.fc1", (Fw // t, C), Fw // t) + layer("mlp.fc2", (C, Fw // t), C))
+
+
+def head_tail_param_shapes(config: GPTConfig | HFShape) -> Shapes:
+    """(full name, shape) of each head and tail parameter on one rank. GPT: token embedding
+    (padded vocabulary, split over tp), position embedding, final norm, LM head (absent when tied)."""
+    if not isinstance(config, GPTConfig):
+        return list(config.head_tail_params)
+    C, V, t = config.hidden, config.padded_vocab_size, config.tp_size
+    shapes = [("head.tok.weight", (V // t, C)), ("head.pos.weight", (config.seq_len, C)),
+              ("tail.ln_f.weight", (C,))] + ([("tail.ln_f.bias", (C,))] if config.bias else [])
+    return shapes + ([] if config.tie_embeddings else [("tail.lm_head.weight", (V // t, C))])
+
+
+def block_prefix(config: GPTConfig | HFShape, index: int) -> str:
+    """The full-name prefix of block ``index``'s parameters (``blocks.3.``, ``model.layers.3.``)."""
+    return f"{'blocks' if isinstance(config, GPTConfig) else config.blocks_name}.{index}."
+
+
+def model_params(config: GPTConfig | HFShape) -> int:
+    """Distinct parameters of the whole model, all tp ranks together (a tied LM head once)."""
+    if isinstance(config, GPTConfig):
+        return param_count(config)
+    return (config.layers * sum(numel(s) for _, s in config.block_params)
+            + sum(numel(s) for _, s in config.head_tail_params))
