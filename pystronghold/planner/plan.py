@@ -10,8 +10,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-import torch
-
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.planner.cost import (BlockCosts, Workload, analytic_window, block_costs,
                                        host_bytes_per_param)
@@ -19,12 +17,12 @@ from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.params import model_params
 from pystronghold.planner.timeline import StepTime, choose_window, simulate_step
-from pystronghold.runtime.layout import buffer_bytes, stored_states
-from pystronghold.runtime.placement import Placement, plan_placement, spill_order
+from pystronghold.runtime.layout import upload_state
+from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.precision import compute_dtype
 
 __all__ = ["DeviceMemory", "HostMemory", "Plan", "Split", "LargestModel", "device_memory", "host_memory",
-           "place_frozen_store", "max_window_with", "choose_split", "make_plan", "largest_layers",
+           "max_window_with", "choose_split", "make_plan", "largest_layers",
            "largest_models"]
 
 
@@ -115,97 +113,37 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
                         resident_bytes=resident * c.resident_block_bytes)
 
 
-def place_frozen_store(numels: list[int], dtype, *, train_numels: list[int], budget_bytes: int,
-                       nvme: bool = False, cache_blocks: int = 4, streamed_grads: bool = False) -> Placement:
-    """``runtime.placement.plan_placement`` for blocks with frozen parameters, laid out as the
-    runtime lays them (``runtime/store.py``'s ``BlockLayout``): the state a load uploads (the
-    shadow; the master in fp32) holds the whole block (``numels``), every other state only its
-    trainable part (``train_numels``). States go to disk in ``spill_order``, the last blocks first,
-    skipping a state a block does not have; the cache holds ``cache_blocks`` blocks of each state
-    with any block on disk. MemoryError when nothing fits (its message is not shown: the plan
-    reports the shortfall)."""
-    upload = "master" if dtype == torch.float32 else "shadow"
-    states = stored_states(dtype)
-    sizes = {s: [n if s == upload else t for n, t in zip(numels, train_numels)] for s in states}
-    per = {s: [buffer_bytes(k, s, dtype) for k in sizes[s]] for s in states}
-    ram = sum(sum(v) for v in per.values())
-    if ram <= budget_bytes:
-        return Placement(states=states, compute_dtype=dtype, host_bytes=ram, budget_bytes=budget_bytes)
-    if not nvme:
-        raise MemoryError("the store does not fit the host and there is no NVMe tier")
-    disk: dict[str, list[int]] = {}
-    cache = 0
-    for state in spill_order(dtype, streamed_grads=streamed_grads):
-        for block in reversed(range(len(numels))):
-            if ram + cache <= budget_bytes:
-                break
-            if not per[state][block]:
-                continue
-            if state not in disk:
-                disk[state] = []
-                cache += cache_blocks * buffer_bytes(max(sizes[state]), state, dtype)
-            disk[state].append(block)
-            ram -= per[state][block]
-    if ram + cache > budget_bytes:
-        raise MemoryError("even with every state on disk the host part does not fit")
-    return Placement(states=states, compute_dtype=dtype, disk_blocks={s: tuple(sorted(b)) for s, b in disk.items()},
-                     cache_blocks=cache_blocks, streamed_grads=streamed_grads and "grad" in disk,
-                     host_bytes=ram + cache, cache_bytes=cache,
-                     disk_bytes=sum(per[s][b] for s, blocks in disk.items() for b in blocks
-                                    if not (s == "grad" and streamed_grads)),
-                     budget_bytes=budget_bytes)
-
-
-def _frozen_step_io_bytes(placement: Placement, numels: list[int], train_numels: list[int]) -> int:
-    """``Placement.step_io_bytes`` with frozen parameters: a load reads the whole upload state
-    (forward and backward), an update reads and writes the trainable part of its disk states (the
-    shadow: written only); streamed gradients never touch the disk."""
-    upload = "shadow" if "shadow" in placement.states else "master"
-    total = 0
-    for state, blocks in placement.disk_blocks.items():
-        if state == "grad" and placement.streamed_grads:
-            continue
-        for b in blocks:
-            loads = 2 * buffer_bytes(numels[b], state, placement.compute_dtype) if state == upload else 0
-            update = (1 if state == "shadow" else 2) * buffer_bytes(train_numels[b], state, placement.compute_dtype)
-            total += loads + update
-    return total
-
-
 def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, ranks: int) -> HostMemory:
     """Host (and disk) bytes of the store, placed exactly as the runtime places it
-    (``pystronghold.runtime.placement.plan_placement``; ``place_frozen_store`` with frozen
-    parameters): everything in host memory when it fits the host (less the reserve, shared by the
-    ranks), else, with NVMe, the states that do not fit go to disk and ``nvme_staging_blocks``
-    blocks of them are staged in host memory."""
+    (``pystronghold.runtime.placement.plan_placement``, frozen parameters included): everything in
+    host memory when it fits the host (less the reserve, shared by the ranks), else, with NVMe, the
+    states that do not fit go to disk and ``nvme_staging_blocks`` blocks of them are staged in host
+    memory."""
     dtype = compute_dtype(work.precision)
     numels = [costs.block_numel] * n_blocks  # padded, as the runtime's HostStore sizes its buffers
     train_numels = [costs.block_numel - costs.block_frozen_numel] * n_blocks
-    place = (functools.partial(place_frozen_store, train_numels=train_numels) if costs.block_frozen_numel
-             else plan_placement)
+    place = functools.partial(plan_placement, numels, dtype, train_numels=train_numels)
     budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
-    everything = place(numels, dtype, budget_bytes=2**62)
+    everything = place(budget_bytes=2**62)
     budget_words = (f"{budget / 2**30:.1f} GiB of host memory per rank (after the "
                     f"{work.host_reserve_bytes / 2**30:.1f} GiB reserve)")
     need_words = f"the store needs {everything.host_bytes / 2**30:.1f} GiB per rank"
     try:
-        placement = place(numels, dtype, budget_bytes=budget, nvme=bool(hw.nvme_bytes),
-                          cache_blocks=work.nvme_staging_blocks, streamed_grads=work.overlap == "backward")
+        placement = place(budget_bytes=budget, nvme=bool(hw.nvme_bytes), cache_blocks=work.nvme_staging_blocks,
+                          streamed_grads=work.overlap == "backward")
         reason = (f"used: {need_words}, more than the {budget_words}; the states that do not fit go to disk"
                   if placement.spilled else f"not used: {need_words}, which fits the {budget_words}")
     except MemoryError:  # does not fit: report the all-in-host figures (fits is False)
         placement = everything
         reason = (f"not enough: {need_words}, more than the {budget_words}, and even with every state on "
                   f"disk its staging buffers ({work.nvme_staging_blocks} blocks) and the rest do not fit")
-    step_io = (_frozen_step_io_bytes(placement, numels, train_numels) if costs.block_frozen_numel
-               else placement.step_io_bytes(numels))
-    upload = "shadow" if "shadow" in placement.states else "master"
+    frozen_on_disk = placement.disk_blocks.get(upload_state(dtype), ()) if costs.block_frozen_numel else ()
     return HostMemory(disk_reason=reason if hw.nvme_bytes else "",tier="nvme" if placement.spilled else "host",
                       host_bytes=ranks * placement.host_bytes + work.host_reserve_bytes,
                       host_capacity_bytes=hw.host_memory_bytes, disk_bytes=ranks * placement.disk_bytes,
                       disk_capacity_bytes=hw.nvme_bytes, disk_states=placement.disk_states,
-                      disk_step_bytes=ranks * step_io,
-                      frozen_disk_blocks=len(placement.disk_blocks.get(upload, ())) if costs.block_frozen_numel else 0)
+                      disk_step_bytes=ranks * placement.step_io_bytes(numels, train_numels),
+                      frozen_disk_blocks=len(frozen_on_disk))
 
 
 @dataclass(slots=True)

@@ -14,7 +14,6 @@ from pystronghold.planner import Hardware, Workload, gpu_preset, largest_models,
 from pystronghold.planner.cost import block_costs
 from pystronghold.planner.finetune import FineTune, check_freeze, param_split
 from pystronghold.planner.hardware import GiB
-from pystronghold.planner.plan import place_frozen_store
 from pystronghold.runtime.placement import plan_placement
 
 LLAMA_70B = Path(__file__).resolve().parents[2] / "bench" / "models" / "llama-3-70b"
@@ -73,33 +72,12 @@ def test_freeze_attention_by_name_on_a_gpt():
     assert split.block_frozen_matmul == 4 * C * C and split.head_tail_frozen == 0
 
 
-def _placed(place, *args, **kw):
-    try:
-        p = place(*args, **kw)
-    except MemoryError:
-        return "does not fit"
-    return p.disk_blocks, p.host_bytes, p.disk_bytes, p.cache_bytes
-
-
-def test_the_frozen_placement_is_the_runtimes_when_nothing_is_frozen():
-    """``place_frozen_store`` mirrors ``plan_placement``: with nothing frozen they agree state by
-    state and block by block, at every budget from all-in-host to nothing fitting."""
-    numels = [1 << 20] * 6
-    for dtype in (torch.bfloat16, torch.float32):
-        total = plan_placement(numels, dtype, budget_bytes=2**62).host_bytes
-        for budget in (total, total * 3 // 4, total // 2, total // 4, total // 16):
-            for streamed in (False, True):
-                kw = dict(budget_bytes=budget, nvme=True, cache_blocks=2, streamed_grads=streamed)
-                assert _placed(place_frozen_store, numels, dtype, train_numels=numels, **kw) == \
-                    _placed(plan_placement, numels, dtype, **kw)
-
-
 def test_frozen_weights_go_to_disk_last():
     """A LoRA-like store larger than the host: the adapters' states go to disk first, then the
     frozen weights (the shadow) of the last blocks, which every load then reads from disk."""
     numels, train = [1 << 22] * 8, [1 << 12] * 8  # 8 MiB of bf16 weights, 4096 trainable elements
-    p = place_frozen_store(numels, torch.bfloat16, train_numels=train, budget_bytes=41 << 20, nvme=True,
-                           cache_blocks=1)
+    p = plan_placement(numels, torch.bfloat16, train_numels=train, budget_bytes=41 << 20, nvme=True,
+                       cache_blocks=1)
     assert p.disk_blocks["shadow"] == (4, 5, 6, 7)  # 4 blocks of 8 MiB in host memory, 1 staged
     assert set(p.disk_blocks) == {"master", "exp_avg", "exp_avg_sq", "grad", "shadow"}
 
