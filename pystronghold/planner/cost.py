@@ -293,7 +293,7 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     return BlockCosts(
         block_params=p_b,
         block_numel=numel,
-        slot_bytes=_slot_bytes(numel, train_numel, dtype),
+        slot_bytes=layout.slot_bytes(numel, dtype, grad_numel=train_numel),
         head_tail_bytes=split.head_tail_trainable * per_param + split.head_tail_frozen * s,
         block_input_bytes=btc_bytes,
         block_activation_bytes=block_activation_bytes(config, work, seq),
@@ -311,14 +311,6 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
         block_frozen_params=p_b - p_t,
         block_frozen_numel=numel - train_numel,
     )
-
-
-def _slot_bytes(numel: int, train_numel: int, dtype) -> int:
-    """``layout.slot_bytes``; with frozen parameters the gradient buffer holds only the trainable
-    part, as the runtime's window sizes it."""
-    if train_numel == numel:
-        return layout.slot_bytes(numel, dtype)
-    return layout.buffer_bytes(numel, "grad", dtype) + layout.buffer_bytes(train_numel, "grad", dtype)
 
 
 def analytic_window(costs: BlockCosts) -> int:
