@@ -63,3 +63,47 @@ def test_planned_host_bytes_are_the_host_stores_bytes(precision):
         assert padded == [plan.costs.block_numel] * 3 and plan.costs.block_numel > plan.costs.block_params
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_planned_frozen_and_trainable_bytes_are_a_built_engines(precision):
+    """``plan --freeze`` on a GPT with every block's attention frozen (weights and biases, so the
+    frozen part has padding of its own) against ``wrap`` of that GPT with the same parameters
+    frozen: parameter counts, the store's frozen bytes, its host bytes and the window slot are the
+    engine's exactly. The report's frozen host bytes count parameters, not padded elements: they
+    are short by the padding only, under ``ALIGN_ELEMS`` elements per frozen parameter; likewise
+    the trainable part is 16 B/param plus padding and page rounding."""
+    from pystronghold.planner.finetune import FineTune, check_freeze
+    from pystronghold.planner.plan import make_plan
+    from pystronghold.planner.report import finetune_to_dict
+
+    cfg = GPTConfig(vocab_size=97, seq_len=16, layers=3, hidden=180, heads=4)
+    freeze = r"\.attn\."
+    hw = Hardware(gpu=gpu_preset("h100-80gb"), host_memory_bytes=64 << 30, cpu_adam_params_per_s=1e9)
+    work = Workload(batch=1, seq=16, precision=precision, host_reserve_bytes=0, finetune=FineTune(freeze=freeze))
+    check_freeze(cfg, work.finetune)
+    plan = make_plan(cfg, work, hw, window=2, resident_blocks=0)
+    model = GPT(cfg)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".attn." not in name)
+    engine = ph.wrap(model, blocks=model.blocks, window=2, precision=precision)
+    try:
+        stats = engine.stats()
+        assert (stats["trainable_params"], stats["frozen_params"]) == (plan.trainable_params, plan.frozen_params)
+        assert plan.frozen_params == 3 * (3 * 180 * 180 + 3 * 180 + 180 * 180 + 180)
+        itemsize = engine.dtype.itemsize
+        assert stats["store_frozen_bytes"] == 3 * plan.costs.block_frozen_numel * itemsize
+        padding = stats["store_frozen_bytes"] - finetune_to_dict(plan)["frozen_host_bytes"]
+        assert 0 < padding < 3 * 4 * layout.ALIGN_ELEMS * itemsize  # 4 frozen parameters per block
+        # the store: the placement's bytes, plus one alignment of slack per arena
+        arenas = sum(len(a) for a in engine.store.arenas.values())
+        assert plan.host.host_bytes == engine.placement.host_bytes
+        assert stats["store_bytes"] == plan.host.host_bytes + arenas * layout.ARENA_ALIGN
+        # the rest holds the 8 trainable parameters of each block (norms, MLP) in every state
+        trainable_params = plan.costs.block_params - plan.costs.block_frozen_params
+        extra = plan.host.host_bytes - stats["store_frozen_bytes"] - 3 * 16 * trainable_params
+        states = len(layout.stored_states(engine.dtype))
+        assert 0 <= extra < 3 * (states * layout.ARENA_ALIGN + 16 * 8 * layout.ALIGN_ELEMS)
+        assert stats["planned_arena_bytes"] == 2 * plan.costs.slot_bytes
+    finally:
+        engine.close()
