@@ -11,8 +11,7 @@ import functools
 from dataclasses import dataclass, field
 
 from pystronghold.models.gpt import GPTConfig
-from pystronghold.planner.cost import (BlockCosts, Workload, analytic_window, block_costs,
-                                       host_bytes_per_param)
+from pystronghold.planner.cost import BlockCosts, Workload, analytic_window, block_costs
 from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.params import model_params

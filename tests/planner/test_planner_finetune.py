@@ -12,7 +12,7 @@ from pystronghold.cli import main
 from pystronghold.models import PRESETS, GPTConfig
 from pystronghold.planner import Hardware, Workload, gpu_preset, largest_models, make_plan
 from pystronghold.planner.cost import block_costs
-from pystronghold.planner.finetune import FineTune, check_freeze, param_split
+from pystronghold.planner.finetune import FineTune, param_split
 from pystronghold.planner.hardware import GiB
 from pystronghold.runtime.placement import plan_placement
 
