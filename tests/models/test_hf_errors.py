@@ -159,7 +159,7 @@ def test_export_hf_names_a_moved_tokenizer_source_and_writes_files_by_the_umask(
     assert f"the tokenizer source {directory} (the run's --model hf:DIR) does not exist" in err
     assert "give --tokenizer DIR" in err and "--no-tokenizer" in err
     assert not (tmp_path / "out").exists()
-    assert "--tokenizer and --no-tokenizer need --hf" in _cli_error(
+    assert "--tokenizer, --no-tokenizer and --merge need --hf" in _cli_error(
         capsys, ["export", str(ck), str(tmp_path / "w.safetensors"), "--tokenizer", str(moved)])
 
     def modes(path):
