@@ -178,9 +178,11 @@ def train_reference(model, batches, *, clip=None, accumulation=1, scheduler=None
     """Plain PyTorch + torch.optim.AdamW. Returns (losses, {name: parameter}).
 
     ``optimizer``: a torch optimizer over ``model``'s parameters, for a caller that keeps it (its
-    param groups, its state dict); default AdamW(**HYPER) over them all. ``loss_of(model, batch)``:
-    the loss of one item of ``batches``."""
-    opt = torch.optim.AdamW(model.parameters(), **HYPER) if optimizer is None else optimizer
+    param groups, its state dict); default AdamW(**HYPER) over the trainable ones (clipping too:
+    a frozen parameter, ``requires_grad=False``, is in neither). ``loss_of(model, batch)``: the
+    loss of one item of ``batches``."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, **HYPER) if optimizer is None else optimizer
     sched = scheduler(opt) if scheduler else None
     losses = []
     for k, batch in enumerate(batches):
@@ -189,7 +191,7 @@ def train_reference(model, batches, *, clip=None, accumulation=1, scheduler=None
         losses.append(loss.item())
         if (k + 1) % accumulation == 0:
             if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                torch.nn.utils.clip_grad_norm_(trainable, clip)
             opt.step()
             opt.zero_grad()
             if sched:
@@ -295,11 +297,12 @@ flipping a rounding of the half-precision copy; with the same arithmetic the run
 def train_mixed_reference(model, batches, dtype, *, clip=None, init_scale=2.0**16, loss_of=_call_model):
     """fp32 master copies of the fp32 ``model``'s parameters updated by torch.optim.AdamW, the model
     cast to ``dtype`` computing with them (rewritten from the masters after each step); fp16 adds
-    torch.amp.GradScaler (dynamic loss scale, inf/NaN steps skipped).
-    Returns (losses, {name: fp32 master}, skipped steps)."""
-    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    torch.amp.GradScaler (dynamic loss scale, inf/NaN steps skipped). A frozen parameter
+    (``requires_grad=False``) has no master: it stays in ``dtype``, untouched.
+    Returns (losses, {name: fp32 master, or a frozen parameter's value in fp32}, skipped steps)."""
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters() if p.requires_grad]
     model = model.to(dtype)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(masters, **HYPER)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if dtype == torch.float16 else None
     losses, skipped = [], 0
@@ -325,8 +328,9 @@ def train_mixed_reference(model, batches, dtype, *, clip=None, init_scale=2.0**1
         with torch.no_grad():
             for p, m in zip(params, masters):
                 p.copy_(m)
-    names = [n for n, _ in model.named_parameters()]
-    return losses, dict(zip(names, [m.detach() for m in masters])), skipped
+    values = {n: p.detach().float() for n, p in model.named_parameters() if not p.requires_grad}
+    values.update(zip([n for n, p in model.named_parameters() if p.requires_grad], [m.detach() for m in masters]))
+    return losses, values, skipped
 
 
 def assert_same_mixed_training(ref, got):

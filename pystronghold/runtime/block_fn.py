@@ -4,7 +4,8 @@ We chose an autograd Function per block (over module hooks + torch.utils.checkpo
 puts every scheduling point in one place we control: forward waits for the block's load, runs it
 without building a graph (only the inputs are saved: activation checkpointing), then releases the
 slot / issues prefetches; backward waits for the (re)load, recomputes with grad, back-propagates,
-hands the parameter gradients to the engine in one flat buffer, and returns the input gradients.
+hands the trainable parameters' gradients to the engine in one flat buffer, and returns the input
+gradients (a frozen block only passes the input gradient on).
 No ``.grad`` of an offloaded parameter is ever touched by autograd, and nothing depends on hook
 firing order. The block's own ``forward`` is unchanged: the wrapper replaces the instance's
 ``forward`` attribute, so module names, ``state_dict`` keys and user hooks stay as they were.
@@ -200,11 +201,11 @@ class BlockFunction(torch.autograd.Function):
                 outs += ctx.replay.tensors(block)
             if ctx.checksums is not None:
                 _check_same_output(block, ctx.checksums, outs)
-        params = engine.window.params[block]
+        params = engine.window.trainable(block)  # frozen parameters get no gradient
         wrt_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
         with engine.span("compute_bwd", block):
-            if pairs:
+            if pairs and (wrt_inputs or params):
                 grads = torch.autograd.grad([o for o, _ in pairs], wrt_inputs + list(params),
                                             [g for _, g in pairs], allow_unused=True)
             else:

@@ -57,11 +57,13 @@ class EngineParts:
     block_names: list[list[str]]
     """Full model names of each block's parameters (resident blocks first, then streamed)."""
     head_tail_params: list[torch.nn.Parameter]
-    """Parameters outside the blocks (device-resident), in ``model.parameters()`` order."""
+    """Parameters outside the blocks (device-resident), in ``model.parameters()`` order, frozen
+    ones included."""
     head_tail_names: list[str]
     """Full model names of ``head_tail_params``."""
     head_tail_masters: list[torch.Tensor]
-    """fp32 masters of ``head_tail_params`` on the device, from the values before any cast."""
+    """fp32 masters of the trainable ``head_tail_params`` on the device, from the values before any
+    cast (a frozen parameter has none: it is stored once, in the compute dtype)."""
     saved_dtypes: dict[str, torch.dtype]
     """Each parameter's dtype before ``wrap``, by full model name: ``model.state_dict()`` gives the
     fp32 masters in it, as the model would under plain autocast."""
@@ -137,12 +139,11 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
     block_named, streamed = block_named[k:], list(blocks)[k:]
     layouts = [BlockLayout(named) for named in block_named]
     block_params = [[p for _, p in named] for named in block_named]
-    numels = [lay.numel for lay in layouts]
     planned_arena_bytes = window * slot_bytes(layouts, dtype) if n else 0
     resident_bytes = head_tail_bytes([p for ps in resident_params for p in ps], dtype)
     # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
     placement = plan_placement(
-        numels, dtype,
+        [lay.numel for lay in layouts], dtype, train_numels=[lay.train_numel for lay in layouts],
         budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
                       else int(config.host_memory_bytes)),
         # on the CPU backend the "device" (window arena, head and tail) is host memory too
@@ -153,16 +154,15 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
         force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
     scratch = None
     if placement.spilled:
-        scratch = open_scratch(config.nvme_dir, disk_tier_bytes(placement, numels, dtype),
-                               preallocate=config.nvme_preallocate)
+        scratch = open_scratch(config.nvme_dir, disk_tier_bytes(placement), preallocate=config.nvme_preallocate)
     store = None
     try:
         # (an arena of one page when every block is resident: nothing streams)
         backend = make_backend(config.device, max(planned_arena_bytes, layout.ARENA_ALIGN), copy_threads=config.copy_threads)
 
-        def disk_factory(placement, numels):
+        def disk_factory(placement):
             engine, read_q, write_q = backend.file_io()
-            return DiskTier(scratch.path, placement, numels, dtype, engine=engine,
+            return DiskTier(scratch.path, placement, dtype, engine=engine,
                             read_queue=read_q, write_queue=write_q, arena_factory=backend.host_arena,
                             preallocate=config.nvme_preallocate)
 
@@ -178,7 +178,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
             scratch.close()
         raise
     # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
-    head_tail_masters = [p.detach().to(backend.device, torch.float32) for p in head_tail_params]
+    head_tail_masters = [p.detach().to(backend.device, torch.float32) for p in head_tail_params if p.requires_grad]
     move_to_device(model, blocks, backend.device, dtype)
     names = {id(p): name for name, p in model.named_parameters()}
     return EngineParts(
@@ -203,11 +203,12 @@ def build_optimizers(parts: EngineParts, config: RuntimeConfig, group_of: dict[i
     device = parts.backend.device
     updates = HostUpdates(parts.store, parts.trace, bitwise_torch=config.optimizer.bitwise_torch,
                           prefetch_depth=max(1, config.nvme_cache_blocks - 2),
-                          param_groups=[[group_of[id(p)] for p in ps] for ps in parts.block_params])
+                          param_groups=[[group_of[id(p)] for p in parts.window.trainable(b)]
+                                        for b in range(len(parts.block_params))])
+    head_tail = [p for p in parts.head_tail_params if p.requires_grad]  # frozen ones: no optimizer state
     return OptimizerParts(
-        device_optimizer=DeviceAdamW(parts.head_tail_params, config.optimizer, parts.head_tail_masters,
-                                     [group_of[id(p)] for p in parts.head_tail_params],
-                                     fused=fused_adamw_for(device)),
+        device_optimizer=DeviceAdamW(head_tail, config.optimizer, parts.head_tail_masters,
+                                     [group_of[id(p)] for p in head_tail], fused=fused_adamw_for(device)),
         resident=ResidentBlocks(parts.resident_blocks, parts.resident_params, config.optimizer, device,
                                 parts.dtype, recompute=config.resident_recompute, group_of=group_of),
         updates=updates,

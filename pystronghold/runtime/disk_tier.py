@@ -50,10 +50,10 @@ class DiskTierError(OSError):
     names the directory, the state and the block."""
 
 
-def disk_tier_bytes(placement: Placement, numels: list[int], compute_dtype: torch.dtype) -> int:
+def disk_tier_bytes(placement: Placement) -> int:
     """Bytes the tier's files take on disk (what the preallocation reserves)."""
-    cap = max(numels)
-    return sum(FileStore.file_bytes_for(len(blocks), buffer_bytes(cap, state, compute_dtype))
+    return sum(FileStore.file_bytes_for(len(blocks), buffer_bytes(max(placement.numels[state]), state,
+                                                                  placement.compute_dtype))
                for state, blocks in placement.disk_blocks.items()
                if blocks and not (state == "grad" and placement.streamed_grads))
 
@@ -123,15 +123,15 @@ class DiskTier:
     so a load can name a read in ``after=``). preallocate: reserve the disk space at creation.
     """
 
-    def __init__(self, directory: Path, placement: Placement, numels: list[int], compute_dtype: torch.dtype,
+    def __init__(self, directory: Path, placement: Placement, compute_dtype: torch.dtype,
                  *, engine, read_queue: int, write_queue: int, arena_factory=None,
                  preallocate: bool = True) -> None:
         self.directory = Path(directory)
         self.placement = placement
-        self.numels = numels
+        self.numels = placement.numels  # state -> elements per block
         self.dtype = compute_dtype
         self._engine, self._read_q, self._write_q = engine, read_queue, write_queue
-        cap = max(numels)
+        cap = {s: max(self.numels[s]) for s in placement.disk_states}  # a record holds the largest block
         self.states = placement.disk_states
         self._record: dict[str, dict[int, int]] = {
             s: {b: i for i, b in enumerate(placement.disk_blocks[s])} for s in self.states}
@@ -142,12 +142,12 @@ class DiskTier:
                     continue  # streamed: straight from the copy-out to the update, never a file
                 self._files[state] = FileStore.create(
                     self.directory / state, num_blocks=len(placement.disk_blocks[state]),
-                    record_bytes={state: buffer_bytes(cap, state, compute_dtype)}, engine=engine,
+                    record_bytes={state: buffer_bytes(cap[state], state, compute_dtype)}, engine=engine,
                     preallocate=preallocate)
         except (RuntimeError, OSError) as e:
             self._close_files()
             raise DiskTierError(f"NVMe tier {self.directory}: cannot create the state files: {e}") from e
-        slot_bytes = sum(buffer_bytes(cap, s, compute_dtype) for s in self.states)
+        slot_bytes = sum(buffer_bytes(cap[s], s, compute_dtype) for s in self.states)
         factory = arena_factory or (lambda n: HostArena(int(n), alignment=ARENA_ALIGN, pin="none"))
         self.arena = factory(arena_bytes(placement.cache_blocks * slot_bytes))
         self._slots = []
@@ -155,7 +155,8 @@ class DiskTier:
             bufs = {}
             for s in self.states:
                 dt = state_dtype(s, compute_dtype)
-                bufs[s] = self.arena.allocate(f"cache{i}.{s}", (buffer_bytes(cap, s, compute_dtype) // dt.itemsize,), dt)
+                bufs[s] = self.arena.allocate(f"cache{i}.{s}", (buffer_bytes(cap[s], s, compute_dtype) // dt.itemsize,),
+                                              dt)
                 bufs[s].zero_()
             self._slots.append(_Slot(i, bufs))
         self._by_block: dict[int, _Slot] = {}
@@ -166,7 +167,7 @@ class DiskTier:
         self._failed: DiskTierError | None = None
         self.counters = dict(read_bytes=0, write_bytes=0, reads=0, writes=0, hits=0, misses=0,
                              zero_fills=0, evict_wait_s=0.0)
-        log.info("NVMe tier in %s: %s", self.directory, placement.describe(len(numels)))
+        log.info("NVMe tier in %s: %s", self.directory, placement.describe(len(self.numels[self.states[0]])))
 
     # ---- leases
 
@@ -200,8 +201,7 @@ class DiskTier:
         if fresh or modify:
             for h in slot.readers:
                 h.wait()
-        n = self.numels[block]
-        return Lease(block, {s: slot.buffers[s][:n] for s in states}, slot, reads, self)
+        return Lease(block, {s: slot.buffers[s][:self.numels[s][block]] for s in states}, slot, reads, self)
 
     def release(self, lease: Lease, *, dirty=(), after=(), drop=()) -> None:
         """Return ``lease``; write its ``dirty`` states back (after the ``after`` copies finish).
@@ -315,8 +315,8 @@ class DiskTier:
 
     def _stage(self, slot: _Slot, block: int, states, fresh) -> list:
         reads = []
-        n = self.numels[block]
         for state in states:
+            n = self.numels[state][block]
             if state in fresh:
                 slot.valid.add(state)
                 slot.reads.pop(state, None)

@@ -60,8 +60,14 @@ class Engine:
         self.dp_group, self.tp_group, self.parallel = parts.dp_group, parts.tp_group, parts.parallel
         self.block_forwards = block_fn.install(self, parts.streamed_blocks)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
+        # which parameters train is fixed here: the layouts, optimizer states and param groups follow it
+        self._requires_grad = [(name, p, p.requires_grad) for name, p in model.named_parameters()]
+        self._param_counts = {flag: sum(parts.real_shapes.get(id(p), p.shape).numel()
+                                        for _, p, trains in self._requires_grad if trains == flag)
+                              for flag in (True, False)}  # elements (block parameters are placeholders now)
         # NOTE: late-bound (lambdas), so the engine's methods are looked up at each call (tests wrap run_step)
-        self.optimizer = WindowOptimizer(model.parameters(), config.optimizer, parts.real_shapes,
+        self.optimizer = WindowOptimizer([p for p in model.parameters() if p.requires_grad], config.optimizer,
+                                         parts.real_shapes,
                                          step=lambda: self.run_step(), zero_grad=lambda: self.forget_grads(),
                                          state_dict=lambda: optimizer_state_dict(self),
                                          load_state_dict=lambda sd: load_optimizer_state_dict(self, sd))
@@ -77,10 +83,13 @@ class Engine:
                                      pp_group=parts.pp_group, parallel=self.parallel)
         self.executor = PassExecutor(config=config, window=self.window, store=self.store, backend=self.backend,
                                      updates=self.updates, grad_norms=self.grad_norms, stepper=self.stepper,
-                                     trace=self.trace, plans=self.plans, model=model, dp_group=self.dp_group)
-        if not self.n_streamed:  # all blocks resident: a backward pass counts once it reaches their gradients
-            torch.autograd.graph.register_multi_grad_hook(self.resident.params, self.executor.count_backward,
-                                                          mode="any")
+                                     trace=self.trace, plans=self.plans, model=model, dp_group=self.dp_group,
+                                     before_training_pass=self.check_requires_grad)
+        if not self.n_streamed:
+            # all blocks resident: a backward pass counts once it reaches their gradients (the head's
+            # and tail's when every block is frozen)
+            torch.autograd.graph.register_multi_grad_hook(self.resident.params or self.device_optimizer.params,
+                                                          self.executor.count_backward, mode="any")
         self.states = EngineStates(self, parts.block_names, parts.head_tail_names)
         # model.state_dict() etc. via the store, the masters in their dtype before wrap
         install_model_hooks(self, model, parts.streamed_blocks, parts.saved_dtypes)
@@ -199,12 +208,18 @@ class Engine:
         return self.executor.in_pass()
 
     def stats(self) -> dict:
-        """Counters for invariants and benchmarks (bytes, counts)."""
+        """Counters for invariants and benchmarks (bytes, counts): ``trainable_params`` and
+        ``frozen_params`` count the model's parameter elements (blocks, head and tail);
+        ``store_bytes`` is the host store's allocation (the file tier's cache included),
+        ``store_frozen_bytes`` the part of it that holds frozen block parameters (their padded
+        elements in the compute dtype: ``layout.frozen_bytes_per_param`` each)."""
         return dict(window=self.window_size, blocks=self.n_blocks, resident_blocks=self.resident.count,
                     resident_bytes=self.resident.nbytes, streamed_blocks=self.n_streamed,
                     peak_resident=self.window.peak_resident,
                     planned_arena_bytes=self.planned_arena_bytes, arena_used_bytes=self.backend.arena_used_bytes,
-                    store_bytes=self.store.nbytes, steps=self.steps, skipped_steps=self.skipped_steps,
+                    store_bytes=self.store.nbytes, store_frozen_bytes=self.store.frozen_bytes(),
+                    trainable_params=self._param_counts[True], frozen_params=self._param_counts[False],
+                    steps=self.steps, skipped_steps=self.skipped_steps,
                     loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm,
                     disk=self.store.disk_stats())
 
@@ -276,10 +291,21 @@ class Engine:
         """The optimizer step itself, as ``engine.optimizer.step()`` runs it (call ``step()``): every
         gradient copy-out waited for, the step (``OptimizerStep.run``), a new accumulation begun."""
         with self.trace.span("step"):
+            self.check_requires_grad()
             self.executor.finish_accumulation()
             self.stepper.check_loss_scaled(self.executor.micro_batches)
             self.stepper.run(self.executor.active_blocks())
             self.executor.end_accumulation()
+
+    def check_requires_grad(self) -> None:
+        """ValueError when a parameter's ``requires_grad`` differs from what it was at ``wrap``
+        (checked before each training pass and each step): the store's layout, the optimizer
+        states and the param groups were made for the parameters that trained then."""
+        for name, p, trains in self._requires_grad:
+            if p.requires_grad != trains:
+                raise ValueError(f"{name!r} has requires_grad={p.requires_grad}, but it was {trains} when the "
+                                 "model was wrapped; which parameters train is fixed at wrap: set requires_grad "
+                                 "before pystronghold.wrap (wrap a new model to change it)")
 
     def forget_grads(self) -> None:
         """Gradients dropped, as ``engine.optimizer.zero_grad()`` does it (call ``zero_grad()``)."""

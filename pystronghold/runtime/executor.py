@@ -36,15 +36,17 @@ class PassExecutor:
 
     ``plans``: the schedule of a training and of an inference pass (``schedule.build_plan``) by
     ``train``; ``stepper``: the ``OptimizerStep`` whose next step a streamed update belongs to;
-    ``model``: the wrapped model (layer drop applies in its training mode only).
+    ``model``: the wrapped model (layer drop applies in its training mode only);
+    ``before_training_pass``: called before a training pass begins (may raise to refuse it).
     """
 
     def __init__(self, *, config, window, store, backend, updates, grad_norms, stepper, trace, plans, model,
-                 dp_group=None) -> None:
+                 dp_group=None, before_training_pass=None) -> None:
         self.config, self.window, self.store, self.backend = config, window, store, backend
         self.updates, self.stepper, self.trace, self.plans = updates, stepper, trace, plans
         self.grad_norms = grad_norms  # grad_norms.BlockGradNorms: before or after the copy-out
         self.model, self.dp_group = model, dp_group
+        self.before_training_pass = before_training_pass  # the engine's requires_grad check, or None
         self.overlap = config.overlap_mode
         self.n_streamed = len(window.params)
         self._plan = None  # the plan of the pass in progress
@@ -132,7 +134,7 @@ class PassExecutor:
             # accumulation: the earlier micro-batches' sum comes back so this one adds to it (a
             # relay run of m uses: before the first; the others add to it in the slot)
             slot = self.window.resident[block]
-            n = self.store.layouts[block].numel
+            n = self.store.layouts[block].train_numel
             lease = self.store.acquire(block, ["grad"])
             lease.wait()
             # NOTE: after the previous micro-batch's copy-out of this block (another queue/stream)
@@ -185,6 +187,8 @@ class PassExecutor:
             log.warning("a new forward started before the previous pass finished (no backward?); "
                         "abandoning it")
             self._abandon_pass()
+        if train and self.before_training_pass is not None:
+            self.before_training_pass()
         if train and self.micro_batches + self._pass_micro_batches(train) > self.config.accumulation_steps:
             raise RuntimeError(f"a training forward after {self.micro_batches} backward passes without "
                                f"step() (accumulation_steps={self.config.accumulation_steps})")
@@ -287,6 +291,10 @@ class PassExecutor:
             slot.busy.append(marker)
 
     def _grad_to_host(self, block: int, param_grads) -> None:
+        """``param_grads``: one per trainable parameter of ``block`` (None: no gradient)."""
+        layout = self.store.layouts[block]
+        if layout.train_numel == 0:
+            return  # a wholly frozen block: no gradient to copy out, no update
         slot = self.window.resident[block]
         run_first, run_last = self._plan.run_bounds(self._pos)  # a relay run: m uses of a block in a row
         accumulate = self._grad_valid[block] or not run_first
@@ -295,9 +303,8 @@ class PassExecutor:
                 view.add_(g) if accumulate else view.copy_(g)
             elif not accumulate:
                 view.zero_()
-        layout = self.store.layouts[block]
         if not accumulate:
-            layout.zero_gaps(slot.grads)
+            layout.zero_gaps(slot.grads[:layout.train_numel])
         if not run_last:
             return  # a relay run: the sum stays in the slot until the block's last micro-batch
         # NOTE: counted per block: an interleaved pipeline stage runs its chunks' last backward
@@ -307,14 +314,14 @@ class PassExecutor:
         if last:
             # data parallelism: the block's whole gradient (all micro-batches) averaged over the DP
             # ranks in one all_reduce, where it is now: in the device slot, before the copy-out
-            average_(slot.grads[:layout.numel], self.dp_group)
+            average_(slot.grads[:layout.train_numel], self.dp_group)
         streamed = last and self.overlap == "backward"
         # NOTE: a streamed update stages its optimizer states now, so their disk reads overlap the copy-out
         states = ["grad", *self.updates.update_states] if streamed else ["grad"]
         if last and self.config.needs_global_grad:  # the device path's norms: from the slot, pre copy-out
             self.grad_norms.before_copy_out(block, self.window.grad_views(block), self.stepper.grad_unscale())
         lease = self.store.acquire(block, states, fresh=["grad"])
-        handle = self.backend.d2h(lease.tensors["grad"], slot.grads[:layout.numel],
+        handle = self.backend.d2h(lease.tensors["grad"], slot.grads[:layout.train_numel],
                                   after=[self.backend.compute_marker()], timed=self.trace.enabled)
         slot.busy.append(handle)
         self._grad_out[block] = handle

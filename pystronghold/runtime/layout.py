@@ -12,7 +12,12 @@ planner (``planner/cost.py``), so a prediction and the run it predicts cannot dr
   (``arena_bytes``).
 - The store holds, per block, fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` and, in the compute
   dtype, ``grad`` and (bf16/fp16 only) ``shadow`` (``STATES``, ``stored_states``, ``state_dtype``).
-- A window slot holds one block's parameters and gradients in the compute dtype (``slot_bytes``).
+- A block lays out its trainable parameters first, then its frozen ones (``requires_grad=False``).
+  The state a load uploads (``upload_state``: the shadow, or the master in fp32) covers the whole
+  block, so a frozen parameter is stored once, in the compute dtype; every other state covers the
+  trainable part only (``state_numel``).
+- A window slot holds one block's parameters and its trainable parameters' gradients in the
+  compute dtype (``slot_bytes``).
 - Parameters trained on the device (head, tail, resident blocks) keep parameter, gradient, two fp32
   moments and, in bf16/fp16, an fp32 master and its fp32 gradient (``device_bytes_per_param``).
 """
@@ -24,8 +29,8 @@ from typing import Sequence
 import torch
 
 __all__ = ["ARENA_ALIGN", "ALIGN_ELEMS", "STATES", "round_up", "param_offsets", "state_dtype",
-           "stored_states", "buffer_bytes", "arena_bytes", "slot_bytes", "host_bytes_per_param",
-           "device_bytes_per_param"]
+           "stored_states", "upload_state", "state_numel", "buffer_bytes", "arena_bytes", "slot_bytes",
+           "host_bytes_per_param", "frozen_bytes_per_param", "device_bytes_per_param"]
 
 ARENA_ALIGN = 4096
 """Bytes: the alignment of every arena and every per-block buffer in it (a page; what O_DIRECT
@@ -62,6 +67,18 @@ def stored_states(compute_dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(s for s in STATES if s != "shadow" or compute_dtype != torch.float32)
 
 
+def upload_state(compute_dtype: torch.dtype) -> str:
+    """The state a load copies to the device, which alone holds the frozen parameters: the shadow
+    in bf16/fp16, the master in fp32."""
+    return "master" if compute_dtype == torch.float32 else "shadow"
+
+
+def state_numel(state: str, numel: int, train_numel: int, compute_dtype: torch.dtype) -> int:
+    """Elements of ``state`` for a block of ``numel`` padded elements whose trainable parameters
+    take the first ``train_numel``: all of them for the upload state, ``train_numel`` otherwise."""
+    return numel if state == upload_state(compute_dtype) else train_numel
+
+
 def buffer_bytes(numel: int, state: str, compute_dtype: torch.dtype) -> int:
     """Bytes of one flat buffer of ``numel`` elements of ``state`` (rounded up to ``ARENA_ALIGN``)."""
     return round_up(numel * state_dtype(state, compute_dtype).itemsize, ARENA_ALIGN)
@@ -73,16 +90,25 @@ def arena_bytes(buffers_bytes: int) -> int:
     return buffers_bytes + ARENA_ALIGN
 
 
-def slot_bytes(block_numel: int, compute_dtype: torch.dtype) -> int:
+def slot_bytes(block_numel: int, compute_dtype: torch.dtype, grad_numel: int | None = None) -> int:
     """Device bytes of one window slot for a block of ``block_numel`` padded elements: a parameter
-    buffer and a gradient buffer in the compute dtype, each rounded up to ``ARENA_ALIGN``."""
-    return 2 * round_up(block_numel * compute_dtype.itemsize, ARENA_ALIGN)
+    buffer and a gradient buffer of ``grad_numel`` elements (default ``block_numel``; fewer when
+    parameters are frozen) in the compute dtype, each rounded up to ``ARENA_ALIGN``."""
+    grad_numel = block_numel if grad_numel is None else grad_numel
+    return (round_up(block_numel * compute_dtype.itemsize, ARENA_ALIGN)
+            + round_up(grad_numel * compute_dtype.itemsize, ARENA_ALIGN))
 
 
 def host_bytes_per_param(compute_dtype: torch.dtype) -> int:
-    """Host store bytes per block parameter, padding aside: fp32 master and two moments (12) plus
+    """Host store bytes per trainable block parameter, padding aside: fp32 master and two moments (12) plus
     the gradient and, in bf16/fp16, the shadow in the compute dtype (16 in every precision)."""
     return sum(state_dtype(s, compute_dtype).itemsize for s in stored_states(compute_dtype))
+
+
+def frozen_bytes_per_param(compute_dtype: torch.dtype) -> int:
+    """Host store bytes per frozen block parameter, padding aside: its value in the compute dtype
+    (2 in bf16/fp16, 4 in fp32)."""
+    return compute_dtype.itemsize
 
 
 def device_bytes_per_param(compute_dtype: torch.dtype, *, master_grads: bool = True) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pystronghold.runtime.layout import STATES, buffer_bytes, stored_states
+from pystronghold.runtime.layout import STATES, buffer_bytes, state_numel, stored_states
 
 __all__ = ["Placement", "plan_placement", "spill_order"]
 
@@ -48,6 +48,9 @@ class Placement:
     """States the store holds (``shadow`` only in bf16/fp16)."""
     compute_dtype: torch.dtype = torch.float32
     """The dtype of grad and shadow."""
+    numels: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """State -> elements of its buffer in each block (``layout.state_numel``: the upload state
+    holds the whole block, the others its trainable part)."""
     disk_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """State -> blocks whose record of that state is on disk (absent: all in host memory)."""
     cache_blocks: int = 0
@@ -79,18 +82,23 @@ class Placement:
         """States with at least one block on disk, in ``STATES`` order."""
         return tuple(s for s in STATES if self.disk_blocks.get(s))
 
-    def step_io_bytes(self, numels: list[int]) -> int:
+    def step_io_bytes(self, numels: list[int], train_numels: list[int] | None = None) -> int:
         """Disk bytes read plus written in one training step (an upper bound: cache hits save
         some): each update reads and writes its disk states (a non-streamed gradient is written at
         the copy-out and read by the update), and a load reads its upload state (fp32 master or
-        shadow) for the forward and again for the backward."""
+        shadow) for the forward and again for the backward. ``train_numels``: the trainable part
+        of each block (default: all of it; see ``plan_placement``)."""
         total = 0
         upload = "shadow" if "shadow" in self.states else "master"
+        train_numels = numels if train_numels is None else train_numels
         for state, blocks in self.disk_blocks.items():
             if state == "grad" and self.streamed_grads:
                 continue
-            per_block = {"shadow": 3}.get(state, 2) + (2 if state == upload and state == "master" else 0)
-            total += sum(per_block * buffer_bytes(numels[b], state, self.compute_dtype) for b in blocks)
+            for b in blocks:
+                # a load reads the whole upload state; the update reads and writes the trainable part
+                loads = 2 * buffer_bytes(numels[b], state, self.compute_dtype) if state == upload else 0
+                update = (1 if state == "shadow" else 2) * buffer_bytes(train_numels[b], state, self.compute_dtype)
+                total += loads + update
         return total
 
     def describe(self, n_blocks: int) -> str:
@@ -110,7 +118,7 @@ class Placement:
 def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_bytes: int,
                    fixed_bytes: int = 0, nvme: bool = False, cache_blocks: int = 4,
                    streamed_grads: bool = False, force_disk: bool = False,
-                   budget_is_limit: bool = False) -> Placement:
+                   budget_is_limit: bool = False, train_numels: list[int] | None = None) -> Placement:
     """Place the states of blocks with ``numels`` (padded elements per block) for a host budget.
 
     budget_bytes: host bytes for the store plus ``fixed_bytes``. nvme: a disk directory exists
@@ -118,19 +126,25 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
     streamed_grads: gradients can go straight to the update (backward overlap, no accumulation).
     force_disk: spill every state of every block even when host memory would hold them (tests,
     benchmarks). budget_is_limit: the budget is a limit the user set (host_memory_bytes= /
-    --host-memory), not what the host has: errors then say so and show both figures. Raises
-    MemoryError with the numbers when no placement fits.
+    --host-memory), not what the host has: errors then say so and show both figures.
+    train_numels: padded elements of each block's trainable part (default ``numels``: nothing
+    frozen); the states other than the upload state hold only that part (``layout.state_numel``),
+    and a state with no elements in a block never goes to disk. Raises MemoryError with the
+    numbers when no placement fits.
     """
     if cache_blocks < 1:
         raise ValueError(f"cache_blocks must be >= 1, got {cache_blocks}")
     n = len(numels)
     states = stored_states(compute_dtype)
-    per = {s: [buffer_bytes(k, s, compute_dtype) for k in numels] for s in states}
-    slot = {s: buffer_bytes(max(numels, default=0), s, compute_dtype) for s in states}
+    train_numels = numels if train_numels is None else train_numels
+    sizes = {s: [state_numel(s, k, t, compute_dtype) for k, t in zip(numels, train_numels)] for s in states}
+    per = {s: [buffer_bytes(k, s, compute_dtype) for k in sizes[s]] for s in states}
+    slot = {s: buffer_bytes(max(sizes[s], default=0), s, compute_dtype) for s in states}
     ram = sum(sum(v) for v in per.values())
+    sizes = {s: tuple(v) for s, v in sizes.items()}
     if ram + fixed_bytes <= budget_bytes and not force_disk:
-        return Placement(states=states, compute_dtype=compute_dtype, host_bytes=ram, budget_bytes=budget_bytes,
-                         fixed_bytes=fixed_bytes)
+        return Placement(states=states, compute_dtype=compute_dtype, numels=sizes, host_bytes=ram,
+                         budget_bytes=budget_bytes, fixed_bytes=fixed_bytes)
     if not nvme:
         total = ram + fixed_bytes
         raise MemoryError(
@@ -148,6 +162,8 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
         for block in reversed(range(n)):
             if ram + cache + fixed_bytes <= budget_bytes and not force_disk:
                 break
+            if not per[state][block]:
+                continue  # nothing of this state in this block (a frozen block's moments)
             if state not in disk:
                 disk[state] = []
                 cache += cache_blocks * slot[state]
@@ -163,7 +179,7 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
             "cache blocks, or use a model with smaller blocks.")
     disk_bytes = sum(per[s][b] for s, blocks in disk.items() for b in blocks
                      if not (s == "grad" and streamed_grads))
-    return Placement(states=states, compute_dtype=compute_dtype,
+    return Placement(states=states, compute_dtype=compute_dtype, numels=sizes,
                      disk_blocks={s: tuple(sorted(b)) for s, b in disk.items()},
                      cache_blocks=cache_blocks, streamed_grads=streamed_grads and "grad" in disk,
                      host_bytes=host, cache_bytes=cache, disk_bytes=disk_bytes,

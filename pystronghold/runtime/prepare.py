@@ -35,14 +35,19 @@ def window_slots(window: int | str, streamed: int, resident: int) -> int:
 
 
 def split_parameters(model: torch.nn.Module, blocks: torch.nn.ModuleList, device: str):
-    """Block parameters (per block, named relative to the block) and the head/tail parameters.
+    """Block parameters (per block, named relative to the block, in layout order: the trainable
+    ones first, then the frozen ones, each in ``named_parameters`` order) and the head/tail
+    parameters.
 
     Refuses a parameter shared between a block and the head/tail or between two blocks (tied
     weights must live in head/tail), parameters on a device other than the host or ``device``,
-    and blocks that are not part of ``model``.
+    blocks that are not part of ``model``, and a model with no trainable parameter.
     """
     if not any(m is blocks for m in model.modules()):
         raise ValueError("wrap: blocks= must be a ModuleList inside the model (e.g. model.blocks)")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("wrap: every parameter has requires_grad=False, so there is nothing to train; "
+                         "leave requires_grad=True on the parameters to train")
     target = torch.device(device)
     block_ids = {id(p) for p in blocks.parameters()}
     for name, p in model.named_parameters():
@@ -62,12 +67,9 @@ def split_parameters(model: torch.nn.Module, blocks: torch.nn.ModuleList, device
                 raise ValueError(f"wrap: block {i} parameter {name!r} is also {owner[id(p)]}; parameters "
                                  "shared between blocks are not supported (each block is windowed alone)")
             owner[id(p)] = f"block {i} {name!r}"
-            if p.requires_grad:
-                named.append((name, p))
-            else:
-                raise ValueError(f"wrap: block {i} parameter {name!r} has requires_grad=False; frozen "
-                                 "block parameters are not supported yet")
-        per_block.append(named)
+            named.append((name, p))
+        per_block.append([(n, p) for n, p in named if p.requires_grad]
+                         + [(n, p) for n, p in named if not p.requires_grad])
     block_module_ids = {id(m) for b in blocks for m in b.modules()}
     head_tail = []
     for mod_name, module in model.named_modules():
@@ -202,6 +204,11 @@ def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block
                 params[:] = [own[name] for name, _ in block_named[b]]
                 if any(p.is_meta for p in params):
                     raise ValueError(f"wrap: materialize({b}) left block {b} parameters on the meta device")
+                for (name, meta), p in zip(block_named[b], params):
+                    if p.requires_grad != meta.requires_grad:
+                        raise ValueError(f"wrap: materialize({b}) made block {b} parameter {name!r} with "
+                                         f"requires_grad={p.requires_grad}, its meta parameter had "
+                                         f"{meta.requires_grad}; keep requires_grad when materializing")
             t = time.perf_counter()
             store.wait_built(b)
             t_copy = time.perf_counter()
@@ -230,10 +237,15 @@ def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block
 
 def head_tail_bytes(params: list[torch.Tensor], dtype: torch.dtype) -> int:
     """Device bytes of the head and tail when training in ``dtype``: parameters and gradients in
-    ``dtype``, two fp32 Adam moments, and (bf16/fp16) fp32 masters and their fp32 gradients."""
-    return sum(p.numel() for p in params) * layout.device_bytes_per_param(dtype)
+    ``dtype``, two fp32 Adam moments, and (bf16/fp16) fp32 masters and their fp32 gradients; a
+    frozen parameter (``requires_grad=False``) only its value in ``dtype``."""
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    return trainable * layout.device_bytes_per_param(dtype) + frozen * dtype.itemsize
 
 
 def slot_bytes(layouts: list[BlockLayout], dtype: torch.dtype) -> int:
-    """Device bytes of one window slot: parameters and gradients of the largest of ``layouts``."""
-    return layout.slot_bytes(max((lay.numel for lay in layouts), default=0), dtype)
+    """Device bytes of one window slot: the parameters of the largest of ``layouts`` and the
+    gradients of the largest trainable part."""
+    return layout.slot_bytes(max((lay.numel for lay in layouts), default=0), dtype,
+                             max((lay.train_numel for lay in layouts), default=0))

@@ -1,8 +1,9 @@
 """Device-resident blocks: the first K blocks never leave the device.
 
-Their parameters live on the device in compute precision like the head and tail, their fp32 masters
-and AdamW moments beside them, and a device ``torch.optim.AdamW`` (fused on CUDA, torch's
-single-tensor loop on CPU: the same kernel plain PyTorch runs there) updates them in ``step()``.
+Their parameters live on the device in compute precision like the head and tail, the fp32 masters
+and AdamW moments of the trainable ones beside them (a frozen parameter has neither), and a device
+``torch.optim.AdamW`` (fused on CUDA, torch's single-tensor loop on CPU: the same kernel plain
+PyTorch runs there) updates them in ``step()``.
 No load, copy-out or host update touches them; autograd fills their ``.grad`` as in plain PyTorch.
 They keep their activations unless ``resident_recompute`` (then ``torch.utils.checkpoint``).
 
@@ -34,23 +35,27 @@ class ResidentBlocks:
     def __init__(self, modules: list[torch.nn.Module], block_params: list[list[torch.nn.Parameter]],
                  spec: AdamW, device: torch.device, dtype: torch.dtype, *, recompute: bool,
                  group_of: dict[int, int] | None = None) -> None:
-        """``block_params[i]``: block i's parameters (still at their initial values, on the host or the
-        device); they are moved to ``device`` in ``dtype`` after their fp32 masters are taken.
-        ``group_of``: the engine's param group of each parameter by id (default: all in group 0)."""
+        """``block_params[i]``: block i's parameters, the trainable ones first (still at their initial
+        values, on the host or the device); they are moved to ``device`` in ``dtype`` after the fp32
+        masters of the trainable ones are taken (a frozen parameter is kept once, in ``dtype``, with
+        no optimizer state). ``group_of``: the engine's param group of each trainable parameter by
+        id (default: all in group 0)."""
         self.count = len(modules)
         self.block_params = block_params
         flat = [p for ps in block_params for p in ps]
-        masters = [p.detach().to(device, torch.float32) for p in flat]
-        groups = [group_of[id(p)] for p in flat] if group_of is not None else None
+        trainable = [p for p in flat if p.requires_grad]
+        masters = [p.detach().to(device, torch.float32) for p in trainable]
+        groups = [group_of[id(p)] for p in trainable] if group_of is not None else None
         with torch.no_grad():
             for p in flat:
                 p.data = p.data.to(device=device, dtype=dtype)
-        self.optimizer = DeviceAdamW(flat, spec, masters, groups, fused=fused_adamw_for(device))
+        self.optimizer = DeviceAdamW(trainable, spec, masters, groups, fused=fused_adamw_for(device))
         self.nbytes = head_tail_bytes(flat, dtype)
-        """Device bytes: parameters and gradients in compute precision, fp32 moments (and masters)."""
-        self._first = [0]
+        """Device bytes: parameters and gradients in compute precision, fp32 moments (and masters);
+        a frozen parameter's value only."""
+        self._first = [0]  # index of each block's first trainable parameter in the optimizer
         for ps in block_params:
-            self._first.append(self._first[-1] + len(ps))
+            self._first.append(self._first[-1] + sum(p.requires_grad for p in ps))
         self._steps_unknown = False  # moments were written: their step count is the engine's
         if recompute:
             for module in modules:
@@ -65,28 +70,32 @@ class ResidentBlocks:
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        """Every resident parameter, block 0 first, in each block's ``named_parameters`` order."""
+        """Every trainable resident parameter, block 0 first, in each block's layout order."""
         return self.optimizer.params
 
     def _indices(self, block: int) -> range:
         return range(self._first[block], self._first[block + 1])
 
     def read(self, block: int, state: str) -> list[torch.Tensor]:
-        """fp32 ``state`` ("master", "exp_avg", "exp_avg_sq") of ``block``'s parameters: the live
-        tensors (zeros for a moment before the first update)."""
+        """``state`` ("master", "exp_avg", "exp_avg_sq") of ``block``'s parameters: the live tensors,
+        fp32 (zeros for a moment before the first update). ``master`` has every parameter, a frozen
+        one's value in the compute dtype; the moments the trainable parameters only."""
         opt = self.optimizer
         out = []
         for i in self._indices(block):
             m = opt.masters[i].detach()
             out.append(m if state == "master" else opt.state_of(i).get(state, torch.zeros_like(m)))
+        if state == "master":
+            out += [p.detach() for p in self.block_params[block][len(out):]]
         return out
 
     @torch.no_grad()
     def write(self, block: int, state: str, tensors: list[torch.Tensor]) -> None:
-        """Overwrite ``state`` of ``block``'s parameters (shapes checked by the caller); a master
-        refreshes the compute-precision parameter too."""
+        """Overwrite ``state`` of ``block``'s parameters (as ``read`` lists them; shapes checked by
+        the caller); a master refreshes the compute-precision parameter too."""
         opt = self.optimizer
-        for i, t in zip(self._indices(block), tensors):
+        indices = self._indices(block)
+        for i, t in zip(indices, tensors):
             if state == "master":
                 opt.masters[i].copy_(t)
                 if opt.masters[i] is not opt.params[i]:
@@ -94,6 +103,9 @@ class ResidentBlocks:
             else:
                 opt.write_moment(i, state, t)
                 self._steps_unknown = True
+        if state == "master":
+            for p, t in zip(self.block_params[block][len(indices):], tensors[len(indices):]):
+                p.copy_(t)  # a frozen parameter: its one copy
 
     def write_master(self, index: int, value: torch.Tensor) -> None:
         """Overwrite the fp32 master of resident parameter ``index`` (and its compute copy)."""

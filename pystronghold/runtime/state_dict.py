@@ -2,10 +2,12 @@
 ``engine.state_dict()`` and their ``load_state_dict``, over the store where the block states live.
 
 A windowed block's ``Parameter`` is an empty placeholder between passes; its value (fp32 master)
-and AdamW moments are in the host store (or the file tier). ``EngineStates`` (``engine.states``)
-reads and writes them one block at a time, by full parameter name; ``install_model_hooks`` makes
-``model.state_dict()`` / ``model.load_state_dict()`` go through it, and ``optimizer_state_dict`` /
-``load_optimizer_state_dict`` give ``engine.optimizer`` torch AdamW's format. ``model.state_dict()``
+and AdamW moments are in the host store (or the file tier); a frozen parameter
+(``requires_grad=False``) has only its value, stored in the compute dtype. ``EngineStates``
+(``engine.states``) reads and writes them one block at a time, by full parameter name;
+``install_model_hooks`` makes ``model.state_dict()`` / ``model.load_state_dict()`` go through it,
+and ``optimizer_state_dict`` / ``load_optimizer_state_dict`` give ``engine.optimizer`` torch
+AdamW's format. ``model.state_dict()``
 holds the fp32 masters in each parameter's dtype before ``wrap`` whatever the compute precision,
 as the model under plain autocast would: a bf16 run saves and resumes without rounding.
 ``engine_state_dict`` is the rest: step counts, the fp16 loss scale, the layer-drop draws.
@@ -58,6 +60,10 @@ class EngineStates:
         k = engine.resident.count
         return engine.resident.block_params[block] if block < k else engine.window.params[block - k]
 
+    def block_trainable(self, block: int) -> list[bool]:
+        """Whether each of ``block``'s parameters trains (layout order: the trainable ones first)."""
+        return [p.requires_grad for p in self.block_params(block)]
+
     def block_shapes(self, block: int) -> list[tuple[int, ...]]:
         """Shapes of ``block``'s parameters, layout order."""
         engine = self._engine
@@ -67,7 +73,9 @@ class EngineStates:
         return [tuple(span.shape) for span in engine.store.layouts[block - k].spans]
 
     def read_block(self, block: int, states=("master", *MOMENTS)) -> dict[str, dict[str, torch.Tensor]]:
-        """``{state: {name: fp32 tensor}}`` of ``block`` for ``states`` (``master`` is the value).
+        """``{state: {name: tensor}}`` of ``block`` for ``states``, layout order. ``master`` is the
+        value of every parameter: fp32 for a trainable one, a frozen one's stored value in the
+        compute dtype; the moments (fp32) are the trainable parameters' only.
 
         Views into the store or the resident block's device tensors (valid until the next update)
         or, for a state on disk, into a copy.
@@ -77,47 +85,75 @@ class EngineStates:
         names, k = self.block_names[block], engine.resident.count
         if block < k:
             return {state: dict(zip(names, engine.resident.read(block, state))) for state in states}
-        layout = engine.store.layouts[block - k]
-        return {state: dict(zip(names, layout.views(engine.store.read_state(block - k, state))))
-                for state in states}
+        store, b = engine.store, block - k
+        layout = store.layouts[b]
+        out = {}
+        for state in states:
+            flat = store.read_state(b, state)
+            values = layout.train_views(flat)
+            if state == "master":  # the frozen parameters live in the upload state (the master in fp32)
+                values += layout.frozen_views(flat) if state == store.upload_state else store.frozen_values(b)
+            out[state] = dict(zip(names, values))
+        return out
 
     def write_block(self, block: int, values: dict[str, list[torch.Tensor]]) -> None:
-        """Overwrite ``states`` of ``block``: ``{state: [one tensor per parameter, layout order]}``;
-        ``master`` refreshes the compute-precision shadow too. Shapes are checked (ValueError)."""
+        """Overwrite ``states`` of ``block``: ``{state: [tensors, layout order]}``, one per parameter
+        for ``master`` (which refreshes the compute-precision shadow too; a frozen parameter's value
+        is stored in the compute dtype), one per trainable parameter for a moment. Counts and shapes
+        are checked (ValueError)."""
         self._writable()
         engine = self._engine
         shapes, k = self.block_shapes(block), engine.resident.count
+        trainable = sum(self.block_trainable(block))
         for state, tensors in values.items():
-            if len(tensors) != len(shapes):
-                raise ValueError(f"write_block: block {block} has {len(shapes)} parameters, got {len(tensors)} "
-                                 f"{state} tensors")
+            want, what = (len(shapes), "parameters") if state == "master" else (trainable, "trainable parameters")
+            if len(tensors) != want:
+                raise ValueError(f"write_block: block {block} has {want} {what}, got {len(tensors)} {state} tensors")
             for name, shape, t in zip(self.block_names[block], shapes, tensors):
                 if tuple(t.shape) != shape:
                     raise ValueError(f"write_block: {state} of {name} must have shape {shape}, "
                                      f"got {tuple(t.shape)}")
+        store = engine.store
         for state, tensors in values.items():
             if block < k:
                 engine.resident.write(block, state, tensors)
                 continue
-            engine.store.write_state(block - k, state, tensors)
-            if state == "master" and engine.store.has_shadow:
-                engine.store.write_state(block - k, "shadow", tensors)
+            if trainable:
+                store.write_state(block - k, state, tensors[:trainable])
+                if state == "master" and store.has_shadow:
+                    store.write_state(block - k, "shadow", tensors[:trainable])
+            if state == "master" and trainable < len(tensors):
+                store.write_frozen(block - k, tensors[trainable:])
+
+    def _optimizer_index(self, index: int) -> int | None:
+        """Head/tail parameter ``index``'s index in the device AdamW (None: frozen, not in it)."""
+        engine = self._engine
+        p = engine.head_tail_params[index]
+        return next((i for i, q in enumerate(engine.device_optimizer.params) if q is p), None)
 
     def head_tail(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor, dict]]:
         """``(name, parameter, fp32 master, AdamW state)`` per head/tail parameter; the state is
-        torch's (``step``, ``exp_avg``, ``exp_avg_sq``; empty before the first update)."""
-        self._engine.synchronize()
-        dev = self._engine.device_optimizer
-        return [(name, p, m.detach(), dev.state_of(i))
-                for i, (name, p, m) in enumerate(zip(self.head_tail_names, dev.params, dev.masters))]
+        torch's (``step``, ``exp_avg``, ``exp_avg_sq``; empty before the first update). A frozen
+        parameter's "master" is the parameter's own value (compute dtype) and its state empty."""
+        engine = self._engine
+        engine.synchronize()
+        dev = engine.device_optimizer
+        index = {id(p): i for i, p in enumerate(dev.params)}
+        out = []
+        for name, p in zip(self.head_tail_names, engine.head_tail_params):
+            i = index.get(id(p))
+            out.append((name, p, p.detach(), {}) if i is None
+                       else (name, p, dev.masters[i].detach(), dev.state_of(i)))
+        return out
 
     @torch.no_grad()
     def write_head_tail(self, index: int, master: torch.Tensor | None = None, state: dict | None = None) -> None:
         """Overwrite head/tail parameter ``index``'s value (and its compute copy) and/or AdamW state
-        (``{}`` clears it)."""
+        (``{}`` clears it; a frozen parameter has none)."""
         self._writable()
-        dev = self._engine.device_optimizer
-        p, m = dev.params[index], dev.masters[index]
+        dev, i = self._engine.device_optimizer, self._optimizer_index(index)
+        p = self._engine.head_tail_params[index]
+        m = p if i is None else dev.masters[i]
         if master is not None:
             if tuple(master.shape) != tuple(m.shape):
                 raise ValueError(f"write_head_tail: {self.head_tail_names[index]} must have shape "
@@ -125,17 +161,21 @@ class EngineStates:
             m.copy_(master)
             if m is not p:
                 p.copy_(m)
-        if state is not None:
-            dev.load_state(index, state)
+        if state and i is None:
+            raise ValueError(f"write_head_tail: {self.head_tail_names[index]} is frozen (requires_grad=False) "
+                             "and has no optimizer state")
+        if state is not None and i is not None:
+            dev.load_state(i, state)
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
-        """fp32 value of every parameter by its model name (host store for blocks)."""
+        """fp32 value of every parameter by its model name (host store for blocks; a frozen
+        parameter's stored value, in fp32)."""
         out = {}
         for b in range(len(self.block_names)):
             out.update(self.read_block(b, ("master",))["master"])
         for name, _, m, _ in self.head_tail():
             out[name] = m
-        return out
+        return {name: v.float() for name, v in out.items()}
 
 
 # ---- model.state_dict() / load_state_dict()
@@ -150,8 +190,13 @@ def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleL
         _hook_block(engine, b, block, saved_dtypes)
     block_modules = {id(m) for block in blocks for m in block.modules()}
     names = {id(p): name for name, p in model.named_parameters()}
+    head_tail_index = {id(p): j for j, p in enumerate(engine.head_tail_params)}
+
+    def write_head_tail(i: int, value: torch.Tensor) -> None:
+        engine.states.write_head_tail(head_tail_index[id(engine.device_optimizer.params[i])], master=value)
+
     # head/tail and resident blocks: in bf16/fp16 their fp32 masters are copies beside the parameters
-    for dev, write in ((engine.device_optimizer, lambda i, v: engine.states.write_head_tail(i, master=v)),
+    for dev, write in ((engine.device_optimizer, write_head_tail),
                        (engine.resident.optimizer, _resident_master_writer(engine))):
         index = {id(p): i for i, p in enumerate(dev.params)}
         for module in model.modules():
@@ -165,6 +210,26 @@ def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleL
             saved = {name: i for name, i in own.items() if name in separate or dtypes[name] != dev.params[i].dtype}
             if saved:
                 module.register_state_dict_post_hook(_master_saver(dev, saved, dtypes))
+    # frozen head/tail and resident parameters: their one copy, in the compute dtype, saved in their
+    # dtype before wrap (torch's own load copies a value into them)
+    on_device = [*engine.head_tail_params, *(p for ps in engine.resident.block_params for p in ps)]
+    device_frozen = {id(p) for p in on_device if not p.requires_grad}
+    for module in model.modules():
+        if id(module) in block_modules:
+            continue
+        dtypes = {name: saved_dtypes[names[id(p)]] for name, p in module.named_parameters(recurse=False)
+                  if id(p) in device_frozen and p.dtype != saved_dtypes[names[id(p)]]}
+        if dtypes:
+            module.register_state_dict_post_hook(_frozen_saver(dtypes))
+
+
+def _frozen_saver(dtypes: dict[str, torch.dtype]):
+    def save_frozen(module, state_dict, prefix, local_metadata) -> None:
+        for name, dtype in dtypes.items():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = state_dict[prefix + name].to(dtype)
+
+    return save_frozen
 
 
 def _master_saver(dev, own: dict[str, int], dtypes: dict[str, torch.dtype]):
@@ -247,10 +312,10 @@ def optimizer_state_dict(engine) -> dict:
         if steps[b] == 0:  # never updated (no step yet, or layer drop skipped it so far): no state, as torch
             continue
         moments = states.read_block(b, MOMENTS)
-        for k, p in enumerate(states.block_params(b)):
-            name = states.block_names[b][k]
-            state[index[id(p)]] = {"step": torch.tensor(float(steps[b])),
-                                   **{m: moments[m][name] for m in MOMENTS}}
+        for name, p in zip(states.block_names[b], states.block_params(b)):
+            if id(p) in index:  # a frozen parameter is in no param group and has no state
+                state[index[id(p)]] = {"step": torch.tensor(float(steps[b])),
+                                       **{m: moments[m][name] for m in MOMENTS}}
     for _, p, _, st in states.head_tail():
         if st:
             state[index[id(p)]] = dict(st)
@@ -370,6 +435,8 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     for b in range(engine.n_blocks):
         per_block, steps = [], set()
         for name, p, shape in zip(states.block_names[b], states.block_params(b), states.block_shapes(b)):
+            if id(p) not in by_id:
+                continue  # frozen: no optimizer state
             st = by_id[id(p)]
             if st:
                 _check_moments(name, st, shape)
@@ -380,25 +447,26 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
                              f"with one step count, or none (the engine updates a block as a whole); got steps "
                              f"{sorted(steps)}")
         block_moments.append(per_block)
-        block_steps.append(int(steps.pop()) if steps else 0)
-    head_tail_steps = [float(by_id[id(p)]["step"]) for _, p, _, _ in states.head_tail() if by_id[id(p)]]
-    engine_steps = int(max([*block_steps, *head_tail_steps], default=0))
+        block_steps.append(int(steps.pop()) if steps else None)  # None: a wholly frozen block
+    head_tail_steps = [float(by_id[id(p)]["step"]) for _, p, _, _ in states.head_tail() if by_id.get(id(p))]
+    engine_steps = int(max([*(s for s in block_steps if s is not None), *head_tail_steps], default=0))
+    block_steps = [engine_steps if s is None else s for s in block_steps]
     k_resident = engine.n_blocks - engine.n_streamed
     if any(s != engine_steps for s in block_steps[:k_resident]):
         raise ValueError(f"optimizer.load_state_dict: resident blocks are updated at every step; their step "
                          f"counts {block_steps[:k_resident]} must be the engine's {engine_steps}")
     head_tail = states.head_tail()
     for name, p, m, _ in head_tail:
-        if by_id[id(p)]:
+        if by_id.get(id(p)):
             _check_moments(name, by_id[id(p)], m.shape)
     # ---- apply
     states._writable()
     for b, per_block in enumerate(block_moments):
-        shapes = states.block_shapes(b)
+        shapes = states.block_shapes(b)  # the trainable parameters' come first
         states.write_block(b, {m: [st[m] if st else torch.zeros(shape) for st, shape in zip(per_block, shapes)]
                                for m in MOMENTS})
     for i, (_, p, _, _) in enumerate(head_tail):
-        states.write_head_tail(i, state=by_id[id(p)] or {})
+        states.write_head_tail(i, state=by_id.get(id(p)) or {})
     engine.steps = engine_steps
     set_block_step_counts(engine, block_steps, "optimizer.load_state_dict")
     for k, group in enumerate(groups):

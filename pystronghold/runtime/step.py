@@ -145,8 +145,9 @@ class OptimizerStep:
             hyper = self.hyper(step, grad_scale=scale * coef)
             # 0, 1, 2, ...: the order the next forward loads them (layer drop: the blocks that ran)
             for block in range(self.n_streamed) if blocks is None else blocks:
-                self.updates.submit_update(block, None, hyper=self.block_hyper(block, scale * coef),
-                                           step=self.attempted_steps + 1)
+                if self.window.layouts[block].train_numel:  # a wholly frozen block has no update
+                    self.updates.submit_update(block, None, hyper=self.block_hyper(block, scale * coef),
+                                               step=self.attempted_steps + 1)
             self.device_optimizer.step(hyper)
             self.resident.step(hyper, self.steps)
             if self.overlap == "none":
@@ -161,7 +162,7 @@ class OptimizerStep:
         the TP group, pystronghold.parallel.data)."""
         norms = {**self.device_optimizer.grad_norms(grad_scale), **self.resident.grad_norms(grad_scale)}
         for block, per_param in self.grad_norms.take().items():
-            for p, n in zip(self.window.params[block], per_param):
+            for p, n in zip(self.window.trainable(block), per_param):
                 norms[id(p)] = n
         # a pipeline's last-stage copy of a tied weight is counted once (by the first stage)
         params = [p for p in self.model.parameters() if id(p) in norms and not is_pipeline_copy(p)]

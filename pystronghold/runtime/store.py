@@ -18,6 +18,11 @@ shadow         compute dtype   bf16/fp16 copy of master that the next forward up
 Inside a block's buffer, parameter k occupies ``[offset_k, offset_k + numel_k)``; offsets are
 aligned to ``layout.ALIGN_ELEMS`` elements. The gaps between parameters are zero in every tier, so the
 fused Adam can run over the whole flat buffer without touching real values.
+
+Frozen parameters (``requires_grad=False``) come after the trainable ones and live only in the
+upload state (the shadow, or the master in fp32), which covers the whole block: a frozen parameter
+costs its compute-dtype bytes and has no master, moments or gradient. Every other state covers the
+trainable part ``[0, train_numel)`` (``layout.state_numel``); a wholly frozen block has none.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from pystronghold.runtime.disk_tier import DiskTier, Lease
-from pystronghold.runtime.layout import arena_bytes, buffer_bytes, param_offsets, state_dtype
+from pystronghold.runtime.layout import arena_bytes, buffer_bytes, param_offsets, state_dtype, upload_state
 from pystronghold.runtime.placement import Placement, plan_placement
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParamSpan", "BlockLayout", "HostStore", "Lease",
@@ -52,10 +57,23 @@ class ParamSpan:
 
 
 class BlockLayout:
-    """Offsets of a block's parameters in its flat buffers; ``numel`` is the padded total."""
+    """Offsets of a block's parameters in its flat buffers; ``numel`` is the padded total.
+
+    ``named_params`` lists the trainable parameters first, then the frozen ones (``requires_grad``
+    tells them apart; ValueError otherwise): the first ``trainable`` spans end before
+    ``train_numel``, the padded size of the states that hold trainable parameters only.
+    """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        flags = [bool(p.requires_grad) for _, p in named_params]
+        self.trainable = sum(flags)
+        """How many of the parameters (the first ones) are trainable."""
+        if any(flags[self.trainable:]):
+            raise ValueError("BlockLayout: list the trainable parameters before the frozen ones")
         offsets, self.numel = param_offsets([p.numel() for _, p in named_params])
+        self.train_numel = offsets[self.trainable] if self.trainable < len(offsets) else self.numel
+        """Padded elements of the trainable part (0 for a wholly frozen block; ``numel`` without
+        frozen parameters)."""
         self.spans: list[ParamSpan] = [ParamSpan(name, p.shape, offset, p.numel())
                                        for (name, p), offset in zip(named_params, offsets)]
         # Ranges not covered by any parameter: kept at zero wherever a flat buffer is written.
@@ -68,12 +86,25 @@ class BlockLayout:
         if self.numel > end:
             self.gaps.append((end, self.numel))
 
+    @property
+    def frozen(self) -> int:
+        """How many of the parameters (the last ones) are frozen."""
+        return len(self.spans) - self.trainable
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view per parameter (in the parameter's shape) into ``flat`` (>= numel elements)."""
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.spans]
 
+    def train_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view per trainable parameter into ``flat`` (>= train_numel elements)."""
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.spans[:self.trainable]]
+
+    def frozen_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view per frozen parameter into ``flat`` (a whole block's buffer: numel elements)."""
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.spans[self.trainable:]]
+
     def zero_gaps(self, flat: torch.Tensor) -> None:
-        """Write zeros into the padding of ``flat``."""
+        """Write zeros into the padding of ``flat`` (a whole block's buffer, or its trainable part)."""
         for start, end in self.gaps:
             flat[start:end].zero_()
 
@@ -121,12 +152,14 @@ class HostStore:
     Host-memory states are flat buffers carved from arenas of at most ``chunk_bytes`` each
     (default ``DEFAULT_CHUNK_BYTES``; ``tiers[state][block]``; None for a block whose state is on
     disk). Every user goes through ``acquire``/``release`` leases, which hand out the host buffer
-    directly or stage a disk state in the tier's cache (``pystronghold.runtime.disk_tier``). ``arena_factory(capacity_bytes)`` makes
-    a new HostArena (pinned on CUDA), whose views read as zero: the moments, gradients and gaps
-    start at zero without a pass over them. The caller planned the placement against its budget first: this
-    class allocates. With ``background=True`` the arenas are made (pinned) by a builder
-    thread in block order, so filling block i overlaps making the arenas of later blocks; a lease on
-    a block waits for its buffers (``wait_built``) and raises the builder's error if it failed.
+    directly or stage a disk state in the tier's cache (``pystronghold.runtime.disk_tier``;
+    ``disk_factory(placement)`` makes the ``DiskTier`` when the placement spills).
+    ``arena_factory(capacity_bytes)`` makes a new HostArena (pinned on CUDA), whose views read as
+    zero: the moments, gradients and gaps start at zero without a pass over them. The caller
+    planned the placement against its budget first: this class allocates. With
+    ``background=True`` the arenas are made (pinned) by a builder thread in block order, so filling
+    block i overlaps making the arenas of later blocks; a lease on a block waits for its buffers
+    (``wait_built``) and raises the builder's error if it failed.
     """
 
     def __init__(self, layouts: list[BlockLayout], compute_dtype: torch.dtype, arena_factory, *,
@@ -135,20 +168,27 @@ class HostStore:
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         numels = [lay.numel for lay in layouts]
+        train_numels = [lay.train_numel for lay in layouts]
         if placement is None:
-            placement = plan_placement(numels, compute_dtype, budget_bytes=2**62)
+            placement = plan_placement(numels, compute_dtype, budget_bytes=2**62, train_numels=train_numels)
         self.placement = placement
+        self.state_numels = placement.numels
+        """Elements of each state's buffer per block (``layout.state_numel``)."""
         self._arena_factory = arena_factory
         self.arenas: dict[str, list] = {state: [] for state in placement.states}
-        self.tiers: dict[str, list[torch.Tensor | None]] = {s: [None] * len(layouts) for s in placement.states}
+        # a state with no elements in a block (a frozen block's master, moments and gradient) is an
+        # empty tensor: nothing reads or writes it
+        self.tiers: dict[str, list[torch.Tensor | None]] = {
+            s: [None if self.state_numels[s][b] else torch.empty(0, dtype=state_dtype(s, compute_dtype))
+                for b in range(len(layouts))] for s in placement.states}
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         chunks = []
         for state in placement.states:
             group, group_bytes = [], 0
             for b in range(len(layouts)):
-                if placement.on_disk(state, b):
+                if placement.on_disk(state, b) or not self.state_numels[state][b]:
                     continue
-                nbytes = buffer_bytes(numels[b], state, compute_dtype)
+                nbytes = buffer_bytes(self.state_numels[state][b], state, compute_dtype)
                 if group and group_bytes + nbytes > chunk_bytes:
                     chunks.append(_Chunk(state, tuple(group), arena_bytes(group_bytes)))
                     group, group_bytes = [], 0
@@ -169,7 +209,7 @@ class HostStore:
         self.build_s = 0.0  # seconds the builder spent making arenas (mmap, pinning)
         # NOTE: the tier is built before the arenas, so a failure in either leaves no files once
         # close() ran (the engine closes the store and the scratch directory on any failure)
-        self.disk: DiskTier | None = disk_factory(placement, numels) if placement.spilled else None
+        self.disk: DiskTier | None = disk_factory(placement) if placement.spilled else None
         self.nbytes = (sum(c.capacity for c in self._chunks)
                        + (self.disk.arena.capacity_bytes if self.disk is not None else 0))
         self._builder = None
@@ -200,8 +240,8 @@ class HostStore:
                 for b in chunk.blocks:
                     # NOTE: not zeroed here: a new arena's views are zero (fresh anonymous pages,
                     # never handed out twice), and zeroing would be a second pass over the store
-                    self.tiers[chunk.state][b] = arena.allocate(f"{chunk.state}.{b}", (self.layouts[b].numel,),
-                                                                dtype)
+                    self.tiers[chunk.state][b] = arena.allocate(f"{chunk.state}.{b}",
+                                                                (self.state_numels[chunk.state][b],), dtype)
                 with self._cond:
                     self.arenas[chunk.state].append(arena)
                     self._built += 1
@@ -245,6 +285,12 @@ class HostStore:
             out["cache"] = self.disk.arena.capacity_bytes
         return out
 
+    def frozen_bytes(self) -> int:
+        """Bytes of the store that hold frozen parameters: the upload state's frozen part of every
+        block (padding between frozen parameters included; where it lives, host or disk, aside)."""
+        itemsize = state_dtype(self.upload_state, self.compute_dtype).itemsize
+        return sum((lay.numel - lay.train_numel) * itemsize for lay in self.layouts if lay.frozen)
+
     @property
     def has_shadow(self) -> bool:
         """True when a compute-precision shadow tier exists (bf16/fp16)."""
@@ -252,8 +298,9 @@ class HostStore:
 
     @property
     def upload_state(self) -> str:
-        """The state a load copies to the device: the shadow in bf16/fp16, the master in fp32."""
-        return "shadow" if self.has_shadow else "master"
+        """The state a load copies to the device, which alone holds the frozen parameters: the
+        shadow in bf16/fp16, the master in fp32."""
+        return upload_state(self.compute_dtype)
 
     def on_disk(self, state: str, block: int) -> bool:
         """True when ``state`` of ``block`` lives in the file tier."""
@@ -294,15 +341,19 @@ class HostStore:
 
     @torch.no_grad()
     def fill_from(self, block: int, params: list[torch.Tensor]) -> None:
-        """Copy a block's initial parameter values into its master (and shadow) buffers."""
+        """Copy a block's initial parameter values (layout order) into its buffers: the trainable
+        ones into the master (and shadow), the frozen ones into the upload state."""
         states = ["master", "shadow"] if self.has_shadow else ["master"]
         lease = self.acquire(block, states, fresh=states)
-        master = lease.tensors["master"]
-        self.layouts[block].zero_gaps(master)  # every other element is written below
-        for view, p in zip(self.layouts[block].views(master), params):
+        layout, t = self.layouts[block], lease.tensors
+        for state in states:
+            layout.zero_gaps(t[state])  # every other element is written below
+        for view, p in zip(layout.train_views(t["master"]), params[:layout.trainable]):
             view.copy_(p.detach())
         if self.has_shadow:
-            lease.tensors["shadow"].copy_(master)
+            t["shadow"][:layout.train_numel].copy_(t["master"])
+        for view, p in zip(layout.frozen_views(t[self.upload_state]), params[layout.trainable:]):
+            view.copy_(p.detach())  # rounded to the compute dtype: stored once, as it computes
         self.release(lease, dirty=states)
 
     def read_state(self, block: int, state: str) -> torch.Tensor:
@@ -317,15 +368,44 @@ class HostStore:
 
     @torch.no_grad()
     def write_state(self, block: int, state: str, values: list[torch.Tensor]) -> None:
-        """Overwrite ``state`` of ``block`` with one tensor per parameter (gaps stay zero)."""
-        lease = self.acquire(block, [state], fresh=[state])
+        """Overwrite the trainable part of ``state`` of ``block`` with one tensor per trainable
+        parameter (gaps stay zero; the upload state's frozen part is kept)."""
+        layout = self.layouts[block]
+        if len(values) != layout.trainable:
+            raise ValueError(f"write_state: block {block} has {layout.trainable} trainable parameters, "
+                             f"got {len(values)} {state} tensors")
+        self._write(block, state, layout.train_views, values)
+
+    @torch.no_grad()
+    def write_frozen(self, block: int, values: list[torch.Tensor]) -> None:
+        """Overwrite the frozen parameters of ``block`` (one tensor each, layout order; cast to the
+        compute dtype) in the upload state."""
+        layout = self.layouts[block]
+        if len(values) != layout.frozen:
+            raise ValueError(f"write_frozen: block {block} has {layout.frozen} frozen "
+                             f"parameters, got {len(values)} tensors")
+        self._write(block, self.upload_state, layout.frozen_views, values)
+
+    def _write(self, block: int, state: str, views_of, values: list[torch.Tensor]) -> None:
+        # NOTE: a lease that keeps the rest of the buffer (a frozen part beside a trainable one)
+        # reads it first; one that covers the whole buffer does not
+        whole = state != self.upload_state or len(values) == len(self.layouts[block].spans)
+        lease = self.acquire(block, [state], fresh=[state] if whole else (), modify=() if whole else [state])
+        lease.wait()
         flat = lease.tensors[state]
         # NOTE: values may be views of this very buffer (a state dict loaded back): copy, then zero
         # only the gaps
-        for view, v in zip(self.layouts[block].views(flat), values):
+        for view, v in zip(views_of(flat), values):
             view.copy_(v)
         self.layouts[block].zero_gaps(flat)
         self.release(lease, dirty=[state])
+
+    def frozen_values(self, block: int) -> list[torch.Tensor]:
+        """The frozen parameters of ``block`` (layout order) in the compute dtype: views of the host
+        buffer, or of a copy read from disk."""
+        if not self.layouts[block].frozen:
+            return []
+        return self.layouts[block].frozen_views(self.read_state(block, self.upload_state))
 
     # ---- the file tier as a whole
 

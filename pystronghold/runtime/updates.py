@@ -38,7 +38,8 @@ class HostUpdates:
 
     def __init__(self, store, tracer, *, bitwise_torch: bool = False, prefetch_depth: int = 2,
                  param_groups: list[list[int]] | None = None) -> None:
-        """``param_groups``: per block, the optimizer param group of each parameter (default: all 0)."""
+        """``param_groups``: per block, the optimizer param group of each trainable parameter
+        (default: all 0). A wholly frozen block gets no job."""
         self.store = store
         self._group_ranges = [_group_ranges(layout, None if param_groups is None else param_groups[b])
                               for b, layout in enumerate(store.layouts)]
@@ -60,7 +61,7 @@ class HostUpdates:
             try:
                 lease.wait()
                 with self.tracer.span("norm", block):
-                    return param_grad_norms(layout.views(lease.tensors["grad"]), grad_scale)
+                    return param_grad_norms(layout.train_views(lease.tensors["grad"]), grad_scale)
             finally:
                 self.store.release(lease)
 
@@ -79,7 +80,10 @@ class HostUpdates:
         """
         store = self.store
         ranges = self._group_ranges[block]
+        n = store.layouts[block].train_numel  # the master in fp32 also holds the frozen parameters after it
         outputs = [*self.update_states, "shadow"] if store.has_shadow else list(self.update_states)
+        # NOTE: a shadow that also holds frozen parameters is read first (its frozen part is kept)
+        shadow_kept = store.has_shadow and store.layouts[block].frozen > 0
         self._queued.append(block)
 
         def job() -> None:
@@ -88,8 +92,9 @@ class HostUpdates:
             if grad_handle is not None:
                 grad_handle.wait()
             try:
-                own = store.acquire(block, [*outputs, "grad"], fresh=["shadow"] if store.has_shadow else (),
-                                    modify=self.update_states)
+                own = store.acquire(block, [*outputs, "grad"],
+                                    fresh=["shadow"] if store.has_shadow and not shadow_kept else (),
+                                    modify=[*self.update_states, *(["shadow"] if shadow_kept else [])])
             except BaseException:
                 if lease is not None:
                     store.release(lease)
@@ -99,7 +104,7 @@ class HostUpdates:
                 for nxt in list(self._queued)[:self.prefetch_depth]:
                     store.prefetch(nxt, [*self.update_states, "grad"])
                 own.wait()
-                t = own.tensors
+                t = {state: flat[:n] for state, flat in own.tensors.items()}
                 with self.tracer.span("optimizer", block, nbytes=t["master"].nbytes):
                     ok = self._adam(t, ranges, hyper)
                 if not ok:
@@ -173,7 +178,7 @@ def _group_ranges(layout, groups: list[int] | None) -> dict[int, list[tuple[int,
         return None
     ranges: dict[int, list[tuple[int, int]]] = {}
     previous = None
-    for span, group in zip(layout.spans, groups):
+    for span, group in zip(layout.spans[:layout.trainable], groups):
         runs = ranges.setdefault(group, [])
         if group == previous:
             runs[-1] = (runs[-1][0], span.offset + span.numel)

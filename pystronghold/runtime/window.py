@@ -1,7 +1,8 @@
 """The window: W device slots, and which block's parameters point into which slot.
 
-A slot is one flat parameter buffer and one flat gradient buffer in the device arena, each as large
-as the largest block. While block b is resident, each of its ``Parameter.data`` is a view into its
+A slot is one flat parameter buffer and one flat gradient buffer in the device arena, as large as
+the largest block and the largest trainable part of a block (frozen parameters have no gradient).
+While block b is resident, each of its ``Parameter.data`` is a view into its
 slot; otherwise it is an empty placeholder tensor, so any use of an evicted block fails loudly
 (a shape error) instead of silently reading stale memory.
 """
@@ -20,8 +21,8 @@ class Slot:
 
     def __init__(self, index: int, params: torch.Tensor, grads: torch.Tensor) -> None:
         self.index = index
-        self.params = params  # (max_numel,) compute dtype, on the device
-        self.grads = grads  # (max_numel,) compute dtype, on the device
+        self.params = params  # (max numel,) compute dtype, on the device
+        self.grads = grads  # (max train_numel,) compute dtype, on the device
         self.block: int | None = None
         self.busy: list = []  # handles (copy-outs, compute markers) to finish before reuse
 
@@ -33,9 +34,11 @@ class Window:
                  slots: int, compute_dtype: torch.dtype) -> None:
         self.layouts = layouts
         self.params = params
+        """Each block's parameters, layout order (trainable first, then frozen)."""
         cap = max((lay.numel for lay in layouts), default=0)
+        grad_cap = max((lay.train_numel for lay in layouts), default=0)
         self.slots = [Slot(i, backend.device_buffer(f"slot{i}.params", cap, compute_dtype),
-                           backend.device_buffer(f"slot{i}.grads", cap, compute_dtype))
+                           backend.device_buffer(f"slot{i}.grads", grad_cap, compute_dtype))
                       for i in range(slots)]
         for s in self.slots:
             s.params.zero_()
@@ -71,6 +74,10 @@ class Window:
         self.peak_resident = max(self.peak_resident, len(self.resident))
         return s
 
+    def trainable(self, block: int) -> list[torch.nn.Parameter]:
+        """``block``'s trainable parameters (the first ones of ``params[block]``)."""
+        return self.params[block][:self.layouts[block].trainable]
+
     def bind(self, block: int) -> Slot:
         """Point ``block``'s parameters at its slot (after its load has been waited for)."""
         s = self.resident[block]
@@ -82,7 +89,7 @@ class Window:
         views = self._views.get((s.index, block))
         if views is None:
             layout = self.layouts[block]
-            views = self._views[(s.index, block)] = (layout.views(s.params), layout.views(s.grads))
+            views = self._views[(s.index, block)] = (layout.views(s.params), layout.train_views(s.grads))
         return views
 
     def vacate(self, block: int) -> Slot:
@@ -105,5 +112,5 @@ class Window:
         return list(self._slot_views(self.resident[block], block)[0])
 
     def grad_views(self, block: int) -> list[torch.Tensor]:
-        """Views of the resident ``block``'s gradients in its slot."""
+        """Views of the resident ``block``'s trainable parameters' gradients in its slot."""
         return list(self._slot_views(self.resident[block], block)[1])

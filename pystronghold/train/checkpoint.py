@@ -4,6 +4,8 @@ Layout of one checkpoint (``<dir>/step-00000100/``)::
 
     blocks/block-00000.safetensors ...   one file per block: for each parameter (full model name)
                                          its fp32 master, ``<name>.exp_avg`` and ``<name>.exp_avg_sq``
+                                         (a frozen parameter: its value, in the compute dtype;
+                                         none in a --model hf:DIR run, see below)
     head_tail.safetensors                head and tail fp32 masters and their AdamW moments
     state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states
                                          (with the layer-drop generator), data position, loss-scaler
@@ -213,7 +215,7 @@ def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
             values = states.read_block(b, [tier for tier, _ in _BLOCK_STATES])
             tensors = {}
             for tier, suffix in _BLOCK_STATES:
-                for n, value in values[tier].items():
+                for n, value in values[tier].items():  # a frozen parameter: its value, no moments
                     if saved(params[n]):
                         tensors[rename(n) + suffix] = gather_tp_tensor(value, _split(params[n]), tp_group)
             del values
@@ -223,7 +225,7 @@ def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
     tensors = {}
     for n, p, m, st in states.head_tail():
         if is_pipeline_copy(p) or not saved(p):
-            continue  # the last stage's copy of a tied weight: saved once, under the original's name
+            continue  # a pipeline's copy of a tied weight (saved under the original's name), or left to the base
         split = _split(p)  # a fp16/bf16 run's master is a copy: p has the split
         tensors[n] = gather_tp_tensor(m.float(), split, tp_group).cpu()
         if st:
@@ -353,13 +355,13 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
         if rel not in manifest["files"]:
             raise CheckpointError(f"checkpoint {path}: {rel} is missing (it has {manifest.get('blocks')} blocks)")
         saved = _load_file(path, rel, manifest["files"][rel])
-        params, shapes = states.block_params(b), states.block_shapes(b)
+        params, shapes, trains = states.block_params(b), states.block_shapes(b), states.block_trainable(b)
         current = states.read_block(b, ("master",))["master"] if left else {}
-        masters = [current[n] if left and not p.requires_grad else _mine(saved, rename(n), p, shape, path)
-                   for n, p, shape in zip(names, params, shapes)]
+        masters = [current[n] if left and not t else _mine(saved, rename(n), p, shape, path)
+                   for n, p, shape, t in zip(names, params, shapes, trains)]
         states.write_block(b, {"master": masters, **{
             tier: [_mine(saved, rename(n) + suffix, p, shape, path)
-                   for n, p, shape in zip(names, params, shapes) if p.requires_grad]
+                   for n, p, shape, t in zip(names, params, shapes, trains) if t]
             for tier, suffix in _BLOCK_STATES if tier != "master"}})
     saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
     for i, (n, p, m, _) in enumerate(states.head_tail()):
@@ -419,11 +421,12 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
 def checkpoint_weights(path: str | os.PathLike, manifest: dict):
     """The fp32 weights of checkpoint ``path`` (its ``manifest``, from ``read_manifest``), one file at
     a time: yields ``{model parameter name: tensor}`` per block file, then the head/tail file
-    (optimizer moments left out), so a caller holds one block's weights at a time."""
+    (optimizer moments left out; a frozen parameter, kept in the compute dtype, cast to fp32), so a
+    caller holds one block's weights at a time."""
     path = Path(path)
     for rel, meta in manifest["files"].items():
         if rel.endswith(".safetensors"):
-            yield {k: v for k, v in _load_file(path, rel, meta).items()
+            yield {k: v.float() for k, v in _load_file(path, rel, meta).items()
                    if not k.endswith((".exp_avg", ".exp_avg_sq", ".step"))}
 
 
