@@ -16,6 +16,7 @@ from pystronghold.cli import build_parser, main
 from pystronghold.train import Trainer
 from pystronghold.train.command import config_from_args
 from hf_models import TEXT, VOCAB, engine_logits, hf_logits, save_tiny
+from train_helpers import cli_error
 
 peft = pytest.importorskip("peft")
 
@@ -143,22 +144,14 @@ def test_freeze_export_is_the_whole_model(tmp_path, llama):
     torch.testing.assert_close(hf_logits(tmp_path / "out", x), trained_logits(args, x), rtol=0, atol=0)
 
 
-def _cli_error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 def test_a_changed_base_other_options_and_bad_options_are_one_line(tmp_path, llama, capsys):
     directory, data = llama
     args = train_args(directory, data, tmp_path / "ck", LORA, steps=2)
     assert main(args) == 0
     other_rank = train_args(directory, data, tmp_path / "ck", ["--lora-rank", "2"], steps=3, resume=True)
     assert "was trained with --lora-rank 4 --lora-alpha 8 --lora-targets down_proj,q_proj,v_proj " \
-           "--lora-dropout 0.1, this run with --lora-rank 2" in _cli_error(capsys, other_rank)
-    assert "neither --lora-rank nor --freeze" in _cli_error(
+           "--lora-dropout 0.1, this run with --lora-rank 2" in cli_error(capsys, other_rank)
+    assert "neither --lora-rank nor --freeze" in cli_error(
         capsys, train_args(directory, data, tmp_path / "ck", [], steps=3, resume=True))
     # the base re-saved in other shards: its fingerprint changes
     from transformers import AutoModelForCausalLM
@@ -167,10 +160,10 @@ def test_a_changed_base_other_options_and_bad_options_are_one_line(tmp_path, lla
     for shard in directory.glob("model*.safetensors*"):
         shard.unlink()
     model.save_pretrained(str(directory), max_shard_size="50KB")
-    err = _cli_error(capsys, train_args(directory, data, tmp_path / "ck", LORA, steps=3, resume=True))
+    err = cli_error(capsys, train_args(directory, data, tmp_path / "ck", LORA, steps=3, resume=True))
     assert f"holds only the trained parameters; the frozen ones come from {directory.resolve()}, which has " \
            "changed since" in err and "resume with the base it was trained from" in err
-    assert "export with the base" in _cli_error(capsys, ["export", str(tmp_path / "ck"), str(tmp_path / "o"), "--hf"])
+    assert "export with the base" in cli_error(capsys, ["export", str(tmp_path / "ck"), str(tmp_path / "o"), "--hf"])
     assert not (tmp_path / "o").exists()
 
     for argv, message in [
@@ -182,13 +175,13 @@ def test_a_changed_base_other_options_and_bad_options_are_one_line(tmp_path, lla
         (["--model", f"hf:{directory}", "--freeze", "no_such_name"], "matches no parameter"),
         (["--model", f"hf:{directory}", "--freeze", "."], "matches every parameter"),
     ]:
-        assert message in _cli_error(capsys, ["train", *argv, "--data", str(data), "--steps", "1", "--quiet"]), argv
+        assert message in cli_error(capsys, ["train", *argv, "--data", str(data), "--steps", "1", "--quiet"]), argv
 
 
 def test_merge_of_a_checkpoint_without_adapters_is_refused(tmp_path, llama, capsys):
     directory, data = llama
     assert main(train_args(directory, data, tmp_path / "ck", FREEZE, steps=1)) == 0
-    assert "holds no LoRA adapters" in _cli_error(
+    assert "holds no LoRA adapters" in cli_error(
         capsys, ["export", str(tmp_path / "ck"), str(tmp_path / "m"), "--hf", "--merge"])
-    assert "--merge need --hf" in _cli_error(capsys, ["export", str(tmp_path / "ck"), str(tmp_path / "m.safetensors"),
+    assert "--merge need --hf" in cli_error(capsys, ["export", str(tmp_path / "ck"), str(tmp_path / "m.safetensors"),
                                                       "--merge"])
