@@ -18,8 +18,6 @@ from pystronghold.train.command import config_from_args
 from hf_models import TEXT, VOCAB, engine_logits, hf_logits, save_tiny
 from train_helpers import cli_error
 
-peft = pytest.importorskip("peft")
-
 LORA = ["--lora-rank", "4", "--lora-targets", "q_proj,v_proj,down_proj", "--lora-dropout", "0.1"]
 FREEZE = ["--freeze", r"embed|layers\.[01]\."]
 """The tiny Llama's embedding and first two of its three layers frozen: layer 2, the final norm and
@@ -61,12 +59,14 @@ def tokens(seed: int = 3) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["lora", "freeze"])
-def test_resumed_run_gives_the_uninterrupted_losses_and_saves_only_what_trains(tmp_path, llama, kind):
+def test_resumed_run_gives_the_uninterrupted_losses_and_saves_only_what_trains(tmp_path, llama, kind, request):
     """6 steps in one run, and 3 + 3 in two (the second resumes the step-3 checkpoint): the same
     losses, bit for bit (fp32; LoRA dropout draws restored with the RNG). The checkpoint's files hold
     the trainable parameters and their moments only; the manifest records the options and the
     base directory's fingerprint."""
     directory, data = llama
+    if kind == "lora":
+        request.getfixturevalue("peft")
     finetune = LORA if kind == "lora" else FREEZE
     assert main(train_args(directory, data, tmp_path / "a", finetune, metrics=tmp_path / "a.jsonl")) == 0
     whole = losses(tmp_path / "a.jsonl")
@@ -99,7 +99,7 @@ def test_resumed_run_gives_the_uninterrupted_losses_and_saves_only_what_trains(t
     assert "config.json" in manifest["base"]["fingerprint"]
 
 
-def test_lora_export_adapters_and_merged_model_reload_to_the_trained_logits(tmp_path, llama):
+def test_lora_export_adapters_and_merged_model_reload_to_the_trained_logits(peft, tmp_path, llama):
     """`export --hf`: adapter_config.json + adapter_model.safetensors that
     PeftModel.from_pretrained(base, DIR) loads to the engine's logits exactly; `export --hf --merge`:
     a model directory transformers loads, whose logits are the engine's up to the rounding of
@@ -144,7 +144,7 @@ def test_freeze_export_is_the_whole_model(tmp_path, llama):
     torch.testing.assert_close(hf_logits(tmp_path / "out", x), trained_logits(args, x), rtol=0, atol=0)
 
 
-def test_a_changed_base_other_options_and_bad_options_are_one_line(tmp_path, llama, capsys):
+def test_a_changed_base_other_options_and_bad_options_are_one_line(peft, tmp_path, llama, capsys):
     directory, data = llama
     args = train_args(directory, data, tmp_path / "ck", LORA, steps=2)
     assert main(args) == 0

@@ -17,8 +17,6 @@ from hf_small import MODELS, token_batches
 from runtime_models import (assert_same_mixed_training, assert_same_training, one_torch_thread, train_engine,
                             train_mixed_reference, train_reference)
 
-peft = pytest.importorskip("peft")
-
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
 
 STEPS = 8
@@ -37,6 +35,8 @@ is tied to the embedding, so its final norm instead)."""
 def peft_model(kind: str, modules_to_save: bool = False, seed: int = 0):
     """The tiny ``kind`` model with LoRA adapters of rank 4 (alpha 8); B starts random rather than
     zero (``init_lora_weights=False``) so the adapters change the logits from the first step."""
+    import peft
+
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **LORA[kind],
                              modules_to_save=SAVED[kind] if modules_to_save else None)
@@ -61,7 +61,7 @@ def logits(model, x):
 
 @pytest.mark.parametrize("modules_to_save", [False, True])
 @pytest.mark.parametrize("kind", sorted(LORA))
-def test_lora_trains_to_plain_peft_losses(kind, modules_to_save):
+def test_lora_trains_to_plain_peft_losses(peft, kind, modules_to_save):
     """W=2 (W=1 with clipping for GPT-2), blocks found through PeftModel -> LoraModel -> the model;
     only the adapters (and the saved modules' copies) train, everything else stays bit for bit."""
     model = peft_model(kind, modules_to_save)
@@ -83,7 +83,7 @@ def test_lora_trains_to_plain_peft_losses(kind, modules_to_save):
 
 
 @pytest.mark.parametrize("kind", sorted(LORA))
-def test_lora_in_bf16_trains_to_pytorch_mixed_precision(kind):
+def test_lora_in_bf16_trains_to_pytorch_mixed_precision(peft, kind):
     """bf16 compute, fp32 masters of the adapters only; the frozen base is its value rounded to bf16."""
     model = peft_model(kind, modules_to_save=True)
     batches = token_batches(STEPS)
@@ -96,7 +96,7 @@ def test_lora_in_bf16_trains_to_pytorch_mixed_precision(kind):
 
 @pytest.mark.parametrize("modules_to_save", [False, True])
 @pytest.mark.parametrize("kind", sorted(LORA))
-def test_save_pretrained_after_training_reloads_to_the_trained_model(tmp_path, kind, modules_to_save):
+def test_save_pretrained_after_training_reloads_to_the_trained_model(peft, tmp_path, kind, modules_to_save):
     """``peft_model.save_pretrained`` reads the trained adapters through ``state_dict`` (the
     engine's fp32 masters); ``PeftModel.from_pretrained`` on a fresh copy of the base gives the
     engine's logits exactly."""
