@@ -356,7 +356,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
             raise CheckpointError(f"checkpoint {path}: {rel} is missing (it has {manifest.get('blocks')} blocks)")
         saved = _load_file(path, rel, manifest["files"][rel])
         params, shapes, trains = states.block_params(b), states.block_shapes(b), states.block_trainable(b)
-        current = states.read_block(b, ("master",))["master"] if left else {}
+        current = states.read_block(b, ("master",))["master"] if left and not all(trains) else {}
         masters = [current[n] if left and not t else _mine(saved, rename(n), p, shape, path)
                    for n, p, shape, t in zip(names, params, shapes, trains)]
         states.write_block(b, {"master": masters, **{

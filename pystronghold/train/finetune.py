@@ -2,7 +2,8 @@
 PEFT on a ``--model hf:DIR`` model: ``models/lora.py``), or every parameter but those ``--freeze
 REGEX`` names. Frozen parameters (the LoRA base included) are stored once in the compute dtype,
 with no optimizer state; a checkpoint of a ``--model hf:DIR`` run leaves them to DIR
-(``checkpoint.py``), and ``FinetuneOptions.record`` is what it keeps to refuse resuming otherwise.
+(``checkpoint.py``), and ``checkpoint_record`` is what it keeps to refuse resuming with other
+options or a changed DIR (``check_checkpoint_record``).
 """
 
 from __future__ import annotations
@@ -87,11 +88,6 @@ class FinetuneOptions:
             return None
         alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
         return LoraSpec(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets, dropout=self.lora_dropout)
-
-    @property
-    def partial(self) -> bool:
-        """Whether some parameters are frozen."""
-        return bool(self.lora_rank) or self.freeze is not None
 
 
 def freeze_matching(model: nn.Module, pattern: str) -> int:

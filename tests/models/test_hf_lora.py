@@ -185,3 +185,11 @@ def test_merge_of_a_checkpoint_without_adapters_is_refused(tmp_path, llama, caps
         capsys, ["export", str(tmp_path / "ck"), str(tmp_path / "m"), "--hf", "--merge"])
     assert "--merge need --hf" in cli_error(capsys, ["export", str(tmp_path / "ck"), str(tmp_path / "m.safetensors"),
                                                       "--merge"])
+
+
+def test_lora_without_peft_is_one_line_before_training(tmp_path, llama, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # find_spec now answers "not installed"
+    err = cli_error(capsys, train_args(*llama, tmp_path / "ck", ["--lora-rank", "4"]))
+    assert "--lora-rank needs peft" in err and "pip install 'pystronghold[peft]'" in err
