@@ -82,6 +82,18 @@ def test_lora_trains_to_plain_peft_losses(peft, kind, modules_to_save):
     assert changed == trainable
 
 
+def test_lora_with_every_state_on_the_nvme_tier(peft, tmp_path):
+    """The frozen base and the adapters' states on disk behind a cache of 2 blocks, one resident
+    block beside: still plain peft's losses and parameters, bit for bit."""
+    model = peft_model("llama", modules_to_save=True)
+    batches = token_batches(STEPS)
+    ref = train_reference(copy.deepcopy(model), batches, loss_of=lm_loss)
+    got = train_engine(model, batches, loss_of=lm_loss, blocks=None, window=1, resident_blocks=1,
+                       nvme_dir=str(tmp_path / "nvme"), nvme_states="all", nvme_cache_blocks=2)
+    assert got[2].placement.spilled
+    assert_same_training(ref, got, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", sorted(LORA))
 def test_lora_in_bf16_trains_to_pytorch_mixed_precision(peft, kind):
     """bf16 compute, fp32 masters of the adapters only; the frozen base is its value rounded to bf16."""
