@@ -109,8 +109,9 @@ class _BlockAdapters:
 # ---- PEFT's format
 
 def adapter_key(name: str) -> str:
-    """PEFT's saved name of the model's adapter parameter ``name`` (the adapter's name dropped)."""
-    return name.replace(f".{ADAPTER}.", ".")
+    """PEFT's saved name of the model's adapter parameter ``name``: the adapter's name dropped, as
+    ``get_peft_model_state_dict`` does (``...lora_A.default.weight`` -> ``...lora_A.weight``)."""
+    return name.replace(f".{ADAPTER}", "")
 
 
 def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, spec: LoraSpec,

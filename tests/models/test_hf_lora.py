@@ -99,15 +99,21 @@ def test_resumed_run_gives_the_uninterrupted_losses_and_saves_only_what_trains(t
     assert "config.json" in manifest["base"]["fingerprint"]
 
 
-def test_lora_export_adapters_and_merged_model_reload_to_the_trained_logits(peft, tmp_path, llama):
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_lora_export_adapters_and_merged_model_reload_to_the_trained_logits(peft, tmp_path, llama, arch):
     """`export --hf`: adapter_config.json + adapter_model.safetensors that
     PeftModel.from_pretrained(base, DIR) loads to the engine's logits exactly; `export --hf --merge`:
     a model directory transformers loads, whose logits are the engine's up to the rounding of
-    W + (alpha/r) B A against x W + (alpha/r) (x A) B, and peft's own merge_and_unload's."""
+    W + (alpha/r) B A against x W + (alpha/r) (x A) B, and peft's own merge_and_unload's. GPT-2:
+    Conv1D layers (weights stored transposed), a tied lm_head, dropout."""
     from transformers import AutoModelForCausalLM
 
     directory, data = llama
-    args = train_args(directory, data, tmp_path / "ck", LORA)
+    lora, targets = LORA, ["down_proj", "q_proj", "v_proj"]
+    if arch == "gpt2":
+        directory = save_tiny(tmp_path, "gpt2")
+        lora, targets = ["--lora-rank", "4", "--lora-targets", "c_attn,mlp.c_proj"], ["c_attn", "mlp.c_proj"]
+    args = train_args(directory, data, tmp_path / "ck", lora)
     assert main(args) == 0
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "adapter"), "--hf"]) == 0
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "merged"), "--hf", "--merge",
@@ -119,7 +125,7 @@ def test_lora_export_adapters_and_merged_model_reload_to_the_trained_logits(peft
     adapter = tmp_path / "adapter"
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in adapter.iterdir()}
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, ["down_proj", "q_proj", "v_proj"])
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, targets)
     base = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch.float32)
     reloaded = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
     with torch.no_grad():
