@@ -318,8 +318,9 @@ def main():
             "kernels": ["triton"],     # the Triton kernels on CUDA (torch's CUDA wheels bring it)
             "hf": ["transformers", "tokenizers"],  # --model hf:DIR, export --hf, from_pretrained
             "yaml": ["pyyaml"],        # plan --cluster FILE.yaml (JSON needs nothing)
+            "peft": ["peft", "accelerate"],  # train --lora-rank, export --hf of LoRA adapters; accelerate: bench baseline
             "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers", "pyyaml",
-                    "tensorboard"],
+                    "tensorboard", "peft", "accelerate"],
         },
         entry_points={"console_scripts": ["pystronghold=pystronghold.cli:main"]},
         zip_safe=False,

@@ -16,6 +16,7 @@ EXTRAS = {
     "kernels": ("triton",),
     "hf": ("transformers", "tokenizers"),
     "yaml": ("yaml",),
+    "peft": ("peft",),
 }
 """pip extra -> the importable modules it provides (setup.py's ``extras_require`` installs them)."""
 

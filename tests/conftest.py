@@ -26,6 +26,14 @@ def seed_everything():
     yield
 
 
+@pytest.fixture
+def peft():
+    """The ``peft`` package (the test is skipped without it), imported when the test runs. NOTE: not
+    when its module is collected: peft imports triton.language, which must come after
+    tests/models/test_models_loss.py has switched the Triton interpreter on."""
+    return pytest.importorskip("peft")
+
+
 _DEVICE_FOLDERS = (_TESTS / "gpu", _TESTS / "triton")
 _DEVICE_MODULES = {_TESTS / "models" / "test_models_loss.py"}  # its Triton cross-entropy runs on the device
 

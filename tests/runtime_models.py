@@ -294,7 +294,7 @@ missing, doubled or unscaled update fails). It covers the fused host Adam's last
 flipping a rounding of the half-precision copy; with the same arithmetic the runs agree bit for bit."""
 
 
-def train_mixed_reference(model, batches, dtype, *, clip=None, init_scale=2.0**16):
+def train_mixed_reference(model, batches, dtype, *, clip=None, init_scale=2.0**16, loss_of=_call_model):
     """fp32 master copies of the fp32 ``model``'s parameters updated by torch.optim.AdamW, the model
     cast to ``dtype`` computing with them (rewritten from the masters after each step); fp16 adds
     torch.amp.GradScaler (dynamic loss scale, inf/NaN steps skipped). A frozen parameter
@@ -306,8 +306,8 @@ def train_mixed_reference(model, batches, dtype, *, clip=None, init_scale=2.0**1
     opt = torch.optim.AdamW(masters, **HYPER)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if dtype == torch.float16 else None
     losses, skipped = [], 0
-    for x, y in batches:
-        loss = model(x, y)
+    for batch in batches:  # loss_of(model, batch): the loss of one item of batches
+        loss = loss_of(model, batch)
         (scaler.scale(loss) if scaler else loss).backward()
         losses.append(loss.item())
         for p, m in zip(params, masters):

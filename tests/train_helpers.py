@@ -49,6 +49,17 @@ def run_training(config: TrainConfig, *, keep: bool = False):
     return trainer if keep else result
 
 
+def cli_error(capsys, argv: list[str]) -> str:
+    """The one line ``pystronghold argv`` prints on stderr when it refuses its input (exit status 2)."""
+    from pystronghold.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
 def kill_when_marked(script: str, marker: Path, what: str, timeout_s: float = 120.0, *, sig: int | None = None,
                      stderr: Path | None = None) -> int:
     """Run ``script`` in a child Python; send it ``sig`` (default SIGKILL) as soon as it writes

@@ -18,6 +18,7 @@ The cache is turned off (``use_cache=False``): a training forward must not appen
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -27,10 +28,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pystronghold.models.hf_shards import SafetensorsShards
+from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
 
 __all__ = ["SUPPORTED", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "from_pretrained",
-           "causal_lm_loss", "HF_PREFIX"]
+           "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -149,19 +150,76 @@ class LazyHFModel:
     shards: SafetensorsShards
     """The weights' reader."""
     spec: HFModelConfig
+    adapters: object = None
+    """Adapters added to the blocks after loading (``models.lora.add_lora``), or None: their
+    ``stored_name(name)`` maps a block parameter's name to the shards' (None: an adapter's own
+    parameter, which the shards do not hold), and ``initialize(block, i)`` gives block i's adapter
+    parameters their initial values once its weights are read."""
 
     @torch.no_grad()
     def materialize(self, index: int) -> nn.Module:
-        """Give block ``index`` its weights from the shards (fp32, on the host); returns the block."""
+        """Give block ``index`` its weights from the shards (fp32, on the host), and its adapters
+        their initial values; returns the block."""
         block = self.blocks[index]
         prefix = f"{self.blocks_name}.{index}."
         for mod_name, module in block.named_modules():
             for name, p in list(module.named_parameters(recurse=False)):
                 if p.is_meta:
                     full = prefix + (f"{mod_name}.{name}" if mod_name else name)
-                    setattr(module, name, nn.Parameter(self.shards.read(full), requires_grad=p.requires_grad))
+                    stored = full if self.adapters is None else self.adapters.stored_name(full)
+                    if stored is not None:
+                        setattr(module, name, nn.Parameter(self.shards.read(stored), requires_grad=p.requires_grad))
         self.shards.close()  # unmap: the pages read would otherwise stay resident, block after block
+        if self.adapters is not None:
+            self.adapters.initialize(block, index)
         return block
+
+
+def _model_on_meta(spec: HFModelConfig) -> nn.Module:
+    """The model of ``spec``'s config.json with every parameter on ``meta`` (``use_cache`` off)."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ValueError(f"{HF_PREFIX}{spec.source}: loading Hugging Face models needs transformers "
+                         "(pip install 'pystronghold[hf]')") from None
+
+    config = AutoConfig.from_pretrained(spec.source, local_files_only=True)
+    config.use_cache = False  # NOTE: a training forward must not append to a KV cache
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _shards(spec: HFModelConfig, model: nn.Module) -> SafetensorsShards:
+    prefix = getattr(model, "base_model_prefix", "")
+    return SafetensorsShards(spec.source, strip_prefix=f"{prefix}." if prefix else "")
+
+
+def read_weights(directory: str | os.PathLike):
+    """Every weight of the model saved in ``directory`` by its model name (a tied weight once,
+    under its first name), read one at a time as fp32: yields ``(name, tensor)``."""
+    spec = read_hf_config(directory)
+    model = _model_on_meta(spec)
+    shards = _shards(spec, model)
+    try:
+        for aliases in _aliases(model).values():
+            stored = next((name for name, _, _ in aliases if shards.key(name) is not None), aliases[0][0])
+            yield aliases[0][0], shards.read(stored)
+            shards.close()  # unmap: the pages read would otherwise stay resident
+    finally:
+        shards.close()
+
+
+def weights_fingerprint(directory: str | os.PathLike) -> dict:
+    """What identifies the model saved in ``directory`` without reading its weights: the sha256 of
+    config.json (and of the shard index), and the size in bytes of every safetensors file."""
+    path = Path(directory)
+    out = {}
+    for name in ("config.json", INDEX_NAME):
+        if (path / name).is_file():
+            out[name] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    for file in sorted(path.glob("*.safetensors")):
+        out[file.name] = file.stat().st_size
+    return out
 
 
 def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
@@ -170,22 +228,12 @@ def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
     Checks every tensor (present, shape as config.json makes it, float dtype) before loading any.
     """
     spec = read_hf_config(directory)
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise ValueError(f"{HF_PREFIX}{directory}: loading Hugging Face models needs transformers "
-                         "(pip install 'pystronghold[hf]')") from None
-
-    config = AutoConfig.from_pretrained(spec.source, local_files_only=True)
-    config.use_cache = False  # NOTE: a training forward must not append to a KV cache
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _model_on_meta(spec)
     blocks_name = SUPPORTED[spec.architecture]
     blocks = model.get_submodule(blocks_name)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"{spec.architecture}: {blocks_name} is not an nn.ModuleList")
-    prefix = getattr(model, "base_model_prefix", "")
-    shards = SafetensorsShards(spec.source, strip_prefix=f"{prefix}." if prefix else "")
+    shards = _shards(spec, model)
     block_modules = {id(m) for m in blocks.modules()}
     head_tail = _aliases(model, skip=block_modules)
     for name, p in model.named_parameters():  # the blocks' tensors

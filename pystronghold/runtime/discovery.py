@@ -7,6 +7,10 @@ the top of the model or up to two levels down, as in the layouts people have:
 - ``transformer.h`` (GPT-2), ``model.layers`` (Llama, Mistral), ``gpt_neox.layers`` (Pythia),
   ``encoder.layer`` (BERT), ``model.decoder.layers`` (OPT), ``transformer.blocks`` (MPT)
 
+A wrapper that holds the model and hands it out with ``get_base_model()`` (PEFT's ``PeftModel``,
+whose stack is at ``base_model.model.model.layers``) is looked through: the search starts at the
+model it wraps, and the name returned is the full path from the wrapper.
+
 A ModuleList inside another ModuleList (sub-layers of one block) is never a candidate. Exactly one
 candidate must exist: none, or more than one (an encoder-decoder model, say), raises ValueError
 asking the caller to pass ``blocks=`` explicitly.
@@ -35,7 +39,8 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"find_blocks expects an nn.Module, got {type(model).__name__}")
-    candidates = _candidates(model)
+    inner, prefix = _wrapped_model(model)
+    candidates = [(prefix + name, stack) for name, stack in _candidates(inner)]
     if not candidates:
         raise ValueError(
             f"no block stack found in {type(model).__name__}: looked for a non-empty nn.ModuleList "
@@ -50,6 +55,19 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     log.info("found the block stack: %s.%s, %d x %s", type(model).__name__, name, len(stack),
              type(stack[0]).__name__)
     return name, stack
+
+
+def _wrapped_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """``(the innermost model, its dotted path + ".")`` through wrappers whose ``get_base_model()``
+    returns a module inside them; ``(model, "")`` for a model that wraps nothing."""
+    prefix = ""
+    while callable(getattr(model, "get_base_model", None)):
+        inner = model.get_base_model()
+        path = next((name for name, m in model.named_modules() if m is inner and name), None)
+        if path is None:  # itself, or not one of its modules: nothing to look through
+            break
+        model, prefix = inner, f"{prefix}{path}."
+    return model, prefix
 
 
 def _candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:

@@ -152,7 +152,9 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
     """``BlockCosts`` of ``model`` (a GPT) with seconds measured on ``device`` (see the module doc)."""
     cfg, dtype = model.config, compute_dtype(work.precision)
     seq = work.seq or cfg.seq_len
-    block = copy.deepcopy(model.blocks[0])
+    # NOTE: timed as a trainable block even when it is frozen (--freeze): the full fine-tune's costs
+    # bound a partial one's
+    block = copy.deepcopy(model.blocks[0]).requires_grad_(True)
     if any(p.is_meta for p in block.parameters()):  # a lazily built GPT (--nvme): values do not matter here
         block = block.to_empty(device="cpu")
         with torch.no_grad():

@@ -4,13 +4,19 @@ Layout of one checkpoint (``<dir>/step-00000100/``)::
 
     blocks/block-00000.safetensors ...   one file per block: for each parameter (full model name)
                                          its fp32 master, ``<name>.exp_avg`` and ``<name>.exp_avg_sq``
-                                         (a frozen parameter: its value, in the compute dtype)
+                                         (a frozen parameter: its value, in the compute dtype;
+                                         none in a --model hf:DIR run, see below)
     head_tail.safetensors                head and tail fp32 masters and their AdamW moments
     state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states
                                          (with the layer-drop generator), data position, loss-scaler
                                          state (small)
     manifest.json                        format, version, model config, step, lineage (the run ids
-                                         that led to it), sha256 of every file
+                                         that led to it), fine-tune options (LoRA, --freeze) and the
+                                         base directory's fingerprint, sha256 of every file
+
+A ``--model hf:DIR`` run with frozen parameters (``--lora-rank``, ``--freeze``) saves only what
+trains: the frozen ones are DIR's weights, read from it again on resume, which is refused (one
+line) when DIR's config or safetensors files have changed since (``train/finetune.py``).
 
 Nothing in it depends on the window size or the number of ranks that wrote it: tensors are keyed
 by parameter name and hold whole parameters (``manifest.json`` records the PP x TP x DP layout that
@@ -45,12 +51,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load, save as st_save
 
+from pystronghold.models.hf import HFModelConfig
 from pystronghold.parallel.data import is_pipeline_copy, tied_source
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 from pystronghold.runtime.divergence import check_finite_state
 from pystronghold.runtime.state_dict import block_step_counts, set_block_step_counts
 from pystronghold.train.checkpoint_dir import (FORMAT, VERSION, CheckpointError, block_file, checkpoint_name,
                                                read_manifest)
+from pystronghold.train.finetune import check_checkpoint_record, checkpoint_record
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "load_checkpoint", "read_manifest",
            "checkpoint_weights", "export_weights", "save_safetensors"]
@@ -192,6 +200,10 @@ def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
 
     pipe, indices, rename = _pipeline(trainer)
     local = {g: b for b, g in enumerate(indices)}
+    leaves_frozen = _leaves_frozen(trainer)
+
+    def saved(param) -> bool:
+        return param.requires_grad or not leaves_frozen
     # NOTE: the format is keyed by full model names. Every TP rank walks the same blocks, states and
     # parameters in the same order, so the gathers match; a gathered block is written and dropped
     # before the next one is read (engine.states reads one block, from disk if it is there). With
@@ -199,20 +211,21 @@ def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
     for g in range(_block_count(trainer)):
         b, tensors = local.get(g), None
         if b is not None:
-            splits = {n: _split(p) for n, p in zip(states.block_names[b], states.block_params(b))}
+            params = dict(zip(states.block_names[b], states.block_params(b)))
             values = states.read_block(b, [tier for tier, _ in _BLOCK_STATES])
             tensors = {}
             for tier, suffix in _BLOCK_STATES:
                 for n, value in values[tier].items():  # a frozen parameter: its value, no moments
-                    tensors[rename(n) + suffix] = gather_tp_tensor(value, splits[n], tp_group)
+                    if saved(params[n]):
+                        tensors[rename(n) + suffix] = gather_tp_tensor(value, _split(params[n]), tp_group)
             del values
         if pipe is not None:
             tensors = pipe.share_from(pipe.stage_of_block(g), tensors)
         write(block_file(g), tensors)
     tensors = {}
     for n, p, m, st in states.head_tail():
-        if is_pipeline_copy(p):
-            continue  # the last stage's copy of a tied weight: saved once, under the original's name
+        if is_pipeline_copy(p) or not saved(p):
+            continue  # a pipeline's copy of a tied weight (saved under the original's name), or left to the base
         split = _split(p)  # a fp16/bf16 run's master is a copy: p has the split
         tensors[n] = gather_tp_tensor(m.float(), split, tp_group).cpu()
         if st:
@@ -223,6 +236,20 @@ def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
         tensors = {k: v for stage in range(pipe.groups.pp_size) for k, v in pipe.share_from(stage, tensors).items()}
     write("head_tail.safetensors", tensors)
     return files
+
+
+def _leaves_frozen(trainer) -> bool:
+    """Whether the checkpoint leaves the frozen parameters out: a ``--model hf:DIR`` run, whose
+    frozen parameters DIR gives back on resume."""
+    return isinstance(trainer.config.gpt, HFModelConfig)
+
+
+def _finetune_record(trainer) -> dict:
+    """The manifest's ``finetune`` and (when frozen parameters are left to the base) ``base``."""
+    config = trainer.config
+    partial = any(not p.requires_grad for p in trainer.engine.model.parameters())
+    base = config.gpt.source if partial and _leaves_frozen(trainer) else None
+    return checkpoint_record(config.finetune.freeze, getattr(trainer, "lora", None), base)
 
 
 def _block_count(trainer) -> int:
@@ -248,7 +275,7 @@ def _write_manifest(trainer, root: Path, tmp: Path, name: str, files: dict[str, 
                 "precision": trainer.config.runtime.precision, "lineage": list(trainer.lineage),
                 "written_by": {"tp": groups.tp_size if groups else 1, "dp": groups.dp_size if groups else 1,
                                "pp": groups.pp_size if groups else 1},
-                "files": files}
+                **_finetune_record(trainer), "files": files}
     _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
     _fsync_dir(tmp / "blocks")
     _fsync_dir(tmp)
@@ -316,20 +343,30 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     mine, saved_model = _model_dict(trainer.config.gpt), dict(manifest["model"], tp_size=1)
     if saved_model != mine:
         raise CheckpointError(f"checkpoint {path} was made for another model: {_model_difference(saved_model, mine)}")
+    check_checkpoint_record(manifest, _finetune_record(trainer), path)
     engine = trainer.engine
     states = engine.states
     _, indices, rename = _pipeline(trainer)
+    # NOTE: a frozen parameter the checkpoint left to the base directory keeps its value, read from
+    # there when this run was built
+    left = manifest.get("base") is not None
     for b, names in enumerate(states.block_names):
         rel = block_file(indices[b])  # a pipeline stage reads its own blocks
         if rel not in manifest["files"]:
             raise CheckpointError(f"checkpoint {path}: {rel} is missing (it has {manifest.get('blocks')} blocks)")
         saved = _load_file(path, rel, manifest["files"][rel])
         params, shapes, trains = states.block_params(b), states.block_shapes(b), states.block_trainable(b)
-        states.write_block(b, {tier: [_mine(saved, rename(n) + suffix, p, shape, path)
-                                      for n, p, shape, t in zip(names, params, shapes, trains) if t or tier == "master"]
-                               for tier, suffix in _BLOCK_STATES})
+        current = states.read_block(b, ("master",))["master"] if left and not all(trains) else {}
+        masters = [current[n] if left and not t else _mine(saved, rename(n), p, shape, path)
+                   for n, p, shape, t in zip(names, params, shapes, trains)]
+        states.write_block(b, {"master": masters, **{
+            tier: [_mine(saved, rename(n) + suffix, p, shape, path)
+                   for n, p, shape, t in zip(names, params, shapes, trains) if t]
+            for tier, suffix in _BLOCK_STATES if tier != "master"}})
     saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
     for i, (n, p, m, _) in enumerate(states.head_tail()):
+        if left and not p.requires_grad:
+            continue
         n = tied_source(p) or n  # a pipeline's copy of a tied weight: the original's values
         state = None
         if n + ".exp_avg" in saved:

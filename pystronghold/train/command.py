@@ -23,6 +23,8 @@ EXAMPLES = """examples:
   pystronghold train --checkpoint-dir ck --checkpoint-every 50  # then add --resume to continue
   pystronghold train --model gpt3-125m --device cuda --precision bf16 --window 4
   pystronghold train --model hf:llama-dir --data notes.jsonl --checkpoint-dir ck   # then export ck out/ --hf
+  pystronghold train --model hf:llama-dir --lora-rank 16 --lora-targets q_proj,v_proj --checkpoint-dir ck
+  pystronghold train --model hf:llama-dir --freeze 'embed|layers\\.([0-9]|1[0-5])\\.' --window 4  # top layers only
   torchrun --nproc-per-node 4 -m pystronghold train --model tiny --tp 2 --dp 2   # 4 processes
 """
 
@@ -200,8 +202,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     from pathlib import Path
 
-    if not args.hf and (args.tokenizer is not None or args.no_tokenizer):
-        print("pystronghold export: error: --tokenizer and --no-tokenizer need --hf", file=sys.stderr)
+    if not args.hf and (args.tokenizer is not None or args.no_tokenizer or args.merge):
+        print("pystronghold export: error: --tokenizer, --no-tokenizer and --merge need --hf", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="pystronghold export: %(message)s", stream=sys.stderr)
     path = Path(args.checkpoint)
@@ -216,7 +218,7 @@ def run_export(args: argparse.Namespace) -> int:
             from pystronghold.train.export_hf import export_hf
 
             out = export_hf(path, args.output, max_shard_bytes=parse_bytes(args.max_shard_size, "--max-shard-size"),
-                            tokenizer_dir=args.tokenizer, copy_tokenizer=not args.no_tokenizer)
+                            tokenizer_dir=args.tokenizer, copy_tokenizer=not args.no_tokenizer, merge=args.merge)
         else:
             out = export_weights(path, args.output)
     except (CheckpointError, OSError, ValueError) as e:
@@ -249,7 +251,9 @@ def add_export_command(subparsers) -> argparse.ArgumentParser:
                        "(--hf) as a Hugging Face model directory",
         epilog="examples:\n"
                "  pystronghold export ck/ model.safetensors   # the latest checkpoint in ck/\n"
-               "  pystronghold export ck/ tuned/ --hf         # a --model hf:DIR run -> from_pretrained('tuned/')",
+               "  pystronghold export ck/ tuned/ --hf         # a --model hf:DIR run -> from_pretrained('tuned/')\n"
+               "  pystronghold export ck/ adapter/ --hf       # a --lora-rank run -> PeftModel.from_pretrained(base, 'adapter/')\n"
+               "  pystronghold export ck/ merged/ --hf --merge  # a --lora-rank run, adapters merged -> from_pretrained('merged/')",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
     parser.add_argument("output", help="output file: .safetensors, or .pt for torch.save; with --hf a new "
@@ -257,6 +261,9 @@ def add_export_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face directory (config.json, safetensors shards, index, "
                              "tokenizer) of a run trained with --model hf:DIR")
+    parser.add_argument("--merge", action="store_true",
+                        help="--hf of a --lora-rank run: the base model with the adapters merged into its "
+                             "weights (default: the adapters alone, in PEFT's format)")
     parser.add_argument("--max-shard-size", default="2GiB", metavar="BYTES",
                         help="--hf: most bytes per safetensors shard, e.g. 2GiB, 500MB (default: 2GiB)")
     tokenizer = parser.add_mutually_exclusive_group()

@@ -21,6 +21,7 @@ from pystronghold.models.hf import HF_PREFIX, HFModelConfig
 from pystronghold.options import ConfigError, component, option
 from pystronghold.parallel.pipeline import SCHEDULES
 from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.train.finetune import FinetuneOptions
 from pystronghold.train.model_spec import HF_DEFAULT_SEQ, model_lr, resolve_model
 
 __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
@@ -327,6 +328,7 @@ class TrainConfig:
     """Everything ``pystronghold train`` needs; its fields are the components, in --help order."""
 
     model: ModelOptions = component(ModelOptions)
+    finetune: FinetuneOptions = component(FinetuneOptions)
     data: DataOptions = component(DataOptions)
     optim: OptimOptions = component(OptimOptions)
     runtime: RuntimeConfig = component(lambda: RuntimeConfig(**TRAIN_RUNTIME_DEFAULTS), hide=TRAIN_RUNTIME_HIDDEN)
@@ -354,6 +356,11 @@ class TrainConfig:
         tp, dp, world = par.tp, par.dp_size, par.world_size
         if isinstance(cfg, HFModelConfig) and tp > 1:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
+        if self.finetune.lora_rank and not isinstance(cfg, HFModelConfig):
+            raise ValueError(f"--lora-rank needs --model {HF_PREFIX}DIR (PEFT adds the adapters to a Hugging Face "
+                             "model); for pystronghold's GPT use --freeze REGEX")
+        if self.finetune.freeze is not None and (tp > 1 or par.pp > 1):
+            raise ValueError("--freeze is not supported with --tp or --pp yet")
         if isinstance(cfg, HFModelConfig) and self.runtime.window == "auto":
             raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
         if self.runtime.resident_blocks == "auto" and self.runtime.window != "auto":

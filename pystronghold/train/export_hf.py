@@ -14,6 +14,13 @@ Everything goes to a temporary sibling directory first, renamed to OUTDIR when c
 ``save_pretrained(engine, OUTDIR)`` does the same from a live engine (Python: the fp32 masters of
 ``engine.master_parameters()``, the model's own config with ``use_cache`` back on).
 
+A checkpoint that holds only the trained parameters (``--lora-rank``, ``--freeze``; see
+``checkpoint.py``) is completed from its base directory, refused when that has changed since. A LoRA
+checkpoint exports its adapters in PEFT's format (``adapter_config.json``,
+``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, OUTDIR)`` loads them), or with
+``merge`` the base with every adapter merged into its weight (W + (alpha/r) B A), a plain model
+directory. Base tensors are read one at a time; the adapters are held whole (they are small).
+
 Checkpoints of pystronghold's own GPT are refused (export them with ``pystronghold export CKPT
 OUT.safetensors``): its layout is not one of the Hugging Face architectures.
 """
@@ -28,9 +35,11 @@ from pathlib import Path
 
 import torch
 
-from pystronghold.models.hf import HFModelConfig
+from pystronghold.models.hf import HFModelConfig, read_weights
+from pystronghold.models.lora import ADAPTER, PEFT_PREFIX, LoraSpec, adapter_key, lora_config, merged
 from pystronghold.tokenized import TOKENIZER_FILES, has_tokenizer
 from pystronghold.train.checkpoint import CheckpointError, checkpoint_weights, read_manifest, save_safetensors
+from pystronghold.train.finetune import check_base
 
 __all__ = ["export_hf", "save_pretrained", "DEFAULT_SHARD_BYTES", "COPIED_FILES"]
 
@@ -53,23 +62,80 @@ def _hf_spec(path: Path, manifest: dict) -> HFModelConfig:
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer_dir: str | os.PathLike | None = None,
-              copy_tokenizer: bool = True) -> Path:
+              copy_tokenizer: bool = True, merge: bool = False) -> Path:
     """Write checkpoint ``checkpoint`` as a Hugging Face model directory ``out`` (see the module
-    docstring); ``out`` must not exist or be empty. The tokenizer and generation files come from
+    docstring), or a LoRA run's adapters in PEFT's format (merged into the model with ``merge``);
+    ``out`` must not exist or be empty. The tokenizer and generation files come from
     ``tokenizer_dir``, by default the run's ``--model hf:DIR``; none with ``copy_tokenizer=False``.
-    Returns ``out``. CheckpointError for a checkpoint that is corrupt or was not made from a Hugging
-    Face model; ValueError for a bad ``out`` or a tokenizer source without a tokenizer."""
+    Returns ``out``. CheckpointError for a checkpoint that is corrupt, was not made from a Hugging
+    Face model, or whose base has changed; ValueError for a bad ``out``, ``merge`` of a checkpoint
+    without adapters, or a tokenizer source without a tokenizer."""
     path, out = Path(checkpoint), Path(out)
     _check_output(out, max_shard_bytes)
     manifest = read_manifest(path)
     spec = _hf_spec(path, manifest)
+    lora = (manifest.get("finetune") or {}).get("lora")
+    if merge and not lora:
+        raise ValueError(f"--merge: checkpoint {path} holds no LoRA adapters (not a --lora-rank run); "
+                         "export --hf writes its whole model as it is")
+    check_base(manifest, path, "export")
     source = _tokenizer_source(spec.source, tokenizer_dir) if copy_tokenizer else None
-    names = _write_directory(out, checkpoint_weights(path, manifest), spec.config, max_shard_bytes,
+    trained = checkpoint_weights(path, manifest)
+    if lora and not merge:
+        lora = LoraSpec(**dict(lora, targets=tuple(lora["targets"])))
+        adapters = {name: t for part in trained for name, t in part.items()}
+        _write_directory(out, lambda tmp: _write_adapters(tmp, adapters, lora, spec), source=source)
+        log.info("export: %s (%s, step %d) -> %s: %d LoRA adapter tensors (rank %d)", path, spec.architecture,
+                 manifest["step"], out, len(adapters), lora.rank)
+        return out
+    if lora:
+        weights = _merged_weights(spec, {name: t for part in trained for name, t in part.items()},
+                                  LoraSpec(**dict(lora, targets=tuple(lora["targets"]))))
+    elif manifest.get("base") is not None:
+        weights = _completed_weights(spec, trained)
+    else:
+        weights = trained
+    names = _write_directory(out, lambda tmp: _write_model(tmp, weights, spec.config, max_shard_bytes),
                              source=source)
     copied = [n for n in COPIED_FILES if (out / n).is_file()]
     log.info("export: %s (%s, step %d) -> %s: %d shard(s)%s", path, spec.architecture, manifest["step"], out,
              len(names), f", copied {', '.join(copied)}" if copied else "")
     return out
+
+
+def _write_adapters(out: Path, adapters: dict[str, torch.Tensor], lora: LoraSpec, spec: HFModelConfig) -> list[str]:
+    """``adapter_config.json`` and ``adapter_model.safetensors`` (``adapters`` by model name) into ``out``."""
+    lora_config(lora, spec.architecture, spec.source).save_pretrained(str(out))
+    save_safetensors({adapter_key(n): t.float().contiguous() for n, t in adapters.items()},
+                     out / "adapter_model.safetensors", metadata={"format": "pt"})
+    return ["adapter_model.safetensors"]
+
+
+def _merged_weights(spec: HFModelConfig, adapters: dict[str, torch.Tensor], lora: LoraSpec):
+    """The base model's weights (one tensor at a time) with every adapter merged into its layer's weight."""
+    merged_count = 0
+    for name, tensor in read_weights(spec.source):
+        module = name.removesuffix(".weight")
+        a = adapters.get(f"{PEFT_PREFIX}{module}.lora_A.{ADAPTER}.weight")
+        if a is not None:
+            tensor = merged(tensor, a, adapters[f"{PEFT_PREFIX}{module}.lora_B.{ADAPTER}.weight"], lora,
+                            spec.architecture)
+            merged_count += 1
+        yield {name: tensor}
+    if 2 * merged_count != len(adapters):
+        raise CheckpointError(f"--merge: the checkpoint holds {len(adapters)} adapter tensors, {merged_count} "
+                              "pairs of which matched a weight of the base model")
+
+
+def _completed_weights(spec: HFModelConfig, trained):
+    """The checkpoint's trained weights, then the base directory's others (the frozen ones)."""
+    names = set()
+    for part in trained:
+        names.update(part)
+        yield part
+    for name, tensor in read_weights(spec.source):
+        if name not in names:
+            yield {name: tensor}
 
 
 def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -92,7 +158,8 @@ def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DE
                         "Face model (use pystronghold.from_pretrained)")
     config = dict(model_config.to_dict(), use_cache=True, architectures=[type(engine.model).__name__])
     weights = engine.master_parameters()  # views of the store: nothing is copied until written
-    names = _write_directory(out, [weights], config, max_shard_bytes, source=tokenizer_dir)
+    names = _write_directory(out, lambda tmp: _write_model(tmp, [weights], config, max_shard_bytes),
+                             source=tokenizer_dir)
     log.info("save_pretrained: %s -> %s: %d shard(s)", type(engine.model).__name__, out, len(names))
     return out
 
@@ -118,19 +185,24 @@ def _check_output(out: Path, max_shard_bytes: int) -> None:
         raise ValueError(f"{out}: exists and is not an empty directory")
 
 
-def _write_directory(out: Path, weight_dicts, config: dict, max_shard_bytes: int,
-                     source: str | os.PathLike | None = None) -> list[str]:
-    """Shards + index of ``weight_dicts``, config.json (fp32) and the tokenizer files of ``source``
-    (none when None) into a temporary sibling of ``out``, renamed into place."""
+def _write_model(out: Path, weight_dicts, config: dict, max_shard_bytes: int) -> list[str]:
+    """Shards + index of ``weight_dicts`` and config.json (fp32) into ``out``; returns the shard names."""
+    names = _write_shards(weight_dicts, out, max_shard_bytes)
+    config = dict(config, dtype="float32")
+    if "torch_dtype" in config:
+        config["torch_dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return names
+
+
+def _write_directory(out: Path, fill, source: str | os.PathLike | None = None) -> list[str]:
+    """``fill(tmp)`` (returning the names of the weight files it wrote) and the tokenizer files of
+    ``source`` (none when None) into a temporary sibling ``tmp`` of ``out``, renamed into place."""
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        names = _write_shards(weight_dicts, tmp, max_shard_bytes)
-        config = dict(config, dtype="float32")
-        if "torch_dtype" in config:
-            config["torch_dtype"] = "float32"
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        names = fill(tmp)
         if source is not None:
             for name in COPIED_FILES:
                 if (Path(source) / name).is_file():

@@ -171,6 +171,16 @@ class Trainer:
             self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
                              materialize_blocks=False)
             blocks = self.model.blocks
+        self.lora = None
+        """The LoRA adapters of a --lora-rank run (``models.lora.LoraSpec``, targets as PEFT resolved them)."""
+        if config.finetune.lora_rank:  # PEFT wraps the model; its blocks stay ``blocks``
+            from pystronghold.models.lora import add_lora
+
+            self.model, self.lora = add_lora(hf_model, config.finetune.lora, run.seed)
+        if config.finetune.freeze is not None:
+            from pystronghold.train.finetune import freeze_matching
+
+            freeze_matching(self.model, config.finetune.freeze)
         self.auto_window = None
         split = {}
         if config.runtime.window == "auto":

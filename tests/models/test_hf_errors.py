@@ -12,6 +12,7 @@ import pystronghold as ph
 from pystronghold.cli import main
 from pystronghold.tokenized import tokenized_corpus
 from hf_models import save_tiny
+from train_helpers import cli_error
 
 
 def _shard_of(directory, name: str):
@@ -27,14 +28,6 @@ def _rewrite(path, change) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _cli_error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 def test_unsupported_architecture_is_named(tmp_path, capsys):
     directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
     config = json.loads((directory / "config.json").read_text())
@@ -42,7 +35,7 @@ def test_unsupported_architecture_is_named(tmp_path, capsys):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"architecture 'BertForMaskedLM' is not supported; supported: GPT2LMHeadModel"):
         ph.from_pretrained(directory, window=2)
-    err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1"])
+    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1"])
     assert "BertForMaskedLM" in err and "config.json" in err
 
 
@@ -52,7 +45,7 @@ def test_missing_shard_is_named(tmp_path, capsys):
     shard.unlink()
     with pytest.raises(ValueError, match=rf"{shard.name}: shard missing"):
         ph.from_pretrained(directory, window=2)
-    assert shard.name in _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
+    assert shard.name in cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
 
 
 def test_non_float_tensor_is_named_with_its_file_and_dtype(tmp_path):
@@ -90,7 +83,7 @@ def test_tensor_missing_from_the_shards_is_named(tmp_path):
 
 def test_missing_tokenizer_is_one_line(tmp_path, capsys):
     directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
-    err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
+    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
     assert "no tokenizer in the model directory" in err
 
 
@@ -122,22 +115,22 @@ def test_export_hf_refuses_a_gpt_checkpoint_and_a_full_directory(tmp_path, capsy
         trainer.train()
     finally:
         trainer.close()
-    err = _cli_error(capsys, ["export", str(ck), str(tmp_path / "out"), "--hf"])
+    err = cli_error(capsys, ["export", str(ck), str(tmp_path / "out"), "--hf"])
     assert "holds pystronghold's own GPT" in err and str(latest_checkpoint(ck)) in err
     assert not (tmp_path / "out").exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    assert "exists and is not an empty directory" in _cli_error(
+    assert "exists and is not an empty directory" in cli_error(
         capsys, ["export", str(ck), str(tmp_path / "full"), "--hf"])
 
 
 def test_tensor_parallel_and_auto_window_are_refused_for_hf_models(tmp_path, capsys):
     directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
-    err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--tp", "2"])
+    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--tp", "2"])
     assert "--tp 2: --model hf:DIR trains with --tp 1 only" in err
-    err = _cli_error(capsys, ["train", "--model", f"hf:{directory}", "--window", "auto"])
+    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--window", "auto"])
     assert "--window auto" in err and "give --window N" in err
-    assert "no such directory" in _cli_error(capsys, ["train", "--model", f"hf:{tmp_path / 'nope'}"])
+    assert "no such directory" in cli_error(capsys, ["train", "--model", f"hf:{tmp_path / 'nope'}"])
 
 
 def test_export_hf_names_a_moved_tokenizer_source_and_writes_files_by_the_umask(tmp_path, capsys):
@@ -155,11 +148,11 @@ def test_export_hf_names_a_moved_tokenizer_source_and_writes_files_by_the_umask(
                  "--seq", "16", "--eval-every", "0", "--eval-batches", "1", "--quiet", "--checkpoint-dir",
                  str(ck)]) == 0
     moved = directory.rename(tmp_path / "moved")
-    err = _cli_error(capsys, ["export", str(ck), str(tmp_path / "out"), "--hf"])
+    err = cli_error(capsys, ["export", str(ck), str(tmp_path / "out"), "--hf"])
     assert f"the tokenizer source {directory} (the run's --model hf:DIR) does not exist" in err
     assert "give --tokenizer DIR" in err and "--no-tokenizer" in err
     assert not (tmp_path / "out").exists()
-    assert "--tokenizer and --no-tokenizer need --hf" in _cli_error(
+    assert "--tokenizer, --no-tokenizer and --merge need --hf" in cli_error(
         capsys, ["export", str(ck), str(tmp_path / "w.safetensors"), "--tokenizer", str(moved)])
 
     def modes(path):

@@ -97,3 +97,36 @@ def test_too_deep_is_not_found():
 def test_not_a_module():
     with pytest.raises(TypeError):
         find_blocks([Layer()])
+
+
+class Wrapper(nn.Module):
+    """Holds a model two levels down and hands it out with ``get_base_model()``, as PEFT's PeftModel."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.base_model = nn.Module()
+        self.base_model.model = model
+
+    def get_base_model(self) -> nn.Module:
+        return self.base_model.model
+
+
+def test_wrappers_with_get_base_model_are_looked_through():
+    blocks = stack()
+    name, found = find_blocks(Wrapper(Wrapper(nest("model.decoder.layers", blocks))))
+    assert name == "base_model.model.base_model.model.model.decoder.layers" and found is blocks
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_peft_models_are_looked_through(kind):
+    peft = pytest.importorskip("peft")
+    from hf_small import MODELS
+
+    model = MODELS[kind]()
+    targets = ["q_proj", "v_proj"] if kind == "llama" else ["c_attn"]
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=targets, fan_in_fan_out=kind == "gpt2"))
+    name, found = find_blocks(wrapped)
+    stack = model.model.layers if kind == "llama" else model.transformer.h
+    assert found is stack
+    assert name == ("base_model.model.model.layers" if kind == "llama" else "base_model.model.transformer.h")
+    assert find_blocks(wrapped.base_model) == (name[len("base_model."):], stack)  # PEFT's LoraModel
