@@ -14,7 +14,8 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train.command import config_from_args
 
 # Every option `pystronghold train` had before the runtime settings moved into RuntimeConfig, and the
-# relay schedule's and layer drop's (issue 20), and the interleaved pipeline's --pp-chunks (issue 16).
+# relay schedule's and layer drop's (issue 20), the interleaved pipeline's --pp-chunks (issue 16), and
+# the fine-tuning options (issue 30).
 TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --lr --warmup --min-lr-ratio "
                "--weight-decay --decay --beta2 --clip --accumulation --window --device --precision "
                "--device-budget-mb --resident-blocks --host-memory --nvme --nvme-states --nvme-cache-blocks "
@@ -22,7 +23,7 @@ TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --lr --w
                "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --overwrite --tp --dp "
                "--dp-split --pp --micro-batches --pp-schedule --pp-chunks "
                "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed "
-               "--max-skipped-steps").split()
+               "--max-skipped-steps --lora-rank --lora-alpha --lora-targets --lora-dropout --freeze").split()
 
 
 def _train(*argv):
