@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-__all__ = ["LoraSpec", "ADAPTER", "PEFT_PREFIX", "add_lora", "lora_config", "adapter_key", "merged"]
+__all__ = ["LoraSpec", "ADAPTER", "PEFT_PREFIX", "GPT_LORA_DEFAULT_TARGETS", "GPT_NOT_ADAPTABLE", "add_lora",
+           "lora_config", "adapter_key", "merged"]
 
 ADAPTER = "default"
 """The adapter's name in the model (PEFT's default): parameters are ``...lora_A.default.weight``."""
@@ -33,6 +34,11 @@ _FAN_IN_FAN_OUT = {"GPT2LMHeadModel"}
 _BASE_LAYER = ".base_layer."
 """PEFT moves a wrapped layer's own parameters under ``base_layer``; the base model names them without it."""
 _ADAPTER_PART = re.compile(r"\.lora_(A|B)\." + ADAPTER + r"\.")
+GPT_LORA_DEFAULT_TARGETS = ("qkv",)
+"""LoRA targets of pystronghold's GPT when none are given: its fused attention input, as GPT-2's."""
+GPT_NOT_ADAPTABLE = ("head.tok",)
+"""Modules of pystronghold's GPT with a matrix weight that LoRA cannot adapt: the token embedding
+(a ``VocabParallelEmbedding``, which PEFT does not know)."""
 
 
 @dataclass(kw_only=True, slots=True)
