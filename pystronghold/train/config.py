@@ -405,8 +405,9 @@ class TrainConfig:
             except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
                 raise ValueError(str(e)) from None
             if isinstance(cfg, GPTConfig):
-                raise ValueError(f"--lora-rank needs --model {HF_PREFIX}DIR (PEFT adds the adapters to a Hugging "
-                                 "Face model); for pystronghold's GPT use --freeze REGEX")
+                from pystronghold.planner.finetune import check_lora_targets, lora_targets
+
+                check_lora_targets(cfg, lora_targets(cfg, ft))
 
     def _check_pipeline(self, cfg) -> None:
         """--pp layouts (local arithmetic: the same on every rank, before any collective)."""
