@@ -278,6 +278,11 @@ class GPT(nn.Module):
         self.config = config
         self.seed = seed
         """The seed the current weights were drawn from (``materialize_block_`` draws from it)."""
+        self.adapters = None
+        """Adapters added to the blocks after construction (``models.lora.add_lora``), or None: as
+        ``models.hf.LazyHFModel.adapters``, ``stored_name(name)`` maps a block parameter's name to
+        the GPT's own (None: an adapter's parameter) and ``initialize(block, i)`` gives block i's
+        adapters their initial values once ``materialize_block_`` has drawn its weights."""
         self.head = Head(config, tp_group)
         if materialize_blocks:
             self.blocks = nn.ModuleList(Block(config, tp_group) for _ in range(config.layers))
@@ -326,7 +331,8 @@ class GPT(nn.Module):
     def materialize_block_(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
         """Give block ``index``'s ``meta`` parameters real storage on ``device`` and initialise
         them exactly as ``GPT(..., materialize_blocks=True)`` with the same seed would have
-        (bit for bit). Returns the block. ``ValueError`` if the block already has storage."""
+        (bit for bit), and its adapters as ``adapters`` does. Returns the block. ``ValueError`` if
+        the block already has storage."""
         if not -len(self.blocks) <= index < len(self.blocks):
             raise ValueError(f"block index {index} is out of range for {len(self.blocks)} blocks")
         index %= len(self.blocks)
@@ -342,7 +348,11 @@ class GPT(nn.Module):
                 setattr(p, key, value)
         for module_name, module in block.named_modules(prefix=f"blocks.{index}"):
             for name, param in module.named_parameters(prefix=module_name, recurse=False):
-                self._init_parameter(module, name, param)
+                own = name if self.adapters is None else self.adapters.stored_name(name)
+                if own is not None:  # NOTE: drawn under the GPT's own name, whatever wraps the layer
+                    self._init_parameter(module, own, param)
+        if self.adapters is not None:
+            self.adapters.initialize(block, index)
         return block
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,28 +1,36 @@
-"""LoRA adapters on a Hugging Face model loaded one block at a time (``pystronghold train --model
-hf:DIR --lora-rank R``), and the adapters in PEFT's format.
+"""LoRA adapters on a model built one block at a time (``pystronghold train --lora-rank R``): a
+Hugging Face model (``--model hf:DIR``) or pystronghold's GPT, and the adapters in PEFT's format.
 
 PEFT (``pip install 'pystronghold[peft]'``) makes the adapters: ``add_lora`` wraps the model of
-``models.hf.load_lazy`` with ``peft.get_peft_model``, which freezes every base weight. The blocks
-are still on ``meta`` then, and PEFT puts a meta layer's adapters on meta too; so block i's
-adapters get their initial values when ``wrap`` materializes block i, right after its base weights
-are read from the shards: PEFT's own initialisation (A Kaiming-uniform, B zero: the model starts as
-the base) drawn from a generator seeded by ``(seed, i)``, the same whatever the order of blocks.
+``models.hf.load_lazy`` or a ``GPT`` with ``peft.get_peft_model``, which freezes every base weight.
+The blocks are still on ``meta`` then, and PEFT puts a meta layer's adapters on meta too; so block
+i's adapters get their initial values when ``wrap`` materializes block i, right after its base
+weights (read from the shards, or drawn as the GPT draws them): PEFT's own initialisation (A
+Kaiming-uniform, B zero: the model starts as the base) drawn from a generator seeded by
+``(seed, i)``, the same whatever the order of blocks. The GPT's linear layers are no ``nn.Linear``;
+PEFT's LoRA ``Linear`` wraps them (its custom-module dispatch) at tensor parallelism 1.
 
 The format PEFT saves (``save_pretrained``, loaded by ``PeftModel.from_pretrained``):
 ``adapter_config.json`` (the ``LoraConfig``) and ``adapter_model.safetensors`` holding the adapter
 tensors under the model's names with the adapter's name dropped (``...q_proj.lora_A.weight``).
-``merged`` adds ``(alpha / r) B A`` to a base weight (``merge_and_unload``'s arithmetic).
+``merged`` adds ``(alpha / r) B A`` to a base weight (``merge_and_unload``'s arithmetic);
+``merged_state_dict`` does it to every adapted weight of a state dict.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+import threading
+import warnings
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
 
-__all__ = ["LoraSpec", "ADAPTER", "PEFT_PREFIX", "add_lora", "lora_config", "adapter_key", "merged"]
+from pystronghold.models.gpt import GPT
+
+__all__ = ["LoraSpec", "ADAPTER", "PEFT_PREFIX", "GPT_ARCHITECTURE", "GPT_LORA_DEFAULT_TARGETS", "GPT_NOT_ADAPTABLE",
+           "add_lora", "lora_config", "adapter_key", "merged", "merged_state_dict"]
 
 ADAPTER = "default"
 """The adapter's name in the model (PEFT's default): parameters are ``...lora_A.default.weight``."""
@@ -33,6 +41,13 @@ _FAN_IN_FAN_OUT = {"GPT2LMHeadModel"}
 _BASE_LAYER = ".base_layer."
 """PEFT moves a wrapped layer's own parameters under ``base_layer``; the base model names them without it."""
 _ADAPTER_PART = re.compile(r"\.lora_(A|B)\." + ADAPTER + r"\.")
+GPT_ARCHITECTURE = "GPT"
+"""``lora_config``'s architecture of pystronghold's GPT."""
+GPT_LORA_DEFAULT_TARGETS = ("qkv",)
+"""LoRA targets of pystronghold's GPT when none are given: its fused attention input, as GPT-2's."""
+GPT_NOT_ADAPTABLE = ("head.tok",)
+"""Modules of pystronghold's GPT with a matrix weight that LoRA cannot adapt: the token embedding
+(a ``VocabParallelEmbedding``, which PEFT does not know)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,30 +68,59 @@ class LoraSpec:
         """JSON-able fields, targets sorted."""
         return dict(asdict(self), targets=sorted(self.targets) if self.targets is not None else None)
 
+    @classmethod
+    def from_record(cls, record: dict) -> LoraSpec:
+        """The spec of ``record()``'s fields (a checkpoint manifest's)."""
+        targets = record.get("targets")
+        return cls(**dict(record, targets=tuple(targets) if targets is not None else None))
+
 
 def lora_config(spec: LoraSpec, architecture: str, base: str | None = None):
-    """PEFT's ``LoraConfig`` of ``spec`` for a causal LM of ``architecture`` whose base model is the
-    directory ``base``."""
+    """PEFT's ``LoraConfig`` of ``spec`` for a causal LM of ``architecture`` (``GPT_ARCHITECTURE``:
+    pystronghold's GPT) whose base model is the directory ``base``."""
     import peft
 
-    return peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                           target_modules=list(spec.targets) if spec.targets is not None else None,
-                           fan_in_fan_out=architecture in _FAN_IN_FAN_OUT, task_type="CAUSAL_LM",
-                           base_model_name_or_path=base)
+    gpt = architecture == GPT_ARCHITECTURE
+    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                             target_modules=list(spec.targets) if spec.targets is not None else None,
+                             fan_in_fan_out=architecture in _FAN_IN_FAN_OUT,
+                             task_type=None if gpt else "CAUSAL_LM",  # the GPT's forward is its own
+                             base_model_name_or_path=base)
+    if gpt:
+        from peft.tuners.lora.layer import Linear
+
+        from pystronghold.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        # NOTE: PEFT's experimental dispatch of custom layers; its Linear adds B A x to the base
+        # layer's output, right for these layers unsplit (tensor parallelism 1)
+        config._register_custom_module({ColumnParallelLinear: Linear, RowParallelLinear: Linear})
+    return config
 
 
-def add_lora(lazy, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
-    """Wrap ``lazy.model`` (``models.hf.LazyHFModel``, blocks on meta) with PEFT LoRA adapters and
-    set ``lazy.adapters`` so that ``lazy.materialize(i)`` initialises block i's. Returns the PEFT
-    model (what ``wrap`` takes; its blocks are ``lazy.blocks``) and the spec with the targets PEFT
-    resolved. ValueError (one line) for targets the model does not have."""
+def add_lora(owner, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
+    """Wrap the model of ``owner`` with PEFT LoRA adapters: a ``models.hf.LazyHFModel`` (its
+    ``model``, blocks on meta) or pystronghold's ``GPT`` (blocks on meta or not; targets default to
+    ``GPT_LORA_DEFAULT_TARGETS``). Sets ``owner.adapters`` so that materializing block i
+    (``LazyHFModel.materialize(i)``, ``GPT.materialize_block_(i)``) initialises its adapters.
+    Returns the PEFT model (what ``wrap`` takes; its blocks are ``owner.blocks``) and the spec with
+    the targets PEFT resolved. ValueError (one line) for targets the model does not have, or a GPT
+    split by tensor parallelism."""
     import peft
 
+    if isinstance(owner, GPT):
+        if owner.config.tp_size != 1:
+            raise ValueError("--lora-rank: pystronghold's GPT takes LoRA adapters at tensor parallelism 1 only")
+        model, config = owner, lora_config(replace(spec, targets=spec.targets or GPT_LORA_DEFAULT_TARGETS),
+                                           GPT_ARCHITECTURE)
+    else:
+        model, config = owner.model, lora_config(spec, owner.spec.architecture, owner.spec.source)
     try:
-        model = peft.get_peft_model(lazy.model, lora_config(spec, lazy.spec.architecture, lazy.spec.source))
+        with warnings.catch_warnings():  # NOTE: PEFT warns of every layer its custom dispatch wraps
+            warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
+            model = peft.get_peft_model(model, config)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model. ..."
         raise ValueError(f"--lora-targets: {str(e).splitlines()[0]}") from None
-    lazy.adapters = _BlockAdapters(seed)
+    owner.adapters = _BlockAdapters(seed)
     targets = tuple(sorted(model.peft_config[ADAPTER].target_modules))
     return model, LoraSpec(rank=spec.rank, alpha=spec.alpha, targets=targets, dropout=spec.dropout)
 
@@ -92,10 +136,14 @@ class _BlockAdapters:
         """The base model's name of parameter ``name`` (as the shards hold it); None for an adapter's."""
         return None if _ADAPTER_PART.search(name) else name.replace(_BASE_LAYER, ".")
 
+    _drawing = threading.Lock()
+    """NOTE: PEFT draws from torch's global generator, so one block at a time draws (``wrap``
+    materializes a GPT's blocks in parallel threads), each from its own seed."""
+
     @torch.no_grad()
     def initialize(self, block: nn.Module, index: int) -> None:
         """Give block ``index``'s adapters storage on the host and PEFT's initial values."""
-        with torch.random.fork_rng(devices=[]):
+        with self._drawing, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed * 1_000_003 + index)
             for module in block.modules():
                 lora_a = getattr(module, "lora_A", None)
@@ -119,3 +167,32 @@ def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, spe
     """``weight + (alpha / r) B A`` in fp32 (transposed for a Conv1D weight), as PEFT's merge."""
     delta = (lora_b.float() @ lora_a.float()) * (spec.alpha / spec.rank)  # (out, in)
     return weight.float() + (delta.T if architecture in _FAN_IN_FAN_OUT else delta)
+
+
+_ADAPTER_PAIRS = ((f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight", False),
+                  (f".lora_embedding_A.{ADAPTER}", f".lora_embedding_B.{ADAPTER}", True))
+"""(A's suffix, B's suffix, the delta is transposed) of a LoRA linear layer's and embedding's adapters."""
+
+
+def merged_state_dict(weights: dict[str, torch.Tensor], spec: LoraSpec, architecture: str) -> dict[str, torch.Tensor]:
+    """The base model's state dict of a PEFT LoRA model's ``weights`` (every parameter, by PEFT's
+    names): each adapted weight with its adapters merged (``merged``, fp32), under the base model's
+    names (``PEFT_PREFIX`` and ``base_layer`` dropped). ValueError when an adapter has no weight."""
+    adapters = {name for name in weights if any(name.endswith(a) or name.endswith(b) for a, b, _ in _ADAPTER_PAIRS)}
+    out, used = {}, set()
+    for name, tensor in weights.items():
+        if name in adapters:
+            continue
+        if name.endswith(_BASE_LAYER + "weight"):
+            module = name.removesuffix(_BASE_LAYER + "weight")
+            for a, b, transposed in _ADAPTER_PAIRS:
+                if module + a in weights:
+                    lora_a, lora_b = weights[module + a], weights[module + b]
+                    if transposed:  # an embedding's A is (r, rows), B (cols, r): its delta is (B A)^T
+                        lora_a, lora_b = lora_b.T, lora_a.T
+                    tensor = merged(tensor, lora_a, lora_b, spec, architecture)
+                    used |= {module + a, module + b}
+        out[name.removeprefix(PEFT_PREFIX).replace(_BASE_LAYER, ".")] = tensor
+    if used != adapters:
+        raise ValueError(f"LoRA merge: adapters without a base weight: {', '.join(sorted(adapters - used)[:3])}")
+    return out

@@ -18,6 +18,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX
 from pystronghold.options import ConfigError, add_options, component, from_args, option
 from pystronghold.runtime.config import RuntimeConfig
@@ -107,18 +108,9 @@ class PlanRequest:
     --host-memory)."""
     global_batch: int | None = option(None)
     """Samples per step over all ranks, with --cluster (default: --batch x the devices)."""
-    lora_rank: int | None = option(None, metavar="R")
-    """Plan a LoRA fine-tune of rank R: every base parameter frozen (stored once in the compute
-    precision, 2 B/param in bf16, no optimizer state), adapters A (R x in) and B (out x R) on each
-    --lora-targets layer trained; the largest-model table is then the largest LoRA fine-tune."""
-    lora_targets: str | None = option(None, metavar="NAME,...")
-    """Comma-separated layers LoRA adapts, as PEFT's target_modules (a module whose name is or ends
-    with .NAME). Default, as PEFT's: the attention's q and v projections (q_proj,v_proj) for Llama,
-    Mistral and Qwen2; c_attn for GPT-2; qkv for the GPT presets."""
-    freeze: str | None = option(None, metavar="REGEX")
-    """Plan a partial fine-tune: parameters whose full name matches REGEX (re.search on names such
-    as blocks.3.attn.qkv.weight, head.tok.weight, model.layers.3.mlp.up_proj.weight) are frozen,
-    the rest train. It must freeze the same parameters in every block."""
+    # NOTE: LoRA's alpha and dropout change no byte or FLOP: options of train only
+    finetune: FinetuneOptions = component(FinetuneOptions, only=("lora_rank", "lora_targets", "freeze"))
+    """What trains"""
     runtime: RuntimeConfig = component(lambda: RuntimeConfig(**PLAN_RUNTIME_DEFAULTS),
                                        only=("window", "resident_blocks", "precision", "checkpointing",
                                              "accumulation_steps", "schedule"))
@@ -159,9 +151,8 @@ class PlanRequest:
             raise ValueError(f"--nvme must be >= 0 GiB, got {self.nvme}")
         if self.efficiency > 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
-        self.finetune()  # validates --lora-rank, --lora-targets, --freeze
-        if self.cluster is not None and (self.lora_rank is not None or self.freeze is not None):
-            raise ConfigError(self, "cluster", "plans full fine-tuning only: drop `lora_rank` and `freeze`")
+        if self.cluster is not None and not self.finetune.full:
+            raise ConfigError(self, "cluster", "plans full fine-tuning only: drop --lora-rank and --freeze")
         if self.model is not None and self.model.startswith(HF_PREFIX):
             for name in ("hidden", "heads", "widths", "cluster"):
                 if getattr(self, name) is not None:
@@ -176,13 +167,6 @@ class PlanRequest:
                 raise ValueError(f"--widths must be comma-separated integers, got {self.widths!r}") from None
             if min(widths) < 1:
                 raise ValueError(f"--widths must be positive, got {self.widths!r}")
-
-    def finetune(self):
-        """The ``FineTune`` of --lora-rank, --lora-targets and --freeze."""
-        from pystronghold.planner.finetune import FineTune
-
-        targets = None if self.lora_targets is None else tuple(self.lora_targets.split(","))
-        return FineTune(lora_rank=self.lora_rank, lora_targets=targets, freeze=self.freeze)
 
     def model_config(self):
         """The GPTConfig of --model (or --layers/--hidden/--heads) at --tp and --seq; the
@@ -237,7 +221,7 @@ class PlanRequest:
         rt = self.runtime
         work = Workload(batch=self.batch, seq=self.seq, precision=rt.precision,
                         checkpointing=rt.checkpointing, dp_size=self.dp, overlap=self.overlap,
-                        compute_efficiency=self.efficiency, finetune=self.finetune())
+                        compute_efficiency=self.efficiency, finetune=self.finetune)
         hw.gpu.flops(rt.precision)  # refuses bf16 on a GPU without it
         window = {"auto": None, "all": config.layers}.get(rt.window, rt.window)
         widths = None if self.widths is None else [int(w) for w in self.widths.split(",")]

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
-from pystronghold.planner.finetune import FineTune, param_split
+from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GiB, Hardware
 from pystronghold.planner.params import block_param_shapes, head_tail_param_shapes, numel
 from pystronghold.runtime import layout
@@ -67,7 +68,7 @@ class Workload:
     nvme_staging_blocks: int = 4
     """Blocks whose NVMe-resident states are staged in host memory at once (read-ahead and
     write-behind of the updates)."""
-    finetune: FineTune = FineTune()
+    finetune: FinetuneOptions = FinetuneOptions()
     """Which parameters train: all (the default), LoRA adapters on a frozen base, or all but the
     ``--freeze`` ones."""
 

@@ -7,12 +7,13 @@ costs what full fine-tuning costs (16 bytes of host store per block parameter). 
 block out trainable parameters first, frozen ones after (``runtime/store.py``'s ``BlockLayout``),
 so the split below lists them in that order.
 
-LoRA (``FineTune.lora_rank``), as PEFT's ``LoraConfig(r=R, target_modules=...)`` with its defaults
-(no bias, no ``modules_to_save``): every module whose name is or ends with ``.TARGET`` and that holds
-a matrix weight of shape (out, in) gets an adapter A of shape (R, in) and B of shape (out, R),
-R·(in + out) trainable parameters; every parameter of the base model is frozen. ``FineTune.freeze``
-freezes the parameters whose full name (``blocks.3.attn.qkv.weight``, ``model.layers.3.mlp.up_proj
-.weight``) matches a regular expression (``re.search``); the rest train.
+What trains is ``models.finetune.FinetuneOptions`` (``train``'s options too). LoRA (``lora_rank``),
+as PEFT's ``LoraConfig(r=R, target_modules=...)`` with its defaults (no bias, no
+``modules_to_save``): every module whose name is or ends with ``.TARGET`` and that holds a matrix
+weight of shape (out, in) gets an adapter A of shape (R, in) and B of shape (out, R), R·(in + out)
+trainable parameters; every parameter of the base model is frozen. ``freeze`` freezes the
+parameters whose full name (``blocks.3.attn.qkv.weight``, ``model.layers.3.mlp.up_proj.weight``)
+matches a regular expression (``re.search``); the rest train.
 """
 
 from __future__ import annotations
@@ -20,58 +21,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
-from pystronghold.options import ConfigError
+from pystronghold.models.lora import GPT_LORA_DEFAULT_TARGETS, GPT_NOT_ADAPTABLE
 from pystronghold.planner.params import block_param_shapes, block_prefix, head_tail_param_shapes, numel
 
-__all__ = ["LORA_DEFAULT_TARGETS", "GPT_LORA_DEFAULT_TARGETS", "FineTune", "ParamSplit", "lora_targets",
-           "param_split", "check_freeze"]
+__all__ = ["LORA_DEFAULT_TARGETS", "ParamSplit", "lora_targets", "check_lora_targets", "param_split",
+           "check_freeze"]
 
 LORA_DEFAULT_TARGETS = {"GPT2LMHeadModel": ("c_attn",), "LlamaForCausalLM": ("q_proj", "v_proj"),
                         "MistralForCausalLM": ("q_proj", "v_proj"), "Qwen2ForCausalLM": ("q_proj", "v_proj")}
 """PEFT's default ``target_modules`` per architecture (its
 ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``): the attention's query and value projections,
-GPT-2's fused ``c_attn``."""
-GPT_LORA_DEFAULT_TARGETS = ("qkv",)
-"""LoRA targets of pystronghold's GPT when none are given: its fused attention input, as GPT-2's."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FineTune:
-    """Which parameters train (default: all of them). Validated on construction (``ConfigError``:
-    the fields are named as ``pystronghold plan``'s options)."""
-
-    lora_rank: int | None = None
-    """LoRA rank R: adapters on ``lora_targets``, the base model frozen (None: no LoRA)."""
-    lora_targets: tuple[str, ...] | None = None
-    """Module names LoRA adapts, as PEFT's ``target_modules`` (None: the architecture's default,
-    ``LORA_DEFAULT_TARGETS`` / ``GPT_LORA_DEFAULT_TARGETS``)."""
-    freeze: str | None = None
-    """Regular expression: parameters whose full name it matches (``re.search``) are frozen."""
-
-    def __post_init__(self) -> None:
-        r = self.lora_rank
-        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
-            raise ConfigError(self, "lora_rank=", "must be a positive integer (the rank R of the adapters)")
-        if self.lora_targets is not None:
-            if r is None:
-                raise ConfigError(self, "lora_targets", "needs `lora_rank`")
-            if not self.lora_targets or not all(isinstance(t, str) and t for t in self.lora_targets):
-                raise ConfigError(self, "lora_targets", f"must name layers, like q_proj,v_proj; got "
-                                  f"{','.join(map(str, self.lora_targets))!r}")
-        if self.freeze is not None:
-            if r is not None:
-                raise ConfigError(self, "freeze", "and `lora_rank` exclude each other: LoRA already freezes "
-                                  "every parameter of the base model")
-            try:
-                re.compile(self.freeze)
-            except re.error as e:
-                raise ConfigError(self, "freeze", f"is not a regular expression ({e}): {self.freeze!r}") from None
-
-    @property
-    def full(self) -> bool:
-        """Every parameter trains."""
-        return self.lora_rank is None and self.freeze is None
+GPT-2's fused ``c_attn``. pystronghold's GPT: ``models.lora.GPT_LORA_DEFAULT_TARGETS``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +62,7 @@ class ParamSplit:
         return sum(self.block_trainable) + sum(self.block_frozen)
 
 
-def lora_targets(config, finetune: FineTune) -> tuple[str, ...]:
+def lora_targets(config, finetune: FinetuneOptions) -> tuple[str, ...]:
     """The module names LoRA adapts: ``finetune.lora_targets`` or the architecture's default."""
     if finetune.lora_targets is not None:
         return finetune.lora_targets
@@ -129,10 +91,13 @@ def _adapters(shapes, targets: tuple[str, ...], rank: int, fan_in_fan_out: bool)
     return out
 
 
-def _check_targets(config, targets: tuple[str, ...]) -> None:
-    """ValueError (one line) for a target that names no matrix weight of the model."""
+def check_lora_targets(config, targets: tuple[str, ...]) -> None:
+    """ValueError (one line) for a target that names no layer of the model LoRA can adapt: a matrix
+    weight's (of pystronghold's GPT, not ``models.lora.GPT_NOT_ADAPTABLE``)."""
     shapes = block_param_shapes(config) + head_tail_param_shapes(config)
-    modules = [_module(name) for name, shape in shapes if name.endswith(".weight") and len(shape) == 2]
+    skip = GPT_NOT_ADAPTABLE if isinstance(config, GPTConfig) else ()
+    modules = [_module(name) for name, shape in shapes
+               if name.endswith(".weight") and len(shape) == 2 and _module(name) not in skip]
     for t in targets:
         if not _targeted_any(t, modules):
             others = {_module(name) for name, _ in shapes}
@@ -145,7 +110,7 @@ def _targeted_any(target: str, modules) -> bool:
     return any(_targeted(m, (target,)) for m in modules)
 
 
-def param_split(config, finetune: FineTune) -> ParamSplit:
+def param_split(config, finetune: FinetuneOptions) -> ParamSplit:
     """The ``ParamSplit`` of ``config`` fine-tuned as ``finetune`` (``--freeze``: as it matches
     block 0; ``check_freeze`` checks that it matches every block alike). ValueError (one line) for
     a LoRA target that is no linear layer of the model, or tensor parallelism with a frozen part."""
@@ -160,7 +125,7 @@ def param_split(config, finetune: FineTune) -> ParamSplit:
     lm_head = [name for name, s in head_tail if len(s) == 2 and s[0] == config.padded_vocab_size][-1]
     if finetune.lora_rank is not None:
         targets = lora_targets(config, finetune)
-        _check_targets(config, targets)
+        check_lora_targets(config, targets)
         fan_in_fan_out = getattr(config, "fan_in_fan_out", False)
         adapters = _adapters(block, targets, finetune.lora_rank, fan_in_fan_out)
         return ParamSplit(block_trainable=tuple(adapters), block_frozen=tuple(numel(s) for _, s in block),
@@ -182,7 +147,7 @@ def param_split(config, finetune: FineTune) -> ParamSplit:
         lm_head_frozen=lm_head in frozen_head_tail)
 
 
-def check_freeze(config, finetune: FineTune) -> None:
+def check_freeze(config, finetune: FinetuneOptions) -> None:
     """ValueError (one line) when ``finetune.freeze`` matches no parameter of ``config``, or
     freezes different parameters in different blocks (the planner costs identical blocks)."""
     if finetune.freeze is None:

@@ -52,6 +52,7 @@ import torch
 from safetensors.torch import load as st_load, save as st_save
 
 from pystronghold.models.hf import HFModelConfig
+from pystronghold.models.lora import GPT_ARCHITECTURE, LoraSpec, merged_state_dict
 from pystronghold.parallel.data import is_pipeline_copy, tied_source
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 from pystronghold.runtime.divergence import check_finite_state
@@ -432,14 +433,18 @@ def checkpoint_weights(path: str | os.PathLike, manifest: dict):
 
 def export_weights(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write checkpoint ``path``'s fp32 weights as one plain safetensors state dict (``GPT.state_dict()``
-    keys; tied weights under both names) with the model config as JSON metadata; or a ``torch.save``
-    state dict when ``out`` ends in ``.pt``. Loadable with ``GPT(GPTConfig(**config))`` and
-    ``load_state_dict`` without pystronghold's runtime. Returns ``out``."""
+    keys; tied weights under both names; a GPT's LoRA adapters merged into their weights) with the
+    model config as JSON metadata; or a ``torch.save`` state dict when ``out`` ends in ``.pt``.
+    Loadable with ``GPT(GPTConfig(**config))`` and ``load_state_dict`` without pystronghold's
+    runtime. Returns ``out``."""
     path, out = Path(path), Path(out)
     manifest = read_manifest(path)
     weights: dict[str, torch.Tensor] = {}
     for part in checkpoint_weights(path, manifest):
         weights.update(part)
+    lora = (manifest.get("finetune") or {}).get("lora")
+    if lora and manifest.get("base") is None:  # the checkpoint holds the frozen base too: a GPT's
+        weights = merged_state_dict(weights, LoraSpec.from_record(lora), GPT_ARCHITECTURE)
     if manifest["model"].get("tie_embeddings") and "tail.lm_head.weight" not in weights:
         weights["tail.lm_head.weight"] = weights["head.tok.weight"].clone()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,11 @@ import os
 from dataclasses import dataclass, field
 
 from pystronghold.models import GPTConfig
+from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
 from pystronghold.options import ConfigError, component, option
 from pystronghold.parallel.pipeline import SCHEDULES
 from pystronghold.runtime.config import RuntimeConfig
-from pystronghold.train.finetune import FinetuneOptions
 from pystronghold.train.model_spec import HF_DEFAULT_SEQ, model_lr, resolve_model
 
 __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
@@ -356,11 +356,7 @@ class TrainConfig:
         tp, dp, world = par.tp, par.dp_size, par.world_size
         if isinstance(cfg, HFModelConfig) and tp > 1:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
-        if self.finetune.lora_rank and not isinstance(cfg, HFModelConfig):
-            raise ValueError(f"--lora-rank needs --model {HF_PREFIX}DIR (PEFT adds the adapters to a Hugging Face "
-                             "model); for pystronghold's GPT use --freeze REGEX")
-        if self.finetune.freeze is not None and (tp > 1 or par.pp > 1):
-            raise ValueError("--freeze is not supported with --tp or --pp yet")
+        self._check_finetune(cfg)
         if isinstance(cfg, HFModelConfig) and self.runtime.window == "auto":
             raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
         if self.runtime.resident_blocks == "auto" and self.runtime.window != "auto":
@@ -391,6 +387,27 @@ class TrainConfig:
         elif self.data.batch % dp:
             raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} "
                              "(each replica takes an equal slice of every batch)")
+
+    def _check_finetune(self, cfg) -> None:
+        """--lora-rank and --freeze on this model and layout (the options themselves are checked by
+        ``FinetuneOptions``); a GPT's LoRA targets as ``pystronghold plan`` checks them."""
+        ft, par = self.finetune, self.parallel
+        if ft.full:
+            return
+        if par.tp > 1 or par.pp > 1:
+            raise ValueError(f"{'--lora-rank' if ft.lora_rank is not None else '--freeze'} is not supported "
+                             "with --tp or --pp yet")
+        if ft.lora_rank is not None:
+            from pystronghold.extras import require
+
+            try:
+                require("peft", "--lora-rank")
+            except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
+                raise ValueError(str(e)) from None
+            if isinstance(cfg, GPTConfig):
+                from pystronghold.planner.finetune import check_lora_targets, lora_targets
+
+                check_lora_targets(cfg, lora_targets(cfg, ft))
 
     def _check_pipeline(self, cfg) -> None:
         """--pp layouts (local arithmetic: the same on every rank, before any collective)."""

@@ -82,7 +82,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     source = _tokenizer_source(spec.source, tokenizer_dir) if copy_tokenizer else None
     trained = checkpoint_weights(path, manifest)
     if lora and not merge:
-        lora = LoraSpec(**dict(lora, targets=tuple(lora["targets"])))
+        lora = LoraSpec.from_record(lora)
         adapters = {name: t for part in trained for name, t in part.items()}
         _write_directory(out, lambda tmp: _write_adapters(tmp, adapters, lora, spec), source=source)
         log.info("export: %s (%s, step %d) -> %s: %d LoRA adapter tensors (rank %d)", path, spec.architecture,
@@ -90,7 +90,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
         return out
     if lora:
         weights = _merged_weights(spec, {name: t for part in trained for name, t in part.items()},
-                                  LoraSpec(**dict(lora, targets=tuple(lora["targets"]))))
+                                  LoraSpec.from_record(lora))
     elif manifest.get("base") is not None:
         weights = _completed_weights(spec, trained)
     else:

@@ -176,7 +176,7 @@ class Trainer:
         if config.finetune.lora_rank:  # PEFT wraps the model; its blocks stay ``blocks``
             from pystronghold.models.lora import add_lora
 
-            self.model, self.lora = add_lora(hf_model, config.finetune.lora, run.seed)
+            self.model, self.lora = add_lora(hf_model if self.hf else self.model, config.finetune.lora, run.seed)
         if config.finetune.freeze is not None:
             from pystronghold.train.finetune import freeze_matching
 

@@ -12,7 +12,8 @@ from pystronghold.cli import main
 from pystronghold.models import PRESETS, GPTConfig
 from pystronghold.planner import Hardware, Workload, gpu_preset, largest_models, make_plan
 from pystronghold.planner.cost import block_costs
-from pystronghold.planner.finetune import FineTune, param_split
+from pystronghold.models.finetune import FinetuneOptions
+from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GiB
 from pystronghold.runtime.placement import plan_placement
 
@@ -38,9 +39,9 @@ def store_bytes(cfg, finetune, precision="bf16"):
 
 @pytest.mark.parametrize("precision,frozen_bytes", [("bf16", 2), ("fp32", 4)])
 def test_frozen_parameters_cost_their_compute_dtype_bytes_and_trainable_ones_16(precision, frozen_bytes):
-    full, _ = store_bytes(WIDE, FineTune(), precision)
+    full, _ = store_bytes(WIDE, FinetuneOptions(), precision)
     assert full == 3 * 16 * P_B  # fp32 master and two moments, grad and (bf16) shadow
-    frozen, plan = store_bytes(WIDE, FineTune(freeze=r"^blocks\."), precision)
+    frozen, plan = store_bytes(WIDE, FinetuneOptions(freeze=r"^blocks\."), precision)
     assert frozen == 3 * frozen_bytes * P_B  # the value once, in the compute dtype
     c = plan.costs
     assert c.block_frozen_params == P_B and c.grad_s == 0 and c.adam_s == 0 and c.allreduce_s == 0
@@ -52,7 +53,7 @@ def test_frozen_parameters_cost_their_compute_dtype_bytes_and_trainable_ones_16(
 
 
 def test_lora_store_is_2_bytes_per_base_param_and_16_per_adapter():
-    lora, plan = store_bytes(WIDE, FineTune(lora_rank=16))
+    lora, plan = store_bytes(WIDE, FinetuneOptions(lora_rank=16))
     assert lora == 3 * (2 * (P_B + QKV_ADAPTERS) + 14 * QKV_ADAPTERS)  # shadow of all + states of the adapters
     c = plan.costs
     assert c.block_params == P_B + QKV_ADAPTERS and c.block_frozen_params == P_B
@@ -65,7 +66,7 @@ def test_lora_store_is_2_bytes_per_base_param_and_16_per_adapter():
 
 def test_freeze_attention_by_name_on_a_gpt():
     cfg = PRESETS["tiny"]  # C = 64 with biases
-    split = param_split(cfg, FineTune(freeze=r"\.attn\."))
+    split = param_split(cfg, FinetuneOptions(freeze=r"\.attn\."))
     C = 64
     assert split.block_frozen == (3 * C * C, 3 * C, C * C, C)  # qkv and proj, weights and biases
     assert sum(split.block_trainable) == 4 * C + 2 * 4 * C * C + 4 * C + C  # norms, fc1, fc2
@@ -111,7 +112,7 @@ def test_lora_adapters_counted_by_hand_on_the_llama_70b_shape():
 
     shape = read_hf_shape(str(LLAMA_70B))
     assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.mlp_width) == (80, 8192, 64, 8, 28672)
-    split = param_split(shape, FineTune(lora_rank=16))
+    split = param_split(shape, FinetuneOptions(lora_rank=16))
     # q_proj 8192 -> 8192 and v_proj 8192 -> 8 x 128: r * (in + out) each
     assert split.block_adapters == 16 * (8192 + 8192) + 16 * (8192 + 1024)
     base_block = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192  # q, o; k, v; MLP; norms
@@ -128,7 +129,7 @@ def test_lora_counts_and_layout_are_peft_s(tmp_path, make, targets):
 
     model = make()
     shape = read_hf_shape(_hf_dir(tmp_path, model))
-    finetune = FineTune(lora_rank=4, lora_targets=targets)
+    finetune = FinetuneOptions(lora_rank=4, lora_targets=targets)
     plan = make_plan(shape, Workload(batch=1, seq=16, finetune=finetune), hw())
     config = peft.LoraConfig(r=4, target_modules=list(targets) if targets else None,
                              fan_in_fan_out=shape.fan_in_fan_out)  # GPT-2's Conv1D weights are (in, out)
@@ -169,11 +170,11 @@ def test_the_largest_lora_model_is_larger_than_the_largest_full_fine_tune():
     work = Workload(batch=1, seq=1024)
     machine = hw(host_gib=64, gpu="rtx4090")
     full = largest_models(PRESETS["gpt3-1.3b"], work, machine, widths=[2048])[0]
-    lora = largest_models(PRESETS["gpt3-1.3b"], dataclasses.replace(work, finetune=FineTune(lora_rank=8)),
+    lora = largest_models(PRESETS["gpt3-1.3b"], dataclasses.replace(work, finetune=FinetuneOptions(lora_rank=8)),
                           machine, widths=[2048])[0]
     assert full.bound == "host" and lora.layers > 5 * full.layers and lora.params > 5 * full.params
     assert make_plan(dataclasses.replace(PRESETS["gpt3-1.3b"], layers=lora.layers),
-                     dataclasses.replace(work, finetune=FineTune(lora_rank=8)), machine).fits
+                     dataclasses.replace(work, finetune=FinetuneOptions(lora_rank=8)), machine).fits
 
 
 def test_llama_70b_lora_on_one_h100_is_planned(capsys):
@@ -210,7 +211,7 @@ def test_resident_blocks_leave_no_disk_cost_on_a_store_that_then_fits_the_host()
     (["--lora-rank", "0"], "--lora-rank 0 must be a positive integer"),
     (["--lora-rank", "-2"], "--lora-rank -2 must be a positive integer"),
     (["--lora-rank", "8", "--lora-targets", "q_proj"], "--lora-targets: 'q_proj' names no module of the model; "
-                                                       "its linear layers: fc1, fc2, pos, proj, qkv, tok"),
+                                                       "its linear layers: fc1, fc2, pos, proj, qkv"),
     (["--lora-rank", "8", "--lora-targets", "ln1"], "'ln1' is not a linear layer"),
     (["--lora-targets", "qkv"], "--lora-targets needs --lora-rank"),
     (["--lora-rank", "8", "--freeze", "attn"], "--freeze and --lora-rank exclude each other"),

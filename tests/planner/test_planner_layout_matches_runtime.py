@@ -73,14 +73,15 @@ def test_planned_frozen_and_trainable_bytes_are_a_built_engines(precision):
     engine's exactly. The report's frozen host bytes count parameters, not padded elements: they
     are short by the padding only, under ``ALIGN_ELEMS`` elements per frozen parameter; likewise
     the trainable part is 16 B/param plus padding and page rounding."""
-    from pystronghold.planner.finetune import FineTune, check_freeze
+    from pystronghold.models.finetune import FinetuneOptions
+    from pystronghold.planner.finetune import check_freeze
     from pystronghold.planner.plan import make_plan
     from pystronghold.planner.report import finetune_to_dict
 
     cfg = GPTConfig(vocab_size=97, seq_len=16, layers=3, hidden=180, heads=4)
     freeze = r"\.attn\."
     hw = Hardware(gpu=gpu_preset("h100-80gb"), host_memory_bytes=64 << 30, cpu_adam_params_per_s=1e9)
-    work = Workload(batch=1, seq=16, precision=precision, host_reserve_bytes=0, finetune=FineTune(freeze=freeze))
+    work = Workload(batch=1, seq=16, precision=precision, host_reserve_bytes=0, finetune=FinetuneOptions(freeze=freeze))
     check_freeze(cfg, work.finetune)
     plan = make_plan(cfg, work, hw, window=2, resident_blocks=0)
     model = GPT(cfg)

@@ -9,9 +9,9 @@ import dataclasses
 import torch
 
 from pystronghold.models import GPT, GPTConfig
+from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.train.checkpoint import export_weights
 from pystronghold.train.checkpoint_dir import latest_checkpoint
-from pystronghold.train.finetune import FinetuneOptions
 from train_helpers import TINY, run_training, tiny_config
 
 FROZEN = r"^head\.|blocks\.[01]\."
