@@ -25,7 +25,7 @@ from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
 from pystronghold.train.config import TrainConfig
-from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
+from pystronghold.train.metrics import (IntervalMetrics, format_rate, MemoryReport, MetricsWriter, TimeReport,
                                         device_peak_bytes, memory_report, summarize_events)
 
 __all__ = ["Trainer", "TrainResult", "seed_everything"]
@@ -76,7 +76,7 @@ class TrainResult:
                        + (f", validation {self.val_losses[-1][1]:.4f}" if self.val_losses else "")
                        + (f"; {self.skipped_steps} skipped (fp16 inf/NaN gradients)" if self.skipped_steps else ""))
             if self.time.wall_s > 0:
-                out.append(f"tokens/s {self.intervals[-1].tokens_per_s:.0f} (last interval), "
+                out.append(f"tokens/s {format_rate(self.intervals[-1].tokens_per_s)} (last interval), "
                            f"ms/step {1e3 * self.time.wall_s / len(self.losses):.1f} (mean)")
         if self.memory is not None:
             out += ["memory:"] + ["  " + s for s in self.memory.lines()]

@@ -66,3 +66,16 @@ def test_each_loss_on_the_screen_says_which_it_is(tmp_path, capsys):
     progress = Progress(4, 3, io.StringIO())  # not a terminal: plain lines
     progress.update(4, result.losses[-1][1])
     assert f"this step's loss {result.losses[-1][1]:.3f}" in progress.stream.getvalue()
+
+
+def test_a_slow_run_prints_its_tokens_per_second_not_zero():
+    """A 31.5 B model on this machine trains 0.37 tokens/s: the log line shows 0.37, not 0."""
+    from pystronghold.train.metrics import IntervalMetrics
+
+    line = IntervalMetrics(step=3, loss=10.5, loss_steps=1, ms_per_step=86281.1, tokens_per_s=32 / 86.2811,
+                           h2d_gbps=None, d2h_gbps=None, device_peak_bytes=0, host_bytes=0, overlap=None,
+                           skipped_steps=0).line()
+    assert "| tok/s 0.371 |" in line, line
+    assert "| tok/s 2484 |" in IntervalMetrics(step=1, loss=1.0, loss_steps=1, ms_per_step=1.0, tokens_per_s=2484.4,
+                                                h2d_gbps=None, d2h_gbps=None, device_peak_bytes=0, host_bytes=0,
+                                                overlap=None, skipped_steps=0).line()
