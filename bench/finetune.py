@@ -13,15 +13,18 @@ Configurations (the same initial weights, the same batches, the same AdamW hyper
                                   ``device_map`` with "cpu" entries does to those modules; the
                                   adapters stay put, as the optimizer holds them)
 Correctness first: every configuration's losses against its plain PyTorch reference (accelerate's
-against ours LoRA's) to ``LOSS_RTOL``; nothing is timed when one differs more. Then, taking turns
-step by step: step time (median, p20-p80) and paired ratios; host bytes per block parameter (the
-store, ``engine.stats()``); link bytes per step (the trace's h2d and d2h copies; on the CPU backend
-host-to-host copies between the store and the window's arena).
+against ours LoRA's) to ``LOSS_RTOL``; no figure is reported when one differs more. Then, from the
+same steps, taken in turns: step time (median, p20-p80) and paired ratios; host bytes per block
+parameter (the store, ``engine.stats()``); link bytes per step (the trace's h2d and d2h copies; on
+the CPU backend host-to-host copies between the store and the window's arena); device bytes of
+parameters, gradients and optimizer states (activations aside; ours: window arena, resident
+blocks, head and tail).
 
 On a CPU-only machine Accelerate's execution device is the CPU where its offloaded weights already
 are: its hooks rebind every frozen weight at every forward and drop it after, but the "copy" is a
-no-op, so its row measures the hooks' overhead, not a transfer. Its ``h2d`` column counts the bytes
-the hooks would copy on a GPU (the offloaded modules' parameters at each of their forwards).
+no-op, so its row measures the hooks' overhead, not a transfer. Its ``h2d`` and ``device`` columns
+are counted as on a GPU: the offloaded modules' parameters at each of their forwards, and the
+adapters' states plus the onloaded weights autograd keeps from forward to backward.
 
     .venv/bin/python bench/finetune.py --json bench/results/finetune.json    # 8 x 512, seq 128, batch 2
 """
@@ -44,6 +47,7 @@ from common import MIN_PAIRS, LoadWatch, Timing, hf_llama, paired_ratio, print_t
 from window import HYPER  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
+from pystronghold.runtime.prepare import head_tail_bytes  # noqa: E402
 
 LOSS_RTOL = 1e-5
 """Largest relative loss difference accepted against the reference (fp32; the fused host Adam is not
@@ -72,8 +76,9 @@ class Plain:
     def begin_timing(self) -> None:
         pass
 
-    def figures(self, steps: int) -> dict:
-        return {}
+    def figures(self, steps: int, x) -> dict:
+        """Device bytes: every parameter resident, a trainable one with its gradient and moments."""
+        return {"device_MB": head_tail_bytes(list(self.model.parameters()), torch.float32) / 1e6}
 
     def close(self) -> None:
         pass
@@ -96,8 +101,9 @@ class Ours:
         self.engine.synchronize()
         self.engine.trace.clear()
 
-    def figures(self, steps: int) -> dict:
-        """Host store bytes per block parameter (all, and frozen ones alone) and link bytes per step."""
+    def figures(self, steps: int, x) -> dict:
+        """Host store bytes per block parameter (all, and frozen ones alone), link bytes per step and
+        device bytes (window arena, resident blocks, head and tail)."""
         engine = self.engine
         engine.synchronize()
         stats, moved = engine.stats(), engine.trace.summary().bytes
@@ -107,7 +113,9 @@ class Ours:
                                                      if not p.requires_grad)
         return {"host_B/param": stats["store_bytes"] / block_params,
                 "frozen_B/param": stats["store_frozen_bytes"] / frozen_block if frozen_block else "-",
-                "h2d_MB/step": moved.get("h2d", 0) / steps / 1e6, "d2h_MB/step": moved.get("d2h", 0) / steps / 1e6}
+                "h2d_MB/step": moved.get("h2d", 0) / steps / 1e6, "d2h_MB/step": moved.get("d2h", 0) / steps / 1e6,
+                "device_MB": (stats["arena_used_bytes"] + stats["resident_bytes"]
+                              + head_tail_bytes(engine.head_tail_params, torch.float32)) / 1e6}
 
     def close(self) -> None:
         self.engine.close()
@@ -121,9 +129,11 @@ class AccelerateOffload(Plain):
         import accelerate
 
         self.onloaded_bytes = 0
+        self.offloaded = {}  # storage address -> bytes of every offloaded weight
         for module in model.modules():
             own = list(module.parameters(recurse=False))
             if own and not any(p.requires_grad for p in own):
+                self.offloaded.update({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in own})
                 nbytes = sum(p.numel() * p.element_size() for p in own)
                 module.register_forward_pre_hook(lambda *_, n=nbytes: self._count(n))
                 accelerate.cpu_offload(module, execution_device=torch.device("cpu"))
@@ -135,8 +145,28 @@ class AccelerateOffload(Plain):
     def begin_timing(self) -> None:
         self.onloaded_bytes = 0
 
-    def figures(self, steps: int) -> dict:
-        return {"h2d_MB/step": self.onloaded_bytes / steps / 1e6, "d2h_MB/step": 0.0}
+    def held_bytes(self, x) -> int:
+        """Bytes of offloaded weights that autograd keeps from a training forward until its backward:
+        on a GPU their onloaded copies stay on the device until then (one untimed forward, counted
+        through the saved-tensor hooks; on the CPU the onloaded tensor shares the offloaded one's
+        storage)."""
+        held = set()
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() in self.offloaded:
+                held.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.model(input_ids=x, labels=x)
+        return sum(self.offloaded[ptr] for ptr in held)
+
+    def figures(self, steps: int, x) -> dict:
+        """Counted as on a GPU: H2D bytes per step of the hooks; device bytes of the adapters and
+        their states, and of the onloaded frozen weights autograd holds until backward."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return {"h2d_MB/step": self.onloaded_bytes / steps / 1e6, "d2h_MB/step": 0.0,
+                "device_MB": (head_tail_bytes(trainable, torch.float32) + self.held_bytes(x)) / 1e6}
 
 
 # ---- the models
@@ -254,7 +284,8 @@ def main(argv=None) -> int:
     for name, run in runs.items():
         t, baseline = Timing.of(timed[name]), run.baseline
         row = {"config": name, "trainable_M": run.trainable_m, "frozen_M": run.frozen_m, "host_B/param": "-",
-               "frozen_B/param": "-", "h2d_MB/step": "-", "d2h_MB/step": "-", **run.trainer.figures(args.steps),
+               "frozen_B/param": "-", "h2d_MB/step": "-", "d2h_MB/step": "-",
+               **run.trainer.figures(args.steps, batches[0]),
                "step_ms": 1e3 * t.median_s, "p20_ms": 1e3 * t.p20_s, "p80_ms": 1e3 * t.p80_s,
                "baseline": baseline or "-", "x_baseline": "-", "x_baseline (p20-p80)": "-",
                "reference": run.reference or "-", "loss_max_rel_diff": diffs.get(name, 0.0)}
@@ -274,7 +305,7 @@ def main(argv=None) -> int:
              f"fp32, W={args.window}, {args.steps} timed steps after {args.warmup} warm-up, taking turns "
              "(CPU backend; x_baseline: baseline step time / this one's, paired)")
     shown = ["config", "trainable_M", "frozen_M", "host_B/param", "frozen_B/param", "h2d_MB/step", "d2h_MB/step",
-             "step_ms", "p20_ms", "p80_ms", "baseline", "x_baseline (p20-p80)", "load"]
+             "device_MB", "step_ms", "p20_ms", "p80_ms", "baseline", "x_baseline (p20-p80)", "load"]
     print_table(rows, shown, title)
     for row in rows:
         for key, versus in (("x_ours_full", "ours full"), ("x_accelerate", "accelerate LoRA")):
