@@ -281,6 +281,19 @@ def token_batches(vocab_size: int, batch: int, seq: int, count: int, seed: int =
              torch.randint(0, vocab_size, (batch, seq), generator=g)) for _ in range(count)]
 
 
+def hf_llama(layers: int, hidden: int, *, positions: int = 256, vocab: int = 512, seed: int = 0):
+    """A Hugging Face Llama from a small config (nothing downloaded): FFN 4 x hidden, heads of 64,
+    ``vocab`` tokens, weights from ``seed``."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
+                                   num_attention_heads=max(1, hidden // 64), vocab_size=vocab,
+                                   max_position_embeddings=positions)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 # ---- host memory
 
 def reset_host_peak() -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIN_PAIRS, LoadWatch, interleave, paired_ratio, print_table, write_json  # noqa: E402
+from common import MIN_PAIRS, LoadWatch, hf_llama, interleave, paired_ratio, print_table, write_json  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.runtime import block_fn  # noqa: E402
@@ -70,18 +70,8 @@ class _NoWatch(contextlib.nullcontext):
         return []
 
 
-def _llama(layers: int, hidden: int):
-    import transformers
-
-    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
-                                   num_attention_heads=max(1, hidden // 64), vocab_size=512,
-                                   max_position_embeddings=256)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 def side_outputs(layers: int, hidden: int, seq: int, rounds: int) -> dict:
-    base = _llama(layers, hidden)
+    base = hf_llama(layers, hidden)
     g = torch.Generator().manual_seed(1)
     engines = {name: ph.wrap(copy.deepcopy(base), window=2, optimizer=ph.AdamW(lr=1e-4)) for name in ("off", "on")}
     x = torch.randint(0, 512, (2, seq), generator=g)
