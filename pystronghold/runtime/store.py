@@ -56,6 +56,11 @@ class ParamSpan:
     numel: int
 
 
+def _span_views(flat: torch.Tensor, spans: list[ParamSpan]) -> list[torch.Tensor]:
+    """One view per span of ``flat``, in its parameter's shape."""
+    return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in spans]
+
+
 class BlockLayout:
     """Offsets of a block's parameters in its flat buffers; ``numel`` is the padded total.
 
@@ -93,15 +98,15 @@ class BlockLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view per parameter (in the parameter's shape) into ``flat`` (>= numel elements)."""
-        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.spans]
+        return _span_views(flat, self.spans)
 
     def train_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view per trainable parameter into ``flat`` (>= train_numel elements)."""
-        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.spans[:self.trainable]]
+        return _span_views(flat, self.spans[:self.trainable])
 
     def frozen_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view per frozen parameter into ``flat`` (a whole block's buffer: numel elements)."""
-        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.spans[self.trainable:]]
+        return _span_views(flat, self.spans[self.trainable:])
 
     def zero_gaps(self, flat: torch.Tensor) -> None:
         """Write zeros into the padding of ``flat`` (a whole block's buffer, or its trainable part)."""

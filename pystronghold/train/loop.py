@@ -25,8 +25,8 @@ from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
 from pystronghold.train.config import TrainConfig
-from pystronghold.train.metrics import (IntervalMetrics, format_rate, MemoryReport, MetricsWriter, TimeReport,
-                                        device_peak_bytes, memory_report, summarize_events)
+from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
+                                        device_peak_bytes, format_rate, memory_report, summarize_events)
 
 __all__ = ["Trainer", "TrainResult", "seed_everything"]
 
