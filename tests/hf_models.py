@@ -17,21 +17,55 @@ TEXT = [f"def f{k}(x):\n    return x * {k} + 1  # hello world\n" for k in range(
 """What the tokenizer is trained on (and the tests' data)."""
 
 
+_COMMON = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=0, eos_token_id=0)
+_SMALL = dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=48, max_position_embeddings=64, **_COMMON)
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True)
+
+FAMILIES = {
+    "gpt2": dict(n_layer=3, n_embd=32, n_head=4, n_positions=64, **_COMMON),  # tied, Conv1D, dropout 0.1
+    "llama": _SMALL,  # GQA, rotary, RMSNorm, SwiGLU; untied lm_head
+    "mistral": _SMALL,
+    "qwen2": dict(_SMALL, tie_word_embeddings=True),  # attention biases, tied lm_head
+    "qwen3": dict(_SMALL, head_dim=8),
+    "gemma": dict(_SMALL, head_dim=8),
+    "gemma2": dict(_SMALL, head_dim=8),
+    "gemma3_text": dict(_SMALL, head_dim=8),
+    "phi": _SMALL,
+    "phi3": _SMALL,
+    "gpt_neox": _SMALL,
+    "gptj": dict(n_layer=3, n_embd=32, n_head=4, n_positions=64, rotary_dim=4, **_COMMON),
+    "opt": dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, ffn_dim=48, word_embed_proj_dim=32,
+                max_position_embeddings=64, **_COMMON),
+    "falcon": dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, **_COMMON),
+    "bloom": dict(n_layer=3, hidden_size=32, n_head=4, **_COMMON),
+    "stablelm": _SMALL,
+    "olmo": _SMALL,
+    "olmo2": _SMALL,
+    "granite": _SMALL,
+    "starcoder2": _SMALL,
+    "gpt_bigcode": dict(n_layer=3, n_embd=32, n_head=4, n_positions=64, **_COMMON),
+    "cohere": _SMALL,
+    "glm4": dict(_SMALL, head_dim=8),
+    "smollm3": _SMALL,
+    "mixtral": dict(_SMALL, num_local_experts=4, **_MOE),  # saved per expert, built with fused experts
+    "qwen2_moe": dict(_SMALL, num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=24, **_MOE),
+    "qwen3_moe": dict(_SMALL, num_experts=4, moe_intermediate_size=24, head_dim=8, **_MOE),
+    "olmoe": dict(_SMALL, num_experts=4, **_MOE),
+}
+"""``model_type`` -> tiny config of every causal-LM family the zoo tests load, train and export (each
+saves and reloads in transformers 5.23 with equal logits)."""
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
 def _config(arch: str):
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=0, eos_token_id=0)
-    small = dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=48, max_position_embeddings=64, **common)
-    if arch == "gpt2":  # tied lm_head, blocks at transformer.h, default dropout 0.1
-        return tf.GPT2Config(n_layer=3, n_embd=32, n_head=4, n_positions=64, **common), tf.GPT2LMHeadModel
-    if arch == "llama":  # GQA, rotary, RMSNorm, SwiGLU; untied lm_head
-        return tf.LlamaConfig(**small), tf.LlamaForCausalLM
-    if arch == "mistral":
-        return tf.MistralConfig(**small), tf.MistralForCausalLM
-    if arch == "qwen2":  # attention biases, tied lm_head
-        return tf.Qwen2Config(tie_word_embeddings=True, **small), tf.Qwen2ForCausalLM
-    raise ValueError(arch)
+    if arch not in FAMILIES:
+        raise ValueError(arch)
+    config = tf.AutoConfig.for_model(arch, **FAMILIES[arch])
+    return config, tf.AutoModelForCausalLM.from_config
 
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2")
