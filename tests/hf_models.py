@@ -32,7 +32,7 @@ FAMILIES = {
     "gemma2": dict(_SMALL, head_dim=8),
     "gemma3_text": dict(_SMALL, head_dim=8),
     "phi": _SMALL,
-    "phi3": _SMALL,
+    "phi3": dict(_SMALL, pad_token_id=0),  # its default pad id (32000) is outside the tiny vocabulary
     "gpt_neox": _SMALL,
     "gptj": dict(n_layer=3, n_embd=32, n_head=4, n_positions=64, rotary_dim=4, **_COMMON),
     "opt": dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, ffn_dim=48, word_embed_proj_dim=32,
@@ -46,8 +46,8 @@ FAMILIES = {
     "starcoder2": _SMALL,
     "gpt_bigcode": dict(n_layer=3, n_embd=32, n_head=4, n_positions=64, **_COMMON),
     "cohere": _SMALL,
-    "glm4": dict(_SMALL, head_dim=8),
-    "smollm3": _SMALL,
+    "glm4": dict(_SMALL, head_dim=8, pad_token_id=0),  # its default pad id is outside the tiny vocabulary
+    "smollm3": dict(_SMALL, pad_token_id=0),  # its default pad id is outside the tiny vocabulary
     "mixtral": dict(_SMALL, num_local_experts=4, **_MOE),  # saved per expert, built with fused experts
     "qwen2_moe": dict(_SMALL, num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=24, **_MOE),
     "qwen3_moe": dict(_SMALL, num_experts=4, moe_intermediate_size=24, head_dim=8, **_MOE),

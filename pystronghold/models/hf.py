@@ -3,16 +3,21 @@
 ``from_pretrained(DIR, **wrap_options)`` (also ``pystronghold.from_pretrained``) and
 ``pystronghold train --model hf:DIR`` read ``DIR/config.json`` and the safetensors weights
 (``model.safetensors`` or shards with ``model.safetensors.index.json``); nothing is downloaded.
+Any causal LM transformers builds from its own code (``AutoModelForCausalLM.from_config``) loads:
 The model is built the way ``GPT(materialize_blocks=False)`` is: its skeleton is constructed with
 every parameter on the ``meta`` device (0 bytes; buffers such as rotary frequencies stay real),
 the head and tail (embeddings, final norm, lm_head, tied or not) are read from the shards, and
 ``wrap(materialize=...)`` then reads block i's tensors only when it fills block i into the store.
 So the whole model is never in host memory at once: with ``nvme_dir`` a model larger than host
-memory is fine-tuned. Every tensor's presence, shape and dtype is checked from the shard headers
-before anything is allocated. Weights are loaded as fp32 (the optimizer's masters).
+memory is fine-tuned. The block stack is found in the built model (``block_stack``), and stored
+tensors become the model's by transformers' own conversion mapping (``models.hf_convert``: renamed
+legacy names, per-expert tensors fused), checked from the shard headers before anything is
+allocated. Weights are loaded as fp32 (the optimizer's masters).
 
-Architectures: ``SUPPORTED`` (GPT-2, Llama, Mistral, Qwen2); others are refused with one line.
-The cache is turned off (``use_cache=False``): a training forward must not append to a KV cache.
+Refused with one line: remote code (``auto_map``), encoder-decoder models, a ``model_type`` the
+installed transformers does not know or builds no causal LM for, a model without one stack of
+``num_hidden_layers`` blocks, and a conversion that mixes blocks. The cache is turned off
+(``use_cache=False``): a training forward must not append to a KV cache.
 """
 
 from __future__ import annotations
@@ -28,20 +33,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, block_of, hub_layout
 from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
 
-__all__ = ["SUPPORTED", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "from_pretrained",
-           "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint"]
+__all__ = ["HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "from_pretrained", "meta_model",
+           "block_stack", "hub_weights", "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint"]
 
 log = logging.getLogger(__name__)
 
 HF_PREFIX = "hf:"
 """``--model hf:DIR`` names a Hugging Face model directory."""
-
-SUPPORTED = {"GPT2LMHeadModel": "transformer.h", "LlamaForCausalLM": "model.layers",
-             "MistralForCausalLM": "model.layers", "Qwen2ForCausalLM": "model.layers"}
-"""Architecture (``config.json``'s ``architectures[0]``) -> dotted path of its block stack."""
-
 
 @dataclass(kw_only=True, slots=True)
 class HFModelConfig:
@@ -50,7 +51,7 @@ class HFModelConfig:
     source: str
     """Absolute path of the directory the weights were loaded from."""
     architecture: str
-    """``config.json``'s ``architectures[0]``, one of ``SUPPORTED``."""
+    """``config.json``'s ``architectures[0]`` (its ``model_type`` when it names none)."""
     config: dict = field(default_factory=dict)
     """``config.json`` as read (export writes it back)."""
     tp_size: int = 1
@@ -85,7 +86,8 @@ class HFModelConfig:
 
 def read_hf_config(directory: str | os.PathLike) -> HFModelConfig:
     """The ``HFModelConfig`` of ``directory`` (its config.json only; no weights read, no
-    transformers import). ValueError naming the directory or the architecture otherwise."""
+    transformers import). ValueError naming the directory, or what makes the model one that cannot
+    be streamed (no ``model_type``, remote code)."""
     path = Path(directory)
     if not path.is_dir():
         raise ValueError(f"--model {HF_PREFIX}{directory}: no such directory")
@@ -95,11 +97,13 @@ def read_hf_config(directory: str | os.PathLike) -> HFModelConfig:
         raise ValueError(f"--model {HF_PREFIX}{directory}: no config.json in the directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ValueError(f"{path / 'config.json'}: no model_type (not a transformers model config)")
     archs = config.get("architectures") or []
-    arch = archs[0] if archs else config.get("model_type", "unknown")
-    if arch not in SUPPORTED:
-        raise ValueError(f"{path / 'config.json'}: architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED)}")
+    arch = archs[0] if archs else config["model_type"]
+    if config.get("auto_map"):
+        raise ValueError(f"{path / 'config.json'}: {arch} is remote code (auto_map), which pystronghold does not "
+                         "run; only models built by the installed transformers' own code load")
     return HFModelConfig(source=str(path.resolve()), architecture=arch, config=config)
 
 
@@ -150,9 +154,11 @@ class LazyHFModel:
     shards: SafetensorsShards
     """The weights' reader."""
     spec: HFModelConfig
+    plan: CheckpointPlan
+    """Which stored tensors make each block's parameters."""
     adapters: object = None
     """Adapters added to the blocks after loading (``models.lora.add_lora``), or None: their
-    ``stored_name(name)`` maps a block parameter's name to the shards' (None: an adapter's own
+    ``stored_name(name)`` maps a block parameter's name to the base model's (None: an adapter's own
     parameter, which the shards do not hold), and ``initialize(block, i)`` gives block i's adapter
     parameters their initial values once its weights are read."""
 
@@ -162,51 +168,128 @@ class LazyHFModel:
         their initial values; returns the block."""
         block = self.blocks[index]
         prefix = f"{self.blocks_name}.{index}."
+        made = {name: t for part in self.plan.tensors(index) for name, t in part.items()}
+        self.shards.close()  # unmap: the pages read would otherwise stay resident, block after block
         for mod_name, module in block.named_modules():
             for name, p in list(module.named_parameters(recurse=False)):
                 if p.is_meta:
                     full = prefix + (f"{mod_name}.{name}" if mod_name else name)
                     stored = full if self.adapters is None else self.adapters.stored_name(full)
                     if stored is not None:
-                        setattr(module, name, nn.Parameter(self.shards.read(stored), requires_grad=p.requires_grad))
-        self.shards.close()  # unmap: the pages read would otherwise stay resident, block after block
+                        setattr(module, name, nn.Parameter(made[stored], requires_grad=p.requires_grad))
+        _load_buffers(block, prefix, made)
         if self.adapters is not None:
             self.adapters.initialize(block, index)
         return block
 
 
-def _model_on_meta(spec: HFModelConfig) -> nn.Module:
-    """The model of ``spec``'s config.json with every parameter on ``meta`` (``use_cache`` off)."""
+def _load_buffers(module: nn.Module, prefix: str, made: dict[str, torch.Tensor]) -> None:
+    """Copy the stored values of ``module``'s persistent buffers (named ``prefix`` + their name in
+    ``made``) into them."""
+    for name, buffer in module.named_buffers():
+        if prefix + name in made:
+            buffer.copy_(made[prefix + name])
+
+
+def meta_model(spec: HFModelConfig) -> nn.Module:
+    """The model of ``spec``'s config (as recorded) with every parameter on ``meta`` (``use_cache`` off),
+    built by transformers' ``AutoModelForCausalLM.from_config``. ValueError (one line) when
+    transformers is missing, does not know the ``model_type``, or builds no causal LM for it."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError:
         raise ValueError(f"{HF_PREFIX}{spec.source}: loading Hugging Face models needs transformers "
                          "(pip install 'pystronghold[hf]')") from None
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = AutoConfig.from_pretrained(spec.source, local_files_only=True)
+    where = f"{spec.source}/config.json"
+    model_type = spec.config["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{where}: model_type {model_type!r} is unknown to transformers {transformers.__version__} "
+                         "(a newer transformers may know it; remote code is not run)")
+    try:  # NOTE: from the recorded config.json, so that an export works after the source has moved
+        config = CONFIG_MAPPING[model_type].from_dict(spec.config)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"{where}: transformers {transformers.__version__} cannot read it "
+                         f"(model_type {spec.config.get('model_type')!r}): {_first_line(e)}") from None
+    config.name_or_path = spec.source
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{where}: {spec.architecture} is an encoder-decoder model; only causal LMs (one stack of "
+                         "decoder blocks) load")
     config.use_cache = False  # NOTE: a training forward must not append to a KV cache
-    with _parameters_on_meta():
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        with _parameters_on_meta():
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
+        raise ValueError(f"{where}: transformers {transformers.__version__} builds no causal LM for model_type "
+                         f"{config.model_type!r} ({_first_line(e)})") from None
 
 
-def _shards(spec: HFModelConfig, model: nn.Module) -> SafetensorsShards:
-    prefix = getattr(model, "base_model_prefix", "")
-    return SafetensorsShards(spec.source, strip_prefix=f"{prefix}." if prefix else "")
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(dotted path, stack)`` of the transformers ``model``'s block stack: its one ``nn.ModuleList``
+    (not inside another) of ``num_hidden_layers`` modules (the text config's, for a model that has
+    several). ValueError (one line) when there is none or more than one."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(config, "num_hidden_layers", None)
+    found: list[tuple[str, nn.ModuleList]] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, nn.ModuleList):
+                if len(child) == layers:
+                    found.append((prefix + name, child))
+                continue  # a ModuleList inside another is part of one block
+            visit(child, f"{prefix}{name}.")
+
+    visit(model, "")
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(name for name, _ in found)
+        raise ValueError(f"{type(model).__name__}: expected one nn.ModuleList of num_hidden_layers={layers} blocks "
+                         f"to stream, found {what}")
+    return found[0]
+
+
+def _loader(spec: HFModelConfig) -> tuple[nn.Module, str, nn.ModuleList, SafetensorsShards, CheckpointPlan]:
+    """The model on meta, its block stack, the shards and the checked plan of what they make."""
+    model = meta_model(spec)
+    blocks_name, blocks = block_stack(model)
+    shards = SafetensorsShards(spec.source)
+    plan = CheckpointPlan(model, shards, blocks_name)
+    for aliases in _aliases(model).values():  # a tied weight may be stored under any of its names
+        if not any(name in plan.made for name, _, _ in aliases):
+            raise ValueError(f"{spec.source}: no tensor {aliases[0][0]!r} in the safetensors files (the "
+                             "checkpoint does not match config.json)")
+    return model, blocks_name, blocks, shards, plan
 
 
 def read_weights(directory: str | os.PathLike):
     """Every weight of the model saved in ``directory`` by its model name (a tied weight once,
-    under its first name), read one at a time as fp32: yields ``(name, tensor)``."""
-    spec = read_hf_config(directory)
-    model = _model_on_meta(spec)
-    shards = _shards(spec, model)
+    under its first name), read and converted a group at a time (head and tail, then block by
+    block) as fp32: yields ``(name, tensor)``."""
+    model, _, blocks, shards, plan = _loader(read_hf_config(directory))
+    first = {name: aliases[0][0] for aliases in _aliases(model).values() for name, _, _ in aliases}
+    done: set[str] = set()
     try:
-        for aliases in _aliases(model).values():
-            stored = next((name for name, _, _ in aliases if shards.key(name) is not None), aliases[0][0])
-            yield aliases[0][0], shards.read(stored)
+        for block in (HEAD_TAIL, *range(len(blocks))):
+            for part in plan.tensors(block):
+                for name, tensor in part.items():
+                    if first.get(name) is not None and first[name] not in done:  # not a buffer, not seen
+                        done.add(first[name])
+                        yield first[name], tensor
             shards.close()  # unmap: the pages read would otherwise stay resident
     finally:
         shards.close()
+
+
+def hub_weights(model: nn.Module, weight_dicts):
+    """``weight_dicts`` (dicts of the transformers ``model``'s tensors by its names) in the layout of
+    the family's checkpoints, a block at a time (``models.hf_convert.hub_layout``)."""
+    return hub_layout(model, block_stack(model)[0], weight_dicts)
 
 
 def weights_fingerprint(directory: str | os.PathLike) -> dict:
@@ -225,34 +308,25 @@ def weights_fingerprint(directory: str | os.PathLike) -> dict:
 def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
     """Build the model of ``directory`` with its head and tail loaded and its blocks on ``meta``.
 
-    Checks every tensor (present, shape as config.json makes it, float dtype) before loading any.
+    Checks every tensor (made by the stored ones, shape as config.json makes it, float dtype)
+    before loading any.
     """
     spec = read_hf_config(directory)
-    model = _model_on_meta(spec)
-    blocks_name = SUPPORTED[spec.architecture]
-    blocks = model.get_submodule(blocks_name)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"{spec.architecture}: {blocks_name} is not an nn.ModuleList")
-    shards = _shards(spec, model)
+    model, blocks_name, blocks, shards, plan = _loader(spec)
     block_modules = {id(m) for m in blocks.modules()}
-    head_tail = _aliases(model, skip=block_modules)
-    for name, p in model.named_parameters():  # the blocks' tensors
-        if id(p) not in head_tail:
-            shards.check(name, p.shape)
-    for aliases in head_tail.values():  # a tied weight may be stored under any of its names
-        stored = [name for name, _, _ in aliases if shards.key(name) is not None]
-        shards.check(stored[0] if stored else aliases[0][0], model.get_parameter(aliases[0][0]).shape)
+    made = {name: t for part in plan.tensors(HEAD_TAIL) for name, t in part.items()}
     with torch.no_grad():
-        for aliases in head_tail.values():
-            stored = next(name for name, _, _ in aliases if shards.key(name) is not None)
+        for aliases in _aliases(model, skip=block_modules).values():
+            stored = next(name for name, _, _ in aliases if name in made)
             old = model.get_parameter(aliases[0][0])
-            p = nn.Parameter(shards.read(stored), requires_grad=old.requires_grad)
+            p = nn.Parameter(made[stored], requires_grad=old.requires_grad)
             for _, module, attr in aliases:
                 setattr(module, attr, p)
+        _load_buffers(model, "", {name: t for name, t in made.items() if block_of(name, blocks_name) is None})
     shards.close()
     log.info("%s: %s, %d blocks at %s, head and tail loaded; blocks load one at a time",
              spec.source, spec.architecture, len(blocks), blocks_name)
-    return LazyHFModel(model=model, blocks=blocks, blocks_name=blocks_name, shards=shards, spec=spec)
+    return LazyHFModel(model=model, blocks=blocks, blocks_name=blocks_name, shards=shards, spec=spec, plan=plan)
 
 
 def from_pretrained(directory: str | os.PathLike, **wrap_options):

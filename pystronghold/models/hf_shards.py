@@ -4,7 +4,7 @@ A directory holds either one ``model.safetensors`` or shards named by ``model.sa
 (``{"weight_map": {tensor name: shard file}}``). ``SafetensorsShards`` opens every shard's header
 (no tensor data), checks that the shards the index names exist and hold what it says, and then reads
 single tensors on demand with ``safe_open``, so a block's weights can be loaded without touching the
-rest of the model. ``check`` validates a tensor's presence, shape and dtype from the header alone:
+rest of the model. ``float_shape`` gives a tensor's shape and checks its dtype from the header alone:
 the loader checks the whole model that way before it allocates anything.
 
 A shard is memory-mapped while its handle is open, and the pages read stay resident in the process
@@ -32,17 +32,14 @@ SINGLE_NAME = "model.safetensors"
 
 
 class SafetensorsShards:
-    """The safetensors weights of directory ``directory``: names, shapes, dtypes, and single tensors.
-
-    ``strip_prefix``: a prefix the model's names carry that a checkpoint may omit (the base model's
-    ``transformer.`` of GPT-2: the original GPT-2 checkpoints store ``h.0.attn...``). Raises
+    """The safetensors weights of directory ``directory``: names, shapes, dtypes, and single tensors,
+    by the names they are stored under (``models.hf_convert`` maps them to the model's). Raises
     ValueError (one line, naming the file) for a directory without weights, a missing shard, or an
     index that names a tensor its shard does not hold.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, strip_prefix: str = "") -> None:
+    def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
-        self.strip_prefix = strip_prefix
         index = self.directory / INDEX_NAME
         if index.is_file():
             try:
@@ -66,40 +63,24 @@ class SafetensorsShards:
             if held.get(key) != name:
                 raise ValueError(f"{self.directory / name}: has no tensor {key!r} (named by {INDEX_NAME})")
         self.weight_map: dict[str, str] = dict(weight_map)
-        """Tensor name -> shard file name (relative to the directory)."""
+        """Stored tensor name -> shard file name (relative to the directory)."""
 
-    def key(self, name: str) -> str | None:
-        """The name under which the model's tensor ``name`` is stored, or None when absent."""
-        if name in self.weight_map:
-            return name
-        if self.strip_prefix and name.startswith(self.strip_prefix):
-            short = name[len(self.strip_prefix):]
-            if short in self.weight_map:
-                return short
-        return None
+    def file_of(self, key: str) -> Path:
+        """The shard holding stored tensor ``key``."""
+        return self.directory / self.weight_map[key]
 
-    def check(self, name: str, shape: torch.Size) -> None:
-        """Raise ValueError unless the model's tensor ``name`` is stored with ``shape`` and a float
-        dtype (from the shard's header; nothing is read)."""
-        key = self.key(name)
-        if key is None:
-            raise ValueError(f"{self.directory}: no tensor {name!r} in the safetensors files (the "
-                             "checkpoint does not match config.json)")
-        file = self.directory / self.weight_map[key]
+    def float_shape(self, key: str) -> tuple[int, ...]:
+        """The shape of stored tensor ``key`` from its shard's header (nothing is read); ValueError
+        unless its dtype is a float one."""
         sl = self._handle(self.weight_map[key]).get_slice(key)
-        stored_shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-        if stored_shape != tuple(shape):
-            raise ValueError(f"{file}: tensor {key!r} has shape {list(stored_shape)}, config.json makes "
-                             f"it {list(shape)}")
+        dtype = sl.get_dtype()
         if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{file}: tensor {key!r} has dtype {dtype}; only {', '.join(FLOAT_DTYPES)} "
+            raise ValueError(f"{self.file_of(key)}: tensor {key!r} has dtype {dtype}; only {', '.join(FLOAT_DTYPES)} "
                              "weights are loaded (quantized checkpoints are not supported)")
+        return tuple(sl.get_shape())
 
-    def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The model's tensor ``name`` from its shard, as a new host tensor in ``dtype``."""
-        key = self.key(name)
-        if key is None:
-            raise ValueError(f"{self.directory}: no tensor {name!r} in the safetensors files")
+    def read(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Stored tensor ``key`` from its shard, as a new host tensor in ``dtype``."""
         return self._handle(self.weight_map[key]).get_tensor(key).to(dtype)
 
     @property
@@ -108,7 +89,7 @@ class SafetensorsShards:
         return sorted(self._handles)
 
     def close(self) -> None:
-        """Close the shards (unmapping them); a later ``check`` or ``read`` reopens what it needs."""
+        """Close the shards (unmapping them); a later ``float_shape`` or ``read`` reopens what it needs."""
         self._handles.clear()
 
     def _handle(self, name: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pystronghold.models.hf import HF_PREFIX, SUPPORTED, read_hf_config
+from pystronghold.models.hf import HF_PREFIX, block_stack, read_hf_config
 
 __all__ = ["HFShape", "read_hf_shape"]
 
@@ -89,7 +89,7 @@ def read_hf_shape(directory: str) -> HFShape:
     config.num_hidden_layers = 1  # one block tells every block's shapes
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    blocks_name = SUPPORTED[spec.architecture]
+    blocks_name, _ = block_stack(model)
     prefix = f"{blocks_name}.0."
     named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     block = tuple((name[len(prefix):], shape) for name, shape in named if name.startswith(prefix))

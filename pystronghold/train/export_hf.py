@@ -4,8 +4,9 @@ Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained(OUTDIR)
 The checkpoint's manifest records the model as ``HFModelConfig`` (source directory, architecture,
 config.json). The export writes ``config.json`` (that config, ``dtype`` float32: the weights are the
 optimizer's fp32 masters, so the exported model gives the trained engine's fp32 logits), the weights
-as safetensors shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json`` (keys
-are the model's own parameter names, tied weights stored once, as ``save_pretrained`` does), and
+as safetensors shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json`` (in the
+family's own checkpoint layout: transformers' ``revert_weight_conversion`` of the model's names,
+block by block, so a Mixtral's experts are stored one by one; tied weights stored once), and
 copies the tokenizer and generation files of the source directory (or of ``tokenizer_dir``); a
 source that has lost its tokenizer (moved, deleted) is refused before anything is written. The
 checkpoint is read one block file at a time, so at most one shard plus one block is in memory.
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from pystronghold.models.hf import HFModelConfig, read_weights
+from pystronghold.models.hf import HFModelConfig, hub_weights, meta_model, read_weights
 from pystronghold.models.lora import ADAPTER, PEFT_PREFIX, LoraSpec, adapter_key, lora_config, merged
 from pystronghold.tokenized import TOKENIZER_FILES, has_tokenizer
 from pystronghold.train.checkpoint import CheckpointError, checkpoint_weights, read_manifest, save_safetensors
@@ -95,6 +96,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
         weights = _completed_weights(spec, trained)
     else:
         weights = trained
+    weights = hub_weights(meta_model(spec), weights)
     names = _write_directory(out, lambda tmp: _write_model(tmp, weights, spec.config, max_shard_bytes),
                              source=source)
     copied = [n for n in COPIED_FILES if (out / n).is_file()]
@@ -142,9 +144,10 @@ def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DE
                     tokenizer_dir: str | os.PathLike | None = None) -> Path:
     """Write the Hugging Face model trained by ``engine`` (made by ``pystronghold.from_pretrained``)
     as a directory ``out`` that ``AutoModelForCausalLM.from_pretrained`` loads: the fp32 masters
-    (blocks read from the store), ``engine.model.config`` with ``use_cache`` on and ``dtype``
-    float32, and the tokenizer files of ``tokenizer_dir`` when given (ValueError when it holds
-    none). ``out`` must not exist or be empty. Returns ``out``. NOTE: masters held on disk (the NVMe
+    (blocks read from the store) in the family's checkpoint layout, ``engine.model.config`` with
+    ``use_cache`` on and ``dtype`` float32, its generation config, and the tokenizer files of
+    ``tokenizer_dir`` (ValueError when it holds none), by default of the directory the model was
+    loaded from when that holds a tokenizer. ``out`` must not exist or be empty. Returns ``out``. NOTE: masters held on disk (the NVMe
     tier) are all read into host memory here; for a model larger than host memory save a checkpoint
     and use ``export_hf`` (one block at a time)."""
     out = Path(out)
@@ -157,9 +160,18 @@ def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DE
         raise TypeError(f"save_pretrained: engine.model is a {type(engine.model).__name__}, not a Hugging "
                         "Face model (use pystronghold.from_pretrained)")
     config = dict(model_config.to_dict(), use_cache=True, architectures=[type(engine.model).__name__])
-    weights = engine.master_parameters()  # views of the store: nothing is copied until written
-    names = _write_directory(out, lambda tmp: _write_model(tmp, [weights], config, max_shard_bytes),
-                             source=tokenizer_dir)
+    weights = hub_weights(engine.model, [engine.master_parameters()])  # views of the store until written
+    loaded_from = getattr(model_config, "name_or_path", "")
+    if tokenizer_dir is None and loaded_from and has_tokenizer(loaded_from):
+        tokenizer_dir = loaded_from
+
+    def fill(tmp: Path) -> list[str]:
+        generation = getattr(engine.model, "generation_config", None)
+        if generation is not None:  # the source's own generation_config.json, if any, is copied over it
+            generation.save_pretrained(str(tmp))
+        return _write_model(tmp, weights, config, max_shard_bytes)
+
+    names = _write_directory(out, fill, source=tokenizer_dir)
     log.info("save_pretrained: %s -> %s: %d shard(s)", type(engine.model).__name__, out, len(names))
     return out
 

@@ -4,6 +4,7 @@ architecture, raised before anything is trained (issue 14 part 3)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -28,15 +29,41 @@ def _rewrite(path, change) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def test_unsupported_architecture_is_named(tmp_path, capsys):
+@pytest.mark.parametrize("change, message", [
+    (dict(model_type="vit", architectures=["ViTModel"]), "builds no causal LM for model_type 'vit'"),
+    (dict(model_type="t5", architectures=["T5ForConditionalGeneration"]), "T5ForConditionalGeneration is an "
+                                                                           "encoder-decoder model"),
+    (dict(model_type="not_a_family"), "model_type 'not_a_family' is unknown to transformers"),
+    (dict(auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}), "is remote code (auto_map)"),
+    (dict(is_encoder_decoder=True), "is an encoder-decoder model"),
+])
+def test_a_model_that_cannot_be_streamed_is_refused_in_one_line(tmp_path, capsys, change, message):
     directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
     config = json.loads((directory / "config.json").read_text())
-    config["architectures"] = ["BertForMaskedLM"]
-    (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"architecture 'BertForMaskedLM' is not supported; supported: GPT2LMHeadModel"):
+    (directory / "config.json").write_text(json.dumps(dict(config, **change)))
+    with pytest.raises(ValueError, match=re.escape(message)):
         ph.from_pretrained(directory, window=2)
     err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1"])
-    assert "BertForMaskedLM" in err and "config.json" in err
+    assert message in err and "config.json" in err
+
+
+def test_a_model_without_one_stack_of_blocks_is_refused(tmp_path):
+    from pystronghold.models.hf import block_stack
+
+    class TwoStacks(torch.nn.Module):
+        def __init__(self, config) -> None:
+            super().__init__()
+            self.config = config
+            self.encoder = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+            self.decoder = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match=r"one nn.ModuleList of num_hidden_layers=3 blocks to stream, found "
+                                         r"encoder, decoder"):
+        block_stack(TwoStacks(LlamaConfig(num_hidden_layers=3)))
+    with pytest.raises(ValueError, match=r"found none"):
+        block_stack(TwoStacks(LlamaConfig(num_hidden_layers=4)))
 
 
 def test_missing_shard_is_named(tmp_path, capsys):

@@ -1,0 +1,169 @@
+"""A checkpoint's stored tensors -> the model's parameters, and back, by transformers' own
+conversion mapping, one block at a time.
+
+transformers 5 builds some families differently from how their checkpoints store them: a Mixtral's
+experts are stored one by one (``...experts.0.w1.weight``) and built as fused tensors
+(``...experts.gate_up_proj``); old checkpoints lack the base model's prefix (GPT-2's ``h.0...``) or
+carry legacy names. ``get_model_conversion_mapping(model)`` lists the model's renamings and
+converters, ``rename_source_key`` names the parameter a stored tensor feeds. ``CheckpointPlan``
+groups the stored tensors by the parameter they make, as transformers' loader does
+(``convert_and_load_state_dict_in_model``), then runs every group once on ``meta`` tensors shaped
+from the shard headers: that checks what it makes (names, shapes) without reading any data, and
+assigns the group to the block its parameters belong to (or to the head and tail). A group whose
+parameters span blocks cannot be loaded one block at a time and is refused. ``tensors(block)``
+then reads and converts one block's groups only.
+
+``hub_layout`` is the reverse, for saving: transformers' ``revert_weight_conversion`` applied to
+one block's weights at a time (per-expert tensors again for a Mixtral).
+
+Uses ``rename_source_key``, ``dot_natural_key``, ``WeightRenaming``/``WeightConverter``
+(``add_tensor``, ``convert``) and ``revert_weight_conversion`` of ``transformers.core_model_loading``,
+present from transformers 5.0 on.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pystronghold.models.hf_shards import SafetensorsShards
+
+__all__ = ["CheckpointPlan", "HEAD_TAIL", "block_of", "hub_layout"]
+
+HEAD_TAIL = None
+"""The "block" of the parameters outside the block stack (embeddings, final norm, LM head)."""
+
+
+def block_of(name: str, blocks_name: str) -> int | None:
+    """The block index of the model's tensor ``name`` (``blocks_name.i....``), None outside the stack."""
+    if not name.startswith(blocks_name + "."):
+        return HEAD_TAIL
+    return int(name[len(blocks_name) + 1:].split(".", 1)[0])
+
+
+@dataclass(slots=True)
+class _Group:
+    """Stored tensors that make one or more parameters together (transformers' unit of loading)."""
+
+    transform: object
+    """transformers' ``WeightRenaming`` or ``WeightConverter``; a fresh copy runs each time."""
+    target: str
+    """The first parameter it makes (transformers' key of the group)."""
+    sources: list[tuple[str, str]] = field(default_factory=list)
+    """(source pattern, stored name) of each tensor it reads."""
+
+
+class CheckpointPlan:
+    """Which stored tensors make which parameters of ``model`` (parameters possibly on ``meta``), by
+    block. ValueError (one line) when a parameter is made by no stored tensor, with another shape,
+    from a non-float tensor, or together with another block's."""
+
+    def __init__(self, model: nn.Module, shards: SafetensorsShards, blocks_name: str) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        self.model, self.shards, self.blocks_name = model, shards, blocks_name
+        model_tensors = model.state_dict()  # parameters and persistent buffers; meta tensors cost nothing
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        converter_of = {pattern: t for t in converters for pattern in t.source_patterns}
+        prefix = getattr(model, "base_model_prefix", None) or None
+        groups: dict[str, _Group] = {}
+        for stored in sorted(shards.weight_map, key=dot_natural_key):  # the loader's order (renamings keep state)
+            target, pattern = rename_source_key(stored, renamings, converters, prefix, model_tensors)
+            if target not in model_tensors and stored in model_tensors:
+                target, pattern = rename_source_key(stored, [], [], prefix, model_tensors)
+            if target not in model_tensors:
+                continue  # a tensor the model does not have: transformers ignores it too
+            if pattern is None:
+                group = groups.setdefault(target, _Group(WeightRenaming(stored, target), target))
+                pattern = stored
+            else:
+                group = groups.setdefault(target, _Group(copy.deepcopy(converter_of[pattern]), target))
+            group.sources.append((pattern, stored))
+        self.groups: dict[int | None, list[_Group]] = {}
+        self.made: set[str] = set()
+        """Every model tensor name some group makes."""
+        for group in groups.values():
+            self.groups.setdefault(self._check(group, model_tensors), []).append(group)
+
+    def tensors(self, block: int | None) -> Iterator[dict[str, torch.Tensor]]:
+        """Block ``block``'s tensors (None: the head and tail's) by model name, fp32, read from the
+        shards and converted one group at a time."""
+        for group in self.groups.get(block, ()):
+            yield self._run(group, self.shards.read)
+
+    def _run(self, group: _Group, read) -> dict[str, torch.Tensor]:
+        transform = copy.deepcopy(group.transform)
+        for pattern, stored in group.sources:  # a callable: transformers' synchronous loading reads it
+            transform.add_tensor(group.target, stored, pattern, functools.partial(read, stored))
+        with torch.no_grad():
+            made = transform.convert(group.target, model=self.model, config=self.model.config)
+        return {name: value[0] if isinstance(value, list) else value for name, value in made.items()}
+
+    def _check(self, group: _Group, model_tensors: dict[str, torch.Tensor]) -> int | None:
+        """Run ``group`` on meta tensors: what it makes must be the model's, with its shapes, in one
+        block; returns that block."""
+        def header(stored: str) -> torch.Tensor:
+            return torch.empty(self.shards.float_shape(stored), dtype=torch.float32, device="meta")
+
+        try:
+            made = self._run(group, header)
+        except ValueError:
+            raise
+        except Exception as e:  # an op that cannot make this model's tensors from these
+            raise ValueError(f"{self.shards.directory}: transformers' conversion of {self._named(group)} failed "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        blocks = set()
+        for name, tensor in made.items():
+            if name not in model_tensors:
+                raise ValueError(f"{self.shards.directory}: transformers' conversion of {self._named(group)} makes "
+                                 f"{name!r}, which the model built from config.json does not have")
+            want = tuple(model_tensors[name].shape)
+            if tuple(tensor.shape) != want:
+                if len(group.sources) == 1 and len(made) == 1:  # a plain (renamed) tensor
+                    stored = group.sources[0][1]
+                    raise ValueError(f"{self.shards.file_of(stored)}: tensor {stored!r} has shape "
+                                     f"{list(tensor.shape)}, config.json makes it {list(want)}")
+                raise ValueError(f"{self.shards.directory}: {self._named(group)} convert to {name!r} of shape "
+                                 f"{list(tensor.shape)}, config.json makes it {list(want)}")
+            blocks.add(block_of(name, self.blocks_name))
+        if len(blocks) > 1:
+            raise ValueError(f"{self.shards.directory}: transformers' conversion of {self._named(group)} makes "
+                             f"tensors of several blocks ({sorted(blocks, key=str)}); it cannot be loaded one "
+                             "block at a time")
+        self.made.update(made)
+        return blocks.pop() if blocks else HEAD_TAIL
+
+    @staticmethod
+    def _named(group: _Group) -> str:
+        names = [stored for _, stored in group.sources]
+        return f"{names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
+def hub_layout(model: nn.Module, blocks_name: str,
+               weight_dicts: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """``weight_dicts`` (dicts of the model's tensors by its names, in any grouping) in the layout
+    of the family's checkpoints (``revert_weight_conversion``), one block at a time: a block is
+    converted and yielded as soon as all its parameters have arrived, the head and tail last. So
+    no more than the head and tail plus the blocks arriving interleaved are held at once."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    expected = Counter(block_of(name, blocks_name) for name, _ in model.named_parameters())
+    pending: dict[int | None, dict[str, torch.Tensor]] = {}
+    for weights in weight_dicts:
+        for name, tensor in weights.items():
+            block = block_of(name, blocks_name)
+            part = pending.setdefault(block, {})
+            part[name] = tensor
+            if block is not HEAD_TAIL and len(part) == expected[block]:
+                yield revert_weight_conversion(model, pending.pop(block))
+    for part in pending.values():
+        yield revert_weight_conversion(model, part)
