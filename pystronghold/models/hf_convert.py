@@ -116,12 +116,16 @@ class CheckpointPlan:
 
         try:
             made = self._run(group, header)
-        except ValueError:
+        except ValueError:  # the shards' own (a non-float tensor)
             raise
         except Exception as e:  # an op that cannot make this model's tensors from these
             raise ValueError(f"{self.shards.directory}: transformers' conversion of {self._named(group)} failed "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-        blocks = set()
+        blocks = {block_of(name, self.blocks_name) for name in made}
+        if len(blocks) > 1:
+            raise ValueError(f"{self.shards.directory}: transformers' conversion of {self._named(group)} makes "
+                             f"tensors of several blocks ({', '.join(map(str, sorted(blocks, key=str)))}); it cannot "
+                             "be loaded one block at a time")
         for name, tensor in made.items():
             if name not in model_tensors:
                 raise ValueError(f"{self.shards.directory}: transformers' conversion of {self._named(group)} makes "
@@ -134,11 +138,6 @@ class CheckpointPlan:
                                      f"{list(tensor.shape)}, config.json makes it {list(want)}")
                 raise ValueError(f"{self.shards.directory}: {self._named(group)} convert to {name!r} of shape "
                                  f"{list(tensor.shape)}, config.json makes it {list(want)}")
-            blocks.add(block_of(name, self.blocks_name))
-        if len(blocks) > 1:
-            raise ValueError(f"{self.shards.directory}: transformers' conversion of {self._named(group)} makes "
-                             f"tensors of several blocks ({sorted(blocks, key=str)}); it cannot be loaded one "
-                             "block at a time")
         self.made.update(made)
         return blocks.pop() if blocks else HEAD_TAIL
 

@@ -13,7 +13,6 @@ transformers reloads with the trained weights exactly, and ``generate`` runs on 
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -21,7 +20,7 @@ import torch
 
 import pystronghold as ph
 from pystronghold.cli import main
-from hf_models import FAMILIES, MOE_FAMILIES, TEXT, VOCAB, engine_logits, save_tiny
+from hf_models import FAMILIES, MOE_FAMILIES, TEXT, VOCAB, engine_logits, hf_logits, save_tiny
 from runtime_models import HYPER, one_torch_thread, train_reference
 
 transformers = pytest.importorskip("transformers")
@@ -142,4 +141,42 @@ def test_an_moe_checkpoint_is_read_per_expert_block_by_block(tmp_path):
     assert sum(".experts." in name for name in reads) == 3 * 4  # w1, w2, w3 of 4 experts
     assert lazy.shards.open_files == []
     assert not any(p.is_meta for p in lazy.blocks[1].parameters())
-    assert all(p.is_meta for p in copy.copy(list(lazy.blocks[2].parameters())))
+    assert all(p.is_meta for p in lazy.blocks[2].parameters())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mixtral"])
+def test_bf16_single_file_checkpoints_load_as_transformers_loads_them(tmp_path, family):
+    """A checkpoint saved in bf16 as one model.safetensors (GPT-2: tied, without the base model's
+    prefix, as the original checkpoints): the fp32 logits of transformers' own load of it."""
+    from safetensors.torch import load_file, save_file
+
+    directory = save_tiny(tmp_path, family, tokenizer=False)
+    model = _hf_load(directory).to(torch.bfloat16)
+    model.save_pretrained(str(tmp_path / "bf16"), max_shard_size="1GB")
+    single = tmp_path / "bf16" / "model.safetensors"
+    if family == "gpt2":
+        tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(single)).items()}
+        save_file(tensors, str(single), metadata={"format": "pt"})
+    assert not (tmp_path / "bf16" / "model.safetensors.index.json").exists()
+    x = _batches(1)[0]
+    engine = ph.from_pretrained(tmp_path / "bf16", window=1)
+    try:
+        torch.testing.assert_close(engine_logits(engine, x), hf_logits(tmp_path / "bf16", x), rtol=0, atol=0)
+    finally:
+        engine.close()
+
+
+def test_a_conversion_that_mixes_blocks_is_refused(tmp_path, monkeypatch):
+    """A converter that makes tensors of two blocks from one stored tensor cannot be read one block
+    at a time: one line naming the stored tensor."""
+    import transformers.conversion_mapping as mapping
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    directory = save_tiny(tmp_path, "llama", tokenizer=False)
+    across = WeightConverter(source_patterns="layers.0.self_attn.q_proj.weight",
+                             target_patterns=["layers.0.self_attn.q_proj.weight", "layers.1.self_attn.q_proj.weight"],
+                             operations=[Chunk(dim=0)])
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", lambda model, **kw: [across])
+    with pytest.raises(ValueError, match=r"conversion of 'model.layers.0.self_attn.q_proj.weight' makes tensors "
+                                         r"of several blocks \(0, 1\); it cannot be loaded one block at a time"):
+        ph.from_pretrained(directory, window=2)
