@@ -3,7 +3,7 @@
 ``from_pretrained(DIR, **wrap_options)`` (also ``pystronghold.from_pretrained``) and
 ``pystronghold train --model hf:DIR`` read ``DIR/config.json`` and the safetensors weights
 (``model.safetensors`` or shards with ``model.safetensors.index.json``); nothing is downloaded.
-Any causal LM transformers builds from its own code (``AutoModelForCausalLM.from_config``) loads:
+Any causal LM transformers builds from its own code (``AutoModelForCausalLM.from_config``) loads.
 The model is built the way ``GPT(materialize_blocks=False)`` is: its skeleton is constructed with
 every parameter on the ``meta`` device (0 bytes; buffers such as rotary frequencies stay real),
 the head and tail (embeddings, final norm, lm_head, tied or not) are read from the shards, and

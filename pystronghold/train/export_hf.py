@@ -147,9 +147,9 @@ def save_pretrained(engine, out: str | os.PathLike, *, max_shard_bytes: int = DE
     (blocks read from the store) in the family's checkpoint layout, ``engine.model.config`` with
     ``use_cache`` on and ``dtype`` float32, its generation config, and the tokenizer files of
     ``tokenizer_dir`` (ValueError when it holds none), by default of the directory the model was
-    loaded from when that holds a tokenizer. ``out`` must not exist or be empty. Returns ``out``. NOTE: masters held on disk (the NVMe
-    tier) are all read into host memory here; for a model larger than host memory save a checkpoint
-    and use ``export_hf`` (one block at a time)."""
+    loaded from when that holds a tokenizer. ``out`` must not exist or be empty. Returns ``out``.
+    NOTE: masters held on disk (the NVMe tier) are all read into host memory here; for a model
+    larger than host memory save a checkpoint and use ``export_hf`` (one block at a time)."""
     out = Path(out)
     _check_output(out, max_shard_bytes)
     if tokenizer_dir is not None and not has_tokenizer(tokenizer_dir):

@@ -180,3 +180,13 @@ def test_a_conversion_that_mixes_blocks_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"conversion of 'model.layers.0.self_attn.q_proj.weight' makes tensors "
                                          r"of several blocks \(0, 1\); it cannot be loaded one block at a time"):
         ph.from_pretrained(directory, window=2)
+
+
+def test_save_pretrained_copies_the_tokenizer_of_the_directory_loaded_from(tmp_path):
+    directory = save_tiny(tmp_path, "qwen3_moe")
+    engine = ph.from_pretrained(directory, window=1)
+    try:
+        ph.save_pretrained(engine, tmp_path / "saved")
+    finally:
+        engine.close()
+    assert (tmp_path / "saved" / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
