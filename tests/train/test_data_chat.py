@@ -133,3 +133,16 @@ def test_cli_prints_one_line_naming_the_line(tmp_path, capsys):
                    + json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
     err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--data", str(bad), "--steps", "1", "--quiet"])
     assert "bad.jsonl line 2: message 0 has role 'bot'" in err
+
+
+def test_a_datasets_directory_without_datasets_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    from pystronghold.extras import EXTRAS
+
+    monkeypatch.setitem(EXTRAS, "data", ("pystronghold_no_such_module",))
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "dataset_info.json").write_text("{}")
+    (saved / "state.json").write_text("{}")
+    err = cli_error(capsys, ["train", "--data", str(saved), "--steps", "1", "--quiet"])
+    assert f"--data {saved} (a datasets save_to_disk directory) needs pystronghold_no_such_module" in err
+    assert "pip install 'pystronghold[data]'" in err
