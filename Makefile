@@ -14,7 +14,7 @@ $(DEPS_STAMP): constraints.txt
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt \
 	    torch==2.13.0 triton numpy ninja pytest pytest-timeout hypothesis tqdm matplotlib \
-	    safetensors setuptools wheel transformers tokenizers tensorboard pyyaml peft accelerate
+	    safetensors setuptools wheel transformers tokenizers tensorboard pyyaml peft accelerate datasets
 	@touch $@
 
 # The editable install (Python packages only) is made once, and again when the build description

@@ -319,8 +319,9 @@ def main():
             "hf": ["transformers", "tokenizers"],  # --model hf:DIR, export --hf, from_pretrained
             "yaml": ["pyyaml"],        # plan --cluster FILE.yaml (JSON needs nothing)
             "peft": ["peft", "accelerate"],  # train --lora-rank, export --hf of LoRA adapters; accelerate: bench baseline
+            "data": ["datasets"],      # train --data DIR written by datasets' save_to_disk
             "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers", "pyyaml",
-                    "tensorboard", "peft", "accelerate"],
+                    "tensorboard", "peft", "accelerate", "datasets"],
         },
         entry_points={"console_scripts": ["pystronghold=pystronghold.cli:main"]},
         zip_safe=False,

@@ -19,6 +19,12 @@ The held-out split (``split``):
 non-overlapping windows of length T + 1 starting at a random offset in [0, T]; the sampler's
 position (epoch, index into the permutation) is its whole state, so ``state_dict()`` /
 ``load_state_dict()`` make a resumed run see exactly the batches of the uninterrupted one.
+
+The stream may also be int64 token ids (``pystronghold.tokenized``) or a 1-D numpy array of integer
+ids, e.g. the memory map of a token file (``pystronghold.token_files``: only the windows drawn are
+read). With ``labels`` (the stream's length, int64, ``IGNORE_INDEX`` where no loss is taken, the
+token id elsewhere) ``y`` is cut from the labels at the same positions, so a loss mask travels
+with its tokens.
 """
 
 from __future__ import annotations
@@ -30,15 +36,18 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = ["DataConfig", "Corpus", "load_corpus", "default_paths", "BatchSampler", "validation_batches",
-           "VOCAB_SIZE"]
+           "VOCAB_SIZE", "IGNORE_INDEX"]
 
 log = logging.getLogger(__name__)
 
 VOCAB_SIZE = 256
 """Byte-level vocabulary."""
+IGNORE_INDEX = -100
+"""A target no loss is taken on (``cross_entropy``'s default ``ignore_index``)."""
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -72,16 +81,20 @@ class DataConfig:
 
 @dataclass(slots=True)
 class Corpus:
-    """Training and validation bytes, and the files they came from."""
+    """Training and validation bytes (or token ids), and the files they came from."""
 
-    train: torch.Tensor
-    """(N_train,) uint8."""
-    val: torch.Tensor
-    """(N_val,) uint8."""
+    train: torch.Tensor | np.ndarray
+    """(N_train,) uint8 bytes, int64 token ids, or a token file's numpy memory map."""
+    val: torch.Tensor | np.ndarray
+    """(N_val,) as ``train``."""
     train_files: list[str]
     """Files (or parts of files) in the training bytes, in order."""
     val_files: list[str]
     """Files in the validation bytes ("range" split: the files the held-out range overlaps)."""
+    train_labels: torch.Tensor | None = None
+    """(N_train,) int64 targets, ``IGNORE_INDEX`` where no loss is taken; None: every token is a target."""
+    val_labels: torch.Tensor | None = None
+    """(N_val,) as ``train_labels``."""
 
 
 def default_paths() -> list[str]:
@@ -158,20 +171,42 @@ def load_corpus(config: DataConfig) -> Corpus:
                   val_files=files["val"])
 
 
+def _check_stream(data, labels, who: str) -> None:
+    if isinstance(data, np.ndarray):
+        if data.ndim != 1 or data.dtype.kind not in "iu":
+            raise ValueError(f"{who}: a numpy stream must be 1-D integer, got {data.dtype} {data.shape}")
+    elif data.dim() != 1 or data.dtype not in (torch.uint8, torch.int64):
+        raise ValueError(f"{who}: data must be a 1-D uint8 (bytes) or int64 (token ids) tensor, "
+                         f"got {data.dtype} {tuple(data.shape)}")
+    if labels is not None and (labels.dtype != torch.int64 or labels.shape != (len(data),)):
+        raise ValueError(f"{who}: labels must be int64 of the data's shape ({len(data)},), "
+                         f"got {labels.dtype} {tuple(labels.shape)}")
+
+
+def _windows(data, labels, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` (B, T) int64 of the windows ``idx`` (B, T + 1): y is x shifted by one, or the
+    labels at the same positions."""
+    if isinstance(data, np.ndarray):  # a memory map: only these windows' pages are read
+        w = torch.from_numpy(data[idx.numpy()].astype(np.int64))
+    else:
+        w = data[idx].long()  # (B, T + 1)
+    return w[:, :-1], (w if labels is None else labels[idx])[:, 1:]
+
+
 class BatchSampler:
     """Deterministic, resumable (B, T) batches of next-token prediction from a uint8 stream of bytes
-    (or an int64 stream of token ids, ``pystronghold.tokenized``)."""
+    (or int64 token ids, ``pystronghold.tokenized``, or a numpy memory map; optional ``labels``:
+    see the module docstring)."""
 
-    def __init__(self, data: torch.Tensor, batch: int, seq: int, seed: int = 0) -> None:
-        if data.dim() != 1 or data.dtype not in (torch.uint8, torch.int64):
-            raise ValueError(f"BatchSampler: data must be a 1-D uint8 (bytes) or int64 (token ids) tensor, "
-                             f"got {data.dtype} {tuple(data.shape)}")
+    def __init__(self, data: torch.Tensor | np.ndarray, batch: int, seq: int, seed: int = 0, *,
+                 labels: torch.Tensor | None = None) -> None:
+        _check_stream(data, labels, "BatchSampler")
         if batch < 1 or seq < 1:
             raise ValueError(f"BatchSampler: batch and seq must be >= 1, got {batch}, {seq}")
         if len(data) < 2 * (seq + 1):
             raise ValueError(f"BatchSampler: {len(data)} bytes are too few for windows of {seq + 1} "
                              f"bytes (need at least {2 * (seq + 1)})")
-        self.data, self.batch, self.seq, self.seed = data, batch, seq, seed
+        self.data, self.labels, self.batch, self.seq, self.seed = data, labels, batch, seq, seed
         self.epoch, self.position = 0, 0
         self._starts = self._epoch_starts(0)
 
@@ -183,7 +218,7 @@ class BatchSampler:
         return offset + torch.randperm(n, generator=g) * (self.seq + 1)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``, each (B, T) int64; y is x shifted by one byte."""
+        """``(x, y)``, each (B, T) int64; y is x shifted by one (or the labels there)."""
         starts = []
         while len(starts) < self.batch:
             if self.position == len(self._starts):
@@ -193,8 +228,7 @@ class BatchSampler:
             starts += self._starts[self.position:self.position + take].tolist()
             self.position += take
         idx = torch.tensor(starts)[:, None] + torch.arange(self.seq + 1)  # (B, T + 1)
-        w = self.data[idx].long()  # (B, T + 1)
-        return w[:, :-1], w[:, 1:]
+        return _windows(self.data, self.labels, idx)
 
     def __iter__(self):
         while True:
@@ -219,9 +253,12 @@ class BatchSampler:
                              f"epoch's {len(self._starts)} windows")
 
 
-def validation_batches(data: torch.Tensor, batch: int, seq: int, n_batches: int):
+def validation_batches(data: torch.Tensor | np.ndarray, batch: int, seq: int, n_batches: int, *,
+                       labels: torch.Tensor | None = None):
     """A fixed list of ``n_batches`` (x, y) batches, (B, T) int64 each, from windows spread evenly
-    over ``data`` (the same every call: validation losses are comparable across steps)."""
+    over ``data`` (the same every call: validation losses are comparable across steps); ``data``
+    and ``labels`` as ``BatchSampler`` takes them."""
+    _check_stream(data, labels, "validation_batches")
     n_windows = (len(data) - 1) // (seq + 1)
     if n_windows < 1:
         raise ValueError(f"validation_batches: {len(data)} bytes hold no window of {seq + 1} bytes")
@@ -231,6 +268,5 @@ def validation_batches(data: torch.Tensor, batch: int, seq: int, n_batches: int)
     out = []
     for i in range(0, count - batch + 1, batch):
         idx = starts[i:i + batch, None] + torch.arange(seq + 1)  # (B, T + 1)
-        w = data[idx].long()
-        out.append((w[:, :-1], w[:, 1:]))
+        out.append(_windows(data, labels, idx))
     return out

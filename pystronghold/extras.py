@@ -17,6 +17,7 @@ EXTRAS = {
     "hf": ("transformers", "tokenizers"),
     "yaml": ("yaml",),
     "peft": ("peft",),
+    "data": ("datasets",),
 }
 """pip extra -> the importable modules it provides (setup.py's ``extras_require`` installs them)."""
 

@@ -1,30 +1,42 @@
-"""Token data for a model with its own tokenizer (``--model hf:DIR``): text files or JSONL, tokenized.
+"""Token data: what ``--data`` gives a model, as token ids (and loss labels).
+
+``training_corpus`` picks the reader of the paths given:
+
+- one token file (``.bin``/``.npy``, any model): ``pystronghold.token_files``, memory-mapped;
+- a GPT preset or JSON model: bytes (``pystronghold.data.load_corpus``);
+- a model with its own tokenizer (``--model hf:DIR``): ``tokenized_corpus``.
 
 ``load_tokenizer(DIR)`` reads the tokenizer saved beside the weights (``AutoTokenizer``, local files
-only). ``tokenized_corpus`` reads the text and returns a ``pystronghold.data.Corpus`` of int64 token
-ids, which ``BatchSampler`` and ``validation_batches`` cut into batches as they do bytes:
+only). ``tokenized_corpus`` returns a ``pystronghold.data.Corpus`` of int64 token ids, which
+``BatchSampler`` and ``validation_batches`` cut into batches as they do bytes:
 
-- a ``.jsonl`` file holds one JSON object per line with a ``"text"`` string; each text is tokenized
-  alone and followed by the tokenizer's end-of-sequence token (when it has one);
+- a ``.jsonl`` file holds one record per line, and a ``datasets`` ``save_to_disk`` directory one
+  per row: ``{"text"}``, ``{"messages"}`` or ``{"prompt", "completion"}``, each tokenized alone
+  (``pystronghold.records``: chat template, end-of-sequence token, loss labels) and packed one after
+  the other into the stream; attention is not cut at their boundaries;
 - every other path (files, directories, or none: the Python standard library) is read as
   ``pystronghold.data.load_corpus`` reads it and tokenized as one stream.
 
 The tokens of all paths are concatenated in the order given and split by range: the last
-``val_fraction`` of them is validation. ``max_bytes`` bounds the text read (UTF-8 bytes).
+``val_fraction`` of them is validation. When a record leaves tokens out of the loss (a prompt, a
+user turn) the corpus carries labels beside the ids. ``max_bytes`` bounds the text read (UTF-8
+bytes; a text record is cut at the budget, a conversation or prompt/completion pair is read whole).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
 import torch
 
-from pystronghold.data import Corpus, DataConfig, load_corpus
+from pystronghold.data import IGNORE_INDEX, VOCAB_SIZE, Corpus, DataConfig, load_corpus
+from pystronghold.records import (dataset_records, encode_record, encode_text, is_dataset_dir, jsonl_records,
+                                  record_bytes)
+from pystronghold.token_files import is_token_file, token_file_corpus
 
-__all__ = ["load_tokenizer", "has_tokenizer", "tokenized_corpus", "TOKENIZER_FILES"]
+__all__ = ["training_corpus", "load_tokenizer", "has_tokenizer", "tokenized_corpus", "TOKENIZER_FILES"]
 
 log = logging.getLogger(__name__)
 
@@ -54,63 +66,85 @@ def load_tokenizer(directory: str | os.PathLike):
         raise ValueError(f"{path}: cannot load its tokenizer ({first})") from None
 
 
-def _jsonl_texts(path: Path, budget: int) -> tuple[list[str], int]:
-    """The ``"text"`` of each line of ``path`` until ``budget`` UTF-8 bytes are read; and bytes used."""
-    texts, used = [], 0
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if used >= budget:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {number}: not JSON ({e.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise ValueError(f'{path} line {number}: expected an object with a "text" string')
-                text = record["text"].encode()[:budget - used].decode(errors="ignore")
-                texts.append(text)
-                used += len(text.encode())
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
-    return texts, used
+def training_corpus(paths: list[str], *, vocab_size: int, max_bytes: int, val_fraction: float,
+                    token_dtype: str = "auto", tokenizer_dir: str | os.PathLike | None = None) -> Corpus:
+    """The corpus of ``--data paths`` for a model of ``vocab_size`` entries (see the module
+    docstring); ``tokenizer_dir``: the model's own tokenizer (None: the model reads bytes)."""
+    if any(is_token_file(p) for p in paths):
+        if len(paths) != 1:
+            raise ValueError("--data: a token file (.bin, .npy) is trained on alone; give one token file "
+                             f"and nothing else (got {len(paths)} paths)")
+        return token_file_corpus(paths[0], vocab_size=vocab_size, val_fraction=val_fraction, token_dtype=token_dtype)
+    if tokenizer_dir is not None:
+        return tokenized_corpus(paths, load_tokenizer(tokenizer_dir), max_bytes=max_bytes,
+                                val_fraction=val_fraction, vocab_size=vocab_size)
+    for p in paths:
+        if is_dataset_dir(Path(p)):
+            raise ValueError(f"--data {p}: a datasets directory needs a model with a tokenizer (--model hf:DIR); "
+                             "byte-level models read text files")
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"--model: vocab_size {vocab_size} is smaller than the {VOCAB_SIZE} byte values of the data")
+    return load_corpus(DataConfig(paths=paths, max_bytes=max_bytes, val_fraction=val_fraction))
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    # NOTE: verbose=False: a corpus is longer than the model's context by design (it is cut into
-    # windows afterwards); the "sequence length is longer than" warning would be noise.
-    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+def _is_record_source(path: str) -> bool:
+    return (path.endswith(".jsonl") and os.path.isfile(path)) or is_dataset_dir(Path(path))
+
+
+def _record_pieces(path: str, tokenizer, budget: int) -> tuple[list[list[int]], list[list[int]], int]:
+    """Ids and labels of each record of ``path`` until ``budget`` UTF-8 bytes are read; and the bytes used."""
+    records = dataset_records(Path(path)) if os.path.isdir(path) else jsonl_records(Path(path))
+    ids, labels, used, seen = [], [], 0, False
+    for where, record in records:
+        seen = True
+        if used >= budget:
+            break
+        if set(record) & {"messages", "prompt", "completion"}:
+            size = record_bytes(record)
+        else:  # a text record is cut at the budget
+            text = record.get("text")
+            if isinstance(text, str):
+                record = dict(record, text=text.encode()[:budget - used].decode(errors="ignore"))
+            size = record_bytes(record)
+        got_ids, got_labels = encode_record(tokenizer, record, where)
+        ids.append(got_ids)
+        labels.append(got_labels)
+        used += size
+    if not seen:
+        raise ValueError(f"{path}: no records (an empty file or dataset)")
+    return ids, labels, used
 
 
 def tokenized_corpus(paths: list[str], tokenizer, *, max_bytes: int, val_fraction: float,
                      vocab_size: int) -> Corpus:
-    """Training and validation token ids ((N,) int64 each) of ``paths`` (see the module docstring).
+    """Training and validation token ids ((N,) int64 each, and labels when some tokens are not
+    targets) of ``paths`` (see the module docstring).
 
     ValueError when a token id is not below ``vocab_size`` (the tokenizer does not belong to the
-    model) or a split is too short.
+    model), a split is too short, or the training split has no target.
     """
     pieces: list[list[int]] = []
+    label_pieces: list[list[int]] = []
     files: list[str] = []
     budget = max_bytes
-    text_paths = [p for p in paths if not (p.endswith(".jsonl") and os.path.isfile(p))]
-    eos = tokenizer.eos_token_id
+    text_paths = [p for p in paths if not _is_record_source(p)]
     for p in paths:
         if p in text_paths or budget <= 0:
             continue
-        texts, used = _jsonl_texts(Path(p), budget)
+        ids, labels, used = _record_pieces(p, tokenizer, budget)
         budget -= used
         files.append(p)
-        for text in texts:
-            pieces.append(_encode(tokenizer, text) + ([eos] if eos is not None else []))
+        pieces += ids
+        label_pieces += labels
     if text_paths or not paths:
         if budget >= 2:
             corpus = load_corpus(DataConfig(paths=text_paths, max_bytes=budget, val_fraction=val_fraction))
             raw = torch.cat([corpus.train, corpus.val]).numpy().tobytes()
-            pieces.append(_encode(tokenizer, raw.decode(errors="replace")))
+            pieces.append(encode_text(tokenizer, raw.decode(errors="replace")))
+            label_pieces.append(pieces[-1])
             files += corpus.train_files + [f for f in corpus.val_files if f not in corpus.train_files]
     tokens = torch.tensor([t for piece in pieces for t in piece], dtype=torch.int64)  # (N,)
+    labels = torch.tensor([t for piece in label_pieces for t in piece], dtype=torch.int64)  # (N,)
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise ValueError(f"the tokenizer gives token id {int(tokens.max())}, but the model's vocabulary has "
                          f"{vocab_size} entries: the tokenizer does not belong to the model")
@@ -120,5 +154,12 @@ def tokenized_corpus(paths: list[str], tokenizer, *, max_bytes: int, val_fractio
         if len(t) < 2:
             raise ValueError(f"the {part} split has {len(t)} tokens; give more text, a larger --max-bytes "
                              "or --val-fraction")
-    log.info("corpus: %d train tokens, %d validation tokens from %d file(s)", len(train), len(val), len(files))
-    return Corpus(train=train, val=val, train_files=files, val_files=files[-1:])
+    masked = bool((labels == IGNORE_INDEX).any())
+    if masked and not bool((labels[1:cut] != IGNORE_INDEX).any()):
+        raise ValueError(f"the train split of {', '.join(files)} has no target token (no assistant turn or "
+                         "completion): nothing to learn")
+    log.info("corpus: %d train tokens, %d validation tokens from %d file(s)%s", len(train), len(val), len(files),
+             f", {int((labels[:cut] != IGNORE_INDEX).sum())} train targets" if masked else "")
+    return Corpus(train=train, val=val, train_files=files, val_files=files[-1:],
+                  train_labels=labels[:cut] if masked else None, val_labels=labels[cut:] if masked else None)
+

@@ -117,3 +117,25 @@ def engine_logits(engine, x: torch.Tensor) -> torch.Tensor:
             return engine(input_ids=x).logits
     finally:
         engine.model.train(was)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""A chat template without ``{% generation %}`` markers (turns end with ``<eos>`` and a newline)."""
+
+CHAT_TEMPLATE_MARKED = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
+                        "{% generation %}{{ m['content'] }}<eos>\n{% endgeneration %}"
+                        "{% else %}{{ m['content'] }}<eos>\n{% endif %}{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""The same text as ``CHAT_TEMPLATE``, with the assistant turns inside ``{% generation %}`` markers."""
+
+
+def set_chat_template(directory: Path, template: str | None = CHAT_TEMPLATE):
+    """Save ``template`` as the chat template of the tokenizer in ``directory``; returns the tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    tokenizer.chat_template = template
+    (Path(directory) / "chat_template.jinja").unlink(missing_ok=True)  # None leaves an earlier one there
+    tokenizer.save_pretrained(str(directory))
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

@@ -350,5 +350,10 @@ def from_pretrained(directory: str | os.PathLike, **wrap_options):
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T), which are
-    already shifted (``targets[:, t]`` follows ``inputs[:, t]``). Computed in fp32."""
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    already shifted (``targets[:, t]`` follows ``inputs[:, t]``), over the targets that are not -100
+    (0, with no gradient, when every one is). Computed in fp32."""
+    flat = targets.flatten()
+    # NOTE: a sum over a count clamped to 1, not reduction="mean": that is 0/0 = NaN (and NaN
+    # gradients) for a window of prompt tokens only; no host synchronization either way.
+    total = nn.functional.cross_entropy(logits.float().flatten(0, 1), flat, ignore_index=-100, reduction="sum")
+    return total / (flat != -100).sum().clamp(min=1)

@@ -15,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
 from pystronghold.options import ConfigError, component, option
 from pystronghold.parallel.pipeline import SCHEDULES
+from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.token_files import TOKEN_DTYPES
 from pystronghold.train.model_spec import HF_DEFAULT_SEQ, model_lr, resolve_model
 
 __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
@@ -61,7 +64,9 @@ class DataOptions:
     """Where batches come from."""
 
     data: list[str] = field(default_factory=list)
-    """Text files or directories to train on; default: the Python standard library's sources."""
+    """Text files or directories to train on; default: the Python standard library's sources. With
+    hf:DIR also .jsonl records ({"text"}, {"messages"}, {"prompt", "completion"}) and datasets
+    save_to_disk directories; for any model one token file (.bin, .npy), memory-mapped."""
     max_bytes: int = 4 << 20
     """Most bytes of text read (training and validation together), bytes."""
     val_fraction: float = 0.05
@@ -70,11 +75,16 @@ class DataOptions:
     """Sequences per micro-batch (B)."""
     seq: int = 0
     """Tokens per sequence (T); 0: the model's seq_len (hf: models: at most 512)."""
+    token_dtype: str = field(default="auto", metadata={"choices": TOKEN_DTYPES})
+    """Id type of a .bin token file: uint16, uint32, or auto: uint16 when the model's vocabulary has at
+    most 65536 entries, else uint32 (a .npy file's header gives its own)."""
 
     def __post_init__(self) -> None:
         for p in self.data:
             if not os.path.exists(p):
                 raise ValueError(f"--data: no such file or directory: {p}")
+            if is_dataset_dir(Path(p)):
+                require_data(p)
         if self.max_bytes < 1024:
             raise ValueError(f"--max-bytes must be >= 1024, got {self.max_bytes}")
         if not 0 < self.val_fraction < 1:

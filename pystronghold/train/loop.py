@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import pystronghold
-from pystronghold.data import DataConfig, BatchSampler, load_corpus, validation_batches, VOCAB_SIZE
+from pystronghold.data import IGNORE_INDEX, BatchSampler, validation_batches
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
@@ -92,9 +92,6 @@ class Trainer:
         self.config = config
         cfg, run = config.gpt, config.run
         self.hf = isinstance(cfg, HFModelConfig)  # --model hf:DIR: its own tokenizer, loaded lazily
-        if not self.hf and cfg.vocab_size < VOCAB_SIZE:
-            raise ValueError(f"--model: vocab_size {cfg.vocab_size} is smaller than the {VOCAB_SIZE} "
-                             "byte values of the data")
         from pystronghold.models.presets import param_count
         from pystronghold.runtime.store import available_host_bytes
 
@@ -145,18 +142,19 @@ class Trainer:
         seed_everything(run.seed)
         if self.hf:  # the model's files are checked (headers only) before the text is tokenized
             from pystronghold.models.hf import load_lazy
-            from pystronghold.tokenized import load_tokenizer, tokenized_corpus
 
             hf_model = load_lazy(cfg.source)
-            self.corpus = tokenized_corpus(list(config.data.data), load_tokenizer(cfg.source),
-                                           max_bytes=config.data.max_bytes, val_fraction=config.data.val_fraction,
-                                           vocab_size=cfg.vocab_size)
-        else:
-            self.corpus = load_corpus(DataConfig(paths=list(config.data.data), max_bytes=config.data.max_bytes,
-                                                 val_fraction=config.data.val_fraction))
-        self.seq, self.batch = config.seq, config.data.batch
-        self.sampler = BatchSampler(self.corpus.train, self.batch, self.seq, seed=run.seed)
-        self.val = validation_batches(self.corpus.val, self.batch, self.seq, run.eval_batches)
+        from pystronghold.tokenized import training_corpus
+
+        data = config.data
+        self.corpus = training_corpus(list(data.data), vocab_size=cfg.vocab_size, max_bytes=data.max_bytes,
+                                      val_fraction=data.val_fraction, token_dtype=data.token_dtype,
+                                      tokenizer_dir=cfg.source if self.hf else None)
+        self.seq, self.batch = config.seq, data.batch
+        self.sampler = BatchSampler(self.corpus.train, self.batch, self.seq, seed=run.seed,
+                                    labels=self.corpus.train_labels)
+        self.val = validation_batches(self.corpus.val, self.batch, self.seq, run.eval_batches,
+                                      labels=self.corpus.val_labels)
         self.dp_size = self.groups.dp_size if self.groups is not None else 1
         self.dp_rank = self.groups.dp_rank if self.groups is not None else 0
         self.uneven = None  # --dp-split: this replica's share of every batch and its loss weight
@@ -237,14 +235,30 @@ class Trainer:
             return causal_lm_loss(self.engine(input_ids=x).logits, y)
         return self.engine(x, y)
 
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """This DP rank's slice of a global batch."""
+        if self.uneven is not None:
+            return self.uneven.local(t)
+        if self.dp_size > 1:
+            per = t.shape[0] // self.dp_size
+            return t[self.dp_rank * per:(self.dp_rank + 1) * per]
+        return t
+
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """This DP rank's slice of a global batch, on the device."""
-        if self.uneven is not None:
-            t = self.uneven.local(t)
-        elif self.dp_size > 1:
-            per = t.shape[0] // self.dp_size
-            t = t[self.dp_rank * per:(self.dp_rank + 1) * per]
-        return t.to(self.engine.device, non_blocking=True)
+        return self._local(t).to(self.engine.device, non_blocking=True)
+
+    def target_weights(self, targets: list[torch.Tensor]) -> list[float]:
+        """What the mean losses of this replica's slices of the micro-batches ``targets`` ((B, T)
+        each) are multiplied by, so that their mean over the micro-batches, averaged over the DP
+        replicas, is the mean loss over every target of the global batches (``IGNORE_INDEX`` targets
+        do not count): this slice's count of targets times m * dp / the global count. With every
+        target counted: ``loss_weight``; with none: 0 (no gradient)."""
+        total = sum(int((y != IGNORE_INDEX).sum()) for y in targets)
+        if total == sum(y.numel() for y in targets):
+            return [self.loss_weight] * len(targets)
+        scale = len(targets) * self.dp_size
+        return [int((self._local(y) != IGNORE_INDEX).sum()) * scale / max(total, 1) for y in targets]
 
     @property
     def loss_weight(self) -> float:
@@ -277,15 +291,16 @@ class Trainer:
         batches = [self.sampler.next_batch() for _ in range(acc)]  # (B, T) int64 each
         # NOTE: through engine.accumulate, which runs the micro-batches one after the other or, with
         # --schedule relay, layer-major; each back-propagates loss / acc. Uneven data parallelism
-        # (--dp-split) weights this replica's loss by its share of the batch.
-        weight = self.loss_weight if self.uneven is not None else None
+        # (--dp-split) and targets left out of the loss weight each micro-batch (target_weights).
+        weights = self.target_weights([y for _, y in batches])
 
-        def micro_batch_loss(b):
-            loss = self.loss(self._to_device(b[0]), self._to_device(b[1]))
-            return loss if weight is None else loss * weight
+        def micro_batch_loss(item):
+            (x, y), weight = item
+            loss = self.loss(self._to_device(x), self._to_device(y))
+            return loss if weight == 1.0 else loss * weight
 
-        losses = self.engine.accumulate(batches, micro_batch_loss)
-        total = sum(float(v) for v in losses) / (1.0 if weight is None else weight)
+        losses = self.engine.accumulate(list(zip(batches, weights)), micro_batch_loss)
+        total = sum(float(v) for v in losses) / self.loss_weight
         self.engine.step()
         self.scheduler.step()
         self.engine.zero_grad()
@@ -301,7 +316,9 @@ class Trainer:
             return self._dp_mean(sum(losses) / len(losses))
         self.engine.eval()
         try:
-            losses = [float(self.loss(self._to_device(x), self._to_device(y))) for x, y in self.val]
+            weights = self.target_weights([y for _, y in self.val])
+            losses = [float(self.loss(self._to_device(x), self._to_device(y))) * (w / self.loss_weight)
+                      for (x, y), w in zip(self.val, weights)]
         finally:
             self.engine.train()
         return self._dp_mean(sum(losses) / len(losses))
