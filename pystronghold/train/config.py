@@ -357,8 +357,6 @@ class TrainConfig:
         if isinstance(cfg, HFModelConfig) and tp > 1:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
         self._check_finetune(cfg)
-        if isinstance(cfg, HFModelConfig) and self.runtime.window == "auto":
-            raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
         if self.runtime.resident_blocks == "auto" and self.runtime.window != "auto":
             raise ConfigError(self.runtime, "resident_blocks=", "is chosen together with the window: it needs "
                                                                  "`window='auto'` (or give K, a number of blocks)")
