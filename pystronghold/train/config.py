@@ -69,7 +69,8 @@ class DataOptions:
     batch: int = 8
     """Sequences per micro-batch (B)."""
     seq: int = 0
-    """Tokens per sequence (T); 0: the model's seq_len (hf: models: at most 512)."""
+    """Tokens per sequence (T); 0: the model's seq_len, for --model hf:DIR its positions but at most
+    512 (``train.model_spec.HF_DEFAULT_SEQ``); given, at most the model's seq_len or positions."""
 
     def __post_init__(self) -> None:
         for p in self.data:
@@ -349,7 +350,8 @@ class TrainConfig:
             check_io_directory(self.runtime.nvme_dir, flag="--nvme")  # exists (or is created), takes files
         cfg = resolve_model(self.model.model)
         if self.data.seq > cfg.seq_len:
-            raise ValueError(f"--seq {self.data.seq} is longer than the model's seq_len {cfg.seq_len}")
+            what = f"{cfg.seq_len} positions" if isinstance(cfg, HFModelConfig) else f"seq_len {cfg.seq_len}"
+            raise ValueError(f"--seq {self.data.seq} is longer than the model's {what}")
         # NOTE: every rank runs these same checks on the same arguments and environment, so a bad
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
         par = self.parallel
