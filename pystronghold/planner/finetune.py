@@ -70,6 +70,9 @@ def lora_targets(config, finetune: FinetuneOptions) -> tuple[str, ...]:
         return finetune.lora_targets
     if isinstance(config, GPTConfig):
         return GPT_LORA_DEFAULT_TARGETS
+    if config.architecture not in LORA_DEFAULT_TARGETS:
+        raise ValueError(f"--lora-rank: the planner knows no default LoRA targets of {config.architecture}; "
+                         "give --lora-targets (e.g. q_proj,v_proj)")
     return LORA_DEFAULT_TARGETS[config.architecture]
 
 

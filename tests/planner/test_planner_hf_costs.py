@@ -8,7 +8,9 @@ import torch
 
 import pystronghold as ph
 from pystronghold.planner import Hardware, Workload, gpu_preset
-from pystronghold.planner.cost import block_costs, block_forward_flops
+from pystronghold.models.finetune import FinetuneOptions
+from pystronghold.planner.cost import block_activation_bytes, block_costs, block_forward_flops
+from pystronghold.planner.finetune import param_split
 from pystronghold.planner.plan import make_plan
 from pystronghold.runtime import layout
 from pystronghold.runtime.prepare import head_tail_bytes
@@ -50,6 +52,13 @@ def test_moe_shape_counts_every_expert_and_routes_top_k():
     experts, shared = 4 * 3 * 24 * C, 3 * 24 * C + C  # gate, up, down per expert; shared expert and its gate
     assert block_forward_flops(shape, B, T) == 2 * B * T * (attention + 4 * C + experts * 2 // 4 + shared) \
         + 4 * B * T * T * 4 * 8
+    # activations: norms 4C, q and attention output 2·a·d, k and v 2·g·d, the gated MLP at its active
+    # width 4·(2·24 + 24), the tokens gathered for and returned from their 2 experts 2·2·C, router 2·4
+    per_token = 4 * C + 2 * 32 + 2 * 16 + 4 * 72 + 2 * 2 * C + 2 * 4
+    assert block_activation_bytes(shape, Workload(batch=B, seq=T, precision="bf16"), T) == B * T * per_token * 2
+    with pytest.raises(ValueError, match="no default LoRA targets of qwen2_moe; give --lora-targets"):
+        param_split(shape, FinetuneOptions(lora_rank=4))
+    assert param_split(shape, FinetuneOptions(lora_rank=4, lora_targets=("q_proj",))).block_adapters == 4 * 64
     dense = _shape(_config("llama"), "llama")
     assert not dense.experts and dense.active_mlp_width == dense.mlp_width == 48
     config.num_experts_per_tok = 0
