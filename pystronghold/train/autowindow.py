@@ -187,6 +187,8 @@ def _hf_block_inputs(probe: HFProbe, batch: int, seq: int) -> tuple[tuple, dict]
         pass
     finally:
         hook.remove()
+    if not seen:
+        raise ValueError("--window auto: the model's forward did not call its first block; give --window N")
     return seen["args"], seen["kwargs"]
 
 
@@ -225,7 +227,6 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
     block = _block_with_values(model.blocks[0], std=0.02 if hf else cfg.init_std).to(device, dtype)
     if hf:
         args, kwargs = _to(_hf_block_inputs(model, work.batch, seq), device, dtype)
-        kwargs = dict(kwargs)
         if not args:  # the hidden states, passed by name: the first argument from here on
             args = (kwargs.pop("hidden_states"),)
     else:
