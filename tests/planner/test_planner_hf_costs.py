@@ -132,3 +132,13 @@ def test_planned_bytes_are_a_built_engines(tmp_path, family, precision):
         assert stats["store_bytes"] == plan.host.host_bytes + arenas * layout.ARENA_ALIGN
     finally:
         engine.close()
+
+
+def test_mixtral_8x7b_has_its_published_total_and_active_parameters():
+    """Mixtral 8x7B (transformers' default ``MixtralConfig``): 46.7 B parameters, 12.9 B active per
+    token (Mistral AI's figures), from one block built on meta."""
+    from pystronghold.planner.params import active_matmul_numel, model_params
+
+    shape = _shape(transformers.MixtralConfig(), "mixtral")
+    active = shape.layers * active_matmul_numel(shape, list(shape.block_params)) + 2 * shape.vocab_size * shape.hidden
+    assert round(model_params(shape) / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9
