@@ -17,7 +17,7 @@ from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GiB, Hardware
-from pystronghold.planner.params import block_param_shapes, head_tail_param_shapes, numel
+from pystronghold.planner.params import active_matmul_numel, block_param_shapes, head_tail_param_shapes, numel
 from pystronghold.runtime import layout
 from pystronghold.runtime.precision import DTYPES, compute_dtype
 
@@ -135,10 +135,11 @@ def head_tail_params_per_rank(config: GPTConfig) -> int:
 # ---- FLOPs and activations
 
 def block_forward_flops(config: GPTConfig, batch: int, seq: int) -> float:
-    """Forward FLOPs of one block on one rank: matmuls 2*B*T*(its matrices' elements) plus
-    attention 4*B*T^2*a*d / t (scores and weighted sum over a heads of width d, causal mask not
+    """Forward FLOPs of one block on one rank: matmuls 2*B*T*(the elements of the matrices a token
+    multiplies by: a MoE block's top-k experts, router and shared experts, ``active_matmul_numel``)
+    plus attention 4*B*T^2*a*d / t (scores and weighted sum over a heads of width d, causal mask not
     discounted). For the GPT: 2*B*T*(4*C^2 + 2*C*F)/t (= 24*B*T*C^2 at F = 4C) + 4*B*T^2*C/t."""
-    matrices = sum(numel(shape) for _, shape in block_param_shapes(config) if len(shape) == 2)
+    matrices = active_matmul_numel(config, block_param_shapes(config))
     attention = config.heads * (config.hidden // config.heads if isinstance(config, GPTConfig) else config.head_dim)
     return 2.0 * batch * seq * matrices + 4.0 * batch * seq * seq * attention / config.tp_size
 
@@ -155,7 +156,10 @@ def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
     A Hugging Face block (``HFShape``, t = 1), likewise: 4*B*T*C (RMS/LayerNorm inputs and
     outputs) + B*T*(a*d + 2*g*d) (Q, K, V with g key/value heads) + B*T*a*d (attention output) +
     4*B*T*F for a gated MLP (gate and up outputs, the activation, their product) or 2*B*T*F (GELU
-    input and output). LoRA's rank-R intermediates (B*T*R per adapter) are not counted.
+    input and output). A MoE block's MLP term is that of its active width (top-k x an expert's F,
+    plus shared experts: ``HFShape.active_mlp_width``), plus B*T*(2*k*C + 2*E): the tokens gathered
+    for their k experts and the experts' outputs, the router's logits and probabilities. LoRA's
+    rank-R intermediates (B*T*R per adapter) are not counted.
     """
     B, T, C, t, s = work.batch, seq, config.hidden, config.tp_size, work.dtype_bytes
     btc = B * T * C
@@ -163,7 +167,9 @@ def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
         elems = 4 * btc + (4 + 2 * config.ffn_hidden // C) * btc // t
     else:
         attention, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
-        elems = 4 * btc + B * T * (2 * attention + 2 * kv + (4 if config.gated_mlp else 2) * config.mlp_width)
+        mlp = (4 if config.gated_mlp else 2) * (config.active_mlp_width or config.mlp_width)
+        routing = 2 * config.experts_per_token * C + 2 * config.experts
+        elems = 4 * btc + B * T * (2 * attention + 2 * kv + mlp + routing)
     scores = config.heads * T * T * B // t
     if not work.flash_attention:
         elems += 2 * scores

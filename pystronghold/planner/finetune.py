@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.models.lora import GPT_LORA_DEFAULT_TARGETS, GPT_NOT_ADAPTABLE
-from pystronghold.planner.params import block_param_shapes, block_prefix, head_tail_param_shapes, numel
+from pystronghold.planner.params import (active_matmul_numel, block_param_shapes, block_prefix,
+                                         head_tail_param_shapes, numel)
 
 __all__ = ["LORA_DEFAULT_TARGETS", "ParamSplit", "lora_targets", "check_lora_targets", "param_split",
            "check_freeze"]
@@ -46,7 +47,8 @@ class ParamSplit:
     block_frozen: tuple[int, ...]
     """Elements of each frozen parameter of a block, after the trainable ones."""
     block_frozen_matmul: int
-    """Elements of a block's frozen matrices: their weight gradients are not computed."""
+    """Elements of a block's frozen matrices one token multiplies by (``active_matmul_numel``):
+    their weight gradients are not computed."""
     block_adapters: int
     """LoRA parameters of one block (0 without LoRA)."""
     head_tail_trainable: int
@@ -68,6 +70,9 @@ def lora_targets(config, finetune: FinetuneOptions) -> tuple[str, ...]:
         return finetune.lora_targets
     if isinstance(config, GPTConfig):
         return GPT_LORA_DEFAULT_TARGETS
+    if config.architecture not in LORA_DEFAULT_TARGETS:
+        raise ValueError(f"--lora-rank: the planner knows no default LoRA targets of {config.architecture}; "
+                         "give --lora-targets (e.g. q_proj,v_proj)")
     return LORA_DEFAULT_TARGETS[config.architecture]
 
 
@@ -129,7 +134,7 @@ def param_split(config, finetune: FinetuneOptions) -> ParamSplit:
         fan_in_fan_out = getattr(config, "fan_in_fan_out", False)
         adapters = _adapters(block, targets, finetune.lora_rank, fan_in_fan_out)
         return ParamSplit(block_trainable=tuple(adapters), block_frozen=tuple(numel(s) for _, s in block),
-                          block_frozen_matmul=sum(numel(s) for _, s in block if len(s) == 2),
+                          block_frozen_matmul=active_matmul_numel(config, block),
                           block_adapters=sum(adapters),
                           head_tail_trainable=sum(_adapters(head_tail, targets, finetune.lora_rank,
                                                             fan_in_fan_out)),
@@ -140,7 +145,7 @@ def param_split(config, finetune: FinetuneOptions) -> ParamSplit:
     return ParamSplit(
         block_trainable=tuple(numel(s) for (_, s), f in zip(block, frozen) if not f),
         block_frozen=tuple(numel(s) for (_, s), f in zip(block, frozen) if f),
-        block_frozen_matmul=sum(numel(s) for (_, s), f in zip(block, frozen) if f and len(s) == 2),
+        block_frozen_matmul=active_matmul_numel(config, [p for p, f in zip(block, frozen) if f]),
         block_adapters=0,
         head_tail_trainable=sum(numel(s) for name, s in head_tail if name not in frozen_head_tail),
         head_tail_frozen=sum(numel(s) for name, s in head_tail if name in frozen_head_tail),

@@ -3,8 +3,13 @@
 Only ``DIR/config.json`` is read (no weights): the model is built by transformers on the ``meta``
 device with one block (0 bytes), and the planner takes the names and shapes of its parameters
 from it, so they are those of the model ``pystronghold train --model hf:DIR`` trains, for every
-architecture ``models.hf.SUPPORTED`` takes, and LoRA targets and --freeze patterns match the
+architecture ``models.hf`` loads, and LoRA targets and --freeze patterns match the
 names PEFT and the runtime see. Tensor parallelism is 1 (as the runtime trains Hugging Face models).
+
+A mixture-of-experts block (parameters under an ``experts`` module, ``params.is_expert_param``)
+holds every expert's weights; a token passes through ``experts_per_token`` of them (plus the
+router and any shared expert), which is what its FLOPs and activations count. Block 0 stands for
+every block: a model whose first blocks are dense and the rest MoE is costed as its block 0.
 """
 
 from __future__ import annotations
@@ -12,8 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pystronghold.models.hf import HF_PREFIX, block_stack, read_hf_config
+from pystronghold.planner.params import is_expert_param, is_matrix_weight, numel
 
-__all__ = ["HFShape", "read_hf_shape"]
+__all__ = ["HFShape", "read_hf_shape", "hf_shape_from_config"]
+
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""config.json's names for the routed experts of a MoE block."""
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
+"""... and for the experts each token is routed to (top-k)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -24,7 +35,7 @@ class HFShape:
     source: str
     """The model directory."""
     architecture: str
-    """``config.json``'s architecture (a key of ``models.hf.SUPPORTED``)."""
+    """``config.json``'s architecture ."""
     layers: int
     """Blocks (``num_hidden_layers``)."""
     hidden: int
@@ -38,7 +49,7 @@ class HFShape:
     mlp_width: int
     """MLP width F (``intermediate_size``)."""
     gated_mlp: bool
-    """The MLP is gated (SwiGLU: gate and up projections) rather than one GELU layer."""
+    """The MLP (or each expert) is gated (SwiGLU: gate and up projections) rather than one GELU layer."""
     seq_len: int
     """Longest sequence the model takes (``max_position_embeddings``), tokens."""
     vocab_size: int
@@ -53,6 +64,13 @@ class HFShape:
     """(name relative to the block, shape) of one block's parameters, ``named_parameters()`` order."""
     head_tail_params: tuple[tuple[str, tuple[int, ...]], ...]
     """(full name, shape) of every parameter outside the blocks (a tied LM head once)."""
+    experts: int = 0
+    """Routed experts of a MoE block (0: a dense MLP)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k; 0: dense)."""
+    active_mlp_width: int = 0
+    """MLP width one token passes through: F when dense; top-k x an expert's width + the shared
+    experts' width in a MoE block (from the weights' shapes)."""
     tp_size: int = 1
     """Tensor-parallel ranks: 1."""
 
@@ -77,14 +95,30 @@ def read_hf_shape(directory: str) -> HFShape:
         require("hf", f"--model {HF_PREFIX}DIR")
     except ImportError as e:
         raise ValueError(str(e)) from None
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(spec.source, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{spec.source}/config.json: transformers cannot read it: "
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return hf_shape_from_config(config, source=spec.source, architecture=spec.architecture)
+
+
+def _first_set(config, names: tuple[str, ...]) -> int:
+    return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), 0)
+
+
+def hf_shape_from_config(config, *, source: str, architecture: str) -> HFShape:
+    """The ``HFShape`` of the causal LM a transformers ``config`` (a ``PretrainedConfig``, not
+    modified) builds (its block stack found by ``models.hf.block_stack``). ValueError (one line) for a MoE config
+    that does not say how many experts a token is routed to."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
     layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
     config.num_hidden_layers = 1  # one block tells every block's shapes
     with torch.device("meta"):
@@ -94,14 +128,29 @@ def read_hf_shape(directory: str) -> HFShape:
     named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     block = tuple((name[len(prefix):], shape) for name, shape in named if name.startswith(prefix))
     head_tail = tuple((name, shape) for name, shape in named if not name.startswith(f"{blocks_name}."))
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return HFShape(source=spec.source, architecture=spec.architecture, layers=layers, hidden=hidden,
+    gated = any(name.endswith("gate_proj.weight") or "gate_up_proj" in name for name, _ in block)
+    mlp_width = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    experts = top_k = 0
+    active_width = mlp_width
+    if any(is_expert_param(name) for name, _ in block):
+        experts, top_k = _first_set(config, _EXPERTS), _first_set(config, _EXPERTS_PER_TOKEN)
+        if not experts or not top_k:
+            raise ValueError(f"{source}/config.json: a mixture-of-experts block, but none of "
+                             f"{', '.join(_EXPERTS if not experts else _EXPERTS_PER_TOKEN)} is set")
+        matrices = 3 if gated else 2  # an expert's (gate,) up and down projections, each C x F_e
+
+        def width(names) -> int:
+            return sum(numel(s) for n, s in block if is_matrix_weight(n, s) and names(n)) // (matrices * hidden)
+
+        active_width = (top_k * width(is_expert_param) // experts
+                        + width(lambda n: {"shared_expert", "shared_experts"} & set(n.split("."))))
+    return HFShape(source=source, architecture=architecture, layers=layers, hidden=hidden,
                    heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=head_dim,
-                   mlp_width=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-                   or 4 * hidden,
-                   gated_mlp=any(name.endswith("gate_proj.weight") for name, _ in block),
-                   seq_len=spec.seq_len, vocab_size=spec.vocab_size,
+                   head_dim=getattr(config, "head_dim", None) or hidden // heads,
+                   mlp_width=mlp_width, gated_mlp=gated,
+                   seq_len=_first_set(config, ("max_position_embeddings", "n_positions")),
+                   vocab_size=config.vocab_size,
                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                    fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()),
-                   blocks_name=blocks_name, block_params=block, head_tail_params=head_tail)
+                   blocks_name=blocks_name, block_params=block, head_tail_params=head_tail,
+                   experts=experts, experts_per_token=top_k, active_mlp_width=active_width)

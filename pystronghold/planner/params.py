@@ -5,7 +5,8 @@ or an ``HFShape`` (a Hugging Face model read from its directory, ``planner/hf_sh
 carries its tables). Names are ``named_parameters()``'s: a block's relative to the block
 (``attn.qkv.weight``, ``self_attn.q_proj.weight``), head and tail ones in full (``head.tok.weight``,
 ``lm_head.weight``); a tied LM head appears once. What trains and what is frozen is decided on
-these names (``planner/finetune.py``).
+these names (``planner/finetune.py``), and a block's matmul FLOPs on its matrix weights
+(``active_matmul_numel``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from pystronghold.planner.hf_shape import HFShape
 
 __all__ = ["Shapes", "block_param_shapes", "head_tail_param_shapes", "block_prefix", "model_params",
-           "numel"]
+           "numel", "is_matrix_weight", "is_expert_param", "active_matmul_numel"]
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 """(name, shape) of each parameter, in ``named_parameters()`` order."""
@@ -29,6 +30,31 @@ Shapes = list[tuple[str, tuple[int, ...]]]
 def numel(shape: tuple[int, ...]) -> int:
     """Elements of a tensor of ``shape``."""
     return math.prod(shape)
+
+
+def is_matrix_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """The parameter is a weight a matmul multiplies by: 2 dimensions or more (a MoE block's fused
+    experts are (experts, out, in)), not a bias."""
+    return len(shape) >= 2 and not name.endswith("bias")
+
+
+def is_expert_param(name: str) -> bool:
+    """The parameter belongs to a MoE block's routed experts: its name has an ``experts`` part
+    (``mlp.experts.gate_up_proj``, ``block_sparse_moe.experts.3.w1.weight``; not ``shared_experts``)."""
+    return "experts" in name.split(".")
+
+
+def active_matmul_numel(config: GPTConfig | HFShape, shapes: Shapes) -> int:
+    """Elements of the matrix weights among ``shapes`` (a block's) that one token multiplies by: a
+    dense weight's all, the routed experts' ``experts_per_token / experts`` of theirs (a token
+    visits top-k of them). A forward costs 2 FLOPs per such element and token."""
+    experts, top_k = getattr(config, "experts", 0), getattr(config, "experts_per_token", 0)
+    matrices = [(n, numel(s)) for n, s in shapes if is_matrix_weight(n, s)]
+    total = sum(k for _, k in matrices)
+    if not experts:
+        return total
+    routed = sum(k for n, k in matrices if is_expert_param(n))
+    return total - routed + routed * top_k // experts
 
 
 def block_param_shapes(config: GPTConfig | HFShape) -> Shapes:

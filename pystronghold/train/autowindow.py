@@ -2,10 +2,13 @@
 K (device-resident blocks), their recompute and W.
 
 Before the first step, one copy of block 0 runs forward and forward+backward (with recompute, as
-the runtime does) at the run's (B, T) and precision on the device; a block's bytes are copied
+the runtime does) at the run's (B, T) and precision on the device: pystronghold's GPT block, or a
+Hugging Face model's (``--model hf:DIR``: its block 0, built from the meta model with random
+weights, given the inputs the model's own forward hands it); a block's bytes are copied
 host->device and device->host; the fused CPU Adam updates a block-sized buffer and the device
 AdamW (what resident blocks use) a block-sized parameter. Those seconds replace the analytic ones in
-the planner's ``BlockCosts`` (bytes still come from the planner), and
+the planner's ``BlockCosts`` (bytes still come from the planner: a GPT's config, or the ``HFShape`` of
+the Hugging Face model's config.json), and
 ``pystronghold.planner.plan.choose_split`` picks the split with the best simulated step that fits
 the device budget: the first K blocks resident (device AdamW), the rest streamed through the
 smallest W that hides their transfers. ``--resident-blocks K`` (K > 0) fixes K instead. ONE cost model:
@@ -25,7 +28,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from pystronghold.models.hf import HFModelConfig
 from pystronghold.optim.functional import adam_step_
 from pystronghold.options import ConfigError
 from pystronghold.optim.hyper import AdamWHyper
@@ -36,7 +41,7 @@ from pystronghold.planner.timeline import StepTime
 from pystronghold.runtime.precision import compute_dtype
 from pystronghold.runtime.store import available_host_bytes
 
-__all__ = ["AutoWindow", "measure_costs", "choose_runtime_window", "device_reserve_bytes",
+__all__ = ["AutoWindow", "HFProbe", "measure_costs", "choose_runtime_window", "device_reserve_bytes",
            "DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -148,29 +153,99 @@ def _timed(fn, device: torch.device, reps: int) -> float:
     return statistics.median(out)
 
 
+@dataclass(frozen=True, slots=True)
+class HFProbe:
+    """A Hugging Face model as ``--window auto`` measures and plans it."""
+
+    shape: object
+    """Its ``planner.hf_shape.HFShape`` (what the planner costs)."""
+    model: nn.Module
+    """The model (PEFT-wrapped under --lora-rank), head and tail loaded, blocks possibly on meta."""
+    blocks: nn.ModuleList
+    """Its block stack."""
+
+
+class _BlockInputsSeen(Exception):
+    """Raised by the hook that caught block 0's inputs: the model's forward stops there."""
+
+
+def _hf_block_inputs(probe: HFProbe, batch: int, seq: int) -> tuple[tuple, dict]:
+    """(args, kwargs) the model's own forward hands block 0 for a (batch, seq) batch of token 0s,
+    on the host: hidden states, and what the family adds (rotary cos/sin, masks, positions). Only
+    the embeddings run (the blocks may still be on meta)."""
+    seen = {}
+
+    def catch(_module, args, kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        raise _BlockInputsSeen
+
+    hook = probe.blocks[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            probe.model(input_ids=torch.zeros(batch, seq, dtype=torch.long))
+    except _BlockInputsSeen:
+        pass
+    finally:
+        hook.remove()
+    if not seen:
+        raise ValueError("--window auto: the model's forward did not call its first block; give --window N")
+    return seen["args"], seen["kwargs"]
+
+
+def _to(value, device: torch.device, dtype: torch.dtype):
+    """``value`` (tensors inside tuples, lists and dicts too) on ``device``, floating tensors in ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, dtype) if value.is_floating_point() else value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device, dtype) for k, v in value.items()}
+    return value
+
+
+def _block_with_values(block: nn.Module, std: float) -> nn.Module:
+    """A trainable copy of ``block``, its ``meta`` parameters (a lazily built model's) given random
+    values: they do not matter to its timing."""
+    block = copy.deepcopy(block).requires_grad_(True)
+    with torch.no_grad():
+        for module in block.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta:
+                    setattr(module, name, nn.Parameter(torch.empty(p.shape).normal_(0.0, std)))
+    return block
+
+
 def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int, reps: int = 3) -> BlockCosts:
-    """``BlockCosts`` of ``model`` (a GPT) with seconds measured on ``device`` (see the module doc)."""
-    cfg, dtype = model.config, compute_dtype(work.precision)
+    """``BlockCosts`` of ``model`` (a GPT, or a Hugging Face model's ``HFProbe``) with seconds
+    measured on ``device`` (see the module doc)."""
+    dtype = compute_dtype(work.precision)
+    hf = isinstance(model, HFProbe)
+    cfg = model.shape if hf else model.config
     seq = work.seq or cfg.seq_len
     # NOTE: timed as a trainable block even when it is frozen (--freeze): the full fine-tune's costs
     # bound a partial one's
-    block = copy.deepcopy(model.blocks[0]).requires_grad_(True)
-    if any(p.is_meta for p in block.parameters()):  # a lazily built GPT (--nvme): values do not matter here
-        block = block.to_empty(device="cpu")
-        with torch.no_grad():
-            for p in block.parameters():
-                p.normal_(0.0, cfg.init_std)
-    block = block.to(device, dtype)
-    x = torch.randn(work.batch, seq, cfg.hidden, device=device, dtype=dtype)  # (B, T, C)
+    block = _block_with_values(model.blocks[0], std=0.02 if hf else cfg.init_std).to(device, dtype)
+    if hf:
+        args, kwargs = _to(_hf_block_inputs(model, work.batch, seq), device, dtype)
+        if not args:  # the hidden states, passed by name: the first argument from here on
+            args = (kwargs.pop("hidden_states"),)
+    else:
+        args, kwargs = (torch.randn(work.batch, seq, cfg.hidden, device=device, dtype=dtype),), {}  # (B, T, C)
+    x, rest = args[0], args[1:]
     dy = torch.randn_like(x)
+
+    def output(xi):  # a Hugging Face block may return a tuple, the hidden states first
+        out = block(xi, *rest, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
 
     def fwd():
         with torch.no_grad():
-            block(x)
+            output(x)
 
     def bwd():  # the runtime recomputes the block's forward inside backward
         xg = x.detach().requires_grad_(True)
-        torch.autograd.grad(block(xg), [xg, *block.parameters()], dy)
+        # NOTE: allow_unused: an expert no token was routed to gets no gradient
+        torch.autograd.grad(output(xg), [xg, *block.parameters()], dy, allow_unused=True)
 
     fwd_s, bwd_s = _timed(fwd, device, reps), _timed(bwd, device, reps)
     numel = sum(p.numel() for p in block.parameters())
@@ -197,17 +272,22 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
                                recompute_s=min(fwd_s, bwd_s) if work.checkpointing else 0.0)
 
 
-def choose_runtime_window(model, config) -> AutoWindow:
+def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) -> AutoWindow:
     """K, the resident recompute and W for ``model`` trained with ``config`` (a TrainConfig) within
-    its device budget (K as given when ``--resident-blocks`` is > 0); logs the split and why."""
+    its device budget (K as given when ``--resident-blocks`` is > 0); logs the split and why.
+    ``blocks``: the model's block stack (needed for a Hugging Face model, ``--model hf:DIR``)."""
     rt = config.runtime
     device = torch.device(rt.device)
+    if isinstance(config.gpt, HFModelConfig):
+        from pystronghold.planner.hf_shape import read_hf_shape
+
+        model = HFProbe(shape=read_hf_shape(config.gpt.source), model=model, blocks=blocks)
     # NOTE: the device reserve is taken off the budget below (on CUDA) rather than added to the
     # planner's peak, so that the predicted peak is what the allocator's peak counter should see
     work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
                     overlap="forward" if rt.needs_global_grad else "backward",
                     device_reserve_bytes=0, host_reserve_bytes=0)
-    n = model.config.layers
+    n = len(model.blocks)
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
     free = reserve = 0

@@ -74,7 +74,8 @@ class DataOptions:
     batch: int = 8
     """Sequences per micro-batch (B)."""
     seq: int = 0
-    """Tokens per sequence (T); 0: the model's seq_len (hf: models: at most 512)."""
+    """Tokens per sequence (T); 0: the model's seq_len, for --model hf:DIR its positions but at most
+    512 (``train.model_spec.HF_DEFAULT_SEQ``); given, at most the model's seq_len or positions."""
     token_dtype: str = field(default="auto", metadata={"choices": TOKEN_DTYPES})
     """Id type of a .bin token file: uint16, uint32, or auto: uint16 when the model's vocabulary has at
     most 65536 entries, else uint32 (a .npy file's header gives its own)."""
@@ -359,7 +360,8 @@ class TrainConfig:
             check_io_directory(self.runtime.nvme_dir, flag="--nvme")  # exists (or is created), takes files
         cfg = resolve_model(self.model.model)
         if self.data.seq > cfg.seq_len:
-            raise ValueError(f"--seq {self.data.seq} is longer than the model's seq_len {cfg.seq_len}")
+            what = f"{cfg.seq_len} positions" if isinstance(cfg, HFModelConfig) else f"seq_len {cfg.seq_len}"
+            raise ValueError(f"--seq {self.data.seq} is longer than the model's {what}")
         # NOTE: every rank runs these same checks on the same arguments and environment, so a bad
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
         par = self.parallel
@@ -367,8 +369,6 @@ class TrainConfig:
         if isinstance(cfg, HFModelConfig) and tp > 1:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
         self._check_finetune(cfg)
-        if isinstance(cfg, HFModelConfig) and self.runtime.window == "auto":
-            raise ValueError(f"--window auto measures pystronghold's GPT blocks; with --model {HF_PREFIX}DIR give --window N")
         if self.runtime.resident_blocks == "auto" and self.runtime.window != "auto":
             raise ConfigError(self.runtime, "resident_blocks=", "is chosen together with the window: it needs "
                                                                  "`window='auto'` (or give K, a number of blocks)")

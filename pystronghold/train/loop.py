@@ -184,7 +184,7 @@ class Trainer:
         if config.runtime.window == "auto":
             from pystronghold.train.autowindow import choose_runtime_window
 
-            self.auto_window = choose_runtime_window(self.model, config)
+            self.auto_window = choose_runtime_window(self.model, config, blocks)
             split = self.auto_window.wrap_options()
         o = config.optim
         # NOTE: the run's RuntimeConfig as the user gave it, plus what only exists now: W, K and the

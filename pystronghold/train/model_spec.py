@@ -49,7 +49,9 @@ HF_FINETUNE_LR = 5e-5
 (``TrainingArguments.learning_rate``); pre-training rates would wreck a trained model."""
 
 HF_DEFAULT_SEQ = 512
-"""Tokens per sequence of a ``--model hf:DIR`` run without --seq (at most the model's positions)."""
+"""Tokens per sequence of a ``--model hf:DIR`` run without --seq (at most the model's positions;
+--seq goes up to them). NOTE: a safe default at every size: the loss holds B*T*V*(s + 12) bytes
+(``planner.cost.tail_activation_bytes``), 7 GB at batch 8 and a 128k vocabulary already."""
 
 
 def resolve_model(name: str) -> GPTConfig | HFModelConfig:

@@ -43,7 +43,8 @@ def test_auto_window_is_the_planners_choice_and_is_logged(tmp_path, caplog):
         assert 0 < auto.predicted_peak_bytes <= auto.budget_bytes
         assert auto.work.overlap == "forward"  # tiny_config clips
         c = auto.costs
-        assert c.fwd_s > 0 and c.bwd_s > 0 and c.load_s > 0 and c.device_adam_s > 0 and c.recompute_s == c.fwd_s
+        assert c.fwd_s > 0 and c.bwd_s > 0 and c.load_s > 0 and c.device_adam_s > 0
+        assert c.recompute_s == min(c.fwd_s, c.bwd_s)  # measured: under load a forward may time longer
         text = caplog.text
         assert f"W={auto.window}" in text and "fwd" in text and "load" in text and "predicted step" in text
         assert f"{auto.resident_blocks} blocks resident with device AdamW" in text and "recomputed" in text
