@@ -17,8 +17,9 @@ Python process, which imports torch, transformers and pystronghold, reads its pe
                          ``--cache-blocks`` blocks; then one training step (time to first step)
 
 Every contender runs one forward on the same batch after loading (every weight touched:
-transformers maps the shards and reads pages on first use), and pystronghold's logits must equal
-transformers' of the same dtype (``LOGITS_TOL``) before any figure is printed. For pystronghold the
+transformers maps the shards and reads pages on first use), and pystronghold's logits are checked
+against transformers' fp32 ones before any figure is printed (fp32: ``FP32_TOL``; bf16: an error at
+most ``BF16_ERROR_FACTOR`` times transformers' own in bf16). For pystronghold the
 engine's own figures are printed beside the measured peak: its host store (``stats()["store_bytes"]``,
 the disk tier's cache included), the window's arena, the head and tail (parameters, gradients,
 masters and moments, ``head_tail_bytes``) and one block in fp32 (how it is read from the shards):
@@ -47,9 +48,12 @@ TINYLLAMA = dict(layers=22, hidden=2048, ffn=5632, heads=32, kv_heads=4, vocab=3
 SMALL = dict(layers=4, hidden=64, ffn=176, heads=4, kv_heads=2, vocab=512)
 """A tiny Llama for the test: loads in seconds."""
 CONTENDERS = ("transformers bf16", "transformers fp32", "pystronghold")
-LOGITS_TOL = {"fp32": dict(rtol=1e-5, atol=1e-5), "bf16": dict(rtol=1.6e-2, atol=1e-2)}
-"""pystronghold's logits against transformers' of the same dtype (bf16: one bf16 ulp, the same
-weights and kernels but the engine's own block calls)."""
+BF16_ERROR_FACTOR = 2.0
+"""In bf16, pystronghold's largest logit error against transformers' fp32 logits may be at most this
+many times transformers' own bf16 error (the same weights, rounded alike; the engine's block calls
+round in other places, so equality is not expected)."""
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+"""In fp32, pystronghold's logits against transformers' fp32 ones."""
 MiB = 2**20
 
 
@@ -146,8 +150,26 @@ def measure_transformers(directory: str, dtype_name: str, logits_path: str) -> d
             "loaded_MiB": (loaded - baseline) / MiB, "forward_MiB": (host_peak_bytes() - baseline) / MiB}
 
 
+def check_logits(logits, logits_paths: dict, precision: str) -> tuple[float, float]:
+    """The largest logit errors against transformers' fp32 logits of pystronghold's and of
+    transformers' bf16, after checking the first (fp32: ``FP32_TOL``; bf16: within
+    ``BF16_ERROR_FACTOR`` times the second)."""
+    import torch
+
+    fp32 = torch.load(logits_paths["fp32"])
+    error = (logits.float() - fp32).abs().max().item()
+    reference_error = (torch.load(logits_paths["bf16"]).float() - fp32).abs().max().item()
+    if precision == "fp32":
+        torch.testing.assert_close(logits, fp32, **FP32_TOL)
+        return error, reference_error
+    if not error <= BF16_ERROR_FACTOR * reference_error:
+        raise AssertionError(f"bf16 logits: largest error {error:.3g} against transformers' fp32, more than "
+                             f"{BF16_ERROR_FACTOR:g} x transformers' own bf16 error {reference_error:.3g}")
+    return error, reference_error
+
+
 def measure_pystronghold(directory: str, precision: str, nvme: str, window: int, cache_blocks: int,
-                         logits_path: str) -> dict:
+                         logits_paths: dict) -> dict:
     import torch
 
     import pystronghold as ph
@@ -168,7 +190,7 @@ def measure_pystronghold(directory: str, precision: str, nvme: str, window: int,
         logits = engine(input_ids=x).logits
     forward_s = time.perf_counter() - t0
     forward = host_peak_bytes()
-    torch.testing.assert_close(logits.float(), torch.load(logits_path).float(), **LOGITS_TOL[precision])
+    logits_error, bf16_logits_error = check_logits(logits, logits_paths, precision)
     engine.train()
     t0 = time.perf_counter()
     loss = engine(input_ids=x, labels=x).loss
@@ -180,7 +202,8 @@ def measure_pystronghold(directory: str, precision: str, nvme: str, window: int,
     engine.close()
     return {"baseline_MiB": baseline / MiB, "load_s": load_s, "forward_s": forward_s, "first_step_s": step_s,
             "loaded_MiB": (loaded - baseline) / MiB, "forward_MiB": (forward - baseline) / MiB,
-            "step_MiB": (host_peak_bytes() - baseline) / MiB,
+            "step_MiB": (host_peak_bytes() - baseline) / MiB, "logits_error": logits_error,
+            "transformers_bf16_logits_error": bf16_logits_error,
             "store_host_MiB": stats["store_bytes"] / MiB, "store_disk_MiB": stats["disk"]["file_bytes"] / MiB,
             "arena_MiB": stats["arena_used_bytes"] / MiB,
             "head_tail_MiB": head_tail_bytes(engine.head_tail_params, compute_dtype(precision)) / MiB}
@@ -188,12 +211,14 @@ def measure_pystronghold(directory: str, precision: str, nvme: str, window: int,
 
 def child(argv: list[str]) -> None:
     """``--child NAME ...``: one contender in this fresh process; prints its record as JSON."""
-    name, directory, logits_path = argv[0], argv[1], argv[2]
+    name, directory, logits_dir = argv[0], argv[1], Path(argv[2])
+    logits_paths = {p: str(logits_dir / f"logits_{p}.pt") for p in ("bf16", "fp32")}
     if name == "pystronghold":
         precision, nvme, window, cache_blocks = argv[3], argv[4], int(argv[5]), int(argv[6])
-        out = measure_pystronghold(directory, precision, nvme, window, cache_blocks, logits_path)
+        out = measure_pystronghold(directory, precision, nvme, window, cache_blocks, logits_paths)
     else:
-        out = measure_transformers(directory, name.split()[-1], logits_path)
+        dtype_name = name.split()[-1]
+        out = measure_transformers(directory, dtype_name, logits_paths[dtype_name])
     print(json.dumps(out))
 
 
@@ -230,7 +255,6 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         write_model(directory, shape, args.shard_size)
         print(f"model: {directory} ({time.perf_counter() - t0:.0f} s to make it ready)")
-        logits = {p: str(Path(tmp) / f"logits_{p}.pt") for p in ("bf16", "fp32")}
         script = str(Path(__file__).resolve())
         rows = []
         for name in CONTENDERS:
@@ -239,16 +263,20 @@ def main(argv=None) -> int:
                 nvme = Path(tmp) / "nvme"
                 nvme.mkdir()
                 extra = [args.precision, str(nvme), str(args.window), str(args.cache_blocks)]
-                line = run_python([script, "--child", name, str(directory), logits[args.precision], *extra])
             else:
-                line = run_python([script, "--child", name, str(directory), logits[name.split()[-1]]])
+                extra = []
+            line = run_python([script, "--child", name, str(directory), tmp, *extra])
             rows.append({"loader": name, **json.loads(line), **watch.stop().fields()})
 
     base = {row["loader"]: row for row in rows}
     ours = base["pystronghold"]
     for row in rows:
+        # NOTE: transformers maps the shards and reads a weight at its first use, so its load_s
+        # leaves part of the reading to the first forward: times compare up to that forward's end.
+        row["ready_s"] = row["load_s"] + row["forward_s"]
+    for row in rows:
         for versus in ("transformers bf16", "transformers fp32"):
-            row[f"load_s_x {versus}"] = row["load_s"] / base[versus]["load_s"]
+            row[f"ready_x {versus}"] = row["ready_s"] / base[versus]["ready_s"]
             row[f"peak_x {versus}"] = row["forward_MiB"] / base[versus]["forward_MiB"]
     ours["accounted_MiB"] = ours["store_host_MiB"] + ours["arena_MiB"] + ours["head_tail_MiB"] + block_fp32_MiB
 
@@ -256,12 +284,14 @@ def main(argv=None) -> int:
           f"({shape['kv_heads']} KV), vocabulary {shape['vocab']}: {counts['parameters'] / 1e6:,.1f}M parameters "
           f"({counts['block_parameters'] / 1e6:.1f}M per block, {counts['head_tail_parameters'] / 1e6:.1f}M head and "
           f"tail); bf16 shards of {args.shard_size}; pystronghold: {args.precision}, W={args.window}, every block "
-          f"state on disk, host cache {args.cache_blocks} block(s); logits equal to transformers' {args.precision} "
-          "(checked first)")
-    print_table(rows, ["loader", "baseline_MiB", "load_s", "forward_s", "loaded_MiB", "forward_MiB", "step_MiB",
-                       "load_s_x transformers bf16", "peak_x transformers bf16", "peak_x transformers fp32", "load"],
-                "peak resident set above the baseline (after every import), MiB: after loading, after one forward, "
-                "after one training step; x: ratio to the transformers row of the same run (forward_MiB)")
+          f"state on disk, host cache {args.cache_blocks} block(s); logits checked first against transformers' "
+          f"fp32: largest error {ours['logits_error']:.3g} (transformers' bf16: "
+          f"{ours['transformers_bf16_logits_error']:.3g}" + (f", x{BF16_ERROR_FACTOR:g} allowed)" if args.precision == "bf16" else ")"))
+    print_table(rows, ["loader", "load_s", "forward_s", "loaded_MiB", "forward_MiB", "step_MiB", "ready_x transformers fp32",
+                       "peak_x transformers bf16", "peak_x transformers fp32", "load"],
+                f"peak resident set above the baseline (after every import: {rows[0]['baseline_MiB']:,.0f} MiB), MiB: "
+                "after loading, after one forward, after one training step; ready_x: load + first forward time, "
+                "peak_x: forward_MiB, as ratios to the transformers row of the same run")
     print_table([ours], ["store_host_MiB", "store_disk_MiB", "arena_MiB", "head_tail_MiB", "accounted_MiB",
                          "step_MiB", "first_step_s"],
                 f"pystronghold's own figures: host store (NVMe cache included) and its files on disk, window arena, "
@@ -269,7 +299,7 @@ def main(argv=None) -> int:
     plain_adam_MiB = counts["parameters"] * 16 / MiB
     print(f"a plain fp32 AdamW step on transformers' fp32 model would hold {plain_adam_MiB:,.0f} MiB "
           "(parameters, gradients, two moments: 16 B/param); not run")
-    write_json(args.json, "hf_load", rows, {"shape": shape, **counts, "shard_size": args.shard_size,
+    write_json(args.json, "hf_load", rows, {"shape": shape, "bf16_error_factor": BF16_ERROR_FACTOR, **counts, "shard_size": args.shard_size,
                                             "precision": args.precision, "window": args.window,
                                             "cache_blocks": args.cache_blocks, "block_fp32_MiB": block_fp32_MiB,
                                             "plain_adam_MiB": plain_adam_MiB})
