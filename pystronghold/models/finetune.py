@@ -41,9 +41,9 @@ class FinetuneOptions:
     """LoRA alpha: the adapters' update is scaled by alpha / rank; default 2 x --lora-rank (a scale of 2)."""
     lora_targets: tuple[str, ...] | None = option(None, parse=_names, metavar="NAME,...")
     """Comma-separated layers LoRA adapts, as PEFT's target_modules (a module whose name is or ends
-    with .NAME, e.g. q_proj,v_proj,down_proj). Default, as PEFT's: the attention's q and v
-    projections (q_proj,v_proj) for Llama, Mistral and Qwen2; c_attn for GPT-2; qkv for
-    pystronghold's GPT."""
+    with .NAME, e.g. q_proj,v_proj,down_proj). Default: PEFT's for the family (q_proj,v_proj for
+    Llama, c_attn for GPT-2, ...), else the attention's query and value projections found by name
+    (``models.lora.default_lora_targets``); qkv for pystronghold's GPT."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input while training (PEFT's lora_dropout), in [0, 1)."""
     freeze: str | None = option(None, metavar="REGEX")

@@ -36,13 +36,24 @@ from torch import nn
 from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, block_of, hub_layout
 from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
 
-__all__ = ["HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "from_pretrained", "meta_model",
+__all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "from_pretrained", "meta_model",
            "block_stack", "hub_weights", "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint"]
 
 log = logging.getLogger(__name__)
 
 HF_PREFIX = "hf:"
 """``--model hf:DIR`` names a Hugging Face model directory."""
+
+HF_DEFAULT_SEQ = 512
+"""Tokens per sequence of a ``--model hf:DIR`` run (and plan) without --seq, at most the model's
+positions; --seq goes up to them. NOTE: a safe default at every size: the loss holds
+B*T*V*(s + 12) bytes (``planner.cost.tail_activation_bytes``), 7 GB at batch 8 and a 128k
+vocabulary already."""
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length")
+"""config.json's names for the longest sequence a model takes."""
+NO_POSITION_LIMIT = 1 << 20
+"""The positions of a model whose config names none (BLOOM's ALiBi has no position table), tokens."""
 
 @dataclass(kw_only=True, slots=True)
 class HFModelConfig:
@@ -65,8 +76,14 @@ class HFModelConfig:
 
     @property
     def seq_len(self) -> int:
-        """Longest sequence the model takes (positions), tokens."""
-        return self._get("max_position_embeddings", "n_positions")
+        """Longest sequence the model takes (positions; ``NO_POSITION_LIMIT`` when config.json
+        names none), tokens."""
+        return next((int(self.config[k]) for k in POSITION_KEYS if self.config.get(k)), NO_POSITION_LIMIT)
+
+    @property
+    def model_type(self) -> str:
+        """``config.json``'s ``model_type`` (``llama``, ``mixtral``, ...)."""
+        return self.config["model_type"]
 
     @property
     def heads(self) -> int:

@@ -30,7 +30,7 @@ from torch import nn
 from pystronghold.models.gpt import GPT
 
 __all__ = ["LoraSpec", "ADAPTER", "PEFT_PREFIX", "GPT_ARCHITECTURE", "GPT_LORA_DEFAULT_TARGETS", "GPT_NOT_ADAPTABLE",
-           "add_lora", "lora_config", "adapter_key", "merged", "merged_state_dict"]
+           "default_lora_targets", "add_lora", "lora_config", "adapter_key", "merged", "merged_state_dict"]
 
 ADAPTER = "default"
 """The adapter's name in the model (PEFT's default): parameters are ``...lora_A.default.weight``."""
@@ -48,6 +48,28 @@ GPT_LORA_DEFAULT_TARGETS = ("qkv",)
 GPT_NOT_ADAPTABLE = ("head.tok",)
 """Modules of pystronghold's GPT with a matrix weight that LoRA cannot adapt: the token embedding
 (a ``VocabParallelEmbedding``, which PEFT does not know)."""
+_ATTENTION_TARGETS = (("q_proj", "v_proj"), ("qkv_proj",), ("query_key_value",), ("c_attn",), ("Wqkv",),
+                      ("query", "value"))
+"""The attention's query and value projections under the names families give them, most specific
+first: the default targets of a family PEFT has no default for (as PEFT's own defaults are)."""
+
+
+def default_lora_targets(model_type: str, block_modules) -> tuple[str, ...]:
+    """The LoRA targets of a Hugging Face family when none are given: PEFT's default for
+    ``model_type`` (its ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``), else the block's
+    attention query and value projections found by name among ``block_modules`` (the dotted names
+    of one block's linear layers). ValueError (one line) when neither gives any."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
+
+    if model_type in peft_defaults:
+        return tuple(peft_defaults[model_type])
+    leaves = {name.rpartition(".")[2] for name in block_modules}
+    for targets in _ATTENTION_TARGETS:
+        if leaves.issuperset(targets):
+            return targets
+    raise ValueError(f"--lora-rank: no default LoRA targets for {model_type!r} (PEFT has none and its attention "
+                     f"has no q_proj/v_proj, qkv_proj, query_key_value or c_attn); give --lora-targets, one or "
+                     f"more of: {', '.join(sorted(leaves))}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,6 +135,10 @@ def add_lora(owner, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
         model, config = owner, lora_config(replace(spec, targets=spec.targets or GPT_LORA_DEFAULT_TARGETS),
                                            GPT_ARCHITECTURE)
     else:
+        if spec.targets is None:
+            linear = [name for name, m in owner.blocks[0].named_modules() if isinstance(m, nn.Linear)
+                      or type(m).__name__ == "Conv1D"]
+            spec = replace(spec, targets=default_lora_targets(owner.spec.model_type, linear))
         model, config = owner.model, lora_config(spec, owner.spec.architecture, owner.spec.source)
     try:
         with warnings.catch_warnings():  # NOTE: PEFT warns of every layer its custom dispatch wraps

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 
 from pystronghold.models.finetune import FinetuneOptions
-from pystronghold.models.hf import HF_PREFIX
+from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX
 from pystronghold.options import ConfigError, add_options, component, from_args, option
 from pystronghold.runtime.config import RuntimeConfig
 
@@ -219,7 +219,10 @@ class PlanRequest:
                       nvme_bytes_per_s=self.nvme_bandwidth * GB)
         config = self.model_config()
         rt = self.runtime
-        work = Workload(batch=self.batch, seq=self.seq, precision=rt.precision,
+        seq = self.seq
+        if seq is None and self.model is not None and self.model.startswith(HF_PREFIX):  # as train runs it
+            seq = min(config.seq_len, HF_DEFAULT_SEQ)
+        work = Workload(batch=self.batch, seq=seq, precision=rt.precision,
                         checkpointing=rt.checkpointing, dp_size=self.dp, overlap=self.overlap,
                         compute_efficiency=self.efficiency, finetune=self.finetune)
         hw.gpu.flops(rt.precision)  # refuses bf16 on a GPU without it

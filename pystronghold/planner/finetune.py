@@ -23,19 +23,12 @@ from dataclasses import dataclass
 
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
-from pystronghold.models.lora import GPT_LORA_DEFAULT_TARGETS, GPT_NOT_ADAPTABLE
+from pystronghold.models.lora import GPT_LORA_DEFAULT_TARGETS, GPT_NOT_ADAPTABLE, default_lora_targets
 from pystronghold.planner.params import (active_matmul_numel, block_param_shapes, block_prefix,
                                          head_tail_param_shapes, numel)
 
-__all__ = ["LORA_DEFAULT_TARGETS", "ParamSplit", "lora_targets", "check_lora_targets", "param_split",
+__all__ = ["ParamSplit", "lora_targets", "check_lora_targets", "param_split",
            "check_freeze"]
-
-LORA_DEFAULT_TARGETS = {"GPT2LMHeadModel": ("c_attn",), "LlamaForCausalLM": ("q_proj", "v_proj"),
-                        "MistralForCausalLM": ("q_proj", "v_proj"), "Qwen2ForCausalLM": ("q_proj", "v_proj")}
-"""PEFT's default ``target_modules`` per architecture (its
-``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``): the attention's query and value projections,
-GPT-2's fused ``c_attn``. pystronghold's GPT: ``models.lora.GPT_LORA_DEFAULT_TARGETS``."""
-
 
 @dataclass(frozen=True, slots=True)
 class ParamSplit:
@@ -65,15 +58,14 @@ class ParamSplit:
 
 
 def lora_targets(config, finetune: FinetuneOptions) -> tuple[str, ...]:
-    """The module names LoRA adapts: ``finetune.lora_targets`` or the architecture's default."""
+    """The module names LoRA adapts: ``finetune.lora_targets`` or the family's default
+    (``models.lora.default_lora_targets``, as training resolves it)."""
     if finetune.lora_targets is not None:
         return finetune.lora_targets
     if isinstance(config, GPTConfig):
         return GPT_LORA_DEFAULT_TARGETS
-    if config.architecture not in LORA_DEFAULT_TARGETS:
-        raise ValueError(f"--lora-rank: the planner knows no default LoRA targets of {config.architecture}; "
-                         "give --lora-targets (e.g. q_proj,v_proj)")
-    return LORA_DEFAULT_TARGETS[config.architecture]
+    modules = [_module(name) for name, shape in block_param_shapes(config) if name.endswith(".weight") and len(shape) == 2]
+    return default_lora_targets(config.model_type, modules)
 
 
 def _module(param_name: str) -> str:

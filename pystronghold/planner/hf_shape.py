@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pystronghold.models.hf import HF_PREFIX, block_stack, read_hf_config
+from pystronghold.models.hf import HF_PREFIX, NO_POSITION_LIMIT, POSITION_KEYS, block_stack, read_hf_config
 from pystronghold.planner.params import is_expert_param, is_matrix_weight, numel
 
 __all__ = ["HFShape", "read_hf_shape", "hf_shape_from_config"]
@@ -35,7 +35,9 @@ class HFShape:
     source: str
     """The model directory."""
     architecture: str
-    """``config.json``'s architecture ."""
+    """``config.json``'s architecture."""
+    model_type: str
+    """``config.json``'s ``model_type`` (``llama``, ``mixtral``, ...)."""
     layers: int
     """Blocks (``num_hidden_layers``)."""
     hidden: int
@@ -148,7 +150,7 @@ def hf_shape_from_config(config, *, source: str, architecture: str) -> HFShape:
                    heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or hidden // heads,
                    mlp_width=mlp_width, gated_mlp=gated,
-                   seq_len=_first_set(config, ("max_position_embeddings", "n_positions")),
+                   seq_len=_first_set(config, POSITION_KEYS) or NO_POSITION_LIMIT, model_type=config.model_type,
                    vocab_size=config.vocab_size,
                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                    fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()),

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
-from pystronghold.models.hf import HF_PREFIX, HFModelConfig
+from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX, HFModelConfig
 from pystronghold.options import ConfigError, component, option
 from pystronghold.parallel.pipeline import SCHEDULES
 from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.token_files import TOKEN_DTYPES
-from pystronghold.train.model_spec import HF_DEFAULT_SEQ, model_lr, resolve_model
+from pystronghold.train.model_spec import model_lr, resolve_model
 
 __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
            "CheckpointOptions", "ParallelOptions", "TrainConfig", "TRAIN_RUNTIME_DEFAULTS"]
@@ -75,7 +75,7 @@ class DataOptions:
     """Sequences per micro-batch (B)."""
     seq: int = 0
     """Tokens per sequence (T); 0: the model's seq_len, for --model hf:DIR its positions but at most
-    512 (``train.model_spec.HF_DEFAULT_SEQ``); given, at most the model's seq_len or positions."""
+    512 (``models.hf.HF_DEFAULT_SEQ``); given, at most the model's seq_len or positions."""
     token_dtype: str = field(default="auto", metadata={"choices": TOKEN_DTYPES})
     """Id type of a .bin token file: uint16, uint32, or auto: uint16 when the model's vocabulary has at
     most 65536 entries, else uint32 (a .npy file's header gives its own)."""

@@ -14,7 +14,7 @@ from pystronghold.models import GPTConfig
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig, read_hf_config
 from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, recommended_lr
 
-__all__ = ["DEMO_MODEL", "HF_DEFAULT_SEQ", "HF_FINETUNE_LR", "resolve_model", "model_lr"]
+__all__ = ["DEMO_MODEL", "HF_FINETUNE_LR", "resolve_model", "model_lr"]
 
 DEMO_MODEL = GPTConfig(vocab_size=256, seq_len=128, layers=12, hidden=128, heads=4)
 """The demo GPT: 12 blocks of 198k parameters (2.4M in blocks), byte vocabulary. With W=2 the
@@ -47,12 +47,6 @@ def _is_model_file(name: str) -> bool:
 HF_FINETUNE_LR = 5e-5
 """Peak learning rate of a ``--model hf:DIR`` fine-tune without --lr: Hugging Face Trainer's default
 (``TrainingArguments.learning_rate``); pre-training rates would wreck a trained model."""
-
-HF_DEFAULT_SEQ = 512
-"""Tokens per sequence of a ``--model hf:DIR`` run without --seq (at most the model's positions;
---seq goes up to them). NOTE: a safe default at every size: the loss holds B*T*V*(s + 12) bytes
-(``planner.cost.tail_activation_bytes``), 7 GB at batch 8 and a 128k vocabulary already."""
-
 
 def resolve_model(name: str) -> GPTConfig | HFModelConfig:
     """``"demo"``, a preset name (``pystronghold.models.PRESETS``), a JSON file of GPTConfig fields,

@@ -17,6 +17,8 @@ from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GiB
 from pystronghold.runtime.placement import plan_placement
 
+from hf_models import FAMILIES, save_tiny
+
 LLAMA_70B = Path(__file__).resolve().parents[2] / "bench" / "models" / "llama-3-70b"
 
 # Every parameter a multiple of 2048 elements (C = 1024, no biases: norms 2C, matrices 12C^2), so
@@ -143,15 +145,20 @@ def test_lora_counts_and_layout_are_peft_s(tmp_path, make, targets):
     assert split.block_frozen == tuple(p.numel() for p in block if not p.requires_grad)
 
 
-def test_default_lora_targets_are_peft_s():
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_has_default_lora_targets_the_planner_and_training_agree_on(tmp_path, family):
+    """The planner's default targets are those training resolves (PEFT's for the family, else the
+    attention's query and value projections found by name), for every family the zoo loads."""
     pytest.importorskip("peft")
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+    from pystronghold.models.hf import load_lazy
+    from pystronghold.models.lora import LoraSpec, add_lora
+    from pystronghold.planner.finetune import lora_targets
+    from pystronghold.planner.hf_shape import read_hf_shape
 
-    from pystronghold.planner.finetune import LORA_DEFAULT_TARGETS
-
-    for arch, model_type in [("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
-                             ("Qwen2ForCausalLM", "qwen2"), ("GPT2LMHeadModel", "gpt2")]:
-        assert set(LORA_DEFAULT_TARGETS[arch]) == set(mapping[model_type])
+    directory = save_tiny(tmp_path, family, tokenizer=False)
+    planned = lora_targets(read_hf_shape(str(directory)), FinetuneOptions(lora_rank=4))
+    _, trained = add_lora(load_lazy(directory), LoraSpec(rank=4, alpha=8), seed=0)
+    assert planned and set(planned) == set(trained.targets)
 
 
 def test_hf_shape_matches_the_built_model(tmp_path):

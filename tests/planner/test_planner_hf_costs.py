@@ -52,8 +52,7 @@ def test_moe_shape_counts_every_expert_and_routes_top_k():
     # width 4·(2·24 + 24), the tokens gathered for and returned from their 2 experts 2·2·C, router 2·4
     per_token = 4 * C + 2 * 32 + 2 * 16 + 4 * 72 + 2 * 2 * C + 2 * 4
     assert block_activation_bytes(shape, Workload(batch=B, seq=T, precision="bf16"), T) == B * T * per_token * 2
-    with pytest.raises(ValueError, match="no default LoRA targets of qwen2_moe; give --lora-targets"):
-        param_split(shape, FinetuneOptions(lora_rank=4))
+    assert param_split(shape, FinetuneOptions(lora_rank=4)).block_adapters == 4 * (32 + 32) + 4 * (32 + 16)  # q, v
     assert param_split(shape, FinetuneOptions(lora_rank=4, lora_targets=("q_proj",))).block_adapters == 4 * 64
     dense = _shape(_config("llama"), "llama")
     assert not dense.experts and dense.active_mlp_width == dense.mlp_width == 48

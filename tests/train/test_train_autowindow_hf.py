@@ -120,3 +120,21 @@ def test_seq_defaults_to_at_most_512_and_goes_up_to_the_models_positions(tmp_pat
     assert _train_config(tmp_path, data, seq=1024).seq == 1024
     err = cli_error(capsys, ["train", "--model", f"hf:{tmp_path}", "--data", str(data), "--seq", "1025"])
     assert "--seq 1025 is longer than the model's 1024 positions" in err
+
+
+def test_a_model_without_positions_trains_at_512_by_default_and_longer_when_asked(tmp_path):
+    """BLOOM (ALiBi) names no positions in its config.json: the default is 512, a longer --seq is
+    taken, and plan costs the same 512 without --seq."""
+    from hf_models import save_tiny
+
+    from pystronghold.models.hf import read_hf_config
+    from pystronghold.planner.command import PlanRequest
+
+    directory = save_tiny(tmp_path, "bloom", tokenizer=False)
+    assert not any(k in read_hf_config(directory).config for k in ("max_position_embeddings", "n_positions"))
+    data = tmp_path / "t.txt"
+    data.write_text("x")
+    assert _train_config(directory, data).seq == 512
+    assert _train_config(directory, data, seq=4096).seq == 4096
+    request = PlanRequest(model=f"hf:{directory}", gpu="h100-80gb", host_memory=64)
+    assert request.resolve()[1].seq == 512
