@@ -243,4 +243,4 @@ def test_help_says_the_default_lora_targets(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "q and v projections (q_proj,v_proj)" in out and "--lora-rank R" in out and "--freeze REGEX" in out
+    assert "Default: PEFT's for the family (q_proj,v_proj for Llama" in out and "--lora-rank R" in out and "--freeze REGEX" in out
