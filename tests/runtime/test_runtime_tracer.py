@@ -92,7 +92,7 @@ def test_span_records_even_when_the_body_raises():
     events = t.events()
     assert [(e.kind, e.block, e.nbytes, e.lane) for e in events] == [
         ("h2d", 3, 64, "h2d"), ("compute_fwd", 4, 0, "compute")]
-    assert all(e.end_s >= e.start_s for e in events)
+    assert events[0].end_s <= events[1].start_s  # each span timed over its own body
 
 
 def test_span_shows_in_torch_profiler():
