@@ -151,7 +151,7 @@ def check_full_disk_outcome(store, written, error, expected_errno):
         assert torch.equal(dst, data)
 
 
-def test_disk_full(engine):
+def test_full_disk_removes_the_preallocated_file_and_fails_sparse_writes(engine):
     with small_tmpfs(3 * MiB) as mount:
         if mount is None:
             pytest.skip("cannot mount a tmpfs here; test_disk_full_by_file_size_limit covers the path")
