@@ -1,6 +1,6 @@
 """No file under tests/ imports a test module (``test_*``): what two test files share lives in a
 helper module in tests/ (runtime_models, train_helpers, parallel_training, ...; docs/DESIGN.md,
-"Tests"). A test module reached from another folder works only when pytest happened to put that
+"Build, package, tests"). A test module reached from another folder works only when pytest happened to put that
 folder on the path, so a file run alone could fail; and a test edited for its own sake would change
 another. A static check over the source, so a new such import fails here at once.
 """

@@ -1,5 +1,5 @@
 """Test files are named ``tests/<area>/test_<area>_<subject>.py``: the folder is the area whose
-behaviour the file claims, whatever package the code under test lives in (docs/DESIGN.md, "Tests").
+behaviour the file claims, whatever package the code under test lives in (docs/DESIGN.md, "Build, package, tests").
 So a basename says where the file is, and basenames stay unique under pytest's default import mode.
 """
 
