@@ -1,4 +1,4 @@
-"""The engine's own per-block cost on the CPU backend (issue 13 item 5): a deep, narrow GPT (32
+"""The engine's own per-block cost on the CPU backend: a deep, narrow GPT (32
 blocks, hidden 32, seq 8 by default) where a block's compute is a few tens of microseconds, so what
 the engine adds around each block (its Python: autograd Function, enter/leave, bookkeeping, copy
 submissions) dominates.

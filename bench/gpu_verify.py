@@ -21,7 +21,7 @@ Suites:
           RSS, and whether the loss falls.
 
 With ``--dry-run`` the same stages run on the CPU with the tiny preset and every stage shortened
-(no CUDA build, no device); tests/bench/test_gpu_verify.py runs both suites that way, so a broken
+(no CUDA build, no device); tests/bench/test_bench_gpu_verify.py runs both suites that way, so a broken
 driver fails CI instead of wasting a lent GPU.
 
     make gpu-verify                       # python3 bench/gpu_verify.py verify --out build/gpu-report

@@ -1,4 +1,4 @@
-"""The planner: a cost model of the layer-window runtime (see docs/DESIGN.md, "Planner").
+"""The planner: a cost model of the layer-window runtime (see docs/DESIGN.md, "The planner").
 
 ``make_plan(config, workload, hardware)`` predicts the window W, device/host/disk bytes and the
 step time of training ``config`` on ``hardware``; ``largest_models`` finds the most layers that

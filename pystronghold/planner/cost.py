@@ -2,7 +2,7 @@
 
 The model is a ``GPTConfig`` or a Hugging Face model's ``HFShape`` (``planner/hf_shape.py``);
 what trains is ``Workload.finetune`` (``planner/finetune.py``). Everything is per tensor-parallel rank (a rank holds 1/tp of the split weights, see
-``pystronghold.parallel``). The formulas are explained in ``docs/DESIGN.md`` ("Planner"). Names:
+``pystronghold.parallel``). The formulas are explained in ``docs/DESIGN.md`` ("The planner"). Names:
 B micro-batch, T tokens per sample, C hidden, F MLP width, V padded vocabulary, a heads, t = tp,
 s = bytes per element in the compute precision (4 fp32, 2 bf16/fp16), P_b = parameters of one
 block on this rank.

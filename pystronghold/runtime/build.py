@@ -8,7 +8,7 @@ spill, fill the ``HostStore`` (fp32 masters), move the model to the device, make
 and the two pass plans. ``build_optimizers`` makes the update side once the param groups are
 known: the device AdamW of head and tail, the resident blocks, the host updates of streamed
 blocks, where their gradient norms are taken (``grad_norms.py``) and the fp16 loss scaler. ``Engine`` (``engine.py``) composes them with the pass executor
-(``executor.py``) and the step (``step.py``). See docs/DESIGN.md "Window runtime".
+(``executor.py``) and the step (``step.py``). See docs/DESIGN.md "wrap, discovery, configuration".
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """The file (NVMe) tier of the store: block states on disk, staged through a bounded host cache.
 
-Each state with blocks on disk gets its own ``FileStore`` (one record per disk block) in a scratch
-directory. A *cache* of ``cache_blocks`` slots, one host buffer per disk state each, stages them:
+One ``FileStore`` per disk state in a scratch directory; a cache of ``cache_blocks`` slots:
 
-- ``acquire(block, states)`` returns a :class:`Lease`: the slot already holding ``block`` (a hit),
-  or the least recently used free slot, whose block is evicted after its pending writes finish.
-  States not in the slot are read from their files asynchronously (``Lease.wait()`` waits for
-  them); a state never written reads as zeros without touching the disk (moments start at zero).
-- ``release(lease, dirty=...)`` writes the dirty states back asynchronously (write-behind); the
-  slot keeps them as valid cached copies until it is evicted.
-- ``prefetch(block, states)`` starts the reads for a block the optimizer will need soon, into a
-  free slot, without ever blocking (nothing is free: nothing happens).
+- ``acquire(block, states)`` -> :class:`Lease`: the slot holding ``block``, or the least recently
+  used free one (evicted after its pending writes); missing states are read asynchronously
+  (``Lease.wait()``), a never-written state reads as zeros without I/O.
+- ``release(lease, dirty=...)`` writes dirty states back asynchronously (write-behind).
+- ``prefetch(block, states)`` starts reads into a free slot, never blocking.
 
-Copies the file engine cannot wait on (a CUDA copy's event) never block the host when a lease is
-released: they join the slot's readers (waited for only when the slot is reused), and a dirty
-state's write-back is *deferred* until they are done; the tier submits deferred writes when it
-next finds them ready (any acquire, release or prefetch), or waits for them where the CPU backend
-waits for its copies anyway (reusing the slot, a lease that modifies the state, ``synchronize``).
-
-Ordering, exactly: one slot per block at most, so a record is only read when no copy of it is
-cached, and a slot is evicted only after every write (and every copy reading it, ``after=``) has
-finished; a record is therefore never read while it is being written. A lease that will modify a
-state waits for that slot's pending writes of it first. Every I/O failure is raised as
-:class:`DiskTierError` naming the directory, state and block, at the latest at ``synchronize()``.
+A record is never read while it is being written (one slot per block; a slot is reused only after
+its writes and readers finish). Failures raise :class:`DiskTierError` naming directory, state and
+block, at the latest at ``synchronize()``.
 """
 
 from __future__ import annotations

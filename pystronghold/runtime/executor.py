@@ -7,7 +7,7 @@ buffer, one copy-out, a host job; then the plan's releases and prefetch loads). 
 is issued only after block i's last host update has finished, and into a slot only after that
 slot's previous copy-out (and compute) finished. Between passes the optimizer step
 (``step.py``) runs once ``finish_accumulation`` has every gradient copy-out done. See
-docs/DESIGN.md "Window runtime".
+docs/DESIGN.md "The window and the copy engine".
 
 Two variations of the plan: a relay pass (``relay.py``, ``engine.accumulate`` with
 ``schedule="relay"``) runs each use m times in a row, one per micro-batch, the gradient summed in

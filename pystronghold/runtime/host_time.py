@@ -1,4 +1,4 @@
-"""Host-timed trace spans of what the block spans leave out (issue 13 item 5: "account for the rest").
+"""Host-timed trace spans of what the block spans leave out.
 
 The trace's compute, copy, update and wait spans cover the blocks. The rest of a training step is
 named here, timed on the host clock (``time.monotonic()``), in three kinds:

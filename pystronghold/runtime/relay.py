@@ -1,38 +1,12 @@
-"""The relay schedule (L2L, Pudipeddi et al. 2020, arXiv 2002.05645): a step's m micro-batches
-run *layer-major*, so each streamed block crosses the link once per pass however large m is.
+"""The relay schedule (L2L, Pudipeddi et al. 2020): a step's m micro-batches run *layer-major*, so
+each streamed block crosses the link once per pass however large m is.
 
-Forward: block 0 runs over every micro-batch while it is loaded, then block 1, ... The model's
-forward is the user's code, so it cannot be re-ordered from outside; instead each micro-batch's
-forward runs in a thread of its own (the first on the calling thread), and a *baton* lets exactly
-one of them run at a time: a thread hands the baton on (round-robin) each time it reaches a
-streamed block, and gets it back once every other micro-batch has reached that block too. Everything between blocks (head, tail,
-resident blocks, the user's own code) therefore runs for one micro-batch at a time, in a fixed
-order, and the engine sees the block uses ``fwd 0 x m, fwd 1 x m, ...`` that its relay plan
-(``schedule.build_plan(..., micro_batches=m)``) expects.
-
-Backward is driven explicitly, block by block. NOTE: autograd alone would not run it layer-major:
-it orders ready nodes by sequence number, which is *thread-local*, so nodes made by the m threads
-tie or compare by how much each thread did before: checked by hand with torch 2.13, the backward
-of ``sum(losses)`` of m fresh threads ran micro-batch after micro-batch, and with the first
-micro-batch on the calling thread it ran layer-major: an order that depends on thread history is
-not one to rely on. So the graph is cut at every streamed block's outputs: the model
-continues from detached leaves, and the backward runs in stages, the tail (``loss_j / m``, for
-each j) first, then, from the last block to the first, for each micro-batch the block's real
-outputs with the gradients its leaves collected. Each stage stops at the leaves of the block
-before, so block k's m backward uses are consecutive. A block's gradient adds up in its device
-slot over the m uses and leaves the device once (``Engine._grad_to_host``).
-
-Exactness: every micro-batch sees the same arithmetic as micro-batch-major accumulation (the same
-forward, the same gradients into each block, the block gradients summed in the same order, head
-and tail ``.grad`` accumulated in the same order), so fp32 results equal the default schedule's;
-a block output used by several later stages collects its gradient in stage order, which may round
-differently (tests allow 1e-6 relative). Dropout masks differ: the micro-batches draw from torch's
-generator in another order.
-
-Limits: the user's forward is run in other threads, with the caller's grad mode, autocast (a
-``torch.autocast`` around ``engine.accumulate``: its state is thread-local) and CUDA device and
-current stream; other thread-local state (a user's own ``threading.local``, torch function modes)
-is not carried. A block output modified in place by the model is refused by autograd (the leaf).
+Forward: each micro-batch's forward runs in a thread of its own (the first on the caller's) and a
+*baton*, handed on round-robin at each streamed block, lets one run at a time, so the engine sees
+``fwd 0 x m, fwd 1 x m, ...``. Backward runs in explicit stages, last block first, over a graph cut
+at every streamed block's outputs. NOTE: autograd alone would not run it layer-major: it orders
+ready nodes by a thread-local sequence number. The threads carry the caller's grad mode, autocast
+and CUDA device and stream, no other thread-local state. docs/DESIGN.md, "Relay schedule".
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
-"""Tensors that leave a block by a side channel, carried out of its autograd Function.
+"""Tensors that leave a block by a side channel (a forward hook on a submodule: MoE router logits,
+attention weights), carried out of its autograd Function so a loss built on them trains the block.
 
-A block may hand tensors to the outside other than by returning them: Hugging Face records MoE
-router logits and attention weights with forward hooks on submodules (``OutputRecorder``), and a
-user's hook may collect activations. The window runs a block's forward without a graph (the
-recompute builds one in backward), so such a tensor would leave detached: a loss built on it (the
-router load-balancing loss) would silently not train the block; with ``checkpointing=False`` it
-would carry the block's private graph out.
-
-- ``Watch``: while a block runs in a training forward, a global module forward hook notes, weakly,
-  every tensor its submodules return, by position (the k-th submodule call, the j-th tensor of its
-  output). When the block has returned, the floating-point ones still alive that are not its
-  outputs, its inputs, or its own state (parameters, buffers, tensor attributes of its modules) are
-  *side outputs*: someone outside holds them.
-- The block's Function returns a detached alias of each as an extra output, and ``attach`` gives
-  the escaped tensor object itself the gradient edge to that output, so whoever holds it (the
-  collector's list) now holds a tensor that back-propagates into the block.
-- ``Replay``: the recompute picks the tensors at the same positions, and the block's backward
-  back-propagates their gradients with its outputs'.
-
-Cost: nothing outside training forwards, nor in a recompute without side outputs; in a training
-forward, every submodule call takes ``nn.Module``'s hook path and costs a weak reference per tensor
-it returns (~70 us per Llama block on the dev CPU), and a block with side outputs a look at its own
-tensors.
-
-A tensor made inside the block that is no submodule's output (a hook storing ``out.mean()``, a
-block keeping ``self.aux = ...``) cannot be found again by the recompute: strict mode watches every
-torch function the block calls and raises, naming the block and the tensor, when such a tensor
-would require grad and a Python object still holds it after the block.
+``Watch`` notes, by position, the tensors submodules return during a training forward; those still
+held outside after the block are its side outputs, returned as extra Function outputs and given
+their gradient edge in place (``attach``). ``Replay`` picks the same positions in the recompute.
+Cost: ~70 us per Llama block forward on the dev CPU (every submodule call takes the hook path).
+A tensor that is no submodule's output cannot be found again; strict mode names it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ data-parallel averaging of the device gradients, then either the streamed path (
 here) or the whole-model path (global norm when clipping or fp16 needs it, the overflow skip, the
 clip coefficient, one host update per streamed block and the device updates). It owns the step
 counters and the loss scaler, and stops a diverged run (``divergence.py``). See docs/DESIGN.md
-"Window runtime".
+"The step".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The store: every block's parameters and optimizer state as flat per-block buffers.
 
-Per state there is one host arena (one allocation, pinned on CUDA hosts) carved into one flat
-buffer per block held in host memory; with an NVMe directory, states that do not fit the host
-budget live in the file tier instead (``placement.py`` decides, ``disk_tier.py`` stages them
-through a bounded host cache). The states are:
+Per state, host arenas (pinned on CUDA hosts) carved into one flat buffer per block; states over the
+host budget live in the file tier (``placement.py`` decides, ``disk_tier.py`` stages them):
 
 =============  ==============  ====================================================================
 tier           dtype           what it holds
@@ -15,14 +13,9 @@ grad           compute dtype   the block's gradient as it left the device
 shadow         compute dtype   bf16/fp16 copy of master that the next forward uploads (not in fp32)
 =============  ==============  ====================================================================
 
-Inside a block's buffer, parameter k occupies ``[offset_k, offset_k + numel_k)``; offsets are
-aligned to ``layout.ALIGN_ELEMS`` elements. The gaps between parameters are zero in every tier, so the
-fused Adam can run over the whole flat buffer without touching real values.
-
-Frozen parameters (``requires_grad=False``) come after the trainable ones and live only in the
-upload state (the shadow, or the master in fp32), which covers the whole block: a frozen parameter
-costs its compute-dtype bytes and has no master, moments or gradient. Every other state covers the
-trainable part ``[0, train_numel)`` (``layout.state_numel``); a wholly frozen block has none.
+Parameter offsets are aligned to ``layout.ALIGN_ELEMS`` elements and the gaps are zero in every
+state, so the fused Adam runs over whole buffers. Frozen parameters come last and live only in the
+upload state (shadow, or master in fp32); every other state covers ``[0, layout.state_numel)``.
 """
 
 from __future__ import annotations

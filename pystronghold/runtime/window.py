@@ -54,7 +54,7 @@ class Window:
         self.resident: dict[int, Slot] = {}  # block -> slot, from load issue to release
         # (slot, block) -> (param views, grad views): made once, reused at every bind and copy-out
         # (a slot's buffers never move; making ~10 views per block per pass was the engine's largest
-        # per-block Python cost, issue 13 item 5)
+        # per-block Python cost)
         self._views: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.peak_resident = 0
         for block_params in params:

@@ -7,7 +7,7 @@ annotates joins the stage of the next module in registration order that has one 
 before the first stage join it), or the last stage when none follows (the final norm and the LM
 head join the last stage): data flows through the stages in module order.
 
-Ranks: stage outermost, then replica, TP rank innermost (the pipeline runtime's order, issue 16:
+Ranks: stage outermost, then replica, TP rank innermost (the pipeline runtime's order:
 with one TP degree t, rank r is TP rank r % t of replica (r // t) % dp in stage r // (t * dp)).
 Stage s owns dp * tp_s consecutive ranks, after those of stages 0..s-1; replica d of it the tp_s
 ranks at offset d * tp_s. The DP group of (stage s, TP rank t) is that rank in every replica.

@@ -103,7 +103,7 @@ def test_interleave_min_time_adds_rounds_and_sync_runs_inside_the_time():
     assert t["a"].median_s == 1.5 and len(synced) == 2 * 16
 
 
-def test_load_marking():
+def test_load_above_the_core_count_is_marked_loaded():
     readings = iter([0.5, 2.5])
     load = common.LoadWatch(reader=lambda: next(readings), cores=2).stop()
     assert load.loaded and load.label() == "0.5-2.5 LOADED"

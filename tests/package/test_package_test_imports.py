@@ -1,6 +1,6 @@
 """No file under tests/ imports a test module (``test_*``): what two test files share lives in a
 helper module in tests/ (runtime_models, train_helpers, parallel_training, ...; docs/DESIGN.md,
-"Tests"). A test module reached from another folder works only when pytest happened to put that
+"Build, package, tests"). A test module reached from another folder works only when pytest happened to put that
 folder on the path, so a file run alone could fail; and a test edited for its own sake would change
 another. A static check over the source, so a new such import fails here at once.
 """
@@ -45,7 +45,7 @@ def test_no_file_under_tests_imports_a_test_module():
 
 @pytest.mark.parametrize("source", [
     "from test_train_checkpoint import _run\n",
-    "def f():\n    from test_file_store import small_tmpfs\n",
+    "def f():\n    from test_io_file_store import small_tmpfs\n",
     "import test_parallel_runtime as t\n",
     "from tests.runtime.test_runtime_precision import train_mixed_reference\n",
     "from . import test_runtime_state_dict\n",
@@ -58,7 +58,7 @@ def test_the_check_sees_an_import_of_a_test_module(source):
     "from runtime_models import tiny_gpt, train_engine\n",
     "import train_helpers\nfrom _dist import run_ranks\n",
     "from pystronghold.runtime import testing_utils\n",
-    "code = 'import test_file_store'\n",  # a subprocess's own code, not an import of this module
+    "code = 'import test_io_file_store'\n",  # a subprocess's own code, not an import of this module
 ])
 def test_the_check_allows_helper_and_package_imports(source):
     assert imports_of_test_modules(source) == []

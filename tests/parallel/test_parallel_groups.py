@@ -12,7 +12,7 @@ from pystronghold.parallel import init_parallel, validate_parallel_sizes
 @pytest.mark.parametrize("world, tp, dp, heads, expected_dp", [
     (1, 1, None, None, 1), (4, 2, None, 8, 2), (4, 4, 1, 4, 1), (6, 3, 2, None, 2), (8, 1, None, 3, 8),
 ])
-def test_valid_sizes(world, tp, dp, heads, expected_dp):
+def test_valid_sizes_give_the_dp_size(world, tp, dp, heads, expected_dp):
     assert validate_parallel_sizes(world, tp, dp, heads) == expected_dp
 
 
@@ -23,12 +23,12 @@ def test_valid_sizes(world, tp, dp, heads, expected_dp):
     (4, 2, 4, None, "world size is 4"),
     (4, 2, None, 3, "must divide the number of attention heads 3"),
 ])
-def test_invalid_sizes(world, tp, dp, heads, match):
+def test_invalid_sizes_are_refused_naming_the_rule(world, tp, dp, heads, match):
     with pytest.raises(ValueError, match=match):
         validate_parallel_sizes(world, tp, dp, heads)
 
 
-def test_single_process(monkeypatch):
+def test_single_process_has_no_groups_and_refuses_tp(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     groups = init_parallel()
     assert (groups.world_size, groups.tp_size, groups.dp_size, groups.tp_group) == (1, 1, 1, None)

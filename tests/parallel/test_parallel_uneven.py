@@ -75,7 +75,7 @@ def test_uneven_dp_split_equals_one_process_on_the_global_batch():
     run_ranks(_uneven, 3, timeout_s=180)
 
 
-def test_bad_splits():
+def test_bad_splits_are_refused_and_a_rank_takes_its_rows():
     import pytest
 
     with pytest.raises(ValueError, match="dp_rank=3 is not in 0..2"):

@@ -66,7 +66,7 @@ def test_loss_weight_and_slices():
     (lambda: balance_stages([1.0], [1.0, 1.0], [1.0, 1.0]), "2 stages need at least 2 blocks"),
     (lambda: balance_stages([1.0] * 4, [1.0], [1.0], [2.0] * 4), "fits the devices' memory"),
 ], ids=["batch<devices", "caps", "negative-speed", "caps-length", "zero-batch", "weight", "blocks", "memory"])
-def test_bad_input(call, message):
+def test_impossible_balances_are_refused_naming_the_cause(call, message):
     with pytest.raises(ValueError, match=message):
         call()
 

@@ -29,7 +29,7 @@ def test_presets_and_custom_devices_resolve_to_datasheet_figures(tmp_path):
     assert cluster.link_bytes_per_s([1, 2]) == 25 * GB  # across nodes
 
 
-def test_yaml_file(tmp_path):
+def test_yaml_cluster_file_loads_like_json(tmp_path):
     import yaml  # the [yaml] extra, in the dev venv (Makefile)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(SPEC))

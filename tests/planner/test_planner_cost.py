@@ -98,7 +98,7 @@ def test_block_costs_bytes_and_times():
     assert fp32.head_tail_bytes == head_tail_params_per_rank(cfg) * 16
 
 
-def test_analytic_window():
+def test_analytic_window_is_the_closed_form_and_grows_on_a_slow_link():
     cfg = PRESETS["gpt3-1.3b"]
     slow_link = Hardware(gpu=dataclasses.replace(gpu_preset("h100-80gb"), h2d_bytes_per_s=1e9),
                          host_memory_bytes=512 * GiB)

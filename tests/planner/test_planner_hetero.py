@@ -91,7 +91,7 @@ def test_plan_follows_the_scopes_of_the_model():
     assert bare.winner.dp == 4 and bare.global_batch == 4
 
 
-def test_bad_input():
+def test_layouts_that_do_not_divide_are_refused_and_unfit_plans_say_so():
     cluster = _cluster(2, 2, one_node=True)
     with pytest.raises(ValueError, match="tp=3 x pp=1 does not divide the cluster's 4 devices"):
         evaluate(BERT_LARGE, cluster, tp=3, global_batch=8)

@@ -59,7 +59,7 @@ def test_relay_moves_m_times_fewer_bytes_and_stages_inputs_that_do_not_fit():
     assert schedule_estimates(small, 1)["relay"].activations == "device"
 
 
-def test_choose_schedule():
+def test_relay_is_chosen_when_loads_outlast_compute_never_at_one_micro_batch():
     cfg = PRESETS["gpt3-1.3b"]
     plan = make_plan(cfg, Workload(batch=1, precision="bf16"), hw(host_gib=512), resident_blocks=0)
     assert choose_schedule(plan, 1)[0] == "default"

@@ -1,7 +1,7 @@
 """The planner's split of the blocks: K device-resident (device AdamW, no transfers, no host update,
 activations kept unless memory demands recompute), N - K streamed through W slots. Step times
 worked out by hand, the choice against brute force, memory against its parts, the CLI, and the
-H100 targets of issue 13 (predicted step within 1.1x of compute)."""
+H100 targets (predicted step within 1.1x of compute)."""
 
 import dataclasses
 import json
@@ -136,7 +136,7 @@ H100 = Hardware(gpu=gpu_preset("h100-80gb"), host_memory_bytes=125 * GiB, cpu_ad
 
 @pytest.mark.parametrize("preset", ["gpt3-1.3b", "gpt3-6.7b"])
 def test_h100_predicted_step_is_within_1_1x_of_compute(preset):
-    """Issue 13's CPU target: with K chosen well the host work hides (batch 4 x 2048, bf16)."""
+    """The CPU target: with K chosen well the host work hides (batch 4 x 2048, bf16)."""
     plan = make_plan(PRESETS[preset], Workload(batch=4, seq=2048, precision="bf16"), H100)
     assert plan.fits and plan.step is not None
     assert plan.step.total_s <= 1.1 * plan.step.compute_s, plan.step

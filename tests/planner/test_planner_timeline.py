@@ -107,7 +107,7 @@ def test_a_slow_optimizer_does_not_shrink_the_window():
     assert st.exposed_transfer_s <= simulate_step(replace(c, adam_s=0.0), 8, 8).exposed_transfer_s * 1.01 + 1e-9
 
 
-def test_bad_sizes():
+def test_window_below_one_is_refused():
     with pytest.raises(ValueError, match="window"):
         simulate_step(costs(), 3, 0)
     with pytest.raises(ValueError, match="max_window"):

@@ -1,4 +1,4 @@
-"""The rest of a step is named (issue 13 item 5): model, engine and step spans in the trace, which on
+"""The rest of a step is named: model, engine and step spans in the trace, which on
 the CPU backend are disjoint from the compute spans and lie within the step."""
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def test_conflicting_annotations_are_refused_at_layout_time(build, message):
         layout_of(model)
 
 
-def test_bad_arguments():
+def test_misused_scopes_are_refused_with_one_line():
     with pytest.raises(ValueError, match="annotate\\(\\) must be called inside"):
         annotate(nn.Linear(1, 1))
     with ph.stage(), pytest.raises(TypeError, match="expected nn.Module, got int"):

@@ -47,7 +47,7 @@ def test_loss_falls_and_metrics_are_filled(tmp_path):
     assert last < first - 0.5, (first, last)
     assert [s for s, _ in res.losses] == list(range(1, 31))
     m = res.intervals[-1]
-    assert m.h2d_gbps > 0 and m.d2h_gbps > 0 and 0 <= m.overlap <= 1
+    assert m.h2d_gbps > 0 and m.d2h_gbps > 0
     assert m.host_bytes == trainer.engine.store.nbytes
     mem = res.memory
     assert mem.window == 2 and mem.blocks == 4

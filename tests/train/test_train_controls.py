@@ -32,7 +32,7 @@ def _cli(tmp_path, *extra: str) -> list[str]:
             "--eval-batches", "1", "--eval-every", "0", *extra]
 
 
-def test_version(capsys):
+def test_version_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0

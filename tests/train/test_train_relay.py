@@ -38,7 +38,7 @@ def test_relay_run_equals_default_and_its_checkpoints_resume_with_either(tmp_pat
     assert resumed.losses == straight.losses[2:]
 
 
-def test_schedule_flag(capsys):
+def test_unknown_schedule_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "--schedule", "layer-major"])
     assert exc.value.code == 2

@@ -1,4 +1,4 @@
-"""The training summary names the rest of a step (issue 13 item 5): compute, model, engine, step
+"""The training summary names the rest of a step: compute, model, engine, step
 and what none of them covers, which on the CPU backend is non-negative (the parts are disjoint)."""
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def test_block_init_does_not_depend_on_other_blocks():
                                many.blocks[1].mlp.fc2.weight * math.sqrt(10))
 
 
-def test_init_statistics():
+def test_init_std_is_gpt2s_with_scaled_residual_projections():
     cfg = tiny(hidden=64, layers=8)
     model = GPT(cfg)
     assert abs(model.blocks[0].mlp.fc1.weight.std().item() - cfg.init_std) < 0.002
@@ -150,7 +150,7 @@ def test_config_is_keyword_only_with_slots():
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_presets_validate(name):
+def test_presets_round_trip_and_count_blocks_consistently(name):
     cfg = PRESETS[name]
     again = GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     assert again == cfg

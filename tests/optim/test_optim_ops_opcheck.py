@@ -51,7 +51,7 @@ SAMPLES = {
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_opcheck(name):
+def test_op_passes_torch_opcheck(name):
     op = getattr(native_ops(), name)
     for args in SAMPLES[name]:
         opcheck(op, args)

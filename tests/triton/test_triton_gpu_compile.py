@@ -2,7 +2,7 @@
 
 The interpreter does not enforce what a GPU needs (dot shapes >= 16, legal layouts, types, shared
 memory); Triton's compiler does, and it runs without a device. Opt-in, since it costs about a minute
-of CPU: `PYSTRONGHOLD_GPU_COMPILE_CHECK=1 pytest tests/triton/test_kernels_gpu_compile.py`. The compile runs
+of CPU: `PYSTRONGHOLD_GPU_COMPILE_CHECK=1 pytest tests/triton/test_triton_gpu_compile.py`. The compile runs
 in a child process, because this pytest process decorates the kernels for the interpreter.
 """
 

@@ -82,7 +82,7 @@ def test_device_path_logic_on_cpu():
     ([torch.ones(3), torch.ones(3, device="meta")], 1.0, "must be on one device"),
     ([torch.ones(3)], float("inf"), "grad_scale must be finite"),
 ])
-def test_bad_inputs(grads, scale, pattern):
+def test_bad_gradients_are_refused_naming_the_problem(grads, scale, pattern):
     with pytest.raises(ValueError, match=pattern):
         param_grad_norms(grads, scale)
 

@@ -59,7 +59,7 @@ def test_over_asking_the_arena_names_the_numbers():
     assert last.numel() == 1476 and arena.used_bytes == 10_000
 
 
-def test_bad_arguments():
+def test_bad_arguments_and_duplicate_names_are_refused():
     with pytest.raises(RuntimeError, match="alignment must be a power of two"):
         HostArena(4096, alignment=3000)
     with pytest.raises(RuntimeError, match="pin must be 'auto', 'cuda' or 'none'"):

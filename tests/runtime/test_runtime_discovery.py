@@ -40,7 +40,7 @@ def nest(path: str, leaf: nn.Module) -> nn.Module:
     "transformer.h", "model.layers", "gpt_neox.layers", "encoder.layer", "transformer.blocks",
     "model.decoder.layers",
 ])
-def test_known_layouts(path):
+def test_known_layouts_are_found_by_name(path):
     blocks = stack()
     name, found = find_blocks(nest(path, blocks))
     assert name == path and found is blocks

@@ -209,7 +209,6 @@ def test_cuda_copy_spans_fit_in_the_step_and_bandwidth_is_plausible():
     assert all(t0 - 1e-3 <= e.start_s and e.end_s <= t0 + wall + 1e-3 for e in events)
     s = engine.trace.summary()
     assert 0.0 < s.gbps["h2d"] < 100.0 and 0.0 < s.gbps["d2h"] < 100.0
-    assert 0.0 <= s.overlap_fraction <= 1.0
     engine.close()
 
 

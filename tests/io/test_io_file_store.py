@@ -151,7 +151,7 @@ def check_full_disk_outcome(store, written, error, expected_errno):
         assert torch.equal(dst, data)
 
 
-def test_disk_full(engine):
+def test_full_disk_removes_the_preallocated_file_and_fails_sparse_writes(engine):
     with small_tmpfs(3 * MiB) as mount:
         if mount is None:
             pytest.skip("cannot mount a tmpfs here; test_disk_full_by_file_size_limit covers the path")
@@ -180,7 +180,7 @@ def test_disk_full_by_file_size_limit(tmp_path):
     """The same failure through RLIMIT_FSIZE (works without root): EFBIG instead of ENOSPC."""
     here = Path(__file__).parent  # this module, and tests/ for the helpers it imports
     code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
-            f"import test_file_store as t; t._run_fsize_limited({str(tmp_path)!r})")
+            f"import test_io_file_store as t; t._run_fsize_limited({str(tmp_path)!r})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -1,5 +1,5 @@
 """Bad Hugging Face directories, data and exports: one-line errors naming the file, tensor or
-architecture, raised before anything is trained (issue 14 part 3)."""
+architecture, raised before anything is trained."""
 
 from __future__ import annotations
 

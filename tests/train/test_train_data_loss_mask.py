@@ -84,5 +84,5 @@ def test_steps_match_plain_pytorch_token_mean_over_micro_batches(tmp_path):
         expected.append(loss.item())
     assert all(torch.isfinite(torch.tensor(got)))
     # NOTE: rtol 1e-5: the engine's fused Adam and its per-block reductions round differently from
-    # torch's (test_hf_finetune holds them to 1e-6 per step; four steps here)
+    # torch's (test_models_hf_finetune holds them to 1e-6 per step; four steps here)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)

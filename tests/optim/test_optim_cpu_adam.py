@@ -46,7 +46,7 @@ def assert_same_params(a, b):
 def test_default_mode_close_to_torch(adamw):
     # NOTE: the default IEEE sqrt differs from torch's MKL sqrt by 1 ulp on ~16% of inputs; through
     # the model the params' few-ulp differences change the grads too, so this compares at rtol 1e-6
-    # with atol 1e-5 * lr (see tests/optim/test_adam.py) and the losses at rtol 1e-6.
+    # with atol 1e-5 * lr (see tests/optim/test_optim_adam.py) and the losses at rtol 1e-6.
     ref, ours = make_model(), make_model()
     torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     opt_ref = torch_cls(groups(ref), lr=2e-3, weight_decay=0.05, foreach=False)

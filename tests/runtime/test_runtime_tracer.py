@@ -67,7 +67,7 @@ def test_lane_override_and_unknown_kind():
     assert s.bytes == {"h2d": 8}  # kinds, not lanes, decide bandwidth
 
 
-def test_chrome_json(tmp_path):
+def test_chrome_json_has_one_row_per_lane_in_microseconds(tmp_path):
     t = synthetic()
     path = t.write_chrome_json(tmp_path / "trace.json")
     doc = json.loads(path.read_text())
@@ -92,7 +92,7 @@ def test_span_records_even_when_the_body_raises():
     events = t.events()
     assert [(e.kind, e.block, e.nbytes, e.lane) for e in events] == [
         ("h2d", 3, 64, "h2d"), ("compute_fwd", 4, 0, "compute")]
-    assert all(e.end_s >= e.start_s for e in events)
+    assert events[0].end_s <= events[1].start_s  # each span timed over its own body
 
 
 def test_span_shows_in_torch_profiler():
@@ -116,7 +116,7 @@ def test_disabled_tracer_records_nothing():
     (("h2d", 0, 2.0, 1.0), "before"),
     (("h2d", 0, 0.0, 1.0, -5), "nbytes"),
 ])
-def test_bad_records(args, match):
+def test_records_with_bad_times_or_bytes_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
         Tracer().record(*args)
 
@@ -150,7 +150,7 @@ def test_norm_pass_counts_as_host_work():
     assert s.overlap_fraction == pytest.approx(0.5)
 
 
-def test_png_timeline(tmp_path):
+def test_write_png_writes_a_png_image(tmp_path):
     pytest.importorskip("matplotlib")
     path = synthetic().write_png(tmp_path / "trace.png")
     data = path.read_bytes()

@@ -1,4 +1,4 @@
-"""Fine-tuning a Hugging Face model from a local directory and exporting it back (issue 14 part 3).
+"""Fine-tuning a Hugging Face model from a local directory and exporting it back.
 
 Every model is a tiny random config written to the test's tmp directory (``hf_models``); nothing is
 downloaded. Logits are compared in fp32 with ``rtol=0, atol=0``: the engine runs the same modules on
