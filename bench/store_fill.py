@@ -34,7 +34,7 @@ def fingerprint(engine) -> list[tuple[float, float]]:
     """(sum, sum of every 4099th element) of each block's fp32 master, in float64."""
     out = []
     for b in range(engine.n_blocks):
-        m = engine.store.read_state(b, "master")
+        m = torch.cat([v.reshape(-1) for v in engine.states.read_block(b, ("master",))["master"].values()])
         out.append((float(m.sum(dtype=torch.float64)), float(m[::4099].sum(dtype=torch.float64))))
     return out
 

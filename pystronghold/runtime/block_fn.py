@@ -27,6 +27,7 @@ outputs of the Function, recomputed in backward (``side_outputs.py``).
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -35,7 +36,16 @@ from pystronghold.runtime import autocast_state
 from pystronghold.runtime.purity import argument_name, fingerprint, is_mutable_cache, output_checksums
 from pystronghold.runtime.side_outputs import Replay, Watch, attach
 
-__all__ = ["install", "BlockFunction"]
+__all__ = ["install", "BlockFunction", "BlockRunner"]
+
+
+class BlockRunner(NamedTuple):
+    """What ``BlockFunction`` runs a block with: the engine (its per-block calls, config, device),
+    its pass executor (``executor.PassExecutor``) and its window (``window.Window``)."""
+
+    engine: object
+    executor: object
+    window: object
 
 
 def _rng_state(device: torch.device):
@@ -54,9 +64,9 @@ def _run_with_rng(state, device, fn):
         return fn()
 
 
-def _slot_pack_hooks(engine, block: int):
+def _slot_pack_hooks(window, block: int):
     """saved_tensors_hooks that store slot views by position, so they survive eviction and reload."""
-    base = engine.window.resident[block].params
+    base = window.resident[block].params
     lo, itemsize = base.data_ptr(), base.element_size()
     hi = lo + base.numel() * itemsize
     device, dtype, storage = base.device, base.dtype, base.untyped_storage().data_ptr()
@@ -76,7 +86,7 @@ def _slot_pack_hooks(engine, block: int):
         if packed[0] == "keep":
             return packed[1]
         _, rel, shape, stride = packed
-        now = engine.window.resident[block].params  # the slot the block was reloaded into
+        now = window.resident[block].params  # the slot the block was reloaded into
         return now.as_strided(shape, stride, now.storage_offset() + rel)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -122,11 +132,12 @@ def _check_same_output(block: int, checksums: list, outs) -> None:
 
 
 class BlockFunction(torch.autograd.Function):
-    """forward(engine, block, train, spec, box, anchor, *flat_args) -> tensor outputs of the block,
+    """forward(runner, block, train, spec, box, anchor, *flat_args) -> tensor outputs of the block,
     then an alias of each of its side outputs (``box["sides"]``)."""
 
     @staticmethod
-    def forward(ctx, engine, block, train, spec, box, anchor, *flat):
+    def forward(ctx, runner: BlockRunner, block, train, spec, box, anchor, *flat):
+        engine = runner.engine
         fn = engine.block_forwards[block]
         keep = train and not engine.config.checkpointing
         recompute = train and not keep
@@ -138,7 +149,7 @@ class BlockFunction(torch.autograd.Function):
                 inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
                           for x in flat]
                 args, kwargs = pytree.tree_unflatten(inputs, spec)
-                with torch.enable_grad(), _slot_pack_hooks(engine, block), watch:
+                with torch.enable_grad(), _slot_pack_hooks(runner.window, block), watch:
                     out = fn(*args, **kwargs)
             else:
                 rng = _rng_state(engine.device) if train else None
@@ -156,7 +167,7 @@ class BlockFunction(torch.autograd.Function):
         sides = watch.escaped(inputs if keep else flat, tensors) if train else []
         box["sides"] = sides
         if train:
-            ctx.engine, ctx.block, ctx.spec, ctx.keep = engine, block, spec, keep
+            ctx.runner, ctx.block, ctx.spec, ctx.keep = runner, block, spec, keep
             ctx.is_input_tensor = [isinstance(x, torch.Tensor) for x in flat]
             if keep:
                 with torch.enable_grad():  # the graph's own handle on each (attach rebinds the object)
@@ -170,15 +181,16 @@ class BlockFunction(torch.autograd.Function):
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
                 saved = [x for x in flat if isinstance(x, torch.Tensor)]
                 ctx.save_for_backward(*saved)
-                if engine.executor.relay is not None:  # the relay: the m inputs of a block may go to the host
-                    engine.executor.relay.keep_or_stage(saved)
+                if runner.executor.relay is not None:  # the relay: the m inputs of a block may go to the host
+                    runner.executor.relay.keep_or_stage(saved)
         if keep:
             tensors = [t.detach() for t in tensors]
         return tuple(tensors) + tuple(s.tensor.detach() for s in sides)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        engine, block = ctx.engine, ctx.block
+        runner, block = ctx.runner, ctx.block
+        engine = runner.engine
         engine.enter(block, "bwd", True)
         if ctx.keep:
             outs, inputs = ctx.graph
@@ -201,7 +213,7 @@ class BlockFunction(torch.autograd.Function):
                 outs += ctx.replay.tensors(block)
             if ctx.checksums is not None:
                 _check_same_output(block, ctx.checksums, outs)
-        params = engine.window.trainable(block)  # frozen parameters get no gradient
+        params = runner.window.trainable(block)  # frozen parameters get no gradient
         wrt_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
         with engine.span("compute_bwd", block):
@@ -236,25 +248,26 @@ def _check_droppable(block: int, args: tuple, leaves: list) -> None:
                          "(the identity replaces it when it is skipped); use layer_drop=0 for this model")
 
 
-def install(engine, blocks: torch.nn.ModuleList) -> list:
-    """Replace each block's ``forward`` with one that runs through BlockFunction.
+def install(runner: BlockRunner, blocks: torch.nn.ModuleList) -> list:
+    """Replace each block's ``forward`` with one that runs through BlockFunction with ``runner``.
 
     Returns the blocks' original forward callables, in block order.
     """
+    engine, executor = runner.engine, runner.executor
     originals = []
     for index, module in enumerate(blocks):
         original = module.forward
         originals.append(original)
 
         def windowed_forward(*args, _index=index, **kwargs):
-            if engine.executor.layer_dropped(_index, torch.is_grad_enabled()):
+            if executor.layer_dropped(_index, torch.is_grad_enabled()):
                 return _skipped(_index, args)  # layer drop: not loaded, not updated this step
             flat, spec = pytree.tree_flatten((args, kwargs))
             box: dict = {"module": blocks[_index]}
-            relay = engine.executor.relay if torch.is_grad_enabled() else None  # runtime/relay.py
+            relay = executor.relay if torch.is_grad_enabled() else None  # runtime/relay.py
             if relay is not None:
                 relay.arrive()  # every micro-batch reaches this block before it runs for this one
-            outs = BlockFunction.apply(engine, _index, torch.is_grad_enabled(), spec, box,
+            outs = BlockFunction.apply(runner, _index, torch.is_grad_enabled(), spec, box,
                                        engine.anchor, *flat)
             if relay is not None:
                 outs = relay.cut(_index, outs)  # the backward of this block is driven by the relay
@@ -262,7 +275,7 @@ def install(engine, blocks: torch.nn.ModuleList) -> list:
             attach(sides, outs[len(outs) - len(sides):])
             outs = iter(outs)
             leaves = [next(outs) if t else x for x, t in zip(box["leaves"], box["is_tensor"])]
-            if engine.executor.layer_drop.enabled:
+            if executor.layer_drop.enabled:
                 _check_droppable(_index, args, leaves)
             return pytree.tree_unflatten(leaves, box["spec"])
 

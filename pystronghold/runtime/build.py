@@ -25,12 +25,11 @@ from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scrat
 from pystronghold.runtime.grad_norms import BlockGradNorms
 from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
 from pystronghold.runtime.placement import Placement, plan_placement
-from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
-from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
-                                          slot_bytes, split_parameters, window_slots)
+from pystronghold.runtime.precision import DynamicLossScaler
+from pystronghold.runtime.prepare import fill_store, move_to_device, split_model
 from pystronghold.runtime.resident import ResidentBlocks
 from pystronghold.runtime.schedule import build_plan
-from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
+from pystronghold.runtime.store import HostStore, default_host_budget_bytes
 from pystronghold.runtime.updates import HostUpdates
 from pystronghold.runtime.window import Window
 from pystronghold.trace import Tracer
@@ -127,28 +126,21 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
     if k > total:
         raise ValueError(f"wrap: resident_blocks={k} is more than the {total} blocks")
     n = total - k  # streamed blocks: global index k + local index
-    window = window_slots(config.window, n, k)
-    dtype = compute_dtype(config.precision)
-    saved_dtypes = {name: p.dtype for name, p in model.named_parameters()}
     par = config.parallel
     if config.nvme_dir is not None:
         check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
-    materialize = materialize_resident(model, blocks, k, materialize)
-    block_named, head_tail_params = split_parameters(model, blocks, config.device)
-    resident_params = [[p for _, p in named] for named in block_named[:k]]
-    block_named, streamed = block_named[k:], list(blocks)[k:]
-    layouts = [BlockLayout(named) for named in block_named]
-    block_params = [[p for _, p in named] for named in block_named]
-    planned_arena_bytes = window * slot_bytes(layouts, dtype) if n else 0
-    resident_bytes = head_tail_bytes([p for ps in resident_params for p in ps], dtype)
+    split = split_model(model, blocks, config, materialize)
+    window, dtype, saved_dtypes, materialize = split.window, split.dtype, split.saved_dtypes, split.materialize
+    resident_params, block_named, head_tail_params = split.resident_params, split.block_named, split.head_tail_params
+    streamed, layouts, block_params = list(blocks)[k:], split.layouts, split.block_params
+    planned_arena_bytes = split.planned_arena_bytes
     # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
     placement = plan_placement(
         [lay.numel for lay in layouts], dtype, train_numels=[lay.train_numel for lay in layouts],
         budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
                       else int(config.host_memory_bytes)),
         # on the CPU backend the "device" (window arena, head and tail) is host memory too
-        fixed_bytes=(planned_arena_bytes + head_tail_bytes(head_tail_params, dtype)
-                     + resident_bytes if config.device == "cpu" else 0),
+        fixed_bytes=(planned_arena_bytes + split.device_bytes if config.device == "cpu" else 0),
         nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
         streamed_grads=config.overlap_mode == "backward" and config.accumulation_steps == 1,
         force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)

@@ -7,8 +7,9 @@
 - the step (``step.py``): global norm, fp16 overflow, clip coefficient, host and device updates.
 
 ``Engine`` owns none of that logic: it gives the user API (call, train/eval, backward, step,
-zero_grad, synchronize, stats, close, states) and the names other modules read. See
-docs/DESIGN.md "Window runtime".
+zero_grad, synchronize, stats, memory_report, state_dict, close, states) and the names other
+modules read. The parts themselves (host store, window, pass plans, executor, step, host updates)
+are private: runtime modules get the ones they need passed in. See docs/DESIGN.md "Window runtime".
 """
 
 from __future__ import annotations
@@ -25,20 +26,21 @@ from pystronghold.runtime.executor import PassExecutor
 from pystronghold.runtime.host_time import HostSpans
 from pystronghold.runtime.schedule import Plan
 from pystronghold.runtime.inputs import forward_signature, move_inputs
+from pystronghold.runtime.memory_report import EngineMemory, measure_memory
 from pystronghold.optim.window_optimizer import WindowOptimizer
 from pystronghold.runtime.state_dict import (EngineStates, engine_state_dict, install_model_hooks,
                                              load_engine_state_dict, load_optimizer_state_dict, optimizer_state_dict)
 from pystronghold.runtime.step import OptimizerStep
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "engine_parts_for_tests"]
 
 log = logging.getLogger(__name__)
 
 
 def _stepper_counter(name: str, doc: str) -> property:
-    """A read/write property of ``Engine`` for the counter ``name`` of ``engine.stepper``."""
-    return property(lambda engine: getattr(engine.stepper, name),
-                    lambda engine, value: setattr(engine.stepper, name, value), doc=doc)
+    """A read/write property of ``Engine`` for the counter ``name`` of its ``OptimizerStep``."""
+    return property(lambda engine: getattr(engine._stepper, name),
+                    lambda engine, value: setattr(engine._stepper, name, value), doc=doc)
 
 
 class Engine:
@@ -48,17 +50,17 @@ class Engine:
                  materialize=None) -> None:
         self.model, self.config = model, config
         parts = build_parts(model, blocks, config, materialize)
-        # the parts by their public names (state_dict.py, train/, tests and benchmarks read them)
+        # the parts others read by their public names; the store, window, plans, updates, executor
+        # and stepper are private (runtime modules are handed the ones they use)
         self.n_blocks, self.n_streamed = parts.n_blocks, len(parts.block_params)
         self.window_size = parts.window_size
         self.dtype, self.overlap, self.placement = parts.dtype, config.overlap_mode, parts.placement
         self.planned_arena_bytes, self.fill_times = parts.planned_arena_bytes, parts.fill_times
         self.backend, self.device, self.scratch = parts.backend, parts.backend.device, parts.scratch
-        self.store, self.window, self.plans, self.trace = parts.store, parts.window, parts.plans, parts.trace
+        self._store, self._window, self._plans, self.trace = parts.store, parts.window, parts.plans, parts.trace
         self.head_tail_params = parts.head_tail_params
         self.host_spans = HostSpans(self.trace)  # model / engine / step spans (runtime/host_time.py)
         self.dp_group, self.tp_group, self.parallel = parts.dp_group, parts.tp_group, parts.parallel
-        self.block_forwards = block_fn.install(self, parts.streamed_blocks)
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         # which parameters train is fixed here: the layouts, optimizer states and param groups follow it
         self._requires_grad = [(name, p, p.requires_grad) for name, p in model.named_parameters()]
@@ -72,33 +74,37 @@ class Engine:
                                          state_dict=lambda: optimizer_state_dict(self),
                                          load_state_dict=lambda sd: load_optimizer_state_dict(self, sd))
         updaters = build_optimizers(parts, config, self.optimizer.group_of())
-        self.device_optimizer, self.resident, self.updates = (updaters.device_optimizer, updaters.resident,
-                                                              updaters.updates)
+        self.device_optimizer, self.resident, self._updates = (updaters.device_optimizer, updaters.resident,
+                                                               updaters.updates)
         self.grad_norms = updaters.grad_norms
         """Where the streamed blocks' gradient norms are taken (``grad_norms.BlockGradNorms``)."""
-        self.stepper = OptimizerStep(model=model, config=config, optimizer=self.optimizer,
-                                     device_optimizer=self.device_optimizer, resident=self.resident,
-                                     updates=self.updates, grad_norms=self.grad_norms, window=self.window,
-                                     scaler=updaters.scaler, dp_group=self.dp_group, tp_group=self.tp_group,
-                                     pp_group=parts.pp_group, parallel=self.parallel)
-        self.executor = PassExecutor(config=config, window=self.window, store=self.store, backend=self.backend,
-                                     updates=self.updates, grad_norms=self.grad_norms, stepper=self.stepper,
-                                     trace=self.trace, plans=self.plans, model=model, dp_group=self.dp_group,
-                                     before_training_pass=self.check_requires_grad)
+        self._stepper = OptimizerStep(model=model, config=config, optimizer=self.optimizer,
+                                      device_optimizer=self.device_optimizer, resident=self.resident,
+                                      updates=self._updates, grad_norms=self.grad_norms, window=self._window,
+                                      scaler=updaters.scaler, dp_group=self.dp_group, tp_group=self.tp_group,
+                                      pp_group=parts.pp_group, parallel=self.parallel)
+        self._executor = PassExecutor(config=config, window=self._window, store=self._store, backend=self.backend,
+                                      updates=self._updates, grad_norms=self.grad_norms, stepper=self._stepper,
+                                      trace=self.trace, plans=self._plans, model=model, dp_group=self.dp_group,
+                                      before_training_pass=self.check_requires_grad)
+        self.block_forwards = block_fn.install(block_fn.BlockRunner(self, self._executor, self._window),
+                                               parts.streamed_blocks)
         if not self.n_streamed:
             # all blocks resident: a backward pass counts once it reaches their gradients (the head's
             # and tail's when every block is frozen)
             torch.autograd.graph.register_multi_grad_hook(self.resident.params or self.device_optimizer.params,
-                                                          self.executor.count_backward, mode="any")
-        self.states = EngineStates(self, parts.block_names, parts.head_tail_names)
+                                                          self._executor.count_backward, mode="any")
+        self.states = EngineStates(self, parts.block_names, parts.head_tail_names, store=self._store,
+                                   window=self._window)
         # model.state_dict() etc. via the store, the masters in their dtype before wrap
-        install_model_hooks(self, model, parts.streamed_blocks, parts.saved_dtypes)
+        install_model_hooks(self, model, parts.streamed_blocks, parts.saved_dtypes, store=self._store,
+                            window=self._window)
         self._forward_signature = forward_signature(model)
         kept = {True: "recomputed", False: "activations kept"}
         log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes, %s), %d streamed "
                  "(W=%d, device arena %d bytes, host store %d bytes, %s), %s, %s, overlap=%s", self.n_blocks,
                  self.resident.count, self.resident.nbytes, kept[config.resident_recompute], self.n_streamed,
-                 self.window_size, self.planned_arena_bytes, self.store.nbytes, kept[config.checkpointing],
+                 self.window_size, self.planned_arena_bytes, self._store.nbytes, kept[config.checkpointing],
                  config.device, config.precision, self.overlap)
         if config.schedule_mode == "relay":
             log.info("relay schedule (engine.accumulate): saved block inputs on the device %s",
@@ -149,7 +155,7 @@ class Engine:
         finally:
             if self.trace.enabled:
                 self.host_spans.model_pauses()
-        if self.executor.in_pass():
+        if self._executor.in_pass():
             raise RuntimeError("backward did not reach the first block: the loss does not depend on "
                                "every block, or only part of the graph was back-propagated")
 
@@ -162,7 +168,7 @@ class Engine:
         With ``schedule="relay"`` the m micro-batches run layer-major (each streamed block is loaded
         once in forward and once in backward, its gradient leaves the device once; runtime/relay.py);
         otherwise one after the other, as a loop of ``engine(...)``/``backward`` would."""
-        return relay.accumulate(self, micro_batches, loss_fn, mean=mean)
+        return relay.accumulate(self, self._executor, micro_batches, loss_fn, mean=mean)
 
     def step(self) -> None:
         """One optimizer step (also ``engine.optimizer.step()``, which LR schedulers track)."""
@@ -174,11 +180,11 @@ class Engine:
 
     def synchronize(self) -> None:
         """Wait for every copy and host update in flight (forward-overlap updates included)."""
-        self.executor.synchronize()
+        self._executor.synchronize()
 
     def in_flight(self) -> int:
         """Copies and host jobs not finished yet."""
-        return self.executor.in_flight()
+        return self._executor.in_flight()
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """fp32 value of every parameter by its model name (host store for blocks); synchronizes first."""
@@ -201,35 +207,44 @@ class Engine:
         evaluation step's forwards (an interleaved stage's model chunks in turn). Each use is
         checked as it happens, so a schedule that runs in another order raises instead of computing
         with wrong blocks."""
-        self.executor.use_step_plan(plan, train)
+        self._executor.use_step_plan(plan, train)
 
     def in_pass(self) -> bool:
         """True between a forward's first block and the end of its backward (or of an inference pass)."""
-        return self.executor.in_pass()
+        return self._executor.in_pass()
 
     def stats(self) -> dict:
         """Counters for invariants and benchmarks (bytes, counts): ``trainable_params`` and
         ``frozen_params`` count the model's parameter elements (blocks, head and tail);
         ``store_bytes`` is the host store's allocation (the file tier's cache included),
         ``store_frozen_bytes`` the part of it that holds frozen block parameters (their padded
-        elements in the compute dtype: ``layout.frozen_bytes_per_param`` each)."""
+        elements in the compute dtype: ``layout.frozen_bytes_per_param`` each). The byte counts
+        are ``memory_report()``'s."""
+        memory = self.memory_report()
         return dict(window=self.window_size, blocks=self.n_blocks, resident_blocks=self.resident.count,
-                    resident_bytes=self.resident.nbytes, streamed_blocks=self.n_streamed,
-                    peak_resident=self.window.peak_resident,
-                    planned_arena_bytes=self.planned_arena_bytes, arena_used_bytes=self.backend.arena_used_bytes,
-                    store_bytes=self.store.nbytes, store_frozen_bytes=self.store.frozen_bytes(),
+                    resident_bytes=memory.device_resident_blocks_bytes, streamed_blocks=self.n_streamed,
+                    peak_resident=self._window.peak_resident,
+                    planned_arena_bytes=memory.device_window_bytes, arena_used_bytes=memory.device_arena_used_bytes,
+                    store_bytes=memory.host_store_bytes, store_frozen_bytes=memory.host_frozen_bytes,
                     trainable_params=self._param_counts[True], frozen_params=self._param_counts[False],
                     steps=self.steps, skipped_steps=self.skipped_steps,
                     loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm,
-                    disk=self.store.disk_stats())
+                    disk=memory.disk)
+
+    def memory_report(self) -> EngineMemory:
+        """Where the engine's bytes are now (``memory_report.EngineMemory``: the device window,
+        resident blocks and head/tail, the host store by tier, the file tier's counters)."""
+        return measure_memory(store=self._store, resident=self.resident, backend=self.backend,
+                              head_tail_params=self.head_tail_params, dtype=self.dtype,
+                              window_slots=self.window_size, planned_arena_bytes=self.planned_arena_bytes)
 
     def close(self) -> None:
         """Finish everything in flight and stop the worker threads (re-raises a host job's error)."""
         try:
             self.synchronize()
         finally:
-            self.updates.close()
-            self.store.close()
+            self._updates.close()
+            self._store.close()
             self.backend.close()
             if self.scratch is not None:
                 self.scratch.close()
@@ -237,43 +252,43 @@ class Engine:
     def span(self, kind: str, block: int | None, *, host: bool = False):
         """Trace ``kind``: timed by the backend's clock (CUDA: events on the compute stream), or by
         the host's when ``host`` (work the host itself waits for)."""
-        return self.executor.span(kind, block, host=host)
+        return self._executor.span(kind, block, host=host)
 
     # ---- the schedule (runtime/executor.py), driven by block_fn.BlockFunction
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
         if not self.trace.enabled:
-            return self.executor.enter(block, phase, train)
+            return self._executor.enter(block, phase, train)
         start = self.host_spans.model_pauses()
-        self.executor.enter(block, phase, train)
+        self._executor.enter(block, phase, train)
         self.host_spans.engine(block, start)
 
     def leave(self, block: int, phase: str, param_grads=None) -> None:
         """After ``block`` computed: in backward hand its gradient out; then run the plan's actions."""
         if not self.trace.enabled:
-            return self.executor.leave(block, phase, param_grads)
+            return self._executor.leave(block, phase, param_grads)
         start = time.monotonic()
-        self.executor.leave(block, phase, param_grads)
+        self._executor.leave(block, phase, param_grads)
         self.host_spans.model_resumes(self.host_spans.engine(block, start))
 
     @property
     def micro_batches(self) -> int:
         """Backward passes since the last step."""
-        return self.executor.micro_batches
+        return self._executor.micro_batches
 
     @property
     def layer_drop(self):
         """Which streamed blocks run this step (``layer_drop.LayerDrop``; its ``state_dict`` is what
         checkpoints keep of it)."""
-        return self.executor.layer_drop
+        return self._executor.layer_drop
 
     # ---- optimizer step (runtime/step.py), between passes
 
     @property
     def scaler(self):
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
-        return self.stepper.scaler
+        return self._stepper.scaler
 
     # read by state_dict.py, checkpoints and tests, set when a checkpoint is loaded
     steps = _stepper_counter("steps", "Optimizer steps taken (skipped fp16 steps not counted).")
@@ -285,17 +300,17 @@ class Engine:
     @property
     def grad_norm(self) -> float | None:
         """The last step's global gradient norm (computed for clipping or fp16 only)."""
-        return self.stepper.grad_norm
+        return self._stepper.grad_norm
 
     def run_step(self) -> None:
         """The optimizer step itself, as ``engine.optimizer.step()`` runs it (call ``step()``): every
         gradient copy-out waited for, the step (``OptimizerStep.run``), a new accumulation begun."""
         with self.trace.span("step"):
             self.check_requires_grad()
-            self.executor.finish_accumulation()
-            self.stepper.check_loss_scaled(self.executor.micro_batches)
-            self.stepper.run(self.executor.active_blocks())
-            self.executor.end_accumulation()
+            self._executor.finish_accumulation()
+            self._stepper.check_loss_scaled(self._executor.micro_batches)
+            self._stepper.run(self._executor.active_blocks())
+            self._executor.end_accumulation()
 
     def check_requires_grad(self) -> None:
         """ValueError when a parameter's ``requires_grad`` differs from what it was at ``wrap``
@@ -309,5 +324,13 @@ class Engine:
 
     def forget_grads(self) -> None:
         """Gradients dropped, as ``engine.optimizer.zero_grad()`` does it (call ``zero_grad()``)."""
-        self.stepper.zero_grad()
-        self.executor.forget_grads()
+        self._stepper.zero_grad()
+        self._executor.forget_grads()
+
+
+def engine_parts_for_tests(engine: Engine) -> dict:
+    """For tests only: the engine's private parts by name (``store``, ``window``, ``plans``,
+    ``updates``, ``executor``, ``stepper``), to inject a fault or a slow copy, or to read a layout
+    the public interface does not give. Library code uses the ``Engine``'s methods."""
+    return dict(store=engine._store, window=engine._window, plans=engine._plans, updates=engine._updates,
+                executor=engine._executor, stepper=engine._stepper)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class PassExecutor:
-    """``engine.executor``: the state of the pass in progress and of the gradients accumulated
+    """The engine's pass executor (private to it): the state of the pass in progress and of the gradients accumulated
     since the last step. ``block_fn.BlockFunction`` calls ``enter``/``leave`` (through the engine).
 
     ``plans``: the schedule of a training and of an inference pass (``schedule.build_plan``) by

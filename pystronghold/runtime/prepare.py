@@ -3,6 +3,7 @@ placement, memory budgets. Every refusal here happens before anything is allocat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -12,26 +13,77 @@ import warnings
 import torch
 
 from pystronghold.runtime import layout
+from pystronghold.runtime.precision import compute_dtype
 from pystronghold.runtime.store import BlockLayout, available_host_bytes
 
 __all__ = ["split_parameters", "move_to_device", "fill_store", "init_threads_for", "INIT_BYTES_IN_FLIGHT",
-           "slot_bytes", "head_tail_bytes", "materialize_resident", "window_slots"]
+           "slot_bytes", "head_tail_bytes", "materialize_resident", "window_slots", "split_model", "ModelSplit"]
 
 log = logging.getLogger(__name__)
 
 
-def window_slots(window: int | str, streamed: int, resident: int) -> int:
+def window_slots(window: int | str, streamed: int, resident: int, stacklevel: int = 4) -> int:
     """W for ``streamed`` blocks: ``window`` ("all" or an int), clamped to ``streamed`` with a warning
-    (0 when every block is resident: nothing streams)."""
+    (0 when every block is resident: nothing streams) that ``stacklevel`` places."""
     slots = streamed if window == "all" else window
     if slots > streamed:
         msg = (f"wrap: window={slots} is larger than the {streamed} " + ("streamed " if resident else "")
                + f"blocks; using window={streamed}")
         if streamed:
-            warnings.warn(msg, stacklevel=4)
+            warnings.warn(msg, stacklevel=stacklevel)
             log.warning(msg)
         slots = streamed
     return slots
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ModelSplit:
+    """A model split for the window, before anything is allocated (``split_model``)."""
+
+    window: int
+    """W: device slots."""
+    dtype: torch.dtype
+    """Compute precision of parameters and gradients on the device."""
+    saved_dtypes: dict[str, torch.dtype]
+    """Each parameter's dtype before ``wrap``, by full model name."""
+    materialize: object
+    """The materializer of the streamed blocks (by their index among them), or None."""
+    resident_params: list[list[torch.nn.Parameter]]
+    """Parameters of each resident block, layout order."""
+    block_named: list[list[tuple[str, torch.nn.Parameter]]]
+    """Named parameters of each streamed block, layout order."""
+    block_params: list[list[torch.nn.Parameter]]
+    """Parameters of each streamed block, layout order."""
+    layouts: list[BlockLayout]
+    """Store layout of each streamed block."""
+    head_tail_params: list[torch.nn.Parameter]
+    """Parameters outside the blocks, frozen ones included."""
+    planned_arena_bytes: int
+    """Bytes of the W slots (parameters + gradients), 0 when nothing streams."""
+    device_bytes: int
+    """Bytes of head, tail and resident blocks on the device (``head_tail_bytes``)."""
+
+
+def split_model(model: torch.nn.Module, blocks: torch.nn.ModuleList, config, materialize=None) -> ModelSplit:
+    """Split ``model`` for ``config`` (a ``RuntimeConfig``): W, the compute dtype, the resident
+    blocks (materialized), the streamed blocks' layouts and the device bytes, before anything is
+    allocated. ``materialize(i)`` gives block i real parameters (meta-device models)."""
+    k, n = config.resident_blocks, len(blocks) - config.resident_blocks
+    window = window_slots(config.window, n, k, stacklevel=5)
+    dtype = compute_dtype(config.precision)
+    saved_dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    materialize = materialize_resident(model, blocks, k, materialize)
+    block_named, head_tail_params = split_parameters(model, blocks, config.device)
+    resident_params = [[p for _, p in named] for named in block_named[:k]]
+    block_named = block_named[k:]
+    layouts = [BlockLayout(named) for named in block_named]
+    resident_bytes = head_tail_bytes([p for ps in resident_params for p in ps], dtype)
+    return ModelSplit(window=window, dtype=dtype, saved_dtypes=saved_dtypes, materialize=materialize,
+                      resident_params=resident_params, block_named=block_named,
+                      block_params=[[p for _, p in named] for named in block_named], layouts=layouts,
+                      head_tail_params=head_tail_params,
+                      planned_arena_bytes=window * slot_bytes(layouts, dtype) if n else 0,
+                      device_bytes=head_tail_bytes(head_tail_params, dtype) + resident_bytes)
 
 
 def split_parameters(model: torch.nn.Module, blocks: torch.nn.ModuleList, device: str):

@@ -272,11 +272,12 @@ class Relay:
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs], retain_graph=True)
 
 
-def accumulate(engine, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
+def accumulate(engine, executor, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
                mean: bool = True) -> torch.Tensor:
     """``engine.accumulate``: forward and backward of every micro-batch, layer-major with the relay
-    schedule (one relay pass), else one after the other; returns the detached losses, shape (m,)."""
-    executor, config = engine.executor, engine.config
+    schedule (one relay pass), else one after the other; returns the detached losses, shape (m,).
+    ``executor``: the engine's pass executor, which the relay drives."""
+    config = engine.config
     m = len(micro_batches)
     if m < 1:
         raise ValueError("accumulate: micro_batches is empty")

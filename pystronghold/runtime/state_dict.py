@@ -41,8 +41,9 @@ class EngineStates:
     are refused while a forward/backward pass is in progress.
     """
 
-    def __init__(self, engine, block_names: list[list[str]], head_tail_names: list[str]) -> None:
-        self._engine = engine
+    def __init__(self, engine, block_names: list[list[str]], head_tail_names: list[str], *, store, window) -> None:
+        """``store``, ``window``: the engine's host store and window, where streamed blocks live."""
+        self._engine, self._store, self._window = engine, store, window
         self.block_names = block_names
         """Full model names of each block's parameters, in layout order (every block: the resident
         ones first, then the streamed ones)."""
@@ -58,7 +59,7 @@ class EngineStates:
         """The ``Parameter`` objects of ``block`` (any block, resident or streamed), layout order."""
         engine = self._engine
         k = engine.resident.count
-        return engine.resident.block_params[block] if block < k else engine.window.params[block - k]
+        return engine.resident.block_params[block] if block < k else self._window.params[block - k]
 
     def block_trainable(self, block: int) -> list[bool]:
         """Whether each of ``block``'s parameters trains (layout order: the trainable ones first)."""
@@ -70,7 +71,7 @@ class EngineStates:
         k = engine.resident.count
         if block < k:
             return [tuple(m.shape) for m in engine.resident.read(block, "master")]
-        return [tuple(span.shape) for span in engine.store.layouts[block - k].spans]
+        return [tuple(span.shape) for span in self._store.layouts[block - k].spans]
 
     def read_block(self, block: int, states=("master", *MOMENTS)) -> dict[str, dict[str, torch.Tensor]]:
         """``{state: {name: tensor}}`` of ``block`` for ``states``, layout order. ``master`` is the
@@ -85,7 +86,7 @@ class EngineStates:
         names, k = self.block_names[block], engine.resident.count
         if block < k:
             return {state: dict(zip(names, engine.resident.read(block, state))) for state in states}
-        store, b = engine.store, block - k
+        store, b = self._store, block - k
         layout = store.layouts[b]
         out = {}
         for state in states:
@@ -113,7 +114,7 @@ class EngineStates:
                 if tuple(t.shape) != shape:
                     raise ValueError(f"write_block: {state} of {name} must have shape {shape}, "
                                      f"got {tuple(t.shape)}")
-        store = engine.store
+        store = self._store
         for state, tensors in values.items():
             if block < k:
                 engine.resident.write(block, state, tensors)
@@ -182,12 +183,13 @@ class EngineStates:
 
 
 def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleList,
-                        saved_dtypes: dict[str, torch.dtype]) -> None:
+                        saved_dtypes: dict[str, torch.dtype], *, store, window) -> None:
     """Make ``state_dict()`` of ``model`` (or of any module containing blocks) return every
     parameter's fp32 master (the store's for streamed blocks) in its dtype before ``wrap``
-    (``saved_dtypes``, by full name), and ``load_state_dict()`` write the masters."""
+    (``saved_dtypes``, by full name), and ``load_state_dict()`` write the masters; ``store`` and
+    ``window`` hold the streamed blocks."""
     for b, block in enumerate(blocks):
-        _hook_block(engine, b, block, saved_dtypes)
+        _hook_block(engine, b, block, saved_dtypes, store.layouts[b].spans, window)
     block_modules = {id(m) for block in blocks for m in block.modules()}
     names = {id(p): name for name, p in model.named_parameters()}
     head_tail_index = {id(p): j for j, p in enumerate(engine.head_tail_params)}
@@ -259,10 +261,10 @@ def _master_loader(dev, own: dict[str, int], write):
     return load_masters
 
 
-def _hook_block(engine, b: int, block: torch.nn.Module, saved_dtypes: dict[str, torch.dtype]) -> None:
-    """Hooks of streamed block ``b`` (its global index is ``resident.count + b``)."""
-    spans = engine.store.layouts[b].spans
-    params = engine.window.params[b]
+def _hook_block(engine, b: int, block: torch.nn.Module, saved_dtypes: dict[str, torch.dtype], spans, window) -> None:
+    """Hooks of streamed block ``b`` (its global index is ``resident.count + b``; ``spans``: its
+    parameters in the store's layout)."""
+    params = window.params[b]
     g = engine.resident.count + b
     dtypes = [saved_dtypes[name] for name in engine.states.block_names[g]]
 
@@ -286,7 +288,7 @@ def _hook_block(engine, b: int, block: torch.nn.Module, saved_dtypes: dict[str, 
 
     def commit(module, incompatible_keys) -> None:
         staged = [p.data for p in params]
-        engine.window.unbind(b)
+        window.unbind(b)
         engine.states.write_block(g, {"master": staged})
 
     block.register_state_dict_post_hook(save)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class OptimizerStep:
-    """``engine.stepper``: updates every parameter from the gradients of the finished passes.
+    """The engine's step (private to it): updates every parameter from the gradients of the finished passes.
 
     ``optimizer`` gives the live hyper-parameters (``WindowOptimizer.hyper()``); ``window``: its
     ``params`` (placeholder ``Parameter`` objects of each streamed block) place the block norms in

@@ -7,9 +7,9 @@ Layout of one checkpoint (``<dir>/step-00000100/``)::
                                          (a frozen parameter: its value, in the compute dtype;
                                          none in a --model hf:DIR run, see below)
     head_tail.safetensors                head and tail fp32 masters and their AdamW moments
-    state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states
-                                         (with the layer-drop generator), data position, loss-scaler
-                                         state (small)
+    state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states,
+                                         data position, and ``engine.state_dict()`` (its step counts,
+                                         loss scaler and layer-drop generator) (small)
     manifest.json                        format, version, model config, step, lineage (the run ids
                                          that led to it), fine-tune options (LoRA, --freeze) and the
                                          base directory's fingerprint, sha256 of every file
@@ -56,7 +56,6 @@ from pystronghold.models.lora import GPT_ARCHITECTURE, LoraSpec, merged_state_di
 from pystronghold.parallel.data import is_pipeline_copy, tied_source
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 from pystronghold.runtime.divergence import check_finite_state
-from pystronghold.runtime.state_dict import block_step_counts, set_block_step_counts
 from pystronghold.train.checkpoint_dir import (FORMAT, VERSION, CheckpointError, block_file, checkpoint_name,
                                                read_manifest)
 from pystronghold.train.finetune import check_checkpoint_record, checkpoint_record
@@ -264,12 +263,9 @@ def _write_manifest(trainer, root: Path, tmp: Path, name: str, files: dict[str, 
     """Write ``state.pt`` and the manifest into ``tmp``, fsync, and rename it to ``root/name``."""
     engine, groups = trainer.engine, trainer.groups
     buf = io.BytesIO()
-    torch.save({"step": trainer.step, "engine_steps": engine.steps, "skipped_steps": engine.skipped_steps,
-                "block_steps": block_step_counts(engine),
-                "layer_drop": engine.layer_drop.state_dict() if engine.layer_drop.enabled else None,
+    torch.save({"step": trainer.step, "engine": engine.state_dict(),
                 "scheduler": trainer.scheduler.state_dict(), "hyper": engine.optimizer.group_settings(),
-                "sampler": trainer.sampler.state_dict(), "rng": _rng_state(),
-                "scaler": engine.scaler.state_dict() if engine.scaler is not None else None}, buf)
+                "sampler": trainer.sampler.state_dict(), "rng": _rng_state()}, buf)
     files["state.pt"] = _write(tmp / "state.pt", buf.getvalue())
     manifest = {"format": FORMAT, "version": VERSION, "step": trainer.step,
                 "model": _model_dict(trainer.config.gpt), "blocks": _block_count(trainer),
@@ -383,13 +379,10 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     # NOTE: this run continues the loaded one's lineage (absent before lineages: it starts here)
     before = manifest.get("lineage")
     trainer.lineage = [*(before if isinstance(before, list) else []), trainer.lineage[-1]]
-    engine.steps, engine.skipped_steps = state["engine_steps"], state["skipped_steps"]
-    # NOTE: absent from checkpoints written before layer drop: every block at engine_steps
-    if any(c != engine.steps for c in state.get("block_steps", ())):
-        try:
-            set_block_step_counts(engine, state["block_steps"], f"checkpoint {path}")
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
+    try:
+        engine.load_state_dict(_engine_state(state, engine.n_blocks))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
     trainer.scheduler.load_state_dict(state["scheduler"])
     saved_decay = getattr(trainer.scheduler.lr_lambdas[0], "decay_steps", None)
     if saved_decay is not None and saved_decay != trainer.config.run.steps:
@@ -408,13 +401,24 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
         trainer.sampler.load_state_dict(state["sampler"])
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: its data position does not fit this run's data ({e})") from None
-    if engine.scaler is not None and state["scaler"] is not None:
-        engine.scaler.load_state_dict(state["scaler"])  # scale, clean steps and overflows in a row
     _set_rng_state(state["rng"])
-    # NOTE: the draws of a --layer-drop run continue where they stopped (absent from older
-    # checkpoints, or when the writer skipped no blocks: this run's seed then starts them)
-    if state.get("layer_drop") is not None and engine.layer_drop.enabled:
-        engine.layer_drop.load_state_dict(state["layer_drop"])
+
+
+def _engine_state(state: dict, n_blocks: int) -> dict:
+    """The ``engine.state_dict()`` saved in ``state`` (``state.pt``) for an engine of ``n_blocks``
+    blocks. A checkpoint written before the engine had a state dict keeps its values under keys of
+    their own, without ``block_steps`` before layer drop (every block at the engine's count) and
+    ``layer_drop`` before that too (this run's seed then starts the draws)."""
+    engine = state.get("engine")
+    if engine is None:
+        engine = {"steps": state["engine_steps"], "skipped_steps": state["skipped_steps"],
+                  "block_steps": state.get("block_steps", ()), "loss_scaler": state["scaler"],
+                  "layer_drop": state.get("layer_drop")}
+    # NOTE: rank 0 writes the counts of its own blocks; a pipeline stage of another size takes the
+    # engine's count for each of its blocks when every block was at it (no layer drop)
+    if all(c == engine["steps"] for c in engine["block_steps"]):
+        engine = dict(engine, block_steps=[engine["steps"]] * n_blocks)
+    return engine
 
 
 # ---- export

@@ -380,8 +380,8 @@ class Trainer:
                     ms_per_step=1e3 * elapsed / steps_in_interval,
                     tokens_per_s=tokens_per_step * steps_in_interval / elapsed,
                     h2d_gbps=s.gbps.get("h2d"), d2h_gbps=s.gbps.get("d2h"),
-                    device_peak_bytes=device_peak_bytes(self.engine, memory_report(self.engine).head_tail_bytes),
-                    host_bytes=self.engine.store.nbytes, overlap=s.overlap_fraction,
+                    device_peak_bytes=device_peak_bytes(self.engine),
+                    host_bytes=self.engine.memory_report().host_store_bytes, overlap=s.overlap_fraction,
                     skipped_steps=self.engine.skipped_steps - skipped_before)
                 skipped_before = self.engine.skipped_steps
                 res.intervals.append(m)

@@ -21,7 +21,6 @@ import torch
 
 from pystronghold.runtime.host_time import HOST_KINDS
 from pystronghold.runtime.layout import device_bytes_per_param
-from pystronghold.runtime.prepare import head_tail_bytes
 from pystronghold.trace import Tracer
 
 __all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport", "memory_report",
@@ -207,33 +206,32 @@ class MemoryReport:
         return out
 
 
-def device_peak_bytes(engine, head_tail_bytes: int) -> int:
+def device_peak_bytes(engine, memory=None) -> int:
     """Peak device bytes of ``engine``: CUDA's allocator peak, or on CPU the arena + head/tail and
-    resident-block state."""
+    resident-block state (``memory``: its ``memory_report()``, taken when None)."""
     if engine.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(engine.device))
-    stats = engine.stats()
-    return int(stats["arena_used_bytes"]) + head_tail_bytes + stats["resident_bytes"]
+    memory = memory or engine.memory_report()
+    return memory.device_arena_used_bytes + memory.device_head_tail_bytes + memory.device_resident_blocks_bytes
 
 
 def memory_report(engine) -> MemoryReport:
     """The ``MemoryReport`` of a wrapped model."""
     per = device_bytes_per_param(engine.dtype, master_grads=False)  # param + grad + 2 moments (+ master)
-    ht_numel = sum(p.numel() for p in engine.head_tail_params)
-    head_tail = head_tail_bytes(engine.head_tail_params, engine.dtype)
-    block_numel = sum(lay.numel for lay in engine.store.layouts) + sum(p.numel() for p in engine.resident.params)
-    tiers = engine.store.tier_bytes()
+    memory = engine.memory_report()
     disk = None
-    st = engine.store.disk_stats()
+    st = memory.disk
     if st is not None:
-        disk = (f"{st['directory']}: {engine.store.placement.describe(engine.n_streamed)}; files "
+        disk = (f"{st['directory']}: {memory.disk_placement}; files "
                 f"{format_bytes(st['file_bytes'])}, read {format_bytes(st['read_bytes'])}, written "
                 f"{format_bytes(st['write_bytes'])}, cache hits {st['hits']} / misses {st['misses']}")
-    return MemoryReport(window=engine.window_size, blocks=engine.n_blocks,
-                        window_bytes=int(engine.planned_arena_bytes), head_tail_bytes=head_tail,
-                        resident_blocks=engine.resident.count, resident_blocks_bytes=engine.resident.nbytes,
-                        device_peak_bytes=device_peak_bytes(engine, head_tail),
-                        resident_bytes=(block_numel + ht_numel) * per, host_tiers=tiers, disk=disk)
+    return MemoryReport(window=memory.window_slots, blocks=memory.blocks,
+                        window_bytes=memory.device_window_bytes, head_tail_bytes=memory.device_head_tail_bytes,
+                        resident_blocks=memory.resident_blocks,
+                        resident_blocks_bytes=memory.device_resident_blocks_bytes,
+                        device_peak_bytes=device_peak_bytes(engine, memory),
+                        resident_bytes=(sum(memory.streamed_block_elements) + memory.device_elements) * per,
+                        host_tiers=dict(memory.host_tier_bytes), disk=disk)
 
 
 @dataclass(slots=True)

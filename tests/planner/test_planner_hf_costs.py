@@ -118,11 +118,11 @@ def test_planned_bytes_are_a_built_engines(tmp_path, family, precision):
     try:
         stats = engine.stats()
         assert (stats["trainable_params"], stats["frozen_params"]) == (plan.params, 0)
-        assert [lay.numel for lay in engine.store.layouts] == [costs.block_numel] * 2  # the 2 streamed blocks
+        assert list(engine.memory_report().streamed_block_elements) == [costs.block_numel] * 2  # the 2 streamed blocks
         assert engine.planned_arena_bytes == 2 * costs.slot_bytes
         assert head_tail_bytes(engine.head_tail_params, engine.dtype) == costs.head_tail_bytes
         assert stats["resident_bytes"] == costs.resident_block_bytes
-        arenas = sum(len(a) for a in engine.store.arenas.values())
+        arenas = engine.memory_report().host_arenas
         assert plan.host.host_bytes == engine.placement.host_bytes
         assert stats["store_bytes"] == plan.host.host_bytes + arenas * layout.ARENA_ALIGN
     finally:

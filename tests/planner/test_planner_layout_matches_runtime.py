@@ -25,13 +25,13 @@ def test_planned_slot_and_head_tail_bytes_are_allocated_bytes(precision):
     model = GPT(cfg)
     engine = ph.wrap(model, blocks=model.blocks, window=2, precision=precision)
     try:
-        padded = [lay.numel for lay in engine.store.layouts]
+        padded = list(engine.memory_report().streamed_block_elements)
         assert padded[0] > costs.block_params  # the padding is there ...
         assert engine.planned_arena_bytes == 2 * costs.slot_bytes  # ... and the planner counts it
         assert engine.backend.arena_used_bytes <= engine.planned_arena_bytes
         assert head_tail_bytes(engine.head_tail_params, engine.dtype) == costs.head_tail_bytes
         # every state's arena: one buffer per block, rounded, plus the arena's slack
-        tiers = engine.store.tier_bytes()
+        tiers = engine.memory_report().host_tier_bytes
         assert set(tiers) == set(layout.stored_states(engine.dtype))
         for state, nbytes in tiers.items():
             assert nbytes == layout.arena_bytes(sum(layout.buffer_bytes(n, state, engine.dtype) for n in padded))
@@ -55,11 +55,11 @@ def test_planned_host_bytes_are_the_host_stores_bytes(precision):
     model = GPT(cfg)
     engine = ph.wrap(model, blocks=model.blocks, window=2, precision=precision)
     try:
-        arenas = sum(len(a) for a in engine.store.arenas.values())
+        arenas = engine.memory_report().host_arenas
         assert arenas == len(layout.stored_states(engine.dtype))  # one arena per state at this size
         assert plan.host.host_bytes == engine.placement.host_bytes
-        assert plan.host.host_bytes == engine.store.nbytes - arenas * layout.ARENA_ALIGN
-        padded = [lay.numel for lay in engine.store.layouts]
+        assert plan.host.host_bytes == engine.memory_report().host_store_bytes - arenas * layout.ARENA_ALIGN
+        padded = list(engine.memory_report().streamed_block_elements)
         assert padded == [plan.costs.block_numel] * 3 and plan.costs.block_numel > plan.costs.block_params
     finally:
         engine.close()
@@ -97,7 +97,7 @@ def test_planned_frozen_and_trainable_bytes_are_a_built_engines(precision):
         padding = stats["store_frozen_bytes"] - finetune_to_dict(plan)["frozen_host_bytes"]
         assert 0 < padding < 3 * 4 * layout.ALIGN_ELEMS * itemsize  # 4 frozen parameters per block
         # the store: the placement's bytes, plus one alignment of slack per arena
-        arenas = sum(len(a) for a in engine.store.arenas.values())
+        arenas = engine.memory_report().host_arenas
         assert plan.host.host_bytes == engine.placement.host_bytes
         assert stats["store_bytes"] == plan.host.host_bytes + arenas * layout.ARENA_ALIGN
         # the rest holds the 8 trainable parameters of each block (norms, MLP) in every state

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pystronghold.runtime.disk_tier import DiskTier
+from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import HetStack, het_batches, one_torch_thread, train_engine
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
@@ -110,8 +111,9 @@ class StreamTwin:
 
 def _twin_hook(twins: list):
     def hook(engine):
-        twin = StreamTwin(engine.executor.backend)
-        engine.executor.backend = twin
+        executor = engine_parts_for_tests(engine)["executor"]
+        twin = StreamTwin(executor.backend)
+        executor.backend = twin
         twins.append(twin)
     return hook
 

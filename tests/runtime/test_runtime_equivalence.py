@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import (HetStack, assert_same_training, gpt_batches, het_batches,
                             one_torch_thread, run_both, tiny_gpt)
 
@@ -29,7 +30,7 @@ def test_default_fast_adam_stays_close_to_pytorch():
     zero), where Adam turns rounding into +-lr steps."""
     (ref_losses, ref_params), (losses, masters, engine) = run_both(
         tiny_gpt, gpt_batches(STEPS), window=2, bitwise_torch=False)
-    assert not engine.updates.bitwise_torch
+    assert not engine_parts_for_tests(engine)["updates"].bitwise_torch
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
     for name, p in ref_params.items():
         torch.testing.assert_close(masters[name], p, rtol=0, atol=1e-4, msg=name)

@@ -18,6 +18,7 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.prepare import INIT_BYTES_IN_FLIGHT, init_threads_for
 from pystronghold.runtime.store import BlockLayout, HostStore
 from pystronghold.io import HostArena
+from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import one_torch_thread
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
@@ -27,7 +28,7 @@ CFG = GPTConfig(vocab_size=97, seq_len=16, layers=6, hidden=32, heads=2)
 
 def _store_values(engine) -> list[dict[str, torch.Tensor]]:
     """Every host state of every block, flat (gaps included)."""
-    st = engine.store
+    st = engine_parts_for_tests(engine)["store"]  # every state of every block, padding included
     return [{state: st.read_state(b, state).clone() for state in st.placement.states} for b in range(engine.n_blocks)]
 
 
@@ -48,7 +49,7 @@ def test_parallel_fill_gives_the_eager_models_store_bit_for_bit(monkeypatch, pre
     try:
         assert engine.fill_times["threads"] == threads
         if chunk_bytes is not None:
-            assert engine.store.arena_count == len(engine.store.placement.states) * CFG.layers
+            assert engine.memory_report().host_arenas == len(engine.placement.states) * CFG.layers
         got = _store_values(engine)
     finally:
         engine.close()
@@ -185,7 +186,8 @@ def test_cuda_store_arenas_are_pinned_in_chunks_and_hold_the_eager_values(monkey
     monkeypatch.setattr(store_mod, "DEFAULT_CHUNK_BYTES", 20_000)
     engine = _wrapped(True, device="cuda", init_threads=3)
     try:
-        assert engine.store.pinned and engine.store.arena_count == 4 * CFG.layers
+        memory = engine.memory_report()
+        assert memory.host_pinned and memory.host_arenas == 4 * CFG.layers
         got = _store_values(engine)
     finally:
         engine.close()

@@ -45,7 +45,7 @@ def train(model, batches, m, *, seed=SEED, **options):
     try:
         for s in range(STEPS):
             losses += engine.accumulate(batches[s * m:(s + 1) * m], lambda b: engine(*b)).tolist()
-            active.append(engine.executor.layer_drop.active or list(range(engine.n_streamed)))
+            active.append(engine.layer_drop.active or list(range(engine.n_streamed)))
             engine.step()
             engine.zero_grad()
         engine.synchronize()

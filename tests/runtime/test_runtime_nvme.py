@@ -52,7 +52,7 @@ def test_every_state_on_disk_trains_exactly_as_in_ram_and_as_pytorch(tmp_path):
     assert engine.placement.streamed_grads
     st = engine.stats()["disk"]
     # every step reads and writes each block's master and moments (some reads are cache hits)
-    record = max(engine.store.layouts[0].numel, 1) * 4
+    record = max(engine.memory_report().streamed_block_elements[0], 1) * 4
     assert st["write_bytes"] >= STEPS * 8 * 3 * record
     assert st["read_bytes"] > 0 and st["hits"] > 0
     assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").iterdir()), \
@@ -178,7 +178,7 @@ def test_disk_full_during_training_names_the_directory_and_the_last_checkpoint_l
     shutil.rmtree(ck / "step-00000004")  # as if the run had been killed after step 2
     saved = latest_checkpoint(ck)
     # room for the header of every state file and master/exp_avg/exp_avg_sq of every block, not the gradients
-    numel = max(lay.numel for lay in first.engine.store.layouts)
+    numel = max(first.engine.memory_report().streamed_block_elements)
     record = FileStore.file_bytes_for(4, numel * 4)
     with small_tmpfs(3 * record + 4 * 4096 + 8192) as mount:
         if mount is None:
@@ -274,12 +274,14 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
         t.train_step(); t.train_step()
         save_checkpoint(t, {str(ck)!r})
         engine = t.engine
-        original = engine.updates.submit_update
+        from pystronghold.runtime.engine import engine_parts_for_tests
+        updates = engine_parts_for_tests(engine)["updates"]
+        original = updates.submit_update
         def stalled(block, *args, **kwargs):  # step 3's backward: the update of the last block hangs
             original(block, *args, **kwargs)
             Path({str(marker)!r}).write_text(str(block))
             time.sleep(60)
-        engine.updates.submit_update = stalled
+        updates.submit_update = stalled
         t.train_step()
     """)
     kill_when_marked(script, marker, "step 3")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pystronghold as ph
+from pystronghold.runtime.engine import engine_parts_for_tests
 from relay_training import STEPS, train
 from runtime_models import HYPER, HetStack, het_batches, one_torch_thread, train_reference
 
@@ -61,7 +62,7 @@ def test_relay_matches_default_and_loads_each_block_once(window, m, clip):
     assert_same(relay, default)  # fp32: the same arithmetic in the same order (measured: bit-equal)
     engine = relay[4]
     n = engine.n_streamed
-    block_bytes = [engine.store.layouts[b].numel * 4 for b in range(n)]
+    block_bytes = [numel * 4 for numel in engine.memory_report().streamed_block_elements]
     # per step: every block loaded in forward, blocks 0..n-W-1 reloaded in backward (the last W
     # stay), each gradient copied out once; nothing uploaded back for accumulation
     loads = sum(block_bytes) + sum(block_bytes[:n - window])
@@ -151,7 +152,7 @@ def test_boundary_activations_staged_to_host_when_the_budget_forbids_the_device(
     n = relay[4].n_streamed
     block_input = 4 * 5 * 24 * 4  # (4, 5, 24) fp32 hidden states
     total = n * m * block_input
-    got = relay[4].executor.relay_activations
+    got = engine_parts_for_tests(relay[4])["executor"].relay_activations
     assert got["device_bytes"] + got["staged_bytes"] == total
     assert got["device_bytes"] == (budget // block_input) * block_input
     assert got["device_bytes"] <= budget

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pystronghold as ph
+from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import HYPER, engine_steps, gpt_batches, one_torch_thread, plain_steps, tiny_gpt
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)
@@ -39,7 +40,7 @@ def test_state_dict_holds_every_trained_block_weight_in_the_model_dtype():
     masters = engine.master_parameters()
     for name, value in masters.items():
         assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
-    store_master = engine.store.read_state(0, "master").untyped_storage().data_ptr()
+    store_master = engine_parts_for_tests(engine)["store"].read_state(0, "master").untyped_storage().data_ptr()
     name = engine.states.block_names[0][0]  # fp32 in host memory: a view into the store, as PyTorch aliases
     assert state[name].untyped_storage().data_ptr() == store_master
     blocks = model.blocks[1].state_dict()  # a block alone: names relative to it
@@ -62,7 +63,8 @@ def test_half_precision_state_dict_holds_the_fp32_masters_and_load_sets_them(pre
         assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
         assert not torch.equal(value.to(compute).float(), value), name  # so a rounded copy would show
     name = engine.states.block_names[1][0]  # a streamed block: a view into the store, nothing doubled
-    assert state[name].untyped_storage().data_ptr() == engine.store.read_state(0, "master").untyped_storage().data_ptr()
+    store = engine_parts_for_tests(engine)["store"]
+    assert state[name].untyped_storage().data_ptr() == store.read_state(0, "master").untyped_storage().data_ptr()
     shifted = {k: v + 0.001 for k, v in state.items()}
     model.load_state_dict(shifted)
     for name, value in engine.master_parameters().items():  # fp32 masters take the fp32 values

@@ -27,7 +27,7 @@ def test_trace_records_every_action(tmp_path, overlap):
     per_step = {k: sum(e.kind == k for e in events) / 2 for k in ("compute_fwd", "h2d", "d2h", "optimizer")}
     # 4 forwards; loads: 2 + 2 in forward, 2 reloaded in backward; one copy-out and update per block
     assert per_step == {"compute_fwd": 4, "h2d": 6, "d2h": 4, "optimizer": 4}
-    slot_bytes = engine.store.layouts[0].numel * 4
+    slot_bytes = engine.memory_report().streamed_block_elements[0] * 4
     assert all(e.nbytes == slot_bytes for e in events if e.kind in ("h2d", "d2h"))
     _assert_causal(events, blocks=4)
     summary = engine.trace.summary()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pystronghold.runtime.schedule import Load, Release, build_plan
+from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import (HetStack, SlowCopies, assert_same_training, het_batches, one_torch_thread,
                             train_engine, train_reference)
 
@@ -64,7 +65,7 @@ class _Probe:
 
         def enter(block, phase, train):
             inner(block, phase, train)
-            assert len(engine.window.resident) <= engine.window_size
+            assert len(engine_parts_for_tests(engine)["window"].resident) <= engine.window_size
             assert engine.backend.arena_used_bytes <= engine.planned_arena_bytes
             self.checks += 1
 
@@ -94,7 +95,7 @@ def test_nothing_in_flight_after_step():
             if overlap == "forward":  # host updates run on into the next forward, by design
                 engine.synchronize()
             assert engine.in_flight() == 0
-            assert not engine.window.resident
+            assert not engine_parts_for_tests(engine)["window"].resident
             engine.zero_grad()
         engine.close()
 
@@ -116,7 +117,7 @@ def test_evicted_block_parameters_are_empty_placeholders():
 def _slow(engine, skip_wait: bool):
     engine.backend.copies = SlowCopies(engine.backend.copies, delay_s=0.03, queues=(0,))  # slow loads
     if skip_wait:
-        engine.executor.test_skip_waits.add("load")
+        engine_parts_for_tests(engine)["executor"].test_skip_waits.add("load")
 
 
 def test_strict_mode_catches_a_removed_wait():

@@ -32,6 +32,35 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, clip, acc, window_
     assert resumed.losses == straight.losses[3:]
 
 
+def test_state_pt_holds_the_engines_state_dict_and_the_older_layout_still_resumes(tmp_path):
+    """``state.pt`` keeps ``engine.state_dict()`` whole (step counts, fp16 loss scaler, layer drop);
+    a checkpoint written before that, with the same values under keys of their own, resumes to the
+    uninterrupted run's losses bit for bit (fp16: the loss scale comes back too)."""
+    import hashlib
+
+    from pystronghold.runtime.state_dict import ENGINE_STATE_KEYS
+
+    straight = run_training(tiny_config(tmp_path, steps=4, precision="fp16"))
+    ck = tmp_path / "ck"
+    run_training(tiny_config(tmp_path, steps=4, precision="fp16", ckpt=str(ck), every=2))
+    shutil.rmtree(ck / "step-00000004")
+    path = ck / "step-00000002"
+    state = torch.load(path / "state.pt", weights_only=False)
+    engine = state.pop("engine")
+    assert tuple(engine) == ENGINE_STATE_KEYS and engine["steps"] + engine["skipped_steps"] == 2
+    assert engine["loss_scaler"] is not None
+    state.update(engine_steps=engine["steps"], skipped_steps=engine["skipped_steps"],
+                 block_steps=engine["block_steps"], layer_drop=engine["layer_drop"], scaler=engine["loss_scaler"])
+    torch.save(state, path / "state.pt")
+    data = (path / "state.pt").read_bytes()
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    resumed = run_training(tiny_config(tmp_path, steps=4, precision="fp16", ckpt=str(ck), resume=True))
+    assert resumed.start_step == 2
+    assert resumed.losses == straight.losses[2:]
+
+
 @pytest.mark.parametrize("precision, resident", [("fp32", 0), ("bf16", 1)])
 def test_resume_with_frozen_parameters_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch, precision,
                                                                            resident):

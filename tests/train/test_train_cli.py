@@ -48,7 +48,7 @@ def test_loss_falls_and_metrics_are_filled(tmp_path):
     assert [s for s, _ in res.losses] == list(range(1, 31))
     m = res.intervals[-1]
     assert m.h2d_gbps > 0 and m.d2h_gbps > 0
-    assert m.host_bytes == trainer.engine.store.nbytes
+    assert m.host_bytes == trainer.engine.memory_report().host_store_bytes
     mem = res.memory
     assert mem.window == 2 and mem.blocks == 4
     assert mem.head_tail_bytes < mem.device_peak_bytes <= mem.window_bytes + mem.head_tail_bytes
