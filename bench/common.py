@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmark scripts: paired timing, machine load, machine facts, tables, JSON.
+"""Shared helpers of the benchmark scripts: paired timing, machine load, machine facts, tables, JSON,
+the trainers that plain PyTorch and pystronghold.wrap are timed through.
 
 Every comparison here is *paired*: the configurations compared take turns, A B A B ... (``interleave``),
 and a ratio is the median of the per-round ratios with its p20-p80 spread (``paired_ratio``), never a
@@ -10,6 +11,7 @@ Nothing here asserts a time.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -292,6 +294,58 @@ def hf_llama(layers: int, hidden: int, *, positions: int = 256, vocab: int = 512
                                    max_position_embeddings=positions)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg)
+
+
+
+# ---- trainers: the training step every contender is timed on
+
+
+class TorchTrainer:
+    """Plain PyTorch with a torch optimizer. One step: ``loss(*batch)`` inside ``autocast()`` (a
+    context-manager factory; default none), backward, ``torch.nn.utils.clip_grad_norm_`` to ``clip``
+    (None: no clipping), ``opt.step()``, ``opt.zero_grad()``; returns the loss as a float."""
+
+    def __init__(self, model, opt, *, clip: float | None = None, autocast=contextlib.nullcontext) -> None:
+        self.model, self.opt, self.clip, self.autocast = model, opt, clip, autocast
+
+    def loss(self, *batch):
+        return self.model(*batch)
+
+    def step(self, *batch) -> float:
+        with self.autocast():
+            loss = self.loss(*batch)
+        loss.backward()
+        if self.clip is not None:
+            import torch
+
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def close(self) -> None:
+        pass
+
+
+class WrappedTrainer:
+    """The same training through a ``pystronghold.wrap`` engine. One step: ``loss(*batch)``,
+    ``engine.backward``, ``engine.step()``, ``engine.zero_grad()``; returns the loss as a float."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def loss(self, *batch):
+        return self.engine(*batch)
+
+    def step(self, *batch) -> float:
+        loss = self.loss(*batch)
+        self.engine.backward(loss)
+        self.engine.step()
+        self.engine.zero_grad()
+        return loss.item()
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 # ---- host memory

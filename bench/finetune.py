@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MIN_PAIRS, LoadWatch, Timing, hf_llama, paired_ratio, print_table, write_json  # noqa: E402
+from common import (MIN_PAIRS, LoadWatch, Timing, TorchTrainer, WrappedTrainer, hf_llama, paired_ratio,  # noqa: E402
+                    print_table, write_json)
 from window import HYPER  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
@@ -59,19 +60,14 @@ LORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
 # ---- the trainers
 
 
-class Plain:
+class Plain(TorchTrainer):
     """Plain PyTorch (+ PEFT) with torch.optim.AdamW over the trainable parameters."""
 
     def __init__(self, model) -> None:
-        self.model = model
-        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HYPER)
+        super().__init__(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HYPER))
 
-    def step(self, x) -> float:
-        loss = self.model(input_ids=x, labels=x).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
+    def loss(self, x):
+        return self.model(input_ids=x, labels=x).loss
 
     def begin_timing(self) -> None:
         pass
@@ -80,22 +76,15 @@ class Plain:
         """Device bytes: every parameter resident, a trainable one with its gradient and moments."""
         return {"device_MB": head_tail_bytes(list(self.model.parameters()), torch.float32) / 1e6}
 
-    def close(self) -> None:
-        pass
 
-
-class Ours:
+class Ours(WrappedTrainer):
     """The same model through ``ph.wrap`` (blocks found by discovery, PEFT's wrappers included)."""
 
     def __init__(self, model, window: int) -> None:
-        self.engine = ph.wrap(model, window=window, optimizer=ph.AdamW(**HYPER), trace=True)
+        super().__init__(ph.wrap(model, window=window, optimizer=ph.AdamW(**HYPER), trace=True))
 
-    def step(self, x) -> float:
-        loss = self.engine(input_ids=x, labels=x).loss
-        self.engine.backward(loss)
-        self.engine.step()
-        self.engine.zero_grad()
-        return loss.item()
+    def loss(self, x):
+        return self.engine(input_ids=x, labels=x).loss
 
     def begin_timing(self) -> None:
         self.engine.synchronize()
@@ -116,9 +105,6 @@ class Ours:
                 "h2d_MB/step": moved.get("h2d", 0) / steps / 1e6, "d2h_MB/step": moved.get("d2h", 0) / steps / 1e6,
                 "device_MB": (stats["arena_used_bytes"] + stats["resident_bytes"]
                               + head_tail_bytes(engine.head_tail_params, torch.float32)) / 1e6}
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 class AccelerateOffload(Plain):

@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Timing, host_peak_bytes, print_table, reset_host_peak, write_json  # noqa: E402
+from common import (Timing, TorchTrainer, WrappedTrainer, host_peak_bytes, print_table, reset_host_peak,  # noqa: E402
+                    write_json)
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, block_param_count, param_count  # noqa: E402
@@ -68,15 +69,17 @@ bf16's 2^-8 rounding (measured 6e-5 for W=all on an H100)."""
 
 # ---- the ways to train
 
-class Plain:
+class Plain(TorchTrainer):
     """Plain PyTorch, resident; ``recompute`` wraps each block in torch.utils.checkpoint."""
 
     def __init__(self, model, device, precision, recompute=False) -> None:
-        self.model, self.device, self.recompute = model.to(device), device, recompute
-        self.dtype = torch.bfloat16 if precision == "bf16" else None
-        self.opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+        model = model.to(device)
+        autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16"
+                    else contextlib.nullcontext)
+        super().__init__(model, torch.optim.AdamW(model.parameters(), fused=True, **HYPER), autocast=autocast)
+        self.recompute = recompute
 
-    def _loss(self, x, y):
+    def loss(self, x, y):
         m = self.model
         if not self.recompute:
             return m(x, y)
@@ -87,40 +90,17 @@ class Plain:
             h = checkpoint(block, h, use_reentrant=False)
         return m.tail(h, y)
 
-    def step(self, x, y) -> float:
-        autocast = (contextlib.nullcontext() if self.dtype is None
-                    else torch.autocast(self.device.type, dtype=self.dtype))
-        with autocast:
-            loss = self._loss(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.item()
 
-    def close(self) -> None:
-        pass
-
-
-class Windowed:
+class Windowed(WrappedTrainer):
     """pystronghold.wrap with ``window`` slots on the device (and ``split``: K resident blocks, their
     recompute)."""
 
     def __init__(self, model, device, precision, window, **split) -> None:
-        self.engine = ph.wrap(model, blocks=model.blocks, window=window, device=str(device),
-                              precision=precision, optimizer=ph.AdamW(**HYPER), **split)
+        super().__init__(ph.wrap(model, blocks=model.blocks, window=window, device=str(device),
+                                 precision=precision, optimizer=ph.AdamW(**HYPER), **split))
         self.window = self.engine.window_size
         self.resident_blocks = self.engine.stats()["resident_blocks"]
         self.resident_recompute = self.engine.config.resident_recompute
-
-    def step(self, x, y) -> float:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        self.engine.zero_grad()
-        return loss.item()
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 def auto_split(model, args) -> tuple[dict, float]:
@@ -137,7 +117,7 @@ def auto_split(model, args) -> tuple[dict, float]:
     return decision.wrap_options(), decision.step.total_s
 
 
-class FSDP2Offload:
+class FSDP2Offload(TorchTrainer):
     """torch FSDP2 on one rank: parameters, gradients and AdamW states on the host (CPUOffloadPolicy)."""
 
     def __init__(self, model, device, precision) -> None:
@@ -151,18 +131,8 @@ class FSDP2Offload:
         for block in model.blocks:
             fully_shard(block, **options)
         fully_shard(model, **options)  # head and tail (the tied embedding) in the root's group
-        self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), **HYPER)  # the sharded parameters live on the host
-
-    def step(self, x, y) -> float:
-        loss = self.model(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    def close(self) -> None:
-        pass
+        # the sharded parameters live on the host
+        super().__init__(model, torch.optim.AdamW(model.parameters(), **HYPER))
 
 
 class DeepSpeedZero2:

@@ -192,13 +192,6 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, pp: int, chunks: int, po
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _name(config: tuple[int, int, int, int]) -> str:
     tp, dp, pp, chunks = config
     return f"{tp}x{dp}x{pp}" + (f"v{chunks}" if chunks > 1 else "")
@@ -207,9 +200,11 @@ def _name(config: tuple[int, int, int, int]) -> str:
 def run_configs(args: dict) -> dict:
     """Start every (tp, dp, pp, v) configuration's processes once, let them take turns for
     ``rounds`` rounds of steps // rounds steps, and return each configuration's rank-0 record."""
+    from pystronghold.parallel.groups import free_local_port
+
     ports = set()
     while len(ports) < len(CONFIGS):
-        ports.add(_free_port())
+        ports.add(free_local_port())
     with tempfile.TemporaryDirectory() as tmp:
         ctl = Path(tmp)
         contexts = {cfg: mp.start_processes(_rank_main, args=(args, *cfg, port, tmp), nprocs=cfg[0] * cfg[1] * cfg[2],

@@ -115,11 +115,9 @@ def _rank_main(rank: int, args: dict, port: int, out: str) -> None:
 
 def run(args: dict) -> dict:
     """Start the ranks, wait, and return rank 0's record (times, losses, the aware split)."""
-    import socket
+    from pystronghold.parallel.groups import free_local_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         mp.start_processes(_rank_main, args=(args, port, out), nprocs=args["ranks"], start_method="spawn")

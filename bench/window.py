@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (MIN_PAIRS, LoadWatch, Timing, add_gpt_arguments, paired_ratio, print_table,  # noqa: E402
-                    token_batches, write_json)
+from common import (MIN_PAIRS, LoadWatch, Timing, TorchTrainer, WrappedTrainer, add_gpt_arguments,  # noqa: E402
+                    paired_ratio, print_table, token_batches, write_json)
 
 import pystronghold as ph  # noqa: E402
 from pystronghold.models import GPT, GPTConfig  # noqa: E402
@@ -48,45 +48,25 @@ from pystronghold.models import GPT, GPTConfig  # noqa: E402
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-class Plain:
+class Plain(TorchTrainer):
     """Plain PyTorch + torch.optim.AdamW, everything resident (``clip``: torch.nn.utils.clip_grad_norm_
     to this norm before each step; None: no clipping)."""
 
     def __init__(self, model, clip: float | None = None) -> None:
-        self.model, self.opt = model, torch.optim.AdamW(model.parameters(), **HYPER)
-        self.clip = clip
-
-    def step(self, x, y) -> float:
-        loss = self.model(x, y)
-        loss.backward()
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.opt.step()
-        self.opt.zero_grad()
-        return loss.item()
+        super().__init__(model, torch.optim.AdamW(model.parameters(), **HYPER), clip=clip)
 
     def extra(self, timed_steps: int) -> dict:
         n = sum(p.numel() for p in self.model.parameters())
         return {"device_bytes": 16 * n}  # fp32 param, grad, exp_avg, exp_avg_sq
 
-    def close(self) -> None:
-        pass
 
-
-class Windowed:
+class Windowed(WrappedTrainer):
     """The same training through pystronghold.wrap with ``window`` blocks resident (``options``:
     more wrap options, e.g. the NVMe tier's in bench/nvme.py; tracing is on unless ``trace=False``)."""
 
     def __init__(self, model, window, **options) -> None:
-        self.engine = ph.wrap(model, blocks=model.blocks, window=window, optimizer=ph.AdamW(**HYPER),
-                              **{"trace": True, **options})
-
-    def step(self, x, y) -> float:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        self.engine.zero_grad()
-        return loss.item()
+        super().__init__(ph.wrap(model, blocks=model.blocks, window=window, optimizer=ph.AdamW(**HYPER),
+                                 **{"trace": True, **options}))
 
     def extra(self, timed_steps: int) -> dict:
         engine = self.engine
@@ -96,9 +76,6 @@ class Windowed:
         return {"device_bytes": stats["arena_used_bytes"] + 16 * ht + stats["resident_bytes"],
                 "overlap": summary.overlap_fraction,
                 "stall_ms": 1e3 * summary.stall_s / timed_steps}
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 # ---- accumulation schedules (--accumulation)

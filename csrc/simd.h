@@ -129,21 +129,8 @@ inline vf load_bf16(const uint16_t* p) {
 inline vf load_half(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline void store_bf16(uint16_t* p, vf x) {
-  __m512i u = _mm512_castps_si512(x);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
-inline void store_half(uint16_t* p, vf x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-// Non-temporal store of kWidth 16-bit values (p aligned to kWidth * 2 bytes): bf16/fp16 packing of
-// store_bf16/store_half, written around the cache (no read for ownership of a write-only line).
-inline void stream_u16(uint16_t* p, __m256i packed) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed); }
+// bf16 (round to nearest even, NaN -> quiet NaN) and fp16 packing of kWidth floats: the one rounding
+// behind both the plain and the non-temporal stores.
 inline __m256i pack_bf16(vf x) {
   __m512i u = _mm512_castps_si512(x);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -153,6 +140,12 @@ inline __m256i pack_bf16(vf x) {
   return _mm512_cvtepi32_epi16(r);
 }
 inline __m256i pack_half(vf x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store_u16(uint16_t* p, __m256i packed) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed); }
+inline void store_bf16(uint16_t* p, vf x) { store_u16(p, pack_bf16(x)); }
+inline void store_half(uint16_t* p, vf x) { store_u16(p, pack_half(x)); }
+// Non-temporal store of kWidth 16-bit values (p aligned to kWidth * 2 bytes), written around the
+// cache (no read for ownership of a write-only line).
+inline void stream_u16(uint16_t* p, __m256i packed) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed); }
 inline void stream_bf16(uint16_t* p, vf x) { stream_u16(p, pack_bf16(x)); }
 inline void stream_half(uint16_t* p, vf x) { stream_u16(p, pack_half(x)); }
 inline void stream_fence() { _mm_sfence(); }
@@ -179,33 +172,23 @@ inline vf load_bf16(const uint16_t* p) {
 inline vf load_half(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline void store_bf16(uint16_t* p, vf x) {
-  __m256i u = _mm256_castps_si256(x);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  // every lane is <= 0xFFFF, so unsigned saturation packs exactly; lo/hi halves keep lane order
-  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-inline void store_half(uint16_t* p, vf x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-// Non-temporal variants (p aligned to kWidth * 2 = 16 bytes): see the AVX-512 block.
+// Packing, plain and non-temporal stores (p aligned to kWidth * 2 = 16 bytes): see the AVX-512 block.
 inline __m128i pack_bf16(vf x) {
   __m256i u = _mm256_castps_si256(x);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // every lane is <= 0xFFFF, so unsigned saturation packs exactly; lo/hi halves keep lane order
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
-inline void stream_bf16(uint16_t* p, vf x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x)); }
-inline void stream_half(uint16_t* p, vf x) {
-  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+inline __m128i pack_half(vf x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store_u16(uint16_t* p, __m128i packed) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed); }
+inline void store_bf16(uint16_t* p, vf x) { store_u16(p, pack_bf16(x)); }
+inline void store_half(uint16_t* p, vf x) { store_u16(p, pack_half(x)); }
+inline void stream_u16(uint16_t* p, __m128i packed) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), packed); }
+inline void stream_bf16(uint16_t* p, vf x) { stream_u16(p, pack_bf16(x)); }
+inline void stream_half(uint16_t* p, vf x) { stream_u16(p, pack_half(x)); }
 inline void stream_fence() { _mm_sfence(); }
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }

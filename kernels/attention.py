@@ -47,6 +47,50 @@ _AUTOTUNE = dict(key=["n_ctx", "head_dim", "CAUSAL", "PRECISION"],
 # ---- kernels
 
 
+@triton.jit
+def _tile(rows, offs_d, n_ctx, head_dim):
+    """Element offsets and in-bounds mask of the tile `rows` x `offs_d` of one row-major (n_ctx, head_dim) matrix."""
+    offsets = rows[:, None] * head_dim + offs_d[None, :]
+    mask = (rows < n_ctx)[:, None] & (offs_d < head_dim)[None, :]
+    return offsets, mask
+
+
+@triton.jit
+def _load_tile(ptr, offsets, mask, UPCAST: tl.constexpr):
+    """One tile, zero off the ragged edges; converted to fp32 if UPCAST (bf16 under the interpreter)."""
+    x = tl.load(ptr + offsets, mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_keys(K, V, base, cols, offs_d, n_ctx, head_dim, UPCAST: tl.constexpr):
+    """The K and V tiles of key rows `cols` of one batch*head."""
+    offsets, mask = _tile(cols, offs_d, n_ctx, head_dim)
+    return _load_tile(K + base, offsets, mask, UPCAST), _load_tile(V + base, offsets, mask, UPCAST)
+
+
+@triton.jit
+def _load_queries(Q, DO, LSE, DELTA, base, bh, rows, offs_d, n_ctx, head_dim, UPCAST: tl.constexpr):
+    """The backward's inputs for query rows `rows` of one batch*head: the Q and dO tiles, LSE and Delta (fp32)."""
+    offsets, mask = _tile(rows, offs_d, n_ctx, head_dim)
+    q = _load_tile(Q + base, offsets, mask, UPCAST)
+    do = _load_tile(DO + base, offsets, mask, UPCAST)
+    lse = tl.load(LSE + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
+    delta = tl.load(DELTA + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _keys_end(start_m, n_ctx, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One past the last key that query block `start_m` attends to: causal blocks stop at their diagonal."""
+    end = n_ctx
+    if CAUSAL:
+        end = tl.minimum((start_m + 1) * BLOCK_M, n_ctx)
+    return end
+
+
 @triton.autotune(configs=_FWD_CONFIGS, **_AUTOTUNE)
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, n_ctx, head_dim, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
@@ -56,25 +100,14 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, n_ctx, head_dim, CAUSAL: tl.cons
     base = bh * n_ctx * head_dim
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    q_mask = (rows < n_ctx)[:, None] & d_mask[None, :]
-    q = tl.load(Q + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q_offs, q_mask = _tile(rows, offs_d, n_ctx, head_dim)
+    q = _load_tile(Q + base, q_offs, q_mask, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = n_ctx
-    if CAUSAL:
-        hi = tl.minimum((start_m + 1) * BLOCK_M, n_ctx)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, _keys_end(start_m, n_ctx, CAUSAL, BLOCK_M), BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < n_ctx)[:, None] & d_mask[None, :]
-        k = tl.load(K + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_keys(K, V, base, cols, offs_d, n_ctx, head_dim, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         valid = (cols < n_ctx)[None, :]
         if CAUSAL:
@@ -87,7 +120,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, n_ctx, head_dim, CAUSAL: tl.cons
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
-    tl.store(O + base + rows[:, None] * head_dim + offs_d[None, :], acc.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(O + base + q_offs, acc.to(O.dtype.element_ty), mask=q_mask)
     tl.store(LSE + bh * n_ctx + rows, (m_i + tl.log2(l_i)) / 1.4426950408889634, mask=rows < n_ctx)
 
 
@@ -115,13 +148,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, n
     base = bh * n_ctx * head_dim
     cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    kv_mask = (cols < n_ctx)[:, None] & d_mask[None, :]
-    k = tl.load(K + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = _load_keys(K, V, base, cols, offs_d, n_ctx, head_dim, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo = 0
@@ -129,20 +156,13 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, n
         lo = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M                 # first query block reaching these keys
     for start_m in range(lo, n_ctx, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q_mask = (rows < n_ctx)[:, None] & d_mask[None, :]
-        q = tl.load(Q + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DO + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        lse = tl.load(LSE + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
-        delta = tl.load(DELTA + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
+        q, do, lse, delta = _load_queries(Q, DO, LSE, DELTA, base, bh, rows, offs_d, n_ctx, head_dim, UPCAST)
         p, ds = _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL, PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    tl.store(DK + base + cols[:, None] * head_dim + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-             mask=kv_mask)
-    tl.store(DV + base + cols[:, None] * head_dim + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    kv_offs, kv_mask = _tile(cols, offs_d, n_ctx, head_dim)
+    tl.store(DK + base + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + base + kv_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.autotune(configs=_BWD_CONFIGS, **_AUTOTUNE)
@@ -155,31 +175,15 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale, qk_scale, n_ctx, 
     base = bh * n_ctx * head_dim
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    q_mask = (rows < n_ctx)[:, None] & d_mask[None, :]
-    q = tl.load(Q + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + base + rows[:, None] * head_dim + offs_d[None, :], mask=q_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    lse = tl.load(LSE + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
-    delta = tl.load(DELTA + bh * n_ctx + rows, mask=rows < n_ctx, other=0.0)
+    q, do, lse, delta = _load_queries(Q, DO, LSE, DELTA, base, bh, rows, offs_d, n_ctx, head_dim, UPCAST)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = n_ctx
-    if CAUSAL:
-        hi = tl.minimum((start_m + 1) * BLOCK_M, n_ctx)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, _keys_end(start_m, n_ctx, CAUSAL, BLOCK_M), BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < n_ctx)[:, None] & d_mask[None, :]
-        k = tl.load(K + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + base + cols[:, None] * head_dim + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_keys(K, V, base, cols, offs_d, n_ctx, head_dim, UPCAST)
         p, ds = _attn_bwd_block(q, k, v, do, lse, delta, rows, cols, qk_scale, n_ctx, CAUSAL, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + base + rows[:, None] * head_dim + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=q_mask)
+    q_offs, q_mask = _tile(rows, offs_d, n_ctx, head_dim)
+    tl.store(DQ + base + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
 # ---- launchers

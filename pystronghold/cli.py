@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from pystronghold.options import one_line_error
+
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from pystronghold.info import collect
@@ -28,11 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train models larger than accelerator memory.",
         epilog="example: pystronghold info --json",
     )
-    def one_line_error(message: str):
-        print(f"pystronghold: error: {message} (see pystronghold --help)", file=sys.stderr)
-        sys.exit(2)
-
-    parser.error = one_line_error  # NOTE: e.g. an unknown option after a subcommand lands here
+    # NOTE: e.g. an unknown option after a subcommand lands here
+    parser.error = one_line_error("pystronghold", hint=" (see pystronghold --help)")
     from pystronghold import __version__
 
     parser.add_argument("--version", action="version", version=f"pystronghold {__version__}")

@@ -37,10 +37,11 @@ import ast
 import dataclasses
 import inspect
 import re
+import sys
 import textwrap
 
 __all__ = ["option", "component", "ConfigError", "field_docs", "flag_of", "add_options", "from_args",
-           "parse_bytes"]
+           "parse_bytes", "one_line_error"]
 
 _TYPES = {"str": str, "int": int, "float": float}
 _METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
@@ -187,6 +188,15 @@ def add_options(parser: argparse.ArgumentParser, job_cls) -> None:
         elif f.metadata.get("cli", True):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             _add_option(parser, f, default, f.name, docs.get(f.name, ""))
+
+
+def one_line_error(prog: str, hint: str = ""):
+    """A ``parser.error`` that prints ``{prog}: error: {message}{hint}`` on one line of stderr and exits
+    with status 2 (argparse's own prints the whole usage first)."""
+    def error(message: str):
+        print(f"{prog}: error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+    return error
 
 
 def _value(f: dataclasses.Field, given):

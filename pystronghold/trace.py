@@ -254,8 +254,17 @@ class Tracer:
         path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
         return path
 
-    def write_png(self, path: str | os.PathLike, *, title: str | None = None) -> Path:
-        """Draw the timeline (one row per lane, milliseconds from the first event) as a PNG.
+    def write_png(self, path: str | os.PathLike, *, title: str | None = None,
+                  steps: list[tuple[int, float]] | None = None, min_event_width: float = 1 / 400) -> Path:
+        """Draw the timeline as a PNG: one row per lane, milliseconds from the first event, a dashed
+        line where each of ``steps`` (``(step number, start in seconds)`` pairs) begins, and block
+        numbers on the compute bars wide enough to hold them.
+
+        Every event but a stall is drawn at least ``min_event_width`` of the time span wide, with an
+        edge: a block's copy takes microseconds next to steps of hundreds of milliseconds, and drawn
+        to scale it would vanish. NOTE: stalls keep their true width: on CUDA every
+        compute-waits-for-copy is a span, most of them zero long (the copy had finished), and
+        widening them would draw stalls that did not happen.
 
         Needs matplotlib (``pip install pystronghold[plots]``); raises ImportError naming it
         otherwise. The title defaults to the summary line. Returns the path written.
@@ -268,14 +277,28 @@ class Tracer:
         import matplotlib.pyplot as plt
         events = self.events()
         t0 = min((e.start_s for e in events), default=0.0)
+        span_ms = max((e.end_s for e in events), default=t0) * 1e3 - t0 * 1e3
         lanes = lanes_of(events)
         colors = plt.get_cmap("tab10")
-        fig, ax = plt.subplots(figsize=(12, 0.6 * max(len(lanes), 1) + 1.2))
+        fig, ax = plt.subplots(figsize=(12, 0.6 * max(len(lanes), 1) + 1.4))
         for row, lane in enumerate(lanes):
-            spans = [((e.start_s - t0) * 1e3, e.duration_s * 1e3) for e in events if e.lane == lane]
-            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors(row % 10), alpha=0.8)
+            mine = [e for e in events if e.lane == lane]
+            least_ms = 0.0 if lane == "stall" else span_ms * min_event_width
+            spans = [((e.start_s - t0) * 1e3, max(e.duration_s * 1e3, least_ms)) for e in mine]
+            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors(row % 10), edgecolors=colors(row % 10),
+                           linewidth=0.6, alpha=0.85)
+            busy = sum(e.duration_s for e in mine) * 1e3
+            ax.text(span_ms * 1.005, row, f"{len(mine)} events, {busy:.1f} ms", va="center", fontsize=8)
+            for e, (x, width) in zip(mine, spans):
+                if lane == "compute" and e.block is not None and width >= span_ms / 80:
+                    ax.text(x + width / 2, row, str(e.block), ha="center", va="center", fontsize=6)
+        for step, start in steps or ():
+            x = (start - t0) * 1e3
+            ax.axvline(x, color="0.3", linestyle="--", linewidth=0.8)
+            ax.text(x, -0.6, f" step {step}", fontsize=7, va="bottom")
         ax.set_yticks(range(len(lanes)), lanes)
         ax.invert_yaxis()
+        ax.set_xlim(0, span_ms * 1.14 if span_ms > 0 else 1)
         ax.set_xlabel("time (ms)")
         ax.set_title(title if title is not None else self.summary().line(), fontsize=9)
         fig.tight_layout()

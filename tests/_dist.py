@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pystronghold.parallel.groups import free_local_port
 
 
 def _entry(rank: int, fn, world: int, port: int, init: bool, args: tuple) -> None:
@@ -42,7 +37,7 @@ def run_ranks(fn, world: int, *args, init: bool = True, timeout_s: float = 60.0)
     # NOTE: forkserver: children fork from one server that imported torch once (a fresh spawn
     # costs seconds per process on a busy machine), and no child inherits the test's threads.
     mp.set_forkserver_preload(["torch", "torch.distributed", "pystronghold.models", "pytest"])
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), init, args), nprocs=world, join=False,
+    ctx = mp.start_processes(_entry, args=(fn, world, free_local_port(), init, args), nprocs=world, join=False,
                    start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=0.2):  # raises ProcessRaisedException/ProcessExitedException

@@ -19,12 +19,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelGroups", "init_parallel", "validate_parallel_sizes", "group_size", "group_rank"]
+__all__ = ["ParallelGroups", "init_parallel", "validate_parallel_sizes", "group_size", "group_rank", "free_local_port"]
 
 log = logging.getLogger(__name__)
 
@@ -175,3 +176,10 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank inside ``group``; 0 for None."""
     return 0 if group is None else dist.get_rank(group)
+
+
+def free_local_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now: the MASTER_PORT for ranks started on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

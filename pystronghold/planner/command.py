@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX
-from pystronghold.options import ConfigError, add_options, component, from_args, option
+from pystronghold.options import ConfigError, add_options, component, from_args, one_line_error, option
 from pystronghold.runtime.config import RuntimeConfig
 
 __all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan"]
@@ -295,11 +295,6 @@ def add_plan_command(subparsers) -> argparse.ArgumentParser:
         description="Predict what training a GPT with the layer window needs and how fast it runs.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, PlanRequest)
-
-    def one_line_error(message: str):
-        print(f"pystronghold plan: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-    parser.error = one_line_error  # NOTE: argparse's usage dump is not a one-line error
+    parser.error = one_line_error("pystronghold plan")  # NOTE: argparse's usage dump is not a one-line error
     parser.set_defaults(run=run_plan)
     return parser

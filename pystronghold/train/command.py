@@ -11,6 +11,8 @@ import signal
 import sys
 import time
 
+from pystronghold.options import one_line_error
+
 __all__ = ["add_train_command", "add_export_command", "config_from_args"]
 
 log = logging.getLogger("pystronghold.train")
@@ -35,13 +37,6 @@ def config_from_args(args: argparse.Namespace):
     from pystronghold.train.config import TrainConfig
 
     return from_args(TrainConfig, args)
-
-
-def _one_line_error(prog: str):
-    def error(message: str):
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-    return error
 
 
 RANK_0_REPORT_WAIT_S = 60.0
@@ -239,7 +234,7 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
                     "optimizer, on the host.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, TrainConfig)
-    parser.error = _one_line_error("pystronghold train")  # NOTE: argparse's usage dump is not one line
+    parser.error = one_line_error("pystronghold train")  # NOTE: argparse's usage dump is not one line
     parser.set_defaults(run=run_train)
     return parser
 
@@ -271,6 +266,6 @@ def add_export_command(subparsers) -> argparse.ArgumentParser:
                            help="--hf: copy the tokenizer (and generation config) from DIR (default: the "
                                 "run's --model hf:DIR)")
     tokenizer.add_argument("--no-tokenizer", action="store_true", help="--hf: write the model without a tokenizer")
-    parser.error = _one_line_error("pystronghold export")
+    parser.error = one_line_error("pystronghold export")
     parser.set_defaults(run=run_export)
     return parser

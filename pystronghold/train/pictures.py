@@ -6,13 +6,9 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
-from pystronghold.trace import Tracer, lanes_of
+from pystronghold.trace import Tracer
 
-__all__ = ["write_outputs", "write_loss_png", "write_timeline_png", "step_starts", "timeline_title"]
-
-MIN_EVENT_WIDTH = 1 / 400
-"""Narrowest bar of the timeline, as a fraction of its time span (a block's copy takes microseconds
-next to steps of hundreds of milliseconds; drawn to scale it would vanish)."""
+__all__ = ["write_outputs", "write_loss_png", "step_starts", "timeline_title"]
 
 
 def step_starts(events, steps: list[int]) -> list[tuple[int, float]]:
@@ -40,51 +36,6 @@ def timeline_title(n_steps: int, window, summary) -> str:
     shown = f"last {n_steps} steps" if n_steps else "the whole trace"
     return (f"{shown}, W={window}: in these steps {hidden} of copy and host-update time "
             f"overlapped compute; compute stalled {summary.stall_s * 1e3:.1f} ms waiting")
-
-
-def write_timeline_png(path: Path, tracer: Tracer, title: str,
-                       steps: list[tuple[int, float]] | None = None) -> Path:
-    """One row per lane (compute, h2d, d2h, optimizer, file_io, stall), milliseconds from the first
-    event, a dashed line where each of ``steps`` (``step_starts``) begins, and block numbers on the
-    compute bars wide enough to hold them. NOTE: unlike ``Tracer.write_png``, every event but a stall is
-    drawn at least ``MIN_EVENT_WIDTH`` of the span wide, with an edge, so copies stay visible.
-    Stalls keep their true width: on CUDA every compute-waits-for-copy is a span, most of them zero
-    long (the copy had finished), and widening them would draw stalls that did not happen."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    events = tracer.events()
-    t0 = min((e.start_s for e in events), default=0.0)
-    span_ms = max((e.end_s for e in events), default=t0) * 1e3 - t0 * 1e3
-    lanes = lanes_of(events)
-    colors = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(12, 0.6 * max(len(lanes), 1) + 1.4))
-    for row, lane in enumerate(lanes):
-        mine = [e for e in events if e.lane == lane]
-        least_ms = 0.0 if lane == "stall" else span_ms * MIN_EVENT_WIDTH
-        spans = [((e.start_s - t0) * 1e3, max(e.duration_s * 1e3, least_ms)) for e in mine]
-        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors(row % 10), edgecolors=colors(row % 10),
-                       linewidth=0.6, alpha=0.85)
-        busy = sum(e.duration_s for e in mine) * 1e3
-        ax.text(span_ms * 1.005, row, f"{len(mine)} events, {busy:.1f} ms", va="center", fontsize=8)
-        for e, (x, width) in zip(mine, spans):
-            if lane == "compute" and e.block is not None and width >= span_ms / 80:
-                ax.text(x + width / 2, row, str(e.block), ha="center", va="center", fontsize=6)
-    for step, start in steps or ():
-        x = (start - t0) * 1e3
-        ax.axvline(x, color="0.3", linestyle="--", linewidth=0.8)
-        ax.text(x, -0.6, f" step {step}", fontsize=7, va="bottom")
-    ax.set_yticks(range(len(lanes)), lanes)
-    ax.invert_yaxis()
-    ax.set_xlim(0, span_ms * 1.14 if span_ms > 0 else 1)
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def write_loss_png(path: Path, losses: list[tuple[int, float]], val_losses: list[tuple[int, float]],
@@ -126,7 +77,7 @@ def write_outputs(out: Path, events, result, max_png_steps: int = 3) -> list[Pat
         if e.start_s >= cut:
             tail.record(e.kind, e.block, e.start_s, e.end_s, e.nbytes, e.lane)
     window = result.memory.window if result.memory else "?"
-    paths.append(write_timeline_png(out / "timeline.png", tail,
-                                    timeline_title(len(shown), window, tail.summary()), steps=shown))
+    paths.append(tail.write_png(out / "timeline.png", title=timeline_title(len(shown), window, tail.summary()),
+                                steps=shown))
     paths.append(write_loss_png(out / "loss.png", result.losses, result.val_losses))
     return paths

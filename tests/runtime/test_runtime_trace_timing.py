@@ -216,8 +216,6 @@ def test_timeline_png_widens_copies_but_not_stalls(tmp_path, monkeypatch):
     matplotlib = pytest.importorskip("matplotlib")
     import matplotlib.axes
 
-    from pystronghold.train.pictures import MIN_EVENT_WIDTH, write_timeline_png
-
     drawn = {}
     original = matplotlib.axes.Axes.broken_barh
 
@@ -228,9 +226,9 @@ def test_timeline_png_widens_copies_but_not_stalls(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "broken_barh", spy)
     t = Tracer()
     t.record("compute_fwd", 0, 0.0, 1.0)
-    t.record("h2d", 1, 0.25, 0.25, nbytes=8)  # a copy too short to see: drawn MIN_EVENT_WIDTH of the span
+    t.record("h2d", 1, 0.25, 0.25, nbytes=8)  # a copy too short to see: drawn min_event_width of the span
     t.record("wait", 1, 0.5, 0.5)  # a stall of nothing (the copy was done): drawn as nothing
-    write_timeline_png(tmp_path / "timeline.png", t, "test")
+    t.write_png(tmp_path / "timeline.png", title="test", min_event_width=0.01)
     assert drawn[0] == [(0.0, 1000.0)]  # rows: compute, h2d, stall; milliseconds
-    assert drawn[1] == [(250.0, 1000.0 * MIN_EVENT_WIDTH)]
+    assert drawn[1] == [(250.0, 1000.0 * 0.01)]
     assert drawn[2] == [(500.0, 0.0)]

@@ -179,11 +179,11 @@ def test_timeline_pictures_the_last_steps_with_a_resident_block_0(tmp_path, monk
 
     drawn = {}
 
-    def draw(path, tracer, title, steps=None):
+    def draw(tracer, path, *, title=None, steps=None):
         drawn.update(title=title, steps=steps, first_s=min(e.start_s for e in tracer.events()))
         return path
 
-    monkeypatch.setattr(pictures, "write_timeline_png", draw)
+    monkeypatch.setattr(pictures.Tracer, "write_png", draw)
     run_training(tiny_config(tmp_path, steps=5, window=1, resident=1, accumulation=2, trace=str(tmp_path / "out")))
     assert drawn["title"].startswith("last 3 steps, W=1:"), drawn["title"]
     assert [k for k, _ in drawn["steps"]] == [3, 4, 5]

@@ -110,3 +110,18 @@ def test_mechanism_errors_name_the_flag_and_refuse_unknown_types():
 
     with pytest.raises(TypeError, match=r"Engine has no option field \['sped'\]"):
         add_options(argparse.ArgumentParser(), Renamed)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--bogus"], "pystronghold: error: the following arguments are required: command (see pystronghold --help)"),
+    (["plan", "--layers", "x"], "pystronghold plan: error: argument --layers: invalid int value: 'x'"),
+    (["train", "--steps", "x"], "pystronghold train: error: argument --steps: invalid int value: 'x'"),
+    (["export", "ck"], "pystronghold export: error: the following arguments are required: output"),
+])
+def test_every_command_reports_a_bad_command_line_as_one_line_and_status_2(capsys, argv, line):
+    from pystronghold.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [line]

@@ -2,7 +2,6 @@
 GPU) and on 2 gloo ranks (CPU tensors in the interpreter: CPU machines only)."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ if not torch.cuda.is_available():
 import pystronghold.nn.functional as PF  # noqa: E402
 from pystronghold.nn import dispatch  # noqa: E402
 from pystronghold.kernels import cross_entropy as ce  # noqa: E402
+from pystronghold.parallel.groups import free_local_port  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ../shared/TRITON_CPU.md; they hold on a GPU too: the kernels have no tl.dot (no TF32), only fp32 loads and reductions
@@ -115,13 +115,7 @@ def _tp_worker(rank: int, world_size: int, port: int):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU tensors in the interpreter; on CUDA "
                     "the one-rank tests cover the kernels, the CPU run the cross-rank reduction")
 def test_vocab_parallel_two_gloo_ranks():
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_local_port()), nprocs=2, join=True)
