@@ -19,6 +19,7 @@ import importlib.util
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -176,6 +177,15 @@ def sources_for(variants: list) -> list:
     return sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp") if p.name not in skipped)
 
 
+def compiler_cache() -> str:
+    """The compiler cache a rebuild from scratch reuses: torch's ninja build puts ccache (or sccache)
+    in front of the compiler when one is on PATH, unless TORCH_NO_COMPILER_WRAPPER is set."""
+    if os.environ.get("TORCH_NO_COMPILER_WRAPPER"):
+        return "off (TORCH_NO_COMPILER_WRAPPER)"
+    found = next((name for name in ("ccache", "sccache") if shutil.which(name)), None)
+    return found or "none (install ccache to make rebuilds from scratch fast)"
+
+
 def extensions():
     from torch.utils import cpp_extension
 
@@ -199,7 +209,8 @@ def extensions():
     library_dirs = []
     define_macros = []
     print(f"pystronghold: building _C for CPU{' + CUDA' if with_cuda else ' only'}, SIMD variants "
-          f"{', '.join(variants)}, {'debug' if debug else 'release'}, {len(sources)} C++ sources")
+          f"{', '.join(variants)}, {'debug' if debug else 'release'}, {len(sources)} C++ sources, "
+          f"compiler cache {compiler_cache()}")
     if not with_cuda:
         return [cpp_extension.CppExtension(
             "pystronghold._C", sources, include_dirs=include_dirs,

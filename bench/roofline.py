@@ -9,7 +9,7 @@ OpenMP threads, or the copy engine's threads):
   copy_nt    CopyEngine.copy(b, a): streaming (non-temporal) stores from 1 MiB chunks up      8 B
   memcpy     glibc memcpy, one call (1 thread; large copies use its own streaming path)        8 B
   triad      torch.add(b, c, alpha=s, out=a)                12 B
-  adam_shape csrc/roofline.cpp: a, b, c <- x*s + d in place, Adam's access pattern             28 B
+  adam_shape csrc/adam.cpp:     a, b, c <- x*s + d in place, Adam's access pattern             28 B
 Bytes counted are those the kernel names (reads plus writes), not the read-for-ownership an ordinary
 store adds, so a kernel whose stores need one looks slower than the bus really ran: the ceiling is
 the best any of them reached, which a one-pass kernel moving the same counted bytes cannot exceed

@@ -10,7 +10,8 @@
 // adam_step_multi updates many tensors in one OpenMP region: the tensors are laid end to end and
 // each thread takes one contiguous range of the whole, so threads never sync per tensor.
 // This file validates and computes the coefficients; the arithmetic runs in the SIMD variant the
-// CPU supports (simd_kernels.h, adam_kernel.h; chosen by simd_dispatch.cpp).
+// CPU supports (simd_kernels.h, adam_kernel.h; chosen by simd_dispatch.cpp). The roofline probe,
+// Adam's memory ceiling, is validated here too (its own section at the end).
 //
 // Overflow skip: before anything is written, each thread scans its range of the grad (times
 // grad_scale) for inf/NaN; after a barrier, either every thread updates its range or none does.
@@ -22,7 +23,6 @@
 #include <vector>
 
 #include "adam.h"
-#include "bindings.h"
 #include "simd_dispatch.h"
 
 namespace pystronghold {
@@ -180,11 +180,25 @@ bool adam_step_multi(at::TensorList params, at::TensorList grads, at::TensorList
                      adamw, grad_scale, check_finite, bitwise_torch, "adam_step_multi", false);
 }
 
+// ---- the roofline probe: an in-place stream with Adam's memory access pattern (four
+// fp32 read streams, three of them written back in place) and almost no arithmetic, split over
+// OpenMP threads exactly as adam_step splits its work. Its bytes/s is this machine's ceiling for
+// any one-pass Adam; bench/adam.py reports Adam's effective GB/s against it.
+int64_t roofline_stream(at::Tensor a, at::Tensor b, at::Tensor c, at::Tensor d, double s) {
+  constexpr const char* fn = "roofline_stream";
+  const at::Tensor* ts[] = {&a, &b, &c, &d};
+  const char* names[] = {"a", "b", "c", "d"};
+  for (int k = 0; k < 4; ++k) {
+    check_cpu_contiguous(*ts[k], fn, names[k]);
+    check_dtype_in(*ts[k], fn, names[k], {at::kFloat}, "float32");
+    check_numel(*ts[k], fn, names[k], a.numel());
+  }
+  check_disjoint({{"a", &a}, {"b", &b}, {"c", &c}, {"d", &d}}, fn);
+  const int64_t n = a.numel();
+  simd::active().roofline_stream(a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(),
+                                 d.data_ptr<float>(), n, static_cast<float>(s));
+  return n * 28;
+}
+
 }  // namespace adam
 }  // namespace pystronghold
-
-void pystronghold::bind_adam_info(pybind11::module_& m) {
-  m.def("adam_torch_sqrt", []() { return std::string(::vmsSqrt ? "mkl-vml-ha" : "ieee"); },
-        "The sqrt adam_step uses with bitwise_torch=True: MKL's vmsSqrt from libtorch_cpu (torch's CPU "
-        "sqrt), or IEEE when torch has no MKL. The default path always uses the IEEE SIMD sqrt.");
-}

@@ -1,9 +1,11 @@
-// Input validation of the fused CPU Adam (adam.cpp), the gradient norms (adam_norm.cpp,
-// grad_norms.cpp) and the roofline probe (roofline.cpp): each error names the tensor and the
-// expected value.
+// Input validation of the fused CPU Adam and the roofline probe (adam.cpp) and the gradient norms
+// (grad_norms.cpp): each error names the tensor and the expected value.
 #pragma once
 
-#include <torch/extension.h>
+// NOTE: ATen's tensor header, not torch/extension.h: these sources bind to torch's dispatcher
+// (ops.cpp), not to Python, and compile several times faster without the Python side.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <optional>
@@ -70,12 +72,16 @@ bool adam_step_multi(at::TensorList params, at::TensorList grads, at::TensorList
                      double beta2, double eps, double weight_decay, bool adamw, double grad_scale,
                      bool check_finite, bool bitwise_torch);
 
-// Sum of squares of grad*grad_scale in float64; inf/NaN when a value is not finite (adam_norm.cpp).
+// Sum of squares of grad*grad_scale in float64; inf/NaN when a value is not finite (grad_norms.cpp).
 double grad_sq_norm(const at::Tensor& grad, double grad_scale);
 
 // fp32 L2 norm of each grads[i]*grad_scale, shape (len(grads),), bit for bit
 // torch.linalg.vector_norm of the fp32 gradient; the parameters shared among threads (grad_norms.cpp).
 at::Tensor param_grad_norms(at::TensorList grads, double grad_scale);
+
+// The roofline probe (adam.cpp), bound in module.cpp: a, b, c <- a*s + d, b*s + d, c*s + d in place,
+// Adam's access pattern; returns the bytes moved (16 read + 12 written per element).
+int64_t roofline_stream(at::Tensor a, at::Tensor b, at::Tensor c, at::Tensor d, double s);
 
 }  // namespace adam
 }  // namespace pystronghold

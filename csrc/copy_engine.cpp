@@ -2,6 +2,8 @@
 // See copy_engine.h for the threading model.
 #include "copy_engine.h"
 
+#include "check.h"
+
 #if defined(PYSTRONGHOLD_WITH_CUDA)
 #include "copy_engine_cuda.h"
 #endif
@@ -89,9 +91,9 @@ static std::atomic<uint64_t> next_engine_id{1};
 
 CopyEngine::CopyEngine(int threads, int queues, int64_t chunk_bytes)
     : id_(next_engine_id.fetch_add(1)), queues_(queues), chunk_bytes_(chunk_bytes) {
-  TORCH_CHECK(threads >= 1 && threads <= 256, "CopyEngine: threads must be in [1, 256], got ", threads);
-  TORCH_CHECK(queues >= 1 && queues <= 4096, "CopyEngine: queues must be in [1, 4096], got ", queues);
-  TORCH_CHECK(chunk_bytes >= 4096, "CopyEngine: chunk_bytes must be >= 4096 bytes, got ", chunk_bytes);
+  PS_CHECK(threads >= 1 && threads <= 256, "CopyEngine: threads must be in [1, 256], got ", threads);
+  PS_CHECK(queues >= 1 && queues <= 4096, "CopyEngine: queues must be in [1, 4096], got ", queues);
+  PS_CHECK(chunk_bytes >= 4096, "CopyEngine: chunk_bytes must be >= 4096 bytes, got ", chunk_bytes);
   tails_.resize(static_cast<size_t>(queues));
   workers_.reserve(static_cast<size_t>(threads));
   for (int i = 0; i < threads; ++i) workers_.emplace_back([this, i] { worker_main(i); });
@@ -101,18 +103,18 @@ CopyEngine::~CopyEngine() { close(/*wait=*/true); }
 
 std::shared_ptr<Request> CopyEngine::submit(std::shared_ptr<Request> req,
                                             const std::vector<std::shared_ptr<Request>>& after) {
-  TORCH_CHECK(req->queue >= 0 && req->queue < queues_, "CopyEngine: queue must be in [0, ",
-              queues_ - 1, "], got ", req->queue);
-  TORCH_CHECK(req->nbytes >= 0, "CopyEngine: negative request size ", req->nbytes);
-  TORCH_CHECK(req->chunk_bytes >= 1, "CopyEngine: chunk size must be >= 1 byte");
+  PS_CHECK(req->queue >= 0 && req->queue < queues_, "CopyEngine: queue must be in [0, ",
+           queues_ - 1, "], got ", req->queue);
+  PS_CHECK(req->nbytes >= 0, "CopyEngine: negative request size ", req->nbytes);
+  PS_CHECK(req->chunk_bytes >= 1, "CopyEngine: chunk size must be >= 1 byte");
   req->nchunks = std::max<int64_t>(1, (req->nbytes + req->chunk_bytes - 1) / req->chunk_bytes);
   std::unique_lock<std::mutex> lock(mutex_);
-  TORCH_CHECK(!closed_.load(), "CopyEngine is closed: it accepts no new requests");
+  PS_CHECK(!closed_.load(), "CopyEngine is closed: it accepts no new requests");
   req->engine_id = id_;
   req->pending = 0;
   for (const auto& dep : after) {
-    TORCH_CHECK(dep != nullptr, "CopyEngine: `after` holds a null handle");
-    TORCH_CHECK(dep->engine_id == id_, "CopyEngine: an `after` handle belongs to another engine");
+    PS_CHECK(dep != nullptr, "CopyEngine: `after` holds a null handle");
+    PS_CHECK(dep->engine_id == id_, "CopyEngine: an `after` handle belongs to another engine");
     if (!dep->finished) {
       dep->dependents.emplace_back(req, true);
       ++req->pending;
@@ -162,14 +164,14 @@ void CopyEngine::finish_locked(const std::shared_ptr<Request>& req, std::unique_
   live_.erase(req.get());
   // NOTE: the tensors are released outside the engine lock (a storage deleter may take the GIL)
   // and before `done`, so a waiter that returns knows the request holds nothing any more.
-  std::vector<at::Tensor> tensors;
-  tensors.swap(req->keep_alive);
+  std::shared_ptr<void> held;
+  held.swap(req->keep_alive);
   Request::ChunkFn chunk_fn;
   Request::FinalFn final_fn;
   chunk_fn.swap(req->run_chunk);
   final_fn.swap(req->finalize);
   lock.unlock();
-  tensors.clear();
+  held.reset();
   chunk_fn = nullptr;
   final_fn = nullptr;
   {

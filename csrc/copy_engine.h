@@ -12,11 +12,8 @@
 //     after its engine is gone.
 #pragma once
 
-// NOTE: the light ATen headers only (not torch/extension.h): this header is included by the
-// sources that need no Python bindings, which then compile several times faster.
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
-
+// NOTE: plain C++, no torch header: the scheduler and the file tier compile in seconds. The
+// tensors a request moves are held by the binding (module.cpp) through `keep_alive`.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -73,7 +70,7 @@ struct Request {
   int64_t nchunks = 1;
   ChunkFn run_chunk;
   FinalFn finalize;                   // runs once, after every chunk succeeded
-  std::vector<at::Tensor> keep_alive;  // the tensors the request reads or writes
+  std::shared_ptr<void> keep_alive;   // what the request reads or writes (the binding's tensors)
 
   // Guarded by the engine mutex.
   int pending = 0;  // unfinished requests this one waits for
@@ -142,9 +139,6 @@ class CopyEngine {
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 };
-
-// numel * element size of a tensor, in bytes.
-int64_t tensor_nbytes(const at::Tensor& t);
 
 // Host-to-host copy request of `nbytes` from `src` to `dst` (raw pointers kept alive by tensors).
 std::shared_ptr<Request> make_memcpy_request(void* dst, const void* src, int64_t nbytes,

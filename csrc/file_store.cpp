@@ -1,5 +1,5 @@
-// The file tier's files: creation (header, preallocation), opening (header checks), fsync, and
-// the Python bindings. Record reads and writes are in file_store_io.cpp. Layout: file_store.h.
+// The file tier's files: creation (header, preallocation), opening (header checks), fsync. Record
+// reads and writes are in file_store_io.cpp, the Python binding in module.cpp. Layout: file_store.h.
 #include "file_store.h"
 
 #include <fcntl.h>
@@ -11,9 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "bindings.h"
-
-namespace py = pybind11;
+#include "check.h"
 
 namespace pystronghold {
 
@@ -40,7 +38,7 @@ struct AlignedPage {
   void* p = nullptr;
   AlignedPage() {
     if (posix_memalign(&p, kStoreAlign, kStoreAlign) != 0) p = nullptr;
-    TORCH_CHECK(p != nullptr, "FileStore: out of memory for a 4096-byte buffer");
+    PS_CHECK(p != nullptr, "FileStore: out of memory for a 4096-byte buffer");
     std::memset(p, 0, kStoreAlign);
   }
   ~AlignedPage() { std::free(p); }
@@ -83,27 +81,27 @@ void fsync_dir(const std::string& dir) {
 
 std::shared_ptr<RecordFile> RecordFile::create(const std::string& path, const RecordLayout& in,
                                                const std::string& direct, bool preallocate) {
-  TORCH_CHECK(direct == "auto" || direct == "always" || direct == "never",
-              "FileStore: direct must be 'auto', 'always' or 'never', got '", direct, "'");
-  TORCH_CHECK(in.num_blocks >= 1, "FileStore: num_blocks must be >= 1, got ", in.num_blocks);
-  TORCH_CHECK(in.record_bytes >= 1, "FileStore: record_bytes of state '", in.state, "' must be >= 1, got ",
-              in.record_bytes);
-  TORCH_CHECK(in.segment_bytes >= kStoreAlign && in.segment_bytes % kStoreAlign == 0,
-              "FileStore: segment_bytes must be a positive multiple of 4096, got ", in.segment_bytes);
-  TORCH_CHECK(!in.state.empty() && in.state.size() < 64, "FileStore: state name must have 1..63 characters, got '",
-              in.state, "'");
+  PS_CHECK(direct == "auto" || direct == "always" || direct == "never",
+           "FileStore: direct must be 'auto', 'always' or 'never', got '", direct, "'");
+  PS_CHECK(in.num_blocks >= 1, "FileStore: num_blocks must be >= 1, got ", in.num_blocks);
+  PS_CHECK(in.record_bytes >= 1, "FileStore: record_bytes of state '", in.state, "' must be >= 1, got ",
+           in.record_bytes);
+  PS_CHECK(in.segment_bytes >= kStoreAlign && in.segment_bytes % kStoreAlign == 0,
+           "FileStore: segment_bytes must be a positive multiple of 4096, got ", in.segment_bytes);
+  PS_CHECK(!in.state.empty() && in.state.size() < 64, "FileStore: state name must have 1..63 characters, got '",
+           in.state, "'");
   RecordLayout layout = in;
   layout.data_offset = kStoreAlign;
   layout.slot_bytes = kStoreAlign + (in.record_bytes + kStoreAlign - 1) / kStoreAlign * kStoreAlign;
 
   const int made = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  TORCH_CHECK(made >= 0, "FileStore: cannot create ", path, ": ", errno_text(errno));
+  PS_CHECK(made >= 0, "FileStore: cannot create ", path, ": ", errno_text(errno));
   ::close(made);
   auto fail = [&](int fd, const std::string& what, int err) {
     if (fd >= 0) ::close(fd);
     ::unlink(path.c_str());
-    TORCH_CHECK(false, "FileStore: ", what, " ", path, " failed: ", errno_text(err),
-                "; the file was removed, nothing else changed");
+    PS_CHECK(false, "FileStore: ", what, " ", path, " failed: ", errno_text(err),
+             "; the file was removed, nothing else changed");
   };
   bool is_direct = false;
   std::string note;
@@ -137,8 +135,8 @@ std::shared_ptr<RecordFile> RecordFile::create(const std::string& path, const Re
 }
 
 std::shared_ptr<RecordFile> RecordFile::open(const std::string& path, const std::string& direct) {
-  TORCH_CHECK(direct == "auto" || direct == "always" || direct == "never",
-              "FileStore: direct must be 'auto', 'always' or 'never', got '", direct, "'");
+  PS_CHECK(direct == "auto" || direct == "always" || direct == "never",
+           "FileStore: direct must be 'auto', 'always' or 'never', got '", direct, "'");
   bool is_direct = false;
   std::string note, read_only;
   int fd = open_maybe_direct(path, O_RDWR, direct, &is_direct, &note);
@@ -146,10 +144,10 @@ std::shared_ptr<RecordFile> RecordFile::open(const std::string& path, const std:
     read_only = "opened read-only: " + path + " cannot be opened for writing: " + errno_text(errno);
     fd = open_maybe_direct(path, O_RDONLY, direct, &is_direct, &note);
   }
-  TORCH_CHECK(fd >= 0, "FileStore: cannot open ", path, ": ", errno_text(errno));
+  PS_CHECK(fd >= 0, "FileStore: cannot open ", path, ": ", errno_text(errno));
   auto refuse = [&](const std::string& why) {
     ::close(fd);
-    TORCH_CHECK(false, "FileStore: refusing ", path, ": ", why);
+    PS_CHECK(false, "FileStore: refusing ", path, ": ", why);
   };
   AlignedPage page;
   const ssize_t n = ::pread(fd, page.p, kStoreAlign, 0);
@@ -189,8 +187,8 @@ std::shared_ptr<RecordFile> RecordFile::open(const std::string& path, const std:
 RecordFile::~RecordFile() { ::close(fd_); }
 
 void RecordFile::flush() {
-  TORCH_CHECK(::fsync(fd_) == 0, "FileStore.flush: fsync of ", path_, " failed: ", errno_text(errno),
-              "; completed writes may not be durable");
+  PS_CHECK(::fsync(fd_) == 0, "FileStore.flush: fsync of ", path_, " failed: ", errno_text(errno),
+           "; completed writes may not be durable");
 }
 
 void RecordFile::close() {
@@ -199,51 +197,3 @@ void RecordFile::close() {
 }
 
 }  // namespace pystronghold
-
-void pystronghold::bind_file_store(pybind11::module_& m) {
-  using namespace pystronghold;
-  py::class_<RecordFile, std::shared_ptr<RecordFile>>(m, "_RecordFile", "One file of fixed-size records.")
-      .def_static("create", [](const std::string& path, int64_t num_blocks, int64_t record_bytes,
-                               int64_t segment_bytes, const std::string& state, const std::string& direct,
-                               bool preallocate) {
-        RecordLayout layout;
-        layout.num_blocks = num_blocks;
-        layout.record_bytes = record_bytes;
-        layout.segment_bytes = segment_bytes;
-        layout.state = state;
-        py::gil_scoped_release nogil;
-        return RecordFile::create(path, layout, direct, preallocate);
-      }, py::arg("path"), py::arg("num_blocks"), py::arg("record_bytes"), py::arg("segment_bytes"),
-         py::arg("state"), py::arg("direct"), py::arg("preallocate"))
-      .def_static("open", [](const std::string& path, const std::string& direct) {
-        py::gil_scoped_release nogil;
-        return RecordFile::open(path, direct);
-      }, py::arg("path"), py::arg("direct"))
-      .def("write", [](RecordFile& f, CopyEngine& engine, int64_t block, const at::Tensor& src, int queue,
-                       const std::vector<std::shared_ptr<Request>>& after) {
-        auto req = f.write(block, src);
-        req->queue = queue;
-        return engine.submit(req, after);
-      }, py::arg("engine"), py::arg("block"), py::arg("src"), py::arg("queue"), py::arg("after"))
-      .def("read", [](RecordFile& f, CopyEngine& engine, int64_t block, const at::Tensor& dst, int queue,
-                      const std::vector<std::shared_ptr<Request>>& after) {
-        auto req = f.read(block, dst);
-        req->queue = queue;
-        return engine.submit(req, after);
-      }, py::arg("engine"), py::arg("block"), py::arg("dst"), py::arg("queue"), py::arg("after"))
-      .def("flush", [](RecordFile& f) {
-        py::gil_scoped_release nogil;
-        f.flush();
-      })
-      .def("close", &RecordFile::close)
-      .def_property_readonly("path", &RecordFile::path)
-      .def_property_readonly("direct", &RecordFile::direct)
-      .def_property_readonly("direct_note", &RecordFile::direct_note)
-      .def_property_readonly("read_only_reason", &RecordFile::read_only_reason)
-      .def_property_readonly("num_blocks", [](const RecordFile& f) { return f.layout().num_blocks; })
-      .def_property_readonly("record_bytes", [](const RecordFile& f) { return f.layout().record_bytes; })
-      .def_property_readonly("segment_bytes", [](const RecordFile& f) { return f.layout().segment_bytes; })
-      .def_property_readonly("slot_bytes", [](const RecordFile& f) { return f.layout().slot_bytes; })
-      .def_property_readonly("file_bytes", [](const RecordFile& f) { return f.layout().file_bytes(); })
-      .def_property_readonly("state", [](const RecordFile& f) { return f.layout().state; });
-}

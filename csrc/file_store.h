@@ -42,6 +42,16 @@ struct RecordLayout {
   int64_t slot_offset(int64_t block) const { return data_offset + block * slot_bytes; }
 };
 
+// The host buffer of one record read or write, as the binding found it (a tensor, in module.cpp):
+// `host_contiguous` when it is one contiguous run of host memory; `keep_alive` holds it until the
+// request ends.
+struct RecordBuffer {
+  void* data = nullptr;
+  int64_t nbytes = 0;
+  bool host_contiguous = false;
+  std::shared_ptr<void> keep_alive;
+};
+
 class RecordFile : public std::enable_shared_from_this<RecordFile> {
  public:
   // Creates `path` (must not exist), writes the header, preallocates (or sizes sparsely) the file.
@@ -55,8 +65,8 @@ class RecordFile : public std::enable_shared_from_this<RecordFile> {
   static std::shared_ptr<RecordFile> open(const std::string& path, const std::string& direct);
   ~RecordFile();
 
-  std::shared_ptr<Request> write(int64_t block, const at::Tensor& src);
-  std::shared_ptr<Request> read(int64_t block, const at::Tensor& dst);
+  std::shared_ptr<Request> write(int64_t block, const RecordBuffer& src);
+  std::shared_ptr<Request> read(int64_t block, const RecordBuffer& dst);
   void flush();  // fsync: every completed write becomes durable
   void close();  // refuses further requests; the descriptor closes when the last request ends
 
@@ -75,7 +85,7 @@ class RecordFile : public std::enable_shared_from_this<RecordFile> {
              std::string read_only_reason)
       : path_(std::move(path)), fd_(fd), direct_(direct), direct_note_(std::move(note)),
         layout_(std::move(layout)), read_only_reason_(std::move(read_only_reason)) {}
-  void check_request(int64_t block, const at::Tensor& t, const char* what);
+  void check_request(int64_t block, const RecordBuffer& buffer, const char* what);
 
   const std::string path_;
   const int fd_;

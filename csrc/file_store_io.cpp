@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "check.h"
 #include "file_store.h"
 
 namespace pystronghold {
@@ -102,31 +103,30 @@ void RecordFile::read_bytes(char* host, int64_t len, int64_t file_offset, Worker
   std::memcpy(host, bounce, static_cast<size_t>(len));
 }
 
-void RecordFile::check_request(int64_t block, const at::Tensor& t, const char* what) {
+void RecordFile::check_request(int64_t block, const RecordBuffer& buffer, const char* what) {
   const std::string who = std::string("FileStore.") + what + "(state '" + layout_.state + "', block " +
                           std::to_string(block) + ")";
-  TORCH_CHECK(block >= 0 && block < layout_.num_blocks, who, ": block must be in [0, ", layout_.num_blocks - 1, "]");
-  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous(), who,
-              ": the tensor must be a contiguous cpu tensor");
-  TORCH_CHECK(tensor_nbytes(t) == layout_.record_bytes, who, ": the tensor holds ", tensor_nbytes(t),
-              " bytes, but records of this state hold ", layout_.record_bytes, " bytes");
-  TORCH_CHECK(!closed_, who, ": the store is closed");
+  PS_CHECK(block >= 0 && block < layout_.num_blocks, who, ": block must be in [0, ", layout_.num_blocks - 1, "]");
+  PS_CHECK(buffer.host_contiguous, who, ": the tensor must be a contiguous cpu tensor");
+  PS_CHECK(buffer.nbytes == layout_.record_bytes, who, ": the tensor holds ", buffer.nbytes,
+           " bytes, but records of this state hold ", layout_.record_bytes, " bytes");
+  PS_CHECK(!closed_, who, ": the store is closed");
 }
 
-std::shared_ptr<Request> RecordFile::write(int64_t block, const at::Tensor& src) {
+std::shared_ptr<Request> RecordFile::write(int64_t block, const RecordBuffer& src) {
   uint64_t sequence = 0;
   {
     std::lock_guard<std::mutex> guard(mutex_);
     check_request(block, src, "write");
-    TORCH_CHECK(read_only_reason_.empty(), "FileStore.write(state '", layout_.state, "', block ", block,
-                "): the store is read-only (", read_only_reason_, ")");
+    PS_CHECK(read_only_reason_.empty(), "FileStore.write(state '", layout_.state, "', block ", block,
+             "): the store is read-only (", read_only_reason_, ")");
     sequence = ++sequence_;
   }
   auto self = shared_from_this();
   const int64_t slot = layout_.slot_offset(block);
   const int64_t nseg = (layout_.record_bytes + layout_.segment_bytes - 1) / layout_.segment_bytes;
   auto segs = std::make_shared<std::vector<uint32_t>>(static_cast<size_t>(nseg), 0u);
-  const char* host = static_cast<const char*>(src.data_ptr());
+  const char* host = static_cast<const char*>(src.data);
   auto req = std::make_shared<Request>();
   req->nbytes = layout_.record_bytes;
   req->chunk_bytes = layout_.segment_bytes;
@@ -148,11 +148,11 @@ std::shared_ptr<Request> RecordFile::write(int64_t block, const at::Tensor& src)
     std::memcpy(page, &meta, sizeof(meta));
     pwrite_all(self->fd_, page, kStoreAlign, slot, self->path_, self->direct_);
   };
-  req->keep_alive = {src};
+  req->keep_alive = src.keep_alive;
   return req;
 }
 
-std::shared_ptr<Request> RecordFile::read(int64_t block, const at::Tensor& dst) {
+std::shared_ptr<Request> RecordFile::read(int64_t block, const RecordBuffer& dst) {
   {
     std::lock_guard<std::mutex> guard(mutex_);
     check_request(block, dst, "read");
@@ -161,7 +161,7 @@ std::shared_ptr<Request> RecordFile::read(int64_t block, const at::Tensor& dst) 
   const int64_t slot = layout_.slot_offset(block);
   const int64_t nseg = (layout_.record_bytes + layout_.segment_bytes - 1) / layout_.segment_bytes;
   auto segs = std::make_shared<std::vector<uint32_t>>(static_cast<size_t>(nseg), 0u);
-  char* host = static_cast<char*>(dst.data_ptr());
+  char* host = static_cast<char*>(dst.data);
   auto req = std::make_shared<Request>();
   req->nbytes = layout_.record_bytes;
   req->chunk_bytes = layout_.segment_bytes;
@@ -196,7 +196,7 @@ std::shared_ptr<Request> RecordFile::read(int64_t block, const at::Tensor& dst) 
                     "): the record is corrupt, the bytes read must not be used");
     }
   };
-  req->keep_alive = {dst};
+  req->keep_alive = dst.keep_alive;
   return req;
 }
 

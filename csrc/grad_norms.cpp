@@ -1,7 +1,13 @@
-// Per-parameter L2 norms of a block's host gradient, for global-norm clipping (the kernel of
-// torch.ops.pystronghold.param_grad_norms; ops.cpp registers it): the parameters are
-// shared among threads, each parameter's reduction is torch's own (at::linalg_vector_norm of the
-// fp32 gradient x grad_scale), so every norm is bit for bit what
+// The gradient norms behind torch.ops.pystronghold.grad_sq_norm and param_grad_norms (ops.cpp
+// registers them).
+//
+// grad_sq_norm: the sum of squares of grad * grad_scale (fp32 product, as Adam sees the grad) with
+// float64 accumulation: the runtime's global-norm clipping and overflow check. One read pass,
+// OpenMP, in the SIMD variant the CPU supports (simd_kernels.h); this file validates.
+//
+// param_grad_norms: per-parameter L2 norms of a block's host gradient, for global-norm clipping:
+// the parameters are shared among threads, each parameter's reduction is torch's own
+// (at::linalg_vector_norm of the fp32 gradient x grad_scale), so every norm is bit for bit what
 // torch.linalg.vector_norm(grad.float() * grad_scale) gives, which is what
 // torch.nn.utils.clip_grad_norm_ computes per parameter on the CPU.
 //
@@ -11,6 +17,8 @@
 // gradients into visible ones. Torch reduces one tensor on one thread whatever its thread count
 // (tests/runtime/test_runtime_grad_norms.py checks it), so splitting by parameter leaves every result as is.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linalg_vector_norm.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +28,7 @@
 #include <vector>
 
 #include "adam.h"
+#include "simd_dispatch.h"
 
 namespace pystronghold {
 namespace adam {
@@ -35,6 +44,17 @@ float one_norm(const at::Tensor& grad, double grad_scale) {
 }
 
 }  // namespace
+
+double grad_sq_norm(const at::Tensor& grad, double grad_scale) {
+  constexpr const char* fn = "grad_sq_norm";
+  check_cpu_contiguous(grad, fn, "grad");
+  check_dtype_in(grad, fn, "grad", {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
+  TORCH_CHECK_VALUE(std::isfinite(grad_scale), fn, ": grad_scale must be finite, got ", grad_scale);
+  const simd::Elem type = grad.scalar_type() == at::kFloat      ? simd::Elem::f32
+                          : grad.scalar_type() == at::kBFloat16 ? simd::Elem::bf16
+                                                                : simd::Elem::f16;
+  return simd::active().grad_sq_sum(grad.data_ptr(), grad.numel(), static_cast<float>(grad_scale), type);
+}
 
 // NOTE: the dispatcher calls this without the GIL; the loop below touches only ATen tensors.
 at::Tensor param_grad_norms(at::TensorList grads, double grad_scale) {

@@ -1,27 +1,22 @@
-// The host arena: one large aligned allocation per tier, carved into named aligned views.
-// Pinned with cudaHostRegister when a CUDA device is usable, else page-aligned and optionally
-// mlock'ed. Capacity beyond what the host can give fails before anything is allocated.
+// The host arena (host_arena.h): the host's memory budget, the one allocation, pinning and locking.
+#include "host_arena.h"
+
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <string>
 
-#include "bindings.h"
+#include "check.h"
+#include "gil.h"
 
 #if defined(PYSTRONGHOLD_WITH_CUDA)
 #include "copy_engine_cuda.h"
 #endif
 
-namespace py = pybind11;
-
-// NOTE: hidden like pybind11's own types, so binding these classes raises no -Wattributes warning.
-#pragma GCC visibility push(hidden)
 namespace pystronghold {
 
 // ---- how much memory the host can give this process
@@ -85,15 +80,10 @@ struct ArenaMemory {
   int64_t bytes = 0;
   bool registered = false;
   bool locked = false;
+  // NOTE: unregistering and unmapping a pinned GiB takes a tenth of a second or more (the store
+  // frees tens of GiB at close): other Python threads run meanwhile when this thread holds the GIL
   ~ArenaMemory() {
-    // NOTE: unregistering and unmapping a pinned GiB takes a tenth of a second or more (the store
-    // frees tens of GiB at close): other Python threads run meanwhile when this thread holds the GIL
-    if (Py_IsInitialized() && PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      release();
-    } else {
-      release();
-    }
+    run_without_gil([this] { release(); });
   }
 
  private:
@@ -106,34 +96,34 @@ struct ArenaMemory {
   }
 };
 
-class HostArena {
- public:
-  HostArena(int64_t capacity, int64_t alignment, const std::string& pin, bool lock) : alignment_(alignment) {
-    TORCH_CHECK(capacity >= 1, "HostArena: capacity_bytes must be >= 1, got ", capacity);
-    TORCH_CHECK(alignment >= 1 && (alignment & (alignment - 1)) == 0,
-                "HostArena: alignment must be a power of two (bytes), got ", alignment);
-    TORCH_CHECK(pin == "auto" || pin == "cuda" || pin == "none",
-                "HostArena: pin must be 'auto', 'cuda' or 'none', got '", pin, "'");
-    std::string how;
-    const int64_t available = host_available_bytes(&how);
-    TORCH_CHECK(available < 0 || capacity <= available, "HostArena: capacity_bytes=", capacity,
-                " is more than this host can give (", how, "); nothing was allocated");
-    const int64_t page = sysconf(_SC_PAGESIZE);
-    const int64_t base_align = std::max<int64_t>(alignment, page);
-    mem_ = std::make_shared<ArenaMemory>();
-    mem_->map_bytes = capacity + (base_align > page ? base_align : 0);
-    void* map = mmap(nullptr, static_cast<size_t>(mem_->map_bytes), PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    TORCH_CHECK(map != MAP_FAILED, "HostArena: mmap of ", mem_->map_bytes, " bytes failed: ",
-                std::strerror(errno));
-    mem_->map = map;
-    const auto addr = reinterpret_cast<uintptr_t>(map);
-    mem_->base = reinterpret_cast<char*>((addr + base_align - 1) / base_align * base_align);
-    mem_->bytes = capacity;
-    // NOTE: pinning and locking fault in every page (seconds per GiB): other Python threads (the
-    // store's fill) run meanwhile. Nothing below touches a Python object; an error thrown here
-    // takes the GIL back as it unwinds.
-    py::gil_scoped_release nogil;
+
+// ---- the arena
+
+HostArena::HostArena(int64_t capacity, int64_t alignment, const std::string& pin, bool lock) : alignment_(alignment) {
+  PS_CHECK(capacity >= 1, "HostArena: capacity_bytes must be >= 1, got ", capacity);
+  PS_CHECK(alignment >= 1 && (alignment & (alignment - 1)) == 0,
+           "HostArena: alignment must be a power of two (bytes), got ", alignment);
+  PS_CHECK(pin == "auto" || pin == "cuda" || pin == "none",
+           "HostArena: pin must be 'auto', 'cuda' or 'none', got '", pin, "'");
+  std::string how;
+  const int64_t available = host_available_bytes(&how);
+  PS_CHECK(available < 0 || capacity <= available, "HostArena: capacity_bytes=", capacity,
+           " is more than this host can give (", how, "); nothing was allocated");
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t base_align = std::max<int64_t>(alignment, page);
+  mem_ = std::make_shared<ArenaMemory>();
+  mem_->map_bytes = capacity + (base_align > page ? base_align : 0);
+  void* map = mmap(nullptr, static_cast<size_t>(mem_->map_bytes), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  PS_CHECK(map != MAP_FAILED, "HostArena: mmap of ", mem_->map_bytes, " bytes failed: ", std::strerror(errno));
+  mem_->map = map;
+  const auto addr = reinterpret_cast<uintptr_t>(map);
+  mem_->base = reinterpret_cast<char*>((addr + base_align - 1) / base_align * base_align);
+  mem_->bytes = capacity;
+  // NOTE: pinning and locking fault in every page (seconds per GiB): other Python threads (the
+  // store's fill) run meanwhile. Nothing below touches a Python object; an error thrown here
+  // takes the GIL back as it unwinds.
+  run_without_gil([&] {
     if (pin != "none") register_pages(pin == "cuda");
     if (lock) {
       if (mlock(mem_->base, static_cast<size_t>(capacity)) == 0) {
@@ -143,94 +133,60 @@ class HostArena {
                         std::strerror(errno) + " (raise `ulimit -l` or grant CAP_IPC_LOCK); the arena is not locked";
       }
     }
-  }
+  });
+}
 
-  // A view of nbytes at an offset that is a multiple of the arena's alignment and of item_bytes.
-  at::Tensor allocate(const std::string& name, int64_t nbytes, int64_t item_bytes) {
-    std::lock_guard<std::mutex> guard(mutex_);
-    TORCH_CHECK(!name.empty(), "HostArena.allocate: name must not be empty");
-    TORCH_CHECK(nbytes >= 0, "HostArena.allocate('", name, "'): negative size ", nbytes);
-    TORCH_CHECK(item_bytes >= 1 && (item_bytes & (item_bytes - 1)) == 0, "HostArena.allocate('", name,
-                "'): item size must be a power of two, got ", item_bytes);
-    TORCH_CHECK(views_.count(name) == 0, "HostArena.allocate: a view named '", name, "' exists already");
-    const int64_t align = std::max(alignment_, item_bytes);
-    const int64_t offset = (used_ + align - 1) / align * align;
-    TORCH_CHECK(offset + nbytes <= mem_->bytes, "HostArena.allocate('", name, "'): needs ", nbytes,
-                " bytes at offset ", offset, " (alignment ", align, "), but the arena holds ",
-                mem_->bytes, " bytes with ", used_, " used (", mem_->bytes - offset, " left after alignment)");
-    used_ = offset + nbytes;
-    views_[name] = {offset, nbytes};
-    auto keep = mem_;
-    return torch::from_blob(mem_->base + offset, {nbytes}, [keep](void*) {},
-                            at::TensorOptions().dtype(at::kByte).device(at::kCPU));
-  }
+ArenaView HostArena::allocate(const std::string& name, int64_t nbytes, int64_t item_bytes) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  PS_CHECK(!name.empty(), "HostArena.allocate: name must not be empty");
+  PS_CHECK(nbytes >= 0, "HostArena.allocate('", name, "'): negative size ", nbytes);
+  PS_CHECK(item_bytes >= 1 && (item_bytes & (item_bytes - 1)) == 0, "HostArena.allocate('", name,
+           "'): item size must be a power of two, got ", item_bytes);
+  PS_CHECK(views_.count(name) == 0, "HostArena.allocate: a view named '", name, "' exists already");
+  const int64_t align = std::max(alignment_, item_bytes);
+  const int64_t offset = (used_ + align - 1) / align * align;
+  PS_CHECK(offset + nbytes <= mem_->bytes, "HostArena.allocate('", name, "'): needs ", nbytes,
+           " bytes at offset ", offset, " (alignment ", align, "), but the arena holds ",
+           mem_->bytes, " bytes with ", used_, " used (", mem_->bytes - offset, " left after alignment)");
+  used_ = offset + nbytes;
+  views_[name] = {offset, nbytes};
+  return ArenaView{mem_->base + offset, nbytes, mem_};
+}
 
-  py::dict views() {
-    std::lock_guard<std::mutex> guard(mutex_);
-    py::dict out;
-    for (const auto& [name, span] : views_) out[py::str(name)] = py::make_tuple(span.first, span.second);
-    return out;
-  }
+std::map<std::string, std::pair<int64_t, int64_t>> HostArena::views() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return views_;
+}
 
-  int64_t capacity() const { return mem_->bytes; }
-  int64_t used() {
-    std::lock_guard<std::mutex> guard(mutex_);
-    return used_;
-  }
-  int64_t alignment() const { return alignment_; }
-  bool pinned() const { return mem_->registered; }
-  bool locked() const { return mem_->locked; }
-  uintptr_t base_address() const { return reinterpret_cast<uintptr_t>(mem_->base); }
-  const std::string& pin_warning() const { return pin_warning_; }
-  const std::string& lock_warning() const { return lock_warning_; }
+int64_t HostArena::capacity() const { return mem_->bytes; }
 
- private:
-  void register_pages(bool required) {
+int64_t HostArena::used() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return used_;
+}
+
+bool HostArena::pinned() const { return mem_->registered; }
+bool HostArena::locked() const { return mem_->locked; }
+uintptr_t HostArena::base_address() const { return reinterpret_cast<uintptr_t>(mem_->base); }
+
+void HostArena::register_pages(bool required) {
 #if defined(PYSTRONGHOLD_WITH_CUDA)
-    std::string why;
-    if (cuda::device_count(&why) == 0) {
-      TORCH_CHECK(!required, "HostArena(pin='cuda'): no usable CUDA device: ", why);
-      return;  // pin='auto' without a device: page-aligned memory, silently (the normal CPU case)
-    }
-    try {
-      cuda::host_register(mem_->base, mem_->bytes);
-      mem_->registered = true;
-    } catch (const std::runtime_error& exc) {
-      TORCH_CHECK(!required, "HostArena(pin='cuda'): cudaHostRegister of ", mem_->bytes,
-                  " bytes failed: ", exc.what());
-      pin_warning_ = std::string("cudaHostRegister of ") + std::to_string(mem_->bytes) +
-                     " bytes failed (" + exc.what() + "); the arena is not pinned";
-    }
-#else
-    TORCH_CHECK(!required, "HostArena(pin='cuda'): this build of pystronghold._C has no CUDA support");
-#endif
+  std::string why;
+  if (cuda::device_count(&why) == 0) {
+    PS_CHECK(!required, "HostArena(pin='cuda'): no usable CUDA device: ", why);
+    return;  // pin='auto' without a device: page-aligned memory, silently (the normal CPU case)
   }
-
-  std::shared_ptr<ArenaMemory> mem_;
-  const int64_t alignment_;
-  std::mutex mutex_;
-  int64_t used_ = 0;
-  std::map<std::string, std::pair<int64_t, int64_t>> views_;
-  std::string pin_warning_, lock_warning_;
-};
+  try {
+    cuda::host_register(mem_->base, mem_->bytes);
+    mem_->registered = true;
+  } catch (const std::runtime_error& exc) {
+    PS_CHECK(!required, "HostArena(pin='cuda'): cudaHostRegister of ", mem_->bytes, " bytes failed: ", exc.what());
+    pin_warning_ = std::string("cudaHostRegister of ") + std::to_string(mem_->bytes) +
+                   " bytes failed (" + exc.what() + "); the arena is not pinned";
+  }
+#else
+  PS_CHECK(!required, "HostArena(pin='cuda'): this build of pystronghold._C has no CUDA support");
+#endif
+}
 
 }  // namespace pystronghold
-#pragma GCC visibility pop
-
-void pystronghold::bind_host_arena(pybind11::module_& m) {
-  using pystronghold::HostArena;
-  py::class_<HostArena>(m, "_HostArena", "One aligned host allocation carved into named views.")
-      .def(py::init<int64_t, int64_t, const std::string&, bool>(), py::arg("capacity_bytes"),
-           py::arg("alignment"), py::arg("pin"), py::arg("lock"))
-      .def("allocate", &HostArena::allocate, py::arg("name"), py::arg("nbytes"), py::arg("item_bytes"),
-           "A uint8 view of nbytes bytes, aligned; the view keeps the allocation alive.")
-      .def("views", &HostArena::views, "{name: (offset_bytes, nbytes)}")
-      .def_property_readonly("capacity_bytes", &HostArena::capacity)
-      .def_property_readonly("used_bytes", &HostArena::used)
-      .def_property_readonly("alignment", &HostArena::alignment)
-      .def_property_readonly("pinned", &HostArena::pinned)
-      .def_property_readonly("locked", &HostArena::locked)
-      .def_property_readonly("base_address", &HostArena::base_address)
-      .def_property_readonly("pin_warning", &HostArena::pin_warning)
-      .def_property_readonly("lock_warning", &HostArena::lock_warning);
-}

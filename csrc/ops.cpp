@@ -9,6 +9,7 @@
 // NOTE: the dispatcher releases the GIL before it calls a kernel from Python (torch's
 // invokeOperatorFromPython), so these run without it, like the pybind11 functions they replace;
 // tests/test_adam.py proves it by running two updates from two threads at once.
+#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include "adam.h"

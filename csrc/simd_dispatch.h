@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 // MKL VML single-precision sqrt (LP64), exported by an MKL build of libtorch_cpu; null otherwise.
 extern "C" void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
@@ -48,8 +50,8 @@ namespace simd {
 // Element type of a grad or shadow buffer (fp32 is for grads only).
 enum class Elem { f32, bf16, f16 };
 
-// One ISA variant's kernels. Arguments are validated by the callers (adam.cpp, adam_norm.cpp,
-// roofline.cpp); these only compute.
+// One ISA variant's kernels. Arguments are validated by the callers (adam.cpp, grad_norms.cpp);
+// these only compute.
 struct Kernels {
   const char* name;  // "avx512", "avx2", "neon", "scalar"
   // Adam over `count` tensor sets laid end to end (offsets[k]: first global index of set k,
@@ -66,6 +68,10 @@ struct Kernels {
 // forced by PYSTRONGHOLD_SIMD_FORCE (a c10::Error naming the variants this CPU can run if it
 // cannot run the forced one).
 const Kernels& active();
+
+// The names of the variants built into this library, best first; runnable_only: those this CPU can
+// run (the values PYSTRONGHOLD_SIMD_FORCE accepts).
+std::vector<std::string> variant_names(bool runnable_only);
 
 }  // namespace simd
 }  // namespace pystronghold

@@ -1,6 +1,6 @@
 """Functional fused CPU Adam/AdamW over flat buffers (the runtime's entry point).
 
-The native ones run in C++ (`csrc/adam.cpp`, `csrc/adam_norm.cpp`, `csrc/grad_norms.cpp`) as the
+The native ones run in C++ (`csrc/adam.cpp`, `csrc/grad_norms.cpp`) as the
 torch operators ``torch.ops.pystronghold.adam_step``, ``adam_step_multi``, ``grad_sq_norm`` and
 ``param_grad_norms`` (`pystronghold.ops`):
 one SIMD pass, OpenMP threads, the GIL released. The hyper-parameters travel as one frozen

@@ -1,6 +1,12 @@
-"""csrc/ stays free of iostreams: on the first GPU machine an `std::ifstream >>` inside _C.so
-segfaulted in libstdc++'s locale machinery (docs/DESIGN.md, "No iostreams in csrc/"). Sources
-use fopen/fgets/strtoll and std::to_string/snprintf instead; this test keeps it that way."""
+"""Rules on csrc/'s sources.
+
+No iostreams: on the first GPU machine an `std::ifstream >>` inside _C.so segfaulted in libstdc++'s
+locale machinery (docs/DESIGN.md, "No iostreams in csrc/"). Sources use fopen/fgets/strtoll and
+std::to_string/snprintf instead.
+
+Torch's headers only where the source binds to torch: they cost most of a build (torch/extension.h
+alone takes about 30 CPU seconds a source), so only the operators' sources include ATen and only
+module.cpp includes the Python side; everything else is plain C++."""
 
 import re
 from pathlib import Path
@@ -24,12 +30,15 @@ BANNED_USE = re.compile(
 _TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', re.DOTALL)
 
 
-def code_without_comments(text: str) -> str:
-    """The source with comments blanked (newlines kept, so line numbers still match)."""
+def code_without_comments(text: str, keep_strings: bool = False) -> str:
+    """The source with comments blanked (newlines kept, so line numbers still match), and string
+    literals emptied unless keep_strings."""
     def keep(match):
         token = match.group(0)
         if token.startswith("/"):
             return "\n" * token.count("\n")
+        if keep_strings:
+            return token
         return '""' if token.startswith('"') else "''"
     return _TOKEN.sub(keep, text)
 
@@ -84,3 +93,53 @@ def test_the_scan_ignores_comments_strings_and_lookalikes(snippet):
 def test_comment_blanking_keeps_line_numbers():
     text = "/* one\n two */\nstd::cout << 1; // three\n"
     assert stream_uses(text) == ["line 3: std::cout"]
+
+
+# ---- torch's headers only where needed
+
+# The sources that bind to torch's dispatcher (ATen tensors, torch.library); every other source is
+# plain C++.
+TORCH_SOURCES = {"adam.cpp", "grad_norms.cpp", "ops.cpp", "module.cpp"}
+# The one source that binds to Python (pybind11, torch's Python headers).
+PYTHON_SOURCES = {"module.cpp"}
+TORCH_HEADER = re.compile(r'^\s*#\s*include\s*[<"]((?:torch|ATen|c10|pybind11)/[^>"]*|Python\.h)[>"]', re.MULTILINE)
+PYTHON_HEADER = re.compile(r"^(?:pybind11/|torch/csrc/|torch/extension\.h|torch/python\.h|Python\.h)")
+LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def torch_headers(source: Path, root: Path = CSRC) -> set:
+    """The torch, ATen, c10, pybind11 and Python headers that `source` includes, directly or
+    through the headers of `root` (csrc/) it includes."""
+    found, seen, todo = set(), set(), [source]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.exists():  # generated headers (build/generated) hold no includes
+            continue
+        seen.add(path)
+        code = code_without_comments(path.read_text(), keep_strings=True)
+        found |= {m.group(1) for m in TORCH_HEADER.finditer(code)}
+        todo += [root / name for name in LOCAL_INCLUDE.findall(code)]
+    return found
+
+
+def compiled_sources() -> list:
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".cu"))
+
+
+@pytest.mark.parametrize("source", compiled_sources(), ids=lambda p: p.name)
+def test_only_the_binding_sources_include_torch_headers(source):
+    headers = torch_headers(source)
+    if source.name not in TORCH_SOURCES:
+        assert not headers, (f"csrc/{source.name} includes {sorted(headers)}: only the sources that bind to "
+                             f"torch ({', '.join(sorted(TORCH_SOURCES))}) include torch's headers")
+    python = {h for h in headers if PYTHON_HEADER.match(h)}
+    if source.name not in PYTHON_SOURCES:
+        assert not python, (f"csrc/{source.name} includes {sorted(python)}: only module.cpp binds to Python; "
+                            "declare what the binding needs in a plain header and bind it there")
+
+
+def test_the_header_scan_follows_local_includes(tmp_path):
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\n#include "generated.h"\n')
+    (tmp_path / "b.h").write_text("// #include <torch/extension.h>\n#include <ATen/core/Tensor.h>\n")
+    (tmp_path / "s.cpp").write_text('#include "a.h"\n#include <cstdint>\n#include <pybind11/pybind11.h>\n')
+    assert torch_headers(tmp_path / "s.cpp", tmp_path) == {"ATen/core/Tensor.h", "pybind11/pybind11.h"}
