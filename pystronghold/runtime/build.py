@@ -24,13 +24,13 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.grad_norms import BlockGradNorms
 from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
-from pystronghold.runtime.placement import Placement, plan_placement
+from pystronghold.runtime.placement import Placement, default_host_budget_bytes, plan_placement
 from pystronghold.runtime.precision import DynamicLossScaler, compute_dtype
 from pystronghold.runtime.prepare import (fill_store, head_tail_bytes, materialize_resident, move_to_device,
                                           slot_bytes, split_parameters, window_slots)
 from pystronghold.runtime.resident import ResidentBlocks
 from pystronghold.runtime.schedule import build_plan
-from pystronghold.runtime.store import BlockLayout, HostStore, default_host_budget_bytes
+from pystronghold.runtime.store import BlockLayout, HostStore
 from pystronghold.runtime.updates import HostUpdates
 from pystronghold.runtime.window import Window
 from pystronghold.trace import Tracer
