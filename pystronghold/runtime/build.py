@@ -33,7 +33,7 @@ from pystronghold.runtime.schedule import build_plan
 from pystronghold.runtime.store import BlockLayout, HostStore
 from pystronghold.runtime.updates import HostUpdates
 from pystronghold.runtime.window import Window
-from pystronghold.trace import Tracer
+from pystronghold.runtime.trace import Tracer
 
 __all__ = ["EngineParts", "OptimizerParts", "build_parts", "build_optimizers"]
 

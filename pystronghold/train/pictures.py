@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
-from pystronghold.trace import Tracer, lanes_of
+from pystronghold.runtime.trace import Tracer, lanes_of
 
 __all__ = ["write_outputs", "write_loss_png", "write_timeline_png", "step_starts", "timeline_title"]
 
