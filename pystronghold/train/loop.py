@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-import pystronghold
 from pystronghold.data import IGNORE_INDEX, BatchSampler, validation_batches
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
+from pystronghold.optim.hyper import AdamW
+from pystronghold.runtime.api import wrap
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
@@ -192,8 +193,7 @@ class Trainer:
         # the trace feeds the metrics.
         runtime = dataclasses.replace(
             config.runtime, trace=True, parallel=self.groups, **split,
-            optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
-                                         decay=o.decay))
+            optimizer=AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay, decay=o.decay))
         self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.parallel.pipeline)
         if par.pp > 1:
             from pystronghold.parallel.pipeline_gpt import gpt_pipeline
@@ -202,7 +202,7 @@ class Trainer:
                                          schedule=par.pp_schedule, chunks=par.pp_chunks, config=runtime)
             self.engine = self.pipeline.engine
         else:
-            self.engine = pystronghold.wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)
+            self.engine = wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0
