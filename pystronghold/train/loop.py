@@ -160,7 +160,7 @@ class Trainer:
         self.dp_rank = self.groups.dp_rank if self.groups is not None else 0
         self.uneven = None  # --dp-split: this replica's share of every batch and its loss weight
         if par.dp_split is not None and self.dp_size > 1:
-            from pystronghold.parallel.uneven import UnevenBatch
+            from pystronghold.train.uneven import UnevenBatch
 
             self.uneven = UnevenBatch(sizes=par.dp_split, dp_rank=self.dp_rank)
         materialize = None
