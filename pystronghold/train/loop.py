@@ -194,9 +194,9 @@ class Trainer:
         runtime = dataclasses.replace(
             config.runtime, trace=True, parallel=self.groups, **split,
             optimizer=AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay, decay=o.decay))
-        self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.parallel.pipeline)
+        self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.pipelining)
         if par.pp > 1:
-            from pystronghold.parallel.pipeline_gpt import gpt_pipeline
+            from pystronghold.pipelining import gpt_pipeline
 
             self.pipeline = gpt_pipeline(self.model, self.groups, seq=self.seq, micro_batches=par.micro_batch_count,
                                          schedule=par.pp_schedule, chunks=par.pp_chunks, config=runtime)
