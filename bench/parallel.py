@@ -135,7 +135,7 @@ def _rank_main(rank: int, args: dict, tp: int, dp: int, pp: int, chunks: int, po
     options = dict(window=2, optimizer=ph.AdamW(**HYPER), clip_grad_norm=1.0)
     pipe = None
     if pp > 1:
-        from pystronghold.parallel.pipeline_gpt import gpt_pipeline
+        from pystronghold.pipelining import gpt_pipeline
 
         per_block = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
         ends = sum(p.numel() for p in (model.head if groups.pp_rank == 0 else model.tail).parameters())

@@ -2,7 +2,7 @@
 
 Three (``--ranks``) processes train the same tiny GPT through the window runtime (W=2) on the same
 global batches. The last rank is made slower by ``--delay-ms`` per sample (a forward pre-hook that
-sleeps: ``pystronghold.parallel.uneven.add_compute_delay``), a stand-in for an older GPU. Each
+sleeps: ``pystronghold.train.uneven.add_compute_delay``), a stand-in for an older GPU. Each
 process runs two engines on two copies of the model, taking turns step by step (paired):
 
 - even: every rank gets global_batch / ranks samples (the ordinary DP split);
@@ -49,7 +49,7 @@ def _rank_main(rank: int, args: dict, port: int, out: str) -> None:
     import pystronghold as ph
     from pystronghold.models import GPT, GPTConfig
     from pystronghold.parallel import init_parallel
-    from pystronghold.parallel.uneven import UnevenBatch, add_compute_delay
+    from pystronghold.train.uneven import UnevenBatch, add_compute_delay
 
     groups = init_parallel(tp_size=1, backend="gloo", timeout_s=120)
     cfg = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=args["seq"], layers=args["layers"],

@@ -47,10 +47,10 @@ _STRATEGY = {"replicate", "split", "stage", "pipeline", "annotate", "set_default
 
 
 def __getattr__(name: str):
-    if name == "wrap":
-        from pystronghold.runtime.api import wrap
+    if name in ("wrap", "from_pretrained"):
+        from pystronghold.runtime import api
 
-        return wrap
+        return getattr(api, name)
     if name == "AdamW":
         from pystronghold.optim.hyper import AdamW
 
@@ -59,10 +59,6 @@ def __getattr__(name: str):
         from pystronghold.runtime.divergence import DivergenceError
 
         return DivergenceError
-    if name == "from_pretrained":
-        from pystronghold.models.hf import from_pretrained
-
-        return from_pretrained
     if name == "save_pretrained":
         from pystronghold.train.export_hf import save_pretrained
 

@@ -1,6 +1,6 @@
 """Hugging Face causal LMs from a local directory, built one block at a time into the window store.
 
-``from_pretrained(DIR, **wrap_options)`` (also ``pystronghold.from_pretrained``) and
+``pystronghold.from_pretrained(DIR, **wrap_options)`` (``runtime.api``, over ``load_lazy``) and
 ``pystronghold train --model hf:DIR`` read ``DIR/config.json`` and the safetensors weights
 (``model.safetensors`` or shards with ``model.safetensors.index.json``); nothing is downloaded.
 Any causal LM transformers builds from its own code (``AutoModelForCausalLM.from_config``) loads.
@@ -36,7 +36,7 @@ from torch import nn
 from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, block_of, hub_layout
 from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
 
-__all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "from_pretrained", "meta_model",
+__all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "meta_model",
            "block_stack", "hub_weights", "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint"]
 
 log = logging.getLogger(__name__)
@@ -344,25 +344,6 @@ def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
     log.info("%s: %s, %d blocks at %s, head and tail loaded; blocks load one at a time",
              spec.source, spec.architecture, len(blocks), blocks_name)
     return LazyHFModel(model=model, blocks=blocks, blocks_name=blocks_name, shards=shards, spec=spec, plan=plan)
-
-
-def from_pretrained(directory: str | os.PathLike, **wrap_options):
-    """Fine-tune the Hugging Face causal LM in local ``directory``: ``pystronghold.wrap`` of it, its
-    blocks read from the safetensors shards one at a time into the store (see the module docstring).
-
-    ``wrap_options`` are ``wrap``'s (window, device, precision, optimizer, nvme_dir, ...). Returns the
-    Engine; ``engine.model`` is the transformers model::
-
-        engine = pystronghold.from_pretrained("llama-dir", window=2, nvme_dir="/nvme")
-        loss = engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()
-    """
-    import pystronghold
-
-    lazy = load_lazy(directory)
-    try:
-        return pystronghold.wrap(lazy.model, blocks=lazy.blocks, materialize=lazy.materialize, **wrap_options)
-    finally:
-        lazy.shards.close()
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

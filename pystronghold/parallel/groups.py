@@ -94,7 +94,7 @@ def validate_parallel_sizes(world_size: int, tp_size: int, dp_size: int | None =
 def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, pp: int = 1, heads: int | None = None,
                   backend: str | None = None, timeout_s: float = 600.0) -> ParallelGroups:
     """Make the TP, DP (and, with ``pp`` > 1, pipeline) groups, initialising torch.distributed first
-    when needed. ``pp``: pipeline stages (``pystronghold.parallel.pipeline``).
+    when needed. ``pp``: pipeline stages (``pystronghold.pipelining``).
 
     When the default process group does not exist yet and the environment names a world
     (``WORLD_SIZE``, as torchrun sets), the sizes are checked against that world first (a bad

@@ -222,7 +222,7 @@ def stage_ranges(block_costs: list[float], stages: int, *, head_cost: float = 0.
     """The block ranges of ``stages`` pipeline stages on identical devices (``balance_stages`` with
     ``stages=``): contiguous, non-empty, the largest stage cost smallest, stage 0 also paying
     ``head_cost`` and the last ``tail_cost`` (any unit, e.g. FLOPs per token). What the pipeline
-    runtime (``parallel.pipeline_gpt``) and its planner split by."""
+    runtime (``pipelining.gpt``) and its planner split by."""
     return balance_stages(list(block_costs), stages=stages, first_stage_flops=head_cost,
                           last_stage_flops=tail_cost).ranges
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX
 from pystronghold.options import ConfigError, add_options, component, from_args, one_line_error, option
+from pystronghold.planner.pipeline import ParallelOptions
 from pystronghold.runtime.config import RuntimeConfig
 
 __all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan"]
@@ -83,19 +84,6 @@ class PlanRequest:
     """Micro-batch per rank, samples."""
     efficiency: float = 0.5
     """Fraction of the peak FLOP/s a block reaches."""
-    tp: int = 1
-    """Tensor-parallel ranks."""
-    dp: int = 1
-    """Data-parallel ranks (all tp * dp ranks on this one host)."""
-    pp: int = 1
-    """Pipeline stages (one host each); the window, memory and step time are then the largest stage's."""
-    micro_batches: int = 0
-    """Micro-batches per step through the pipeline (0: --pp); --batch is one micro-batch."""
-    pp_schedule: str = field(default="1f1b", metadata={"choices": ("1f1b", "gpipe", "interleaved")})
-    """Pipeline schedule: in-flight activations differ (1F1B: p - s micro-batches, GPipe: all,
-    interleaved: (v-1)p + 2(p-1-s) + 1 chunk forwards) and the bubble (interleaved: divided by v)."""
-    pp_chunks: int = 1
-    """Model chunks per pipeline rank (--pp-schedule interleaved: 2 or more)."""
     overlap: str = field(default="backward", metadata={"choices": ("backward", "forward")})
     """Host updates during backward, or after it (forward; what clipping and fp16 need)."""
     widths: str | None = field(default=None, metadata={"metavar": "C,C,..."})
@@ -111,6 +99,11 @@ class PlanRequest:
     # NOTE: LoRA's alpha and dropout change no byte or FLOP: options of train only
     finetune: FinetuneOptions = component(FinetuneOptions, only=("lora_rank", "lora_targets", "freeze"))
     """What trains"""
+    parallel: ParallelOptions = component(lambda: ParallelOptions(dp=1), only=(
+        "tp", "dp", "pp", "micro_batches", "pp_schedule", "pp_chunks"))
+    """The parallel layout planned (the tp x dp ranks on this one host; each pipeline stage on a host
+    of its own, the window, memory and step time then the largest stage's; --batch is one
+    micro-batch)"""
     runtime: RuntimeConfig = component(lambda: RuntimeConfig(**PLAN_RUNTIME_DEFAULTS),
                                        only=("window", "resident_blocks", "precision", "checkpointing",
                                              "accumulation_steps", "schedule"))
@@ -143,7 +136,7 @@ class PlanRequest:
             raise ValueError("give --model PRESET, or --layers, --hidden and --heads")
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
                      "nvme_bandwidth", "efficiency", "layers", "hidden", "heads", "vocab", "seq",
-                     "batch", "tp", "dp", "pp"):
+                     "batch"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -158,7 +151,7 @@ class PlanRequest:
                 if getattr(self, name) is not None:
                     raise ConfigError(self, name, f"does not apply to a Hugging Face model (`model`): "
                                       "its config.json gives the shape")
-            if self.tp != 1 or self.pp != 1:
+            if self.parallel.tp != 1 or self.parallel.pp != 1:
                 raise ConfigError(self, "model", "(a Hugging Face model) is planned at --tp 1 and --pp 1")
         if self.widths is not None:
             try:
@@ -185,11 +178,11 @@ class PlanRequest:
             base = PRESETS[self.model]
             shape = {k: v for k, v in dict(layers=self.layers, hidden=self.hidden, heads=self.heads).items()
                      if v is not None}
-            config = dataclasses.replace(base, tp_size=self.tp, **shape)
+            config = dataclasses.replace(base, tp_size=self.parallel.tp, **shape)
         else:
             config = GPTConfig(vocab_size=self.vocab, vocab_pad_multiple=128, seq_len=self.seq or 2048,
                                layers=self.layers, hidden=self.hidden, heads=self.heads,
-                               tie_embeddings=True, tp_size=self.tp)
+                               tie_embeddings=True, tp_size=self.parallel.tp)
         if self.seq is not None and self.seq > config.seq_len:
             config = dataclasses.replace(config, seq_len=self.seq)
         return config
@@ -223,7 +216,7 @@ class PlanRequest:
         if seq is None and self.model is not None and self.model.startswith(HF_PREFIX):  # as train runs it
             seq = min(config.seq_len, HF_DEFAULT_SEQ)
         work = Workload(batch=self.batch, seq=seq, precision=rt.precision,
-                        checkpointing=rt.checkpointing, dp_size=self.dp, overlap=self.overlap,
+                        checkpointing=rt.checkpointing, dp_size=self.parallel.dp_size, overlap=self.overlap,
                         compute_efficiency=self.efficiency, finetune=self.finetune)
         hw.gpu.flops(rt.precision)  # refuses bf16 on a GPU without it
         window = {"auto": None, "all": config.layers}.get(rt.window, rt.window)
@@ -250,23 +243,15 @@ def run_plan(args: argparse.Namespace) -> int:
             return run_cluster_plan(request)
         config, work, hw, window, widths, resident = request.resolve()
         check_freeze(config, work.finetune)
-        pipeline = None
-        if request.pp_chunks != 1 and request.pp < 2:
-            raise ValueError(f"--pp-chunks {request.pp_chunks} needs a pipeline (--pp >= 2 and --pp-schedule interleaved)")
-        if request.pp_schedule == "interleaved" and request.pp_chunks < 2:
-            raise ValueError(f"--pp-schedule interleaved needs --pp-chunks V >= 2 model chunks per rank, "
-                             f"got {request.pp_chunks}")
-        if request.pp > 1:
+        pipeline, par = None, request.parallel
+        if par.pp > 1:
             from pystronghold.planner.pipeline import plan_pipeline
 
-            if request.micro_batches < 0:
-                raise ValueError(f"--micro-batches must be >= 1 (or 0: --pp), got {request.micro_batches}")
-            pipeline = plan_pipeline(config, work, request.pp, request.micro_batches or request.pp,
-                                     request.pp_schedule, request.pp_chunks)
+            pipeline = plan_pipeline(config, work, par.pp, par.micro_batch_count, par.pp_schedule, par.pp_chunks)
             # NOTE: an upper bound over the stages: the most blocks of any stage, holding the
             # activations of the most micro-batches in flight on any stage (stage 0's under 1F1B)
-            config = dataclasses.replace(config, layers=max(pipeline.stage_blocks(s) for s in range(request.pp)))
-        in_flight = max(pipeline.stage_in_flight(s) for s in range(request.pp)) if pipeline else 1
+            config = dataclasses.replace(config, layers=max(pipeline.stage_blocks(s) for s in range(par.pp)))
+        in_flight = max(pipeline.stage_in_flight(s) for s in range(par.pp)) if pipeline else 1
         plan = make_plan(config, work, hw, window, resident, in_flight=in_flight)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:

@@ -1,4 +1,15 @@
-"""The pipeline's share of the plan: bubble, in-flight activations and point-to-point bytes.
+"""The pipeline's arithmetic: its settings and their one check, which stage holds which blocks,
+the passes each runs, and its share of the plan (bubble, in-flight activations, point-to-point
+bytes). Pure functions of the layout: the pipeline runtime (``pystronghold.pipelining``), ``train``
+and ``plan`` all read it here.
+
+- ``ParallelOptions``: the TP x DP x PP layout as the user gives it (``train`` and ``plan`` compose
+  it); ``check_pipeline``: the one validator of the pipeline settings (ConfigError naming the
+  field), called by ``ParallelOptions`` itself and, with the model's block count, by
+  ``TrainConfig``, ``plan`` and the runtime's ``Pipeline``.
+- ``rank_stages``: the interleaved placement of virtual stages on ranks; ``stage_passes`` /
+  ``rank_passes``: the forward/backward passes of a stage (rank) in its schedule's order;
+  ``gpt_stage_costs`` / ``stage_split``: the FLOPs the block split balances, and the split.
 
 With p stages and m micro-batches per step, a stage computes m forwards and m backwards and waits
 for the others to fill and drain the pipeline for p - 1 micro-batch slots (Narayanan et al., SC'21):
@@ -18,12 +29,210 @@ B*T*C*s bytes each way, per TP rank (every TP rank holds the whole activation).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pystronghold.models.gpt import GPTConfig
-from pystronghold.planner.cost import Workload, block_activation_bytes
+from pystronghold.options import ConfigError, option
+from pystronghold.planner.balance import stage_ranges
+from pystronghold.planner.cost import Workload, block_activation_bytes, block_forward_flops
 
-__all__ = ["bubble_fraction", "in_flight_micro_batches", "PipelinePlan", "plan_pipeline"]
+__all__ = ["SCHEDULES", "ParallelOptions", "check_pipeline", "rank_stages", "stage_passes", "rank_passes",
+           "gpt_stage_costs", "stage_split", "bubble_fraction", "in_flight_micro_batches", "PipelinePlan",
+           "plan_pipeline"]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+"""Pipeline schedules, by their torch.distributed.pipelining class (Schedule1F1B, ScheduleGPipe,
+ScheduleInterleaved1F1B: several model chunks per rank)."""
+
+
+# ---- the settings and their one check
+
+def _sizes_from_text(text: str, flag: str) -> tuple[int, ...]:
+    """'3,1' -> (3, 1); ValueError naming ``flag`` for anything but comma-separated integers."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated sample counts like 3,1, got {text!r}") from None
+
+
+def _positive_int(value, minimum: int = 1) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelOptions:
+    """Tensor, data and pipeline parallelism (launch with torchrun --nproc-per-node PP*TP*DP)."""
+
+    tp: int = 1
+    """Tensor-parallel ranks per model replica (attention heads, MLP columns and vocabulary split)."""
+    dp: int = 0
+    """Data-parallel replicas, each fed its slice of every batch; 0: the world size / (--tp x --pp)."""
+    dp_split: tuple[int, ...] | None = option(None, parse=_sizes_from_text, metavar="B0,B1,...")
+    """Samples of every batch each data-parallel replica takes, in DP-rank order, for unlike devices
+    (Whale's hardware-aware split, as pystronghold plan --cluster prints it; sum: --batch); each
+    replica's loss is weighted by its share so the gradient is the whole batch's. Default: equal
+    slices. Not with --pp."""
+    pp: int = option(1, help="Pipeline stages the blocks are split across (balanced by compute).")
+    """Pipeline stages the blocks are split across (``pystronghold.pipelining``): contiguous block
+    ranges balanced by compute (the embedding on the first stage, the LM head on the last), each
+    stage with its own window, store and host optimizer. 1: no pipeline."""
+    micro_batches: int = option(0, help="Micro-batches each replica's batch is cut into for the pipeline; 0: --pp.")
+    """Micro-batches each replica's batch is cut into for the pipeline (m); their gradients are
+    summed into one optimizer step. 0: --pp (the fewest the 1F1B schedule takes)."""
+    pp_schedule: str = option("1f1b", choices=SCHEDULES, help=(
+        "Pipeline schedule (torch's Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B)."))
+    """Pipeline schedule, by its ``torch.distributed.pipelining`` class: "1f1b" (Schedule1F1B: at
+    most p - s micro-batches in flight on stage s), "gpipe" (ScheduleGPipe: all m in flight) or
+    "interleaved" (ScheduleInterleaved1F1B: --pp-chunks model chunks per rank, the bubble divided
+    by their number; --micro-batches a multiple of --pp)."""
+    pp_chunks: int = option(1, help="Model chunks per pipeline rank for --pp-schedule interleaved (>= 2).")
+    """Model chunks (virtual stages) per pipeline rank with ``--pp-schedule interleaved``: the blocks
+    are split into pp x chunks balanced chunks, rank r holding chunks r, r + pp, ...; one window
+    runtime per rank runs all of them. 1 for the other schedules."""
+    dist_timeout: float = 300.0
+    """Seconds a collective waits for the other ranks before the run fails."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.dp < 0:
+            raise ValueError(f"--dp must be >= 1 (or 0: world size / (--tp x --pp)), got {self.dp}")
+        check_pipeline(self)
+        if self.dp_split is not None:
+            if not isinstance(self.dp_split, tuple) or not self.dp_split or any(
+                    isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.dp_split):
+                raise ValueError(f"--dp-split must be positive sample counts, got {self.dp_split!r}")
+        if self.dp_split is not None and self.pp > 1:
+            raise ConfigError(self, "dp_split", "is not supported with a pipeline (pp > 1): the stages cut "
+                                                "every replica's batch into equal micro-batches")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout must be > 0, got {self.dist_timeout}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the launch (torchrun's WORLD_SIZE; 1 without a launcher)."""
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    @property
+    def dp_size(self) -> int:
+        """--dp in effect (0 resolved against the world size)."""
+        return self.dp or max(self.world_size // (self.tp * self.pp), 1)
+
+    @property
+    def micro_batch_count(self) -> int:
+        """--micro-batches in effect (0 resolved to --pp)."""
+        return self.micro_batches or self.pp
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this run needs torch.distributed (several processes or sizes above 1)."""
+        return self.world_size > 1 or self.pp * self.tp * self.dp_size > 1
+
+
+def check_pipeline(options: ParallelOptions, blocks: int | None = None) -> None:
+    """The one check of the pipeline settings of ``options`` (pp, micro_batches, pp_schedule,
+    pp_chunks), and with ``blocks`` (the model's) that every model chunk gets a block. Local
+    arithmetic only, the same on every rank, so every rank raises before any collective.
+    ConfigError naming the field (``--pp-chunks`` on the command line)."""
+    pp, m, schedule, v = options.pp, options.micro_batches, options.pp_schedule, options.pp_chunks
+    if not _positive_int(pp):
+        raise ConfigError(options, "pp", f"must be an int >= 1, got {pp!r}")
+    if not _positive_int(m, 0):
+        raise ConfigError(options, "micro_batches", f"must be an int >= 1 (or 0: `pp`), got {m!r}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(options, "pp_schedule", f"must be one of {SCHEDULES}, got {schedule!r}")
+    if not _positive_int(v):
+        raise ConfigError(options, "pp_chunks", f"must be an int >= 1, got {v!r}")
+    if schedule == "interleaved" and v < 2:
+        raise ConfigError(options, "pp_chunks=", "must be >= 2 with `pp_schedule=` (one model chunk per rank "
+                                                 "is `pp_schedule='1f1b'`)")
+    if schedule != "interleaved" and v != 1:
+        raise ConfigError(options, "pp_chunks=", "needs `pp_schedule='interleaved'`")
+    if v > 1 and pp < 2:
+        raise ConfigError(options, "pp_chunks=", "needs a pipeline: `pp=` stages must be >= 2")
+    if pp == 1:
+        return
+    if schedule == "1f1b" and options.micro_batch_count < pp:
+        raise ConfigError(options, "micro_batches=", "must be at least `pp=` stages for the 1F1B schedule")
+    if schedule == "interleaved" and options.micro_batch_count % pp:
+        raise ConfigError(options, "micro_batches=", "must be a multiple of `pp=` stages for the interleaved schedule")
+    if blocks is not None and pp * v > blocks:
+        raise ConfigError(options, "pp=", f"stages are more than the model's {blocks} blocks (every stage needs "
+                          "at least one block)" if v == 1 else f"stages x `pp_chunks=` = {pp * v} model chunks are "
+                          f"more than the model's {blocks} blocks (every chunk needs at least one block)")
+
+
+# ---- which stage holds which blocks, and the passes it runs
+
+def rank_stages(rank: int, stages: int, chunks: int = 1) -> range:
+    """The virtual stages pipeline rank ``rank`` holds of ``stages`` x ``chunks``, chunk 0 first
+    (the interleaved placement: chunk c is virtual stage ``rank + c * stages``; one chunk: the stage
+    ``rank`` itself). Its inverse: virtual stage s is chunk ``s // stages`` of rank ``s % stages``."""
+    return range(rank, stages * chunks, stages)
+
+
+def stage_passes(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
+    """The passes ("fwd"/"bwd", one per micro-batch each) stage ``stage`` runs in one step, in the
+    order torch's schedule runs them (Schedule1F1B: ``min(m, p - stage)`` forwards, then one
+    backward and one forward alternately, then the remaining backwards; ScheduleGPipe: every
+    forward, then every backward). The engine checks each block use against this order."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return ["fwd"] * m + ["bwd"] * m
+    if schedule == "1f1b":
+        warmup = min(m, stages - stage)
+        passes = ["fwd"] * warmup
+        forwards = warmup
+        backwards = 0
+        while backwards < m:
+            passes.append("bwd")
+            backwards += 1
+            if forwards < m:
+                passes.append("fwd")
+                forwards += 1
+        return passes
+    raise ValueError(f"stage_passes: schedule must be '1f1b' or 'gpipe' (interleaved: rank_passes), "
+                     f"got {schedule!r}")
+
+
+def rank_passes(actions, stages: int) -> list[tuple[int, str]]:
+    """The passes one rank runs in a step of a multi-stage torch schedule, from its action list
+    (``schedule.pipeline_order[rank]``: ``_Action(stage_index, computation_type, microbatch_index)``
+    or None for an idle slot): ``(chunk, "fwd" | "bwd")`` in order, where virtual stage
+    ``stage_index`` is chunk ``stage_index // stages`` of rank ``stage_index % stages``. Only
+    forwards and full backwards are taken (a schedule that splits the backward, e.g. zero bubble,
+    would run each block's backward twice): ValueError for another action."""
+    passes = []
+    for action in actions:
+        if action is None:
+            continue
+        computation = action.computation_type  # a str enum: "F" forward, "B" full backward
+        kind = "fwd" if computation == "F" else "bwd" if computation == "B" else None
+        if kind is None:
+            raise ValueError(f"rank_passes: action {action} is not a forward (F) or a full backward (B)")
+        passes.append((action.stage_index // stages, kind))
+    return passes
+
+
+def gpt_stage_costs(config, seq: int) -> tuple[list[float], float, float]:
+    """(per-block, head, tail) forward FLOPs per sample of a ``GPTConfig``: blocks by the planner's
+    formula; the head's embedding lookup and add (2*T*C); the tail's LM head (2*T*C*V)."""
+    block = block_forward_flops(config, 1, seq)
+    head = 2.0 * seq * config.hidden
+    tail = 2.0 * seq * config.hidden * config.padded_vocab_size / config.tp_size
+    return [block] * config.layers, head, tail
+
+
+def stage_split(config, seq: int, virtual_stages: int) -> tuple[list[range], list[float], float, float]:
+    """The balanced block split of a ``GPTConfig`` over ``virtual_stages`` (``balance.stage_ranges``
+    on ``gpt_stage_costs``), with the costs it balanced: (split, per-block, head, tail)."""
+    costs, head, tail = gpt_stage_costs(config, seq)
+    return stage_ranges(costs, virtual_stages, head_cost=head, tail_cost=tail), costs, head, tail
+
+
+# ---- the pipeline's share of the plan
+
 
 
 def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
@@ -78,8 +287,6 @@ class PipelinePlan:
 
     def stage_split(self, stage: int) -> list[range]:
         """The block ranges rank ``stage`` holds (its chunks, chunk 0 first)."""
-        from pystronghold.parallel.pipeline import rank_stages
-
         return [self.split[s] for s in rank_stages(stage, self.stages, self.chunks)]
 
     def stage_blocks(self, stage: int) -> int:
@@ -120,15 +327,12 @@ def plan_pipeline(config: GPTConfig, work: Workload, stages: int, micro_batches:
                   schedule: str = "1f1b", chunks: int = 1) -> PipelinePlan:
     """The pipeline figures of ``config`` trained as ``work`` (``work.batch``: the micro-batch);
     ``chunks``: model chunks per rank (2 or more with ``schedule="interleaved"``)."""
-    from pystronghold.parallel.pipeline import rank_stages, validate_pipeline
-    from pystronghold.parallel.pipeline_gpt import gpt_stage_costs
-    from pystronghold.planner.balance import stage_ranges
-
-    validate_pipeline(stages, config.layers, micro_batches, schedule, chunks)
+    check_pipeline(ParallelOptions(pp=stages, micro_batches=micro_batches, pp_schedule=schedule,
+                                   pp_chunks=chunks), config.layers)
+    micro_batches = micro_batches or stages
     seq = work.seq or config.seq_len
-    costs, head, tail = gpt_stage_costs(config, seq)
     n = stages * chunks
-    split = stage_ranges(costs, n, head_cost=head, tail_cost=tail)
+    split, costs, head, tail = stage_split(config, seq, n)
     total = sum(costs) + head + tail
     ranks = [rank_stages(s, stages, chunks) for s in range(stages)]  # each rank's chunks (virtual stages)
     share = [sum(sum(costs[split[i].start:split[i].stop]) + (head if i == 0 else 0.0) + (tail if i == n - 1 else 0.0)

@@ -1,15 +1,17 @@
-"""``pystronghold.wrap``: the one call that turns a model into a windowed training engine."""
+"""``pystronghold.wrap``: the one call that turns a model into a windowed training engine; and
+``pystronghold.from_pretrained``, ``wrap`` of a Hugging Face model loaded block by block."""
 
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 import torch
 
 from pystronghold.runtime.config import RuntimeConfig
 
-__all__ = ["wrap"]
+__all__ = ["wrap", "from_pretrained"]
 
 log = logging.getLogger(__name__)
 
@@ -69,3 +71,22 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
     _WRAPPED.update([model, *blocks])
     disable_hf_cache(model)
     return engine
+
+
+def from_pretrained(directory: str | os.PathLike, **wrap_options):
+    """Fine-tune the Hugging Face causal LM in local ``directory``: ``wrap`` of it, its blocks read
+    from the safetensors shards one at a time into the store (``models.hf.load_lazy``).
+
+    ``wrap_options`` are ``wrap``'s (window, device, precision, optimizer, nvme_dir, ...). Returns the
+    Engine; ``engine.model`` is the transformers model::
+
+        engine = pystronghold.from_pretrained("llama-dir", window=2, nvme_dir="/nvme")
+        loss = engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()
+    """
+    from pystronghold.models.hf import load_lazy  # NOTE: needs the [hf] extra (safetensors, transformers)
+
+    lazy = load_lazy(directory)
+    try:
+        return wrap(lazy.model, blocks=lazy.blocks, materialize=lazy.materialize, **wrap_options)
+    finally:
+        lazy.shards.close()

@@ -24,15 +24,15 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.grad_norms import BlockGradNorms
 from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
-from pystronghold.runtime.placement import Placement, plan_placement
+from pystronghold.runtime.placement import Placement, default_host_budget_bytes, plan_placement
 from pystronghold.runtime.precision import DynamicLossScaler
 from pystronghold.runtime.prepare import fill_store, move_to_device, split_model
 from pystronghold.runtime.resident import ResidentBlocks
 from pystronghold.runtime.schedule import build_plan
-from pystronghold.runtime.store import HostStore, default_host_budget_bytes
+from pystronghold.runtime.store import HostStore
 from pystronghold.runtime.updates import HostUpdates
 from pystronghold.runtime.window import Window
-from pystronghold.trace import Tracer
+from pystronghold.runtime.trace import Tracer
 
 __all__ = ["EngineParts", "OptimizerParts", "build_parts", "build_optimizers"]
 

@@ -111,7 +111,7 @@ class RuntimeConfig:
     """Poison released slots with NaN, so a missing wait shows up as wrong numbers; and compare each
     recomputed block output with a checksum of its forward output (raises with the block index)."""
     trace: bool = False
-    """Record every action in ``engine.trace`` (a pystronghold.trace.Tracer)."""
+    """Record every action in ``engine.trace`` (a pystronghold.runtime.trace.Tracer)."""
     host_memory_bytes: int | None = option(None, flag="--host-memory", metavar="BYTES", parse=parse_bytes, help=(
         "Host memory the block states (and, on --device cpu, the window, head and tail) may use, e.g. "
         "8G, 8GiB, 12e9 bytes; default: 85% of what the host has available. With --nvme, states that do "

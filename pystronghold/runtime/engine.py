@@ -203,7 +203,7 @@ class Engine:
     def use_step_plan(self, plan: Plan, train: bool = True) -> None:
         """Train with ``plan`` (``schedule.plan_uses``) covering a whole optimizer step instead of
         one forward and backward: a pipeline stage runs its micro-batches' passes interleaved in its
-        schedule's order (``pystronghold.parallel.pipeline``); ``train=False``: the plan of a whole
+        schedule's order (``pystronghold.pipelining``); ``train=False``: the plan of a whole
         evaluation step's forwards (an interleaved stage's model chunks in turn). Each use is
         checked as it happens, so a schedule that runs in another order raises instead of computing
         with wrong blocks."""

@@ -21,13 +21,37 @@ on disk.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from pystronghold.runtime.layout import STATES, buffer_bytes, state_numel, stored_states
 
-__all__ = ["Placement", "plan_placement", "spill_order"]
+__all__ = ["Placement", "plan_placement", "spill_order", "available_host_bytes", "DEFAULT_HOST_FRACTION",
+           "default_host_budget_bytes"]
+
+
+def available_host_bytes() -> int:
+    """Host memory the store may use, in bytes: MemAvailable from /proc/meminfo (Linux), else all RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+DEFAULT_HOST_FRACTION = 0.85
+"""Share of the available host memory the store may use when no budget is given: the rest is left
+for activations, the loss, Python and torch (a store filled to the last byte would be OOM-killed)."""
+
+
+def default_host_budget_bytes() -> int:
+    """The host budget of a store when ``host_memory_bytes`` is not given, in bytes."""
+    return int(available_host_bytes() * DEFAULT_HOST_FRACTION)
 
 
 def spill_order(compute_dtype: torch.dtype, *, streamed_grads: bool) -> tuple[str, ...]:
@@ -188,8 +212,6 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
 
 def _budget_words(budget_bytes: int, is_limit: bool) -> str:
     """What the host budget is, in words, with the host's own figure when the user set the limit."""
-    from pystronghold.runtime.store import DEFAULT_HOST_FRACTION, available_host_bytes
-
     host = available_host_bytes()
     if is_limit:
         return (f"the host memory limit you set (--host-memory / host_memory_bytes=) is {budget_bytes:,} bytes "

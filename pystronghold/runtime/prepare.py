@@ -13,8 +13,9 @@ import warnings
 import torch
 
 from pystronghold.runtime import layout
+from pystronghold.runtime.placement import available_host_bytes
 from pystronghold.runtime.precision import compute_dtype
-from pystronghold.runtime.store import BlockLayout, available_host_bytes
+from pystronghold.runtime.store import BlockLayout
 
 __all__ = ["split_parameters", "move_to_device", "fill_store", "init_threads_for", "INIT_BYTES_IN_FLIGHT",
            "slot_bytes", "head_tail_bytes", "materialize_resident", "window_slots", "split_model", "ModelSplit"]

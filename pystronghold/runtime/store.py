@@ -21,7 +21,6 @@ upload state (shadow, or master in fp32); every other state covers ``[0, layout.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -32,8 +31,7 @@ from pystronghold.runtime.disk_tier import DiskTier, Lease
 from pystronghold.runtime.layout import arena_bytes, buffer_bytes, param_offsets, state_dtype, upload_state
 from pystronghold.runtime.placement import Placement, plan_placement
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ParamSpan", "BlockLayout", "HostStore", "Lease",
-           "available_host_bytes", "default_host_budget_bytes"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ParamSpan", "BlockLayout", "HostStore", "Lease"]
 
 log = logging.getLogger(__name__)
 
@@ -105,28 +103,6 @@ class BlockLayout:
         """Write zeros into the padding of ``flat`` (a whole block's buffer, or its trainable part)."""
         for start, end in self.gaps:
             flat[start:end].zero_()
-
-
-def available_host_bytes() -> int:
-    """Host memory the store may use, in bytes: MemAvailable from /proc/meminfo (Linux), else all RAM."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-DEFAULT_HOST_FRACTION = 0.85
-"""Share of the available host memory the store may use when no budget is given: the rest is left
-for activations, the loss, Python and torch (a store filled to the last byte would be OOM-killed)."""
-
-
-def default_host_budget_bytes() -> int:
-    """The host budget of a store when ``host_memory_bytes`` is not given, in bytes."""
-    return int(available_host_bytes() * DEFAULT_HOST_FRACTION)
 
 
 DEFAULT_CHUNK_BYTES = 1 << 30

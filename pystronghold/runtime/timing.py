@@ -17,7 +17,7 @@ duration is exactly the device's ``elapsed_time`` between its two marks. NOTE: t
 when it was issued to when the host first saw it done measures the host's polling, not the copy
 (on an H100 that read "h2d 2.8 GB/s" and "background h2d 732 s" for 49 s of training).
 
-The backends' ``clock`` (``HostClock`` or ``EventClock``) makes marks; ``pystronghold.trace.Tracer``
+The backends' ``clock`` (``HostClock`` or ``EventClock``) makes marks; ``pystronghold.runtime.trace.Tracer``
 holds spans with device marks until a calibration resolves them (``Tracer.resolve``).
 """
 

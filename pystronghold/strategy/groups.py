@@ -1,21 +1,19 @@
-"""From a ``Layout`` to the process groups and the pipeline the runtime trains with.
+"""From a ``Layout`` to the process groups the runtime trains with.
 
 ``replicate``, ``split`` and ``stage`` map onto ``pystronghold.parallel.init_parallel(tp, dp,
 pp=...)`` (``init_layout``); the model must then be built with the TP group
 (``GPT(config, tp_group=groups.tp_group)``), since a layer's shards are made when it is built. A
-layout with several stages runs on the pipeline runtime (``pystronghold.parallel.pipeline``):
-``gpt_pipeline_of`` gives it the stages' block ranges (``Layout.block_ranges``) and the
-``pipeline(num_micro_batch)`` scope's micro-batches.
+layout with several stages runs on the pipeline runtime (``pystronghold.pipelining.gpt_pipeline_of``
+gives it the stages' block ranges, ``Layout.block_ranges``, and the ``pipeline(num_micro_batch)``
+scope's micro-batches).
 """
 
 from __future__ import annotations
 
-from torch import nn
-
 from pystronghold.parallel.groups import ParallelGroups, init_parallel
 from pystronghold.strategy.layout import Layout
 
-__all__ = ["init_layout", "gpt_pipeline_of"]
+__all__ = ["init_layout"]
 
 
 def init_layout(layout: Layout, *, heads: int | None = None, backend: str | None = None,
@@ -31,23 +29,3 @@ def init_layout(layout: Layout, *, heads: int | None = None, backend: str | None
                          "runtime runs one TP degree in every stage (give each stage the same split(n))")
     return init_parallel(tp_size=degrees[0], dp_size=layout.dp_size, pp=layout.pp_size, heads=heads,
                          backend=backend, timeout_s=timeout_s)
-
-
-def gpt_pipeline_of(model: nn.Module, layout: Layout, groups: ParallelGroups, *, schedule: str = "1f1b",
-                    seq: int | None = None, **options):
-    """This rank's ``Pipeline`` of a ``GPT`` whose stages the scopes chose: ``gpt_pipeline`` with
-    ``split=layout.block_ranges(model, model.blocks)`` and ``micro_batches=layout.num_micro_batch``;
-    ``options`` are ``wrap``'s. ValueError when the layout is no pipeline of this model or
-    ``groups`` were not made for it (``init_layout``)."""
-    from pystronghold.parallel.pipeline_gpt import gpt_pipeline
-
-    if not isinstance(layout, Layout):
-        raise TypeError(f"gpt_pipeline_of: expected a Layout, got {type(layout).__name__}")
-    if layout.pp_size < 2:
-        raise ValueError("gpt_pipeline_of: the layout has one stage; wrap the model with "
-                         "pystronghold.wrap (or give it stage() scopes)")
-    if groups.pp_size != layout.pp_size:
-        raise ValueError(f"gpt_pipeline_of: the groups have pp={groups.pp_size}, the layout "
-                         f"{layout.pp_size} stages (make them with init_layout(layout))")
-    return gpt_pipeline(model, groups, micro_batches=layout.num_micro_batch, schedule=schedule, seq=seq,
-                        split=layout.block_ranges(model, model.blocks), **options)

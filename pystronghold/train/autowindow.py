@@ -39,7 +39,7 @@ from pystronghold.planner.hardware import GPU, GiB, Hardware
 from pystronghold.planner.plan import choose_split, device_memory
 from pystronghold.planner.timeline import StepTime
 from pystronghold.runtime.precision import compute_dtype
-from pystronghold.runtime.store import available_host_bytes
+from pystronghold.runtime.placement import available_host_bytes
 
 __all__ = ["AutoWindow", "HFProbe", "measure_costs", "choose_runtime_window", "device_reserve_bytes",
            "DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES"]

@@ -20,8 +20,8 @@ from pathlib import Path
 from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX, HFModelConfig
-from pystronghold.options import ConfigError, component, option
-from pystronghold.parallel.pipeline import SCHEDULES
+from pystronghold.options import ConfigError, component
+from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.token_files import TOKEN_DTYPES
@@ -227,100 +227,8 @@ class CheckpointOptions:
             _check_creatable_dir("--checkpoint-dir", self.checkpoint_dir)
 
 
-def _sizes_from_text(text: str, flag: str) -> tuple[int, ...]:
-    """'3,1' -> (3, 1); ValueError naming ``flag`` for anything but comma-separated integers."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated sample counts like 3,1, got {text!r}") from None
-
-
 def _sizes_text(sizes: tuple[int, ...]) -> str:
     return ",".join(str(b) for b in sizes)
-
-
-@dataclass(kw_only=True, slots=True)
-class ParallelOptions:
-    """Tensor, data and pipeline parallelism (launch with torchrun --nproc-per-node PP*TP*DP)."""
-
-    tp: int = 1
-    """Tensor-parallel ranks per model replica (attention heads, MLP columns and vocabulary split)."""
-    dp: int = 0
-    """Data-parallel replicas, each fed its slice of every batch; 0: the world size / (--tp x --pp)."""
-    dp_split: tuple[int, ...] | None = option(None, parse=_sizes_from_text, metavar="B0,B1,...")
-    """Samples of every batch each data-parallel replica takes, in DP-rank order, for unlike devices
-    (Whale's hardware-aware split, as pystronghold plan --cluster prints it; sum: --batch); each
-    replica's loss is weighted by its share so the gradient is the whole batch's. Default: equal
-    slices. Not with --pp."""
-    pp: int = option(1, help="Pipeline stages the blocks are split across (balanced by compute).")
-    """Pipeline stages the blocks are split across (``parallel.pipeline``): contiguous block ranges
-    balanced by compute (the embedding on the first stage, the LM head on the last), each stage
-    with its own window, store and host optimizer. 1: no pipeline."""
-    micro_batches: int = option(0, help="Micro-batches each replica's batch is cut into for the pipeline; 0: --pp.")
-    """Micro-batches each replica's batch is cut into for the pipeline (m); their gradients are
-    summed into one optimizer step. 0: --pp (the fewest the 1F1B schedule takes)."""
-    pp_schedule: str = option("1f1b", choices=SCHEDULES, help=(
-        "Pipeline schedule (torch's Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B)."))
-    """Pipeline schedule, by its ``torch.distributed.pipelining`` class: "1f1b" (Schedule1F1B: at
-    most p - s micro-batches in flight on stage s), "gpipe" (ScheduleGPipe: all m in flight) or
-    "interleaved" (ScheduleInterleaved1F1B: --pp-chunks model chunks per rank, the bubble divided
-    by their number; --micro-batches a multiple of --pp)."""
-    pp_chunks: int = option(1, help="Model chunks per pipeline rank for --pp-schedule interleaved (>= 2).")
-    """Model chunks (virtual stages) per pipeline rank with ``--pp-schedule interleaved``: the blocks
-    are split into pp x chunks balanced chunks, rank r holding chunks r, r + pp, ...; one window
-    runtime per rank runs all of them. 1 for the other schedules."""
-    dist_timeout: float = 300.0
-    """Seconds a collective waits for the other ranks before the run fails."""
-
-    def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"--tp must be >= 1, got {self.tp}")
-        if self.dp < 0:
-            raise ValueError(f"--dp must be >= 1 (or 0: world size / (--tp x --pp)), got {self.dp}")
-        if not isinstance(self.pp, int) or self.pp < 1:
-            raise ConfigError(self, "pp", f"must be an int >= 1, got {self.pp!r}")
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 0:
-            raise ConfigError(self, "micro_batches", f"must be an int >= 1 (or 0: `pp`), got {self.micro_batches!r}")
-        if self.pp_schedule not in SCHEDULES:
-            raise ConfigError(self, "pp_schedule", f"must be one of {SCHEDULES}, got {self.pp_schedule!r}")
-        if isinstance(self.pp_chunks, bool) or not isinstance(self.pp_chunks, int) or self.pp_chunks < 1:
-            raise ConfigError(self, "pp_chunks", f"must be an int >= 1, got {self.pp_chunks!r}")
-        if self.pp_schedule == "interleaved" and self.pp_chunks < 2:
-            raise ConfigError(self, "pp_chunks=", "must be >= 2 with `pp_schedule=` (one model chunk per rank "
-                                                  "is `pp_schedule='1f1b'`)")
-        if self.pp_schedule != "interleaved" and self.pp_chunks != 1:
-            raise ConfigError(self, "pp_chunks=", "needs `pp_schedule='interleaved'`")
-        if self.pp_chunks > 1 and self.pp < 2:
-            raise ConfigError(self, "pp_chunks=", "needs a pipeline: `pp=` stages must be >= 2")
-        if self.dp_split is not None:
-            if not isinstance(self.dp_split, tuple) or not self.dp_split or any(
-                    isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.dp_split):
-                raise ValueError(f"--dp-split must be positive sample counts, got {self.dp_split!r}")
-        if self.dp_split is not None and self.pp > 1:
-            raise ConfigError(self, "dp_split", "is not supported with a pipeline (pp > 1): the stages cut "
-                                                "every replica's batch into equal micro-batches")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"--dist-timeout must be > 0, got {self.dist_timeout}")
-
-    @property
-    def world_size(self) -> int:
-        """Processes of the launch (torchrun's WORLD_SIZE; 1 without a launcher)."""
-        return int(os.environ.get("WORLD_SIZE", "1"))
-
-    @property
-    def dp_size(self) -> int:
-        """--dp in effect (0 resolved against the world size)."""
-        return self.dp or max(self.world_size // (self.tp * self.pp), 1)
-
-    @property
-    def micro_batch_count(self) -> int:
-        """--micro-batches in effect (0 resolved to --pp)."""
-        return self.micro_batches or self.pp
-
-    @property
-    def distributed(self) -> bool:
-        """Whether this run needs torch.distributed (several processes or sizes above 1)."""
-        return self.world_size > 1 or self.pp * self.tp * self.dp_size > 1
 
 
 TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0}
@@ -431,26 +339,13 @@ class TrainConfig:
             raise ConfigError(par, "pp=", f"x `tp=` x {dp} data-parallel replicas = {pp * tp * dp} processes, but there are "
                               f"{world}{launch}")
         v = par.pp_chunks
-        if pp * v > cfg.layers:
-            raise ConfigError(par, "pp=", f"stages are more than the model's {cfg.layers} blocks "
-                              "(every stage needs at least one block)" if v == 1 else
-                              f"stages x `pp_chunks=` = {pp * v} model chunks are more than the model's "
-                              f"{cfg.layers} blocks (every chunk needs at least one block)")
-        if par.pp_schedule == "1f1b" and m < pp:
-            raise ConfigError(par, "micro_batches=", "must be at least `pp=` stages for the 1F1B schedule")
-        if par.pp_schedule == "interleaved" and m % pp:
-            raise ConfigError(par, "micro_batches=", "must be a multiple of `pp=` stages for the interleaved schedule")
+        check_pipeline(par, cfg.layers)
         if self.data.batch % (dp * m):
             raise ConfigError(par, "micro_batches=", f": --batch {self.data.batch} must be divisible by {dp} data-parallel "
                               f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
         # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
         # after the others entered a collective. The split is local arithmetic (gpt_stage's).
-        from pystronghold.parallel.pipeline import rank_stages
-        from pystronghold.parallel.pipeline_gpt import gpt_stage_costs
-        from pystronghold.planner.balance import stage_ranges
-
-        costs, head, tail = gpt_stage_costs(self.gpt, self.seq)
-        split = stage_ranges(costs, pp * v, head_cost=head, tail_cost=tail)
+        split = stage_split(self.gpt, self.seq, pp * v)[0]
         per_rank = [sum(len(split[s]) for s in rank_stages(r, pp, v)) for r in range(pp)]
         smallest = min(range(pp), key=lambda s: per_rank[s])
         if self.runtime.resident_blocks > per_rank[smallest]:

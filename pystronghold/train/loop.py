@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-import pystronghold
 from pystronghold.data import IGNORE_INDEX, BatchSampler, validation_batches
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
+from pystronghold.optim.hyper import AdamW
+from pystronghold.runtime.api import wrap
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
@@ -93,7 +94,7 @@ class Trainer:
         cfg, run = config.gpt, config.run
         self.hf = isinstance(cfg, HFModelConfig)  # --model hf:DIR: its own tokenizer, loaded lazily
         from pystronghold.models.presets import param_count
-        from pystronghold.runtime.store import available_host_bytes
+        from pystronghold.runtime.placement import available_host_bytes
 
         # NOTE: the blocks are built by wrap() (materialize_blocks=False: in parallel threads, each
         # block dropped once the store holds it), so the fp32 model never exists whole; the store
@@ -159,7 +160,7 @@ class Trainer:
         self.dp_rank = self.groups.dp_rank if self.groups is not None else 0
         self.uneven = None  # --dp-split: this replica's share of every batch and its loss weight
         if par.dp_split is not None and self.dp_size > 1:
-            from pystronghold.parallel.uneven import UnevenBatch
+            from pystronghold.train.uneven import UnevenBatch
 
             self.uneven = UnevenBatch(sizes=par.dp_split, dp_rank=self.dp_rank)
         materialize = None
@@ -192,17 +193,16 @@ class Trainer:
         # the trace feeds the metrics.
         runtime = dataclasses.replace(
             config.runtime, trace=True, parallel=self.groups, **split,
-            optimizer=pystronghold.AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay,
-                                         decay=o.decay))
-        self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.parallel.pipeline)
+            optimizer=AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay, decay=o.decay))
+        self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.pipelining)
         if par.pp > 1:
-            from pystronghold.parallel.pipeline_gpt import gpt_pipeline
+            from pystronghold.pipelining import gpt_pipeline
 
             self.pipeline = gpt_pipeline(self.model, self.groups, seq=self.seq, micro_batches=par.micro_batch_count,
                                          schedule=par.pp_schedule, chunks=par.pp_chunks, config=runtime)
             self.engine = self.pipeline.engine
         else:
-            self.engine = pystronghold.wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)
+            self.engine = wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
         self.step = 0

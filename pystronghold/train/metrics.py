@@ -6,7 +6,7 @@ The metrics line has fixed fields, in this order (``METRIC_FIELDS``)::
     step 100 | loss 2.3141 (mean of 10 steps) | ms/step 412.3 | tok/s 2484 | h2d 3.10 GB/s
       | d2h 2.95 GB/s | dev peak 4.3 MiB | host 36.4 MiB | overlap 71.2%
 
-Bandwidths and overlap come from the engine's trace (``pystronghold.trace.TraceSummary``) over the
+Bandwidths and overlap come from the engine's trace (``pystronghold.runtime.trace.TraceSummary``) over the
 steps of the interval; ``-`` where the interval moved nothing of that kind.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from pystronghold.runtime.host_time import HOST_KINDS
 from pystronghold.runtime.layout import device_bytes_per_param
-from pystronghold.trace import Tracer
+from pystronghold.runtime.trace import Tracer
 
 __all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport", "memory_report",
            "TimeReport", "format_bytes", "MetricsWriter"]

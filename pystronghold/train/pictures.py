@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
-from pystronghold.trace import Tracer
+from pystronghold.runtime.trace import Tracer
 
 __all__ = ["write_outputs", "write_loss_png", "step_starts", "timeline_title"]
 

@@ -22,9 +22,10 @@ from parallel_training import single_process_run
 
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
+from pystronghold.options import ConfigError
 from pystronghold.parallel import gather_tp_param, init_parallel, validate_parallel_sizes
-from pystronghold.parallel.pipeline import Pipeline, rank_passes, stage_passes, validate_pipeline
-from pystronghold.parallel.pipeline_gpt import gpt_chunks, gpt_loss, gpt_stage
+from pystronghold.pipelining import Pipeline, gpt_chunks, gpt_loss, gpt_stage
+from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_passes, stage_passes
 
 CFG = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=16, layers=4, hidden=32, heads=4,
                 tie_embeddings=True)
@@ -140,7 +141,7 @@ def _stages_out_of_order(rank: int, world: int) -> None:
                   output_size=model.config.padded_vocab_size, window=1)
     with pytest.raises(ValueError, match=r"the stages must hold the model in order: .*stage 2: head \+ blocks \[0\]"):
         Pipeline(chunks[::-1], groups, schedule="interleaved", **kwargs)
-    from pystronghold.parallel.stages import build_stage
+    from pystronghold.pipelining import build_stage
 
     swapped = build_stage(None, [model.blocks[1 - groups.pp_rank]], None, first_block=1 - groups.pp_rank)
     with pytest.raises(ValueError, match=r"stage 0: blocks \[1\]; stage 1: blocks \[0\]"):
@@ -225,21 +226,27 @@ def test_bad_pipeline_layouts_raise_naming_the_size():
     with pytest.raises(ValueError, match="pp_size=3 x tp_size=1 must divide the world size 4"):
         validate_parallel_sizes(4, 1, pp_size=3)
     assert validate_parallel_sizes(8, 2, pp_size=2) == 2
-    with pytest.raises(ValueError, match="pp=5 stages are more than the model's 4 blocks"):
-        validate_pipeline(5, 4, 8, "1f1b")
-    with pytest.raises(ValueError, match="micro_batches=1 must be at least the pp=2 stages"):
-        validate_pipeline(2, 4, 1, "1f1b")
-    with pytest.raises(ValueError, match="schedule must be one of"):
-        validate_pipeline(2, 4, 2, "zero-bubble")
-    with pytest.raises(ValueError, match="micro_batches=6 must be a multiple of the pp=4 stages for the interleaved"):
-        validate_pipeline(4, 8, 6, "interleaved", chunks=2)
-    with pytest.raises(ValueError, match="pp=2 stages x chunks=3 = 6 model chunks are more than the model's 4 blocks"):
-        validate_pipeline(2, 4, 2, "interleaved", chunks=3)
-    with pytest.raises(ValueError, match="the interleaved schedule needs chunks >= 2"):
-        validate_pipeline(2, 4, 2, "interleaved")
-    with pytest.raises(ValueError, match="chunks=2 model chunks per rank need the interleaved schedule, not 'gpipe'"):
-        validate_pipeline(2, 4, 2, "gpipe", chunks=2)
-    validate_pipeline(2, 4, 4, "interleaved", chunks=2)
+
+
+@pytest.mark.parametrize("settings, blocks, message", [
+    (dict(pp=5), 4, "ParallelOptions.pp=5 stages are more than the model's 4 blocks"),
+    (dict(pp=2, micro_batches=1), None, "ParallelOptions.micro_batches=1 must be at least pp=2 stages"),
+    (dict(pp=2, pp_schedule="zero-bubble"), None, "ParallelOptions.pp_schedule must be one of"),
+    (dict(pp=4, micro_batches=6, pp_schedule="interleaved", pp_chunks=2), None,
+     "ParallelOptions.micro_batches=6 must be a multiple of pp=4 stages for the interleaved"),
+    (dict(pp=2, pp_schedule="interleaved", pp_chunks=3), 4,
+     "ParallelOptions.pp=2 stages x pp_chunks=3 = 6 model chunks are more than the model's 4 blocks"),
+    (dict(pp=2, pp_schedule="interleaved"), None, "ParallelOptions.pp_chunks=1 must be >= 2 with pp_schedule="),
+    (dict(pp=2, pp_schedule="gpipe", pp_chunks=2), None, "ParallelOptions.pp_chunks=2 needs pp_schedule='interleaved'"),
+    (dict(pp=1, pp_schedule="interleaved", pp_chunks=2), None, "ParallelOptions.pp_chunks=2 needs a pipeline"),
+])
+def test_check_pipeline_names_the_setting_that_does_not_fit(settings, blocks, message):
+    with pytest.raises(ConfigError, match=message):
+        check_pipeline(ParallelOptions(**settings), blocks)
+
+
+def test_check_pipeline_passes_a_layout_that_fits():
+    check_pipeline(ParallelOptions(pp=2, micro_batches=4, pp_schedule="interleaved", pp_chunks=2), 4)
 
 
 def test_rank_passes_read_torchs_actions_and_refuse_a_split_backward():

@@ -18,7 +18,7 @@ from parallel_training import single_process_run
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.parallel import init_parallel
-from pystronghold.parallel.uneven import UnevenBatch, add_compute_delay
+from pystronghold.train.uneven import UnevenBatch, add_compute_delay
 
 CFG = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=16, layers=3, hidden=32, heads=4)
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)

@@ -96,7 +96,7 @@ def test_planned_bytes_are_a_built_engines(tmp_path, family, precision):
     if family == "llama":
         from hf_models import save_tiny
 
-        from pystronghold.models.hf import from_pretrained
+        from pystronghold.runtime.api import from_pretrained
         from pystronghold.planner.hf_shape import read_hf_shape
 
         directory = save_tiny(tmp_path, family, tokenizer=False)

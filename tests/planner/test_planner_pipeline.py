@@ -60,7 +60,7 @@ def test_interleaved_in_flight_is_the_peak_of_torchs_schedule(stages, chunks):
     follows, read by ``rank_passes``): each chunk runs m forwards and m backwards."""
     from torch.distributed.pipelining import ScheduleInterleaved1F1B
 
-    from pystronghold.parallel.pipeline import rank_passes
+    from pystronghold.planner.pipeline import rank_passes
 
     for m in (stages, 2 * stages, 3 * stages):
         for rank in range(stages):
@@ -88,13 +88,13 @@ def test_plan_pipeline_interleaved_splits_p_times_v_chunks():
     assert plan.activation_bytes == [n * max(len(r) for r in plan.stage_split(s)) * per_block
                                      for s, n in enumerate(plan.in_flight)]
     assert plan.stage_in_flight(0) == -(-plan.activation_bytes[0] // (plan.stage_blocks(0) * per_block))
-    with pytest.raises(ValueError, match="micro_batches=3 must be a multiple of the pp=2 stages"):
+    with pytest.raises(ValueError, match="micro_batches=3 must be a multiple of pp=2 stages"):
         plan_pipeline(cfg, work, 2, 3, "interleaved", chunks=2)
-    with pytest.raises(ValueError, match="pp=4 stages x chunks=3 = 12 model chunks are more than the model's 8"):
+    with pytest.raises(ValueError, match="pp=4 stages x pp_chunks=3 = 12 model chunks are more than the model's 8"):
         plan_pipeline(cfg, work, 4, 4, "interleaved", chunks=3)
-    with pytest.raises(ValueError, match="the interleaved schedule needs chunks >= 2"):
+    with pytest.raises(ValueError, match="pp_chunks=1 must be >= 2 with pp_schedule='interleaved'"):
         plan_pipeline(cfg, work, 2, 4, "interleaved")
-    with pytest.raises(ValueError, match="chunks=2 model chunks per rank need the interleaved schedule"):
+    with pytest.raises(ValueError, match="pp_chunks=2 needs pp_schedule='interleaved'"):
         plan_pipeline(cfg, work, 2, 4, "1f1b", chunks=2)
 
 
@@ -109,15 +109,15 @@ def test_cli_plan_prints_the_pipeline(capsys):
     pipe = json.loads(capsys.readouterr().out)["pipeline"]
     assert pipe["bubble_fraction"] == pytest.approx(3 / 8) and pipe["in_flight"] == [4, 3, 2, 1]
     assert main(["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "tiny", "--pp", "8"]) == 2
-    assert "pp=8 stages are more than the model's 4 blocks" in capsys.readouterr().err
+    assert "--pp 8 stages are more than the model's 4 blocks" in capsys.readouterr().err
     assert main(args + ["--pp-schedule", "interleaved", "--pp-chunks", "2"]) == 0
     out = capsys.readouterr().out
     assert "pipeline  4 stages x 2 chunks, 8 micro-batches, interleaved: bubble 18.8% of compute" in out
     assert "  stage 0: head + blocks 0-" in out and "11 chunk forwards in flight" in out
     assert main(["plan", "--gpu", "h100-80gb", "--host-memory", "512", "--model", "tiny", "--pp-chunks", "2"]) == 2
-    assert "--pp-chunks 2 needs a pipeline" in capsys.readouterr().err
+    assert "--pp-chunks 2 needs --pp-schedule interleaved" in capsys.readouterr().err
     assert main(args + ["--pp-schedule", "interleaved"]) == 2
-    assert "--pp-schedule interleaved needs --pp-chunks V >= 2 model chunks per rank, got 1" in capsys.readouterr().err
+    assert "--pp-chunks 1 must be >= 2 with --pp-schedule interleaved" in capsys.readouterr().err
 
 
 def test_plan_pp_counts_the_in_flight_activations_in_device_memory(capsys):
@@ -167,8 +167,7 @@ class _SleepBlock(nn.Module):
 def _measured_bubble(rank: int, world: int, results) -> None:
     import pystronghold as ph
     from pystronghold.parallel import init_parallel
-    from pystronghold.parallel.pipeline import Pipeline
-    from pystronghold.parallel.stages import build_stage
+    from pystronghold.pipelining import Pipeline, build_stage
 
     groups = init_parallel(1, pp=2, timeout_s=30)
     for m, chunks in ((4, 1), (8, 1), (4, 2)):

@@ -13,7 +13,7 @@ import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.runtime.backend_cuda import EventHandle
 from pystronghold.runtime.timing import Calibration, EventClock, HostClock, copy_marks, to_host_s
-from pystronghold.trace import Tracer
+from pystronghold.runtime.trace import Tracer
 from runtime_models import gpt_batches, one_torch_thread, tiny_gpt
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

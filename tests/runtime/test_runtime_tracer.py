@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from pystronghold.trace import Tracer
+from pystronghold.runtime.trace import Tracer
 
 
 def synthetic() -> Tracer:

@@ -19,7 +19,8 @@ from torch import nn
 
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
-from pystronghold.strategy import annotate, gpt_pipeline_of, init_layout, layout_of
+from pystronghold.pipelining import gpt_pipeline_of
+from pystronghold.strategy import annotate, init_layout, layout_of
 
 CFG = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=16, layers=4, hidden=32, heads=4,
                 tie_embeddings=True)
@@ -74,7 +75,7 @@ def _train(pipe, groups, data: torch.Tensor) -> tuple[list[float], list[range]]:
 
 
 def _scoped_and_plain(rank: int, world: int, dp: int) -> None:
-    from pystronghold.parallel.pipeline_gpt import gpt_pipeline
+    from pystronghold.pipelining import gpt_pipeline
 
     data = _data(dp)
     model = _annotated_gpt(dp)

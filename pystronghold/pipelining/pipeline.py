@@ -2,22 +2,22 @@
 ``torch.distributed.pipelining`` (its schedules move activations and run the micro-batches; we
 write no scheduler).
 
-- the split (``parallel.pipeline_gpt``): ``planner.balance.stage_ranges`` (contiguous blocks whose
+- the split (``pipelining.gpt``): ``planner.pipeline.stage_split`` (contiguous blocks whose
   largest stage compute is smallest, the first stage's head and the last stage's tail, the LM
   head, counted).
-- ``parallel.stages``: ``PipelineStageModule`` / ``build_stage``, one stage's part of the model
+- ``pipelining.stages``: ``PipelineStageModule`` / ``build_stage``, one stage's part of the model
   (head? blocks, tail?), the module torch's ``PipelineStage`` runs; ``PipelineChunks``, a rank's
   model chunks as one model for the engine.
 - the interleaved schedule (``ScheduleInterleaved1F1B``, Narayanan et al. SC'21): each rank holds
   ``chunks`` = v stages ("model chunks", virtual stages r, r + p, ..., r + (v-1)p of p*v, see
-  ``rank_stages``); one engine (one window, store and host optimizer) runs every chunk of the rank
+  ``planner.pipeline.rank_stages``); one engine (one window, store and host optimizer) runs every chunk of the rank
   (``PipelineChunks``), and the bubble shrinks by v.
-- ``stage_passes`` / ``rank_passes``: the forward/backward passes a stage runs in one step, in its
+- ``planner.pipeline.stage_passes`` / ``rank_passes``: the forward/backward passes a stage runs in one step, in its
   schedule's order (for interleaved, read from torch's own per-rank action list); the engine plans
   its window over all of them (``Engine.use_step_plan``) and checks each use.
 - ``Pipeline``: one rank's stage(s) through ``wrap``, a torch schedule, tied-embedding gradients
   all-reduced between the first and last stage, and ``step(x, y)`` = one optimizer step.
-- ``parallel.pipeline_gpt``: a ``GPT``'s stages (``gpt_stage`` / ``gpt_chunks``: balanced split, tied
+- ``pipelining.gpt``: a ``GPT``'s stages (``gpt_stage`` / ``gpt_chunks``: balanced split, tied
   embeddings marked) and ``gpt_pipeline``.
 
 Exactness (fp32): the loss of each micro-batch is divided by their number, so the summed
@@ -36,104 +36,15 @@ import torch.distributed as dist
 from torch import nn
 
 from pystronghold.parallel.groups import ParallelGroups
-from pystronghold.parallel.stages import PipelineChunks, PipelineStageModule
+from pystronghold.pipelining.stages import PipelineChunks, PipelineStageModule
+from pystronghold.planner.pipeline import ParallelOptions, rank_passes, rank_stages, stage_passes
+from pystronghold.runtime.api import wrap
 from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.schedule import pass_uses, plan_uses
 
-__all__ = ["SCHEDULES", "validate_pipeline", "check_chunk_count", "rank_stages", "stage_passes", "rank_passes",
-           "Pipeline"]
+__all__ = ["Pipeline"]
 
 log = logging.getLogger(__name__)
-
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
-"""Pipeline schedules, by their torch.distributed.pipelining class (Schedule1F1B, ScheduleGPipe,
-ScheduleInterleaved1F1B: several model chunks per rank)."""
-
-
-def validate_pipeline(stages: int, blocks: int, micro_batches: int, schedule: str, chunks: int = 1) -> None:
-    """Check a pipeline layout with local arithmetic only (the same on every rank, so every rank
-    raises before any collective): ``chunks`` model chunks per rank (2 or more for "interleaved", 1
-    otherwise). ValueError naming the argument that does not fit."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-    if schedule == "interleaved":
-        if chunks < 2:
-            raise ValueError(f"the interleaved schedule needs chunks >= 2 model chunks per rank, got "
-                             f"chunks={chunks} (one chunk per rank is the 1F1B schedule)")
-        if micro_batches % stages:
-            raise ValueError(f"micro_batches={micro_batches} must be a multiple of the pp={stages} stages "
-                             "for the interleaved schedule")
-    elif chunks != 1:
-        raise ValueError(f"chunks={chunks} model chunks per rank need the interleaved schedule, not {schedule!r}")
-    check_chunk_count(stages, chunks, blocks)
-    if schedule == "1f1b" and micro_batches < stages:
-        raise ValueError(f"micro_batches={micro_batches} must be at least the pp={stages} stages "
-                         "for the 1F1B schedule")
-
-
-def check_chunk_count(stages: int, chunks: int, blocks: int) -> None:
-    """ValueError when the ``stages`` x ``chunks`` model chunks are more than the ``blocks`` (each
-    needs one)."""
-    if stages * chunks > blocks:
-        if chunks == 1:
-            raise ValueError(f"pp={stages} stages are more than the model's {blocks} blocks "
-                             "(every stage needs at least one block)")
-        raise ValueError(f"pp={stages} stages x chunks={chunks} = {stages * chunks} model chunks are more "
-                         f"than the model's {blocks} blocks (every chunk needs at least one block)")
-
-
-def rank_stages(rank: int, stages: int, chunks: int = 1) -> range:
-    """The virtual stages pipeline rank ``rank`` holds of ``stages`` x ``chunks``, chunk 0 first
-    (the interleaved placement: chunk c is virtual stage ``rank + c * stages``; one chunk: the stage
-    ``rank`` itself). Its inverse: virtual stage s is chunk ``s // stages`` of rank ``s % stages``."""
-    return range(rank, stages * chunks, stages)
-
-
-def stage_passes(schedule: str, stage: int, stages: int, micro_batches: int) -> list[str]:
-    """The passes ("fwd"/"bwd", one per micro-batch each) stage ``stage`` runs in one step, in the
-    order torch's schedule runs them (Schedule1F1B: ``min(m, p - stage)`` forwards, then one
-    backward and one forward alternately, then the remaining backwards; ScheduleGPipe: every
-    forward, then every backward). The engine checks each block use against this order."""
-    m = micro_batches
-    if schedule == "gpipe":
-        return ["fwd"] * m + ["bwd"] * m
-    if schedule == "1f1b":
-        warmup = min(m, stages - stage)
-        passes = ["fwd"] * warmup
-        forwards = warmup
-        backwards = 0
-        while backwards < m:
-            passes.append("bwd")
-            backwards += 1
-            if forwards < m:
-                passes.append("fwd")
-                forwards += 1
-        return passes
-    raise ValueError(f"stage_passes: schedule must be '1f1b' or 'gpipe' (interleaved: rank_passes), "
-                     f"got {schedule!r}")
-
-
-def rank_passes(actions, stages: int) -> list[tuple[int, str]]:
-    """The passes one rank runs in a step of a multi-stage torch schedule, from its action list
-    (``schedule.pipeline_order[rank]``: ``_Action(stage_index, computation_type, microbatch_index)``
-    or None for an idle slot): ``(chunk, "fwd" | "bwd")`` in order, where virtual stage
-    ``stage_index`` is chunk ``stage_index // stages`` of rank ``stage_index % stages``. Only
-    forwards and full backwards are taken (a schedule that splits the backward, e.g. zero bubble,
-    would run each block's backward twice): ValueError for another action."""
-    passes = []
-    for action in actions:
-        if action is None:
-            continue
-        computation = action.computation_type  # a str enum: "F" forward, "B" full backward
-        kind = "fwd" if computation == "F" else "bwd" if computation == "B" else None
-        if kind is None:
-            raise ValueError(f"rank_passes: action {action} is not a forward (F) or a full backward (B)")
-        passes.append((action.stage_index // stages, kind))
-    return passes
-
 
 class Pipeline:
     """This rank's pipeline stage trained through the window runtime.
@@ -157,13 +68,13 @@ class Pipeline:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
-        from pystronghold.runtime.api import wrap
-
         if groups.pp_size < 2:
             raise ValueError(f"Pipeline needs init_parallel(..., pp=P) with P >= 2, got pp={groups.pp_size}")
         chunks = [stage] if isinstance(stage, nn.Module) else list(stage)
-        # (blocks: one per chunk at least, as the modules hold; gpt_chunks checks the model's count)
-        validate_pipeline(groups.pp_size, groups.pp_size * len(chunks), micro_batches, schedule, len(chunks))
+        # the one check of the pipeline settings, as ParallelOptions' fields (every chunk's module holds
+        # a block at least; gpt_chunks checks the model's count); micro_batches=0: one per stage
+        micro_batches = ParallelOptions(pp=groups.pp_size, micro_batches=micro_batches, pp_schedule=schedule,
+                                        pp_chunks=len(chunks)).micro_batch_count
         if config is not None and options:
             raise TypeError(f"Pipeline: give config= or options ({', '.join(options)}), not both")
         config = config if config is not None else RuntimeConfig(**options)
@@ -206,8 +117,6 @@ class Pipeline:
     def _use_passes(self, passes: list[tuple[int, str]], train: bool) -> None:
         """Plan the engine's window over a step's passes ``(chunk, kind)``: each pass uses the
         streamed blocks of its chunk (the first K blocks of the rank are resident: not planned)."""
-        from pystronghold.runtime.schedule import pass_uses, plan_uses
-
         if train:
             self.passes = list(passes)
         engine = self.engine

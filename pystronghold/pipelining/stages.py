@@ -1,4 +1,4 @@
-"""The modules a pipeline stage is made of (``parallel.pipeline`` runs them).
+"""The modules a pipeline stage is made of (``pipelining.pipeline`` runs them).
 
 - ``PipelineStageModule`` / ``build_stage``: one stage's part of the model (head? blocks, tail?), the
   module torch's ``PipelineStage`` runs. Any list of blocks works (``whale`` maps its scopes here).

@@ -1,11 +1,11 @@
 """A GPT's pipeline stages: the block split, this rank's stage (or interleaved model chunks), its
-loss and tied embeddings, and ``gpt_pipeline``, which runs them on ``parallel.pipeline.Pipeline``.
+loss and tied embeddings, and ``gpt_pipeline``, which runs them on ``pipelining.pipeline.Pipeline``.
 
-- ``gpt_stage_costs``: per-block, head and tail forward FLOPs (what the split balances).
 - ``gpt_chunks`` / ``gpt_stage``: this rank's model chunks (virtual stages ``pp_rank + c * pp``,
-  ``parallel.pipeline.rank_stages``) built from the GPT's own head, blocks and tail; the split is
-  ``planner.balance.stage_ranges`` (logged by rank 0) or given.
+  ``planner.pipeline.rank_stages``) built from the GPT's own head, blocks and tail; the split is
+  ``planner.pipeline.stage_split`` (logged by rank 0) or given.
 - ``gpt_loss``: the last stage's loss on its logits shard.
+- ``gpt_pipeline_of``: the stages Whale's ``stage()`` scopes chose (``strategy.layout``).
 """
 
 from __future__ import annotations
@@ -17,32 +17,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pystronghold.models.gpt import lm_loss
 from pystronghold.parallel.groups import ParallelGroups
-from pystronghold.parallel.pipeline import Pipeline, check_chunk_count, rank_stages, validate_pipeline
-from pystronghold.parallel.stages import PipelineStageModule, build_stage
-from pystronghold.planner.balance import stage_ranges
+from pystronghold.pipelining.pipeline import Pipeline
+from pystronghold.pipelining.stages import PipelineStageModule, build_stage
+from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
+from pystronghold.strategy.layout import Layout
 
-__all__ = ["gpt_stage_costs", "gpt_stage", "gpt_chunks", "gpt_pipeline", "gpt_loss"]
+__all__ = ["gpt_stage", "gpt_chunks", "gpt_pipeline", "gpt_loss", "gpt_pipeline_of"]
 
 log = logging.getLogger(__name__)
-
-
-def gpt_stage_costs(config, seq: int) -> tuple[list[float], float, float]:
-    """(per-block, head, tail) forward FLOPs per sample of a ``GPTConfig``: blocks by the planner's
-    formula; the head's embedding lookup and add (2*T*C); the tail's LM head (2*T*C*V)."""
-    from pystronghold.planner.cost import block_forward_flops
-
-    block = block_forward_flops(config, 1, seq)
-    head = 2.0 * seq * config.hidden
-    tail = 2.0 * seq * config.hidden * config.padded_vocab_size / config.tp_size
-    return [block] * config.layers, head, tail
 
 
 def gpt_stage(model, groups: ParallelGroups, *, seq: int | None = None,
               split: Sequence[range] | None = None) -> tuple[PipelineStageModule, list[torch.Tensor]]:
     """This rank's stage of a ``GPT`` and its tied parameters (for ``Pipeline(tied=...)``).
 
-    ``split``: the block ranges of the stages; default ``planner.balance.stage_ranges`` on ``gpt_stage_costs``
+    ``split``: the block ranges of the stages; default ``planner.pipeline.stage_split``
     (logged by rank 0). With tied embeddings the last stage's LM head weight is marked as the copy
     (counted once in the gradient norm)."""
     chunks, tied = gpt_chunks(model, groups, chunks=1, seq=seq, split=split)
@@ -55,15 +46,13 @@ def gpt_chunks(model, groups: ParallelGroups, *, chunks: int, seq: int | None = 
     p * chunks, for the interleaved schedule; chunks=1: its one stage) and its tied parameters.
 
     ``split``: the block ranges of the p * chunks virtual stages in model order; default
-    ``planner.balance.stage_ranges`` on ``gpt_stage_costs`` (logged by rank 0). The head goes to
+    ``planner.pipeline.stage_split`` (logged by rank 0). The head goes to
     virtual stage 0 (rank 0), the LM head to the last (rank p - 1)."""
     config = model.config
     p = groups.pp_size
     n = p * chunks
-    check_chunk_count(p, chunks, config.layers)
     if split is None:
-        costs, head, tail = gpt_stage_costs(config, seq or config.seq_len)
-        split = stage_ranges(costs, n, head_cost=head, tail_cost=tail)
+        split, costs, head, tail = stage_split(config, seq or config.seq_len, n)
         if groups.rank == 0:
             total = sum(costs) + head + tail
             log.info("pipeline split over %d stages%s: %s", p, f" x {chunks} chunks" if chunks > 1 else "", "; ".join(
@@ -105,7 +94,8 @@ def gpt_pipeline(model, groups: ParallelGroups, *, micro_batches: int, schedule:
     config = model.config
     if options.pop("parallel", groups) is not groups:
         raise ValueError("gpt_pipeline: parallel= must be the groups given (or left out)")
-    validate_pipeline(groups.pp_size, config.layers, micro_batches, schedule, chunks)
+    check_pipeline(ParallelOptions(pp=groups.pp_size, micro_batches=micro_batches, pp_schedule=schedule,
+                                   pp_chunks=chunks), config.layers)
     stages, tied = gpt_chunks(model, groups, chunks=chunks, seq=seq, split=split)
     return Pipeline(stages, groups, loss_fn=gpt_loss(config, groups.tp_group), micro_batches=micro_batches,
                     hidden=config.hidden, output_size=config.padded_vocab_size // config.tp_size,
@@ -125,6 +115,22 @@ class _LogitsTail(nn.Module):
 
 def gpt_loss(config, tp_group: dist.ProcessGroup | None) -> Callable:
     """The loss function of a GPT's last stage: ``models.gpt.lm_loss`` of its logits shard."""
-    from pystronghold.models.gpt import lm_loss
-
     return lambda logits, targets: lm_loss(logits, targets, config.vocab_size, tp_group)
+
+
+def gpt_pipeline_of(model: nn.Module, layout: Layout, groups: ParallelGroups, *, schedule: str = "1f1b",
+                    seq: int | None = None, **options):
+    """This rank's ``Pipeline`` of a ``GPT`` whose stages the scopes chose: ``gpt_pipeline`` with
+    ``split=layout.block_ranges(model, model.blocks)`` and ``micro_batches=layout.num_micro_batch``;
+    ``options`` are ``wrap``'s. ValueError when the layout is no pipeline of this model or
+    ``groups`` were not made for it (``init_layout``)."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"gpt_pipeline_of: expected a Layout, got {type(layout).__name__}")
+    if layout.pp_size < 2:
+        raise ValueError("gpt_pipeline_of: the layout has one stage; wrap the model with "
+                         "pystronghold.wrap (or give it stage() scopes)")
+    if groups.pp_size != layout.pp_size:
+        raise ValueError(f"gpt_pipeline_of: the groups have pp={groups.pp_size}, the layout "
+                         f"{layout.pp_size} stages (make them with init_layout(layout))")
+    return gpt_pipeline(model, groups, micro_batches=layout.num_micro_batch, schedule=schedule, seq=seq,
+                        split=layout.block_ranges(model, model.blocks), **options)
