@@ -44,28 +44,13 @@ def adam_step_(
 ) -> bool:
     """One Adam/AdamW step over flat CPU buffers, in place; returns whether it was applied.
 
-    Args:
-        param: fp32 master weights (updated in place), contiguous, on the CPU.
-        grad: gradient, fp32, bf16 or fp16, same number of elements; read only.
-        exp_avg, exp_avg_sq: fp32 first and second moments (updated in place).
-        hyper: step count, lr, betas, eps, weight_decay, AdamW or Adam, and the gradient scale
-            (``AdamWHyper``; the gradient is multiplied by ``grad_scale`` in the same pass).
-        shadow: optional bf16/fp16 buffer that receives ``param.to(shadow.dtype)`` (round to nearest
-            even, bit-identical to torch's cast) after the update.
-        check_finite: scan ``grad*grad_scale`` for inf/NaN first (reads the grad once more: 4 or 2 of
-            the 28-30 bytes per element). Pass False only when the caller already knows it is finite,
-            e.g. because ``grad_sq_norm`` returned a finite value.
-        bitwise_torch: compute sqrt with MKL's ``vmsSqrt`` as torch's CPU sqrt does, so results are
-            bit-identical to ``torch.optim.AdamW(foreach=False)``; ~4x slower. Default False: the IEEE
-            SIMD sqrt (see the module docstring for the accuracy).
-
-    Returns:
-        True when applied; False, with param, states and shadow untouched, when any ``grad*grad_scale``
-        is not finite (overflow skip).
-
-    Raises:
-        TypeError: ``hyper`` is not an ``AdamWHyper``.
-        ValueError: a tensor has the wrong dtype, device, layout or size, or two buffers overlap.
+    ``param``, ``exp_avg``, ``exp_avg_sq``: fp32, contiguous, on the CPU, updated in place; ``grad``
+    (fp32/bf16/fp16, same size) is multiplied by ``hyper.grad_scale`` (an ``AdamWHyper``). ``shadow``
+    (optional bf16/fp16) receives the rounded new param. ``check_finite=False`` skips the inf/NaN scan
+    when the caller knows the grad is finite; ``bitwise_torch=True`` matches
+    ``torch.optim.AdamW(foreach=False)`` bit for bit, slower. Returns False, touching nothing, when the
+    scaled grad is not finite. Raises TypeError for a wrong ``hyper`` and ValueError for a wrong dtype,
+    device, layout or size, or overlapping buffers.
     """
     h = _checked("adam_step_", hyper)
     return bool(native_ops().adam_step(

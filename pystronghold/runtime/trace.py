@@ -1,31 +1,10 @@
 """Timeline of the runtime's actions: record, export as Chrome-trace JSON, summarise.
 
-Every scheduled action (a block's compute, a copy, an optimizer update, a stall) is one event with
-a kind, the block it concerns, start and end times in seconds (``time.monotonic()``) and the bytes
-it moved. Events are grouped into *lanes* for display (one row per lane in Perfetto /
-chrome://tracing) and for busy-time accounting.
-
-Kinds the runtime uses, and their lanes:
-
-============================================  ===========
-kind                                          lane
-============================================  ===========
-compute_fwd, compute_bwd, recompute           compute
-h2d                                           h2d
-d2h                                           d2h
-optimizer, norm (host gradient-norm pass)     optimizer
-file_read, file_write                         file_io
-wait (compute waiting on a copy: a stall)     stall
-model, engine, step (host time outside the    host
-blocks' compute, ``runtime/host_time.py``)
-============================================  ===========
-
-Any other kind is accepted and gets a lane of its own name unless ``lane=`` says otherwise.
-
-Times are host seconds. Actions the host timed itself are recorded at once (``record``); actions
-timed on a device (CUDA events, see ``pystronghold.runtime.timing``) are held by ``defer`` until
-their events have happened and ``resolve`` places them on the host clock with one calibration, so
-durations are the device's, not the host's view of them.
+Each action (compute, copy, optimizer update, stall) is one event with a kind, a block, start
+and end times in host seconds (``time.monotonic()``) and the bytes it moved. Events are grouped
+into lanes (compute, h2d, d2h, optimizer, file_io, stall, host) for display and busy-time
+accounting; an unknown kind gets a lane of its own name. Host-timed actions are recorded at once
+(``record``); device-timed ones are held by ``defer`` and placed on the host clock by ``resolve``.
 """
 
 from __future__ import annotations
