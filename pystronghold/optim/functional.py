@@ -1,22 +1,11 @@
 """Functional fused CPU Adam/AdamW over flat buffers (the runtime's entry point).
 
-The native ones run in C++ (`csrc/adam.cpp`, `csrc/grad_norms.cpp`) as the
-torch operators ``torch.ops.pystronghold.adam_step``, ``adam_step_multi``, ``grad_sq_norm`` and
-``param_grad_norms`` (`pystronghold.ops`):
-one SIMD pass, OpenMP threads, the GIL released. The hyper-parameters travel as one frozen
-``AdamWHyper`` and are unpacked here, into the operator's arguments. The arithmetic follows
-`torch.optim.AdamW` / `torch.optim.Adam` (single-tensor CPU path) operation by operation with the
-same roundings (torch's CPU kernels fuse the multiply-adds of lerp, addcmul and add(alpha=) into
-FMAs, vector and scalar loops alike).
-
-Accuracy against torch's default CPU AdamW/Adam:
-- default: the correctly rounded (IEEE) SIMD sqrt. torch's CPU sqrt is MKL's ``vmsSqrt``, 1 ulp off
-  IEEE for ~16% of inputs; nothing else differs. AdamW's ``exp_avg``/``exp_avg_sq`` stay bit-identical
-  (sqrt does not feed back into them), ``param`` differs by at most ~1 ulp of each step's update
-  (``lr * |m/(sqrt(v)+eps)|``); over 50 steps that is below 1e-6 relative or 1e-8*lr*steps absolute.
-  Adam with L2 weight decay feeds ``param`` back into the moments, so they inherit that difference.
-- ``bitwise_torch=True``: MKL's ``vmsSqrt`` from libtorch_cpu, as torch does: bit-identical fp32
-  results (checked on x86 with AVX-512 and AVX2 builds of torch), at ~4x the cost (vmsSqrt dominates).
+Typed wrappers over the C++ operators ``torch.ops.pystronghold.adam_step``, ``adam_step_multi``,
+``grad_sq_norm`` and ``param_grad_norms`` (``pystronghold.ops``): one SIMD pass, OpenMP threads,
+the GIL released; hyper-parameters travel as one frozen ``AdamWHyper``. The arithmetic follows
+``torch.optim.AdamW``/``Adam`` (single-tensor CPU path) with the same roundings, except the sqrt:
+by default the IEEE SIMD sqrt, so ``param`` may differ from torch by ~1 ulp of each step's update;
+``bitwise_torch=True`` uses MKL's ``vmsSqrt`` as torch does, bit-identical and slower.
 """
 
 from __future__ import annotations
