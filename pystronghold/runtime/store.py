@@ -1,21 +1,10 @@
 """The store: every block's parameters and optimizer state as flat per-block buffers.
 
-Per state, host arenas (pinned on CUDA hosts) carved into one flat buffer per block; states over the
-host budget live in the file tier (``placement.py`` decides, ``disk_tier.py`` stages them):
-
-=============  ==============  ====================================================================
-tier           dtype           what it holds
-=============  ==============  ====================================================================
-master         fp32            the parameters the optimizer updates (the source of truth)
-exp_avg        fp32            Adam first moment
-exp_avg_sq     fp32            Adam second moment
-grad           compute dtype   the block's gradient as it left the device
-shadow         compute dtype   bf16/fp16 copy of master that the next forward uploads (not in fp32)
-=============  ==============  ====================================================================
-
-Parameter offsets are aligned to ``layout.ALIGN_ELEMS`` elements and the gaps are zero in every
-state, so the fused Adam runs over whole buffers. Frozen parameters come last and live only in the
-upload state (shadow, or master in fp32); every other state covers ``[0, layout.state_numel)``.
+Per state, host arenas (pinned on CUDA hosts) carved into one flat buffer per block: fp32
+``master`` (the source of truth), ``exp_avg``, ``exp_avg_sq``, and in the compute dtype ``grad``
+and (bf16/fp16 only) ``shadow``, the copy the next forward uploads. States over the host budget
+live in the file tier (``placement.py`` decides, ``disk_tier.py`` stages). Offsets follow
+``layout``; gaps are zero, so the fused Adam runs over whole buffers.
 """
 
 from __future__ import annotations
