@@ -1,18 +1,10 @@
 """Data-parallel gradient averaging and the cross-rank agreements of an optimizer step.
 
-Every collective the window runtime issues goes through this file, whichever backend runs it:
-
-- ``average_``: one block's flat gradient buffer averaged across the DP group, in place (one
-  all_reduce per block: the bucket is the block). The caller passes the buffer where it is when
-  the gradient is complete: the device slot (on CUDA, before the copy-out; on CPU the "device" is
-  host memory and gloo reduces it there).
-- ``average_grads_``: the head and tail gradients (``.grad`` of device parameters), one bucket per
-  dtype.
-- ``global_grad_norm``: the L2 norm of the whole model's gradient from per-parameter norms, summed
-  over tensor-parallel shards with replicated parameters counted once (as Megatron-LM does).
-- ``any_rank``: a flag (fp16 overflow) agreed by every rank, so all of them skip a step together.
-
-With one rank (group None or of size 1) each is a local operation and issues no collective.
+Every collective the window runtime issues goes through here: ``average_`` (one block's flat
+gradient buffer, in place, one all_reduce per block), ``average_grads_`` (head and tail
+gradients, one bucket per dtype), ``global_grad_norm`` (the whole model's L2 norm from
+per-parameter norms, TP-replicated parameters counted once) and ``any_rank`` (a flag such as an
+fp16 overflow, agreed by all ranks). With one rank each is local and issues no collective.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Tensor-parallel (TP), data-parallel (DP) and pipeline (PP) process groups over the world.
 
-Layout (as Megatron-LM): the TP ranks of one model replica are adjacent, so TP traffic stays
-inside a node; pipeline stages are the outermost (across nodes). With world = pp * dp * tp,
-global rank r is TP rank ``r % tp`` of replica ``(r // tp) % dp`` in stage ``r // (tp * dp)``:
-
-    tp groups: [0, 1, .., tp-1], [tp, .., 2tp-1], ...        (one per replica and stage)
-    dp groups: [0, tp, 2tp, ..], [1, tp+1, ..], ...          (one per TP rank and stage)
-    pp groups: [t + d*tp, t + d*tp + tp*dp, ...]             (one per TP rank and replica)
-    embedding groups: the first and last rank of each pp group (tied embeddings, pp > 1)
-
-Sizes are checked on every rank before any group is made, with the same deterministic test, so a
-bad configuration raises the same ValueError everywhere (logged as an error on rank 0) and no rank
-is left waiting in a collective.
+As Megatron-LM: with world = pp * dp * tp, global rank r is TP rank ``r % tp`` of replica
+``(r // tp) % dp`` in stage ``r // (tp * dp)`` (TP adjacent, within a node; stages outermost).
+Embedding groups join each pipeline's first and last rank (tied embeddings, pp > 1). Sizes are
+checked identically on every rank before any group is made, so a bad layout raises the same
+ValueError everywhere and no rank hangs.
 """
 
 from __future__ import annotations
