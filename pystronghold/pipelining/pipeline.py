@@ -33,17 +33,11 @@ log = logging.getLogger(__name__)
 class Pipeline:
     """This rank's pipeline stage trained through the window runtime.
 
-    ``stage``: this rank's ``PipelineStageModule`` (stage ``groups.pp_rank``), or with
-    ``schedule="interleaved"`` the list of its v model chunks (virtual stages ``pp_rank + c * pp``
-    for c = 0 .. v-1, of p*v; ``gpt_chunks``), which one engine runs; ``loss_fn(output,
-    target)``: mean loss of one micro-batch from the last stage's output; ``micro_batches``: m, the
-    micro-batches each step's batch is cut into; ``activation``: (hidden size, dtype) of the tensor
-    passed between stages, (B/m, T, hidden); ``output_size``: last dimension of the last stage's
-    output; ``tied``: parameters of this stage tied to one on the other end of the pipeline (the
-    embedding and the LM head): their gradients are summed over ``groups.embedding_group``.
-    ``options`` are ``wrap``'s (window, optimizer, clip_grad_norm, precision, ...), or ``config=``
-    one whole ``RuntimeConfig``; ``accumulation_steps`` is set to ``micro_batches`` and
-    ``parallel`` to ``groups``.
+    ``stage``: this rank's ``PipelineStageModule``, or for ``schedule="interleaved"`` the list of its
+    model chunks (one engine runs them). ``loss_fn(output, target)``: one micro-batch's mean loss;
+    ``micro_batches``: m per step; ``hidden``, ``output_size``: sizes of the tensors between stages
+    and of the last output; ``tied``: parameters whose gradients are summed over
+    ``groups.embedding_group``. ``options`` are ``wrap``'s, or ``config=`` a ``RuntimeConfig``.
     """
 
     def __init__(self, stage: PipelineStageModule | Sequence[PipelineStageModule], groups: ParallelGroups, *,

@@ -133,16 +133,11 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
                    budget_is_limit: bool = False, train_numels: list[int] | None = None) -> Placement:
     """Place the states of blocks with ``numels`` (padded elements per block) for a host budget.
 
-    budget_bytes: host bytes for the store plus ``fixed_bytes``. nvme: a disk directory exists
-    (else everything must fit in host memory). cache_blocks: blocks staged in host memory at once.
-    streamed_grads: gradients can go straight to the update (backward overlap, no accumulation).
-    force_disk: spill every state of every block even when host memory would hold them (tests,
-    benchmarks). budget_is_limit: the budget is a limit the user set (host_memory_bytes= /
-    --host-memory), not what the host has: errors then say so and show both figures.
-    train_numels: padded elements of each block's trainable part (default ``numels``: nothing
-    frozen); the states other than the upload state hold only that part (``layout.state_numel``),
-    and a state with no elements in a block never goes to disk. Raises MemoryError with the
-    numbers when no placement fits.
+    ``budget_bytes``: host bytes for the store plus ``fixed_bytes``; ``nvme``: a disk directory
+    exists; ``cache_blocks``: blocks staged at once; ``streamed_grads``: gradients go straight to the
+    update; ``force_disk``: spill everything; ``budget_is_limit``: the user set the budget (errors say
+    so); ``train_numels``: trainable elements per block (default ``numels``). Raises MemoryError with
+    the numbers when no placement fits.
     """
     if cache_blocks < 1:
         raise ValueError(f"cache_blocks must be >= 1, got {cache_blocks}")

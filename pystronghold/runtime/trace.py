@@ -235,18 +235,11 @@ class Tracer:
 
     def write_png(self, path: str | os.PathLike, *, title: str | None = None,
                   steps: list[tuple[int, float]] | None = None, min_event_width: float = 1 / 400) -> Path:
-        """Draw the timeline as a PNG: one row per lane, milliseconds from the first event, a dashed
-        line where each of ``steps`` (``(step number, start in seconds)`` pairs) begins, and block
-        numbers on the compute bars wide enough to hold them.
+        """Draw the timeline as a PNG (one row per lane, milliseconds, a dashed line at each of ``steps``'
+        ``(step number, start seconds)``); returns the path written.
 
-        Every event but a stall is drawn at least ``min_event_width`` of the time span wide, with an
-        edge: a block's copy takes microseconds next to steps of hundreds of milliseconds, and drawn
-        to scale it would vanish. NOTE: stalls keep their true width: on CUDA every
-        compute-waits-for-copy is a span, most of them zero long (the copy had finished), and
-        widening them would draw stalls that did not happen.
-
-        Needs matplotlib (``pip install pystronghold[plots]``); raises ImportError naming it
-        otherwise. The title defaults to the summary line. Returns the path written.
+        Events are at least ``min_event_width`` of the span wide so short copies stay visible; stalls
+        keep their true width. Needs matplotlib (``pip install pystronghold[plots]``), else ImportError.
         """
         from pystronghold.extras import require
 
