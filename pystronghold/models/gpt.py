@@ -1,15 +1,9 @@
 """A GPT (pre-LN decoder-only transformer), laid out for the layer-window runtime.
 
-The model is three parts, which the runtime relies on:
-
-- ``model.head``: token embedding + learned position embedding + dropout. ``idx (B, T) -> x (B, T, C)``
-- ``model.blocks``: an ``nn.ModuleList`` of ``Block``; each maps ``x (B, T, C) -> x (B, T, C)``.
-- ``model.tail``: final LayerNorm + LM head + loss. ``x -> logits (B, T, V)``, or the mean loss
-  when targets are given.
-
-Names used in shape comments: B batch, T sequence, C hidden, nh heads, hs head size (C // nh),
-F MLP width (mlp_ratio * C), V (padded) vocabulary. With tensor parallelism each rank holds
-nh / tp heads and F / tp MLP columns; the shapes below are those of one rank.
+Three parts: ``model.head`` (embeddings, ``idx (B, T) -> x (B, T, C)``), ``model.blocks`` (an
+``nn.ModuleList`` of ``Block``, ``(B, T, C) -> (B, T, C)``) and ``model.tail`` (final LayerNorm,
+LM head, loss: logits (B, T, V) or the mean loss given targets). Shape names: B batch, T sequence,
+C hidden, nh heads, hs head size, F MLP width, V padded vocabulary; shapes are one TP rank's.
 """
 
 from __future__ import annotations
