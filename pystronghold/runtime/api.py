@@ -24,11 +24,10 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
          config: RuntimeConfig | None = None, **options):
     """Train ``model`` with only ``window`` of its ``blocks`` on the device at a time; returns an Engine.
 
-    ``blocks``: the model's ``nn.ModuleList`` of transformer blocks (found by ``find_blocks`` when
-    omitted). ``options`` are ``RuntimeConfig`` fields (window, device, precision, optimizer, nvme_dir,
-    resident_blocks, parallel: each rank wraps its own replica, ...), or ``config=`` one whole
-    ``RuntimeConfig``, not both (TypeError). Blocks on ``meta`` get real parameters one at a time from
-    ``materialize(i)`` (default: the model's ``materialize_block_``)::
+    ``blocks``: the model's ``nn.ModuleList`` of blocks (``find_blocks`` finds it when omitted).
+    ``options`` are ``RuntimeConfig`` fields (window, device, precision, optimizer, nvme_dir, parallel:
+    each rank wraps its own replica, ...), or ``config=`` one ``RuntimeConfig``, not both (TypeError).
+    Blocks on ``meta`` are materialized one at a time by ``materialize(i)`` (default: ``materialize_block_``)::
 
         engine = pystronghold.wrap(model, blocks=model.blocks, window=4, optimizer=pystronghold.AdamW(lr=3e-4))
         loss = engine(x, y); engine.backward(loss); engine.step(); engine.zero_grad()
