@@ -58,16 +58,11 @@ def adam_step_multi_(
     check_finite: bool = True,
     bitwise_torch: bool = False,
 ) -> bool:
-    """`adam_step_` over lists of flat buffers (one param group), in one parallel region.
+    """``adam_step_`` over lists of flat buffers (one param group), in one parallel region.
 
-    The tensors are laid end to end and each OpenMP thread updates one contiguous range of the
-    whole, so many small tensors cost no per-tensor synchronisation. Results equal one `adam_step_`
-    per tensor with the same arguments, element for element. All grads must share one dtype, and so
-    must all shadows; no two buffers of any list may overlap.
-
-    Returns:
-        True when applied to every tensor (also when the lists are empty); False, with nothing
-        written anywhere, when any ``grad*grad_scale`` of any tensor is not finite (``check_finite``).
+    Results equal one ``adam_step_`` per tensor, element for element. All grads share one dtype, as
+    do all shadows; no two buffers may overlap. Returns True when applied to every tensor (also for
+    empty lists); False, with nothing written, when any scaled grad is not finite (``check_finite``).
     """
     h = _checked("adam_step_multi_", hyper)
     lists = [list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)]
@@ -102,14 +97,9 @@ def grad_sq_norm(grad: torch.Tensor, grad_scale: float = 1.0) -> float:
 def param_grad_norms(grads: Sequence[torch.Tensor], grad_scale: float = 1.0) -> torch.Tensor:
     """fp32 L2 norm of each gradient x ``grad_scale``, shape (len(grads),), on the gradients' device.
 
-    CPU: ``torch.linalg.vector_norm(g.float() * grad_scale)`` for each g, bit for bit (what
-    ``clip_grad_norm_`` computes per parameter there), the parameters shared among threads by the
-    operator ``param_grad_norms`` (each reduction torch's own on one thread, so the thread count
-    changes nothing). Other devices: ``device_param_grad_norms``.
-
-    Raises:
-        ValueError: the gradients are on several devices, a dtype is not float32/bfloat16/float16,
-            or ``grad_scale`` is not finite.
+    On the CPU bit for bit ``torch.linalg.vector_norm(g.float() * grad_scale)`` whatever the thread
+    count; other devices: ``device_param_grad_norms``. Raises ValueError when the gradients are on
+    several devices, a dtype is not float32/bfloat16/float16, or ``grad_scale`` is not finite.
     """
     if not grads:
         return torch.zeros(0)

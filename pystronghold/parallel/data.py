@@ -71,14 +71,10 @@ def global_grad_norm(norms: list[torch.Tensor], sharded: list[bool],
                      pp_group: dist.ProcessGroup | None = None) -> float:
     """The L2 norm of the whole model's gradient, from per-parameter L2 norms (fp32 scalars).
 
-    ``sharded[i]`` says whether ``norms[i]`` is the norm of one tensor-parallel shard. Without
-    tensor parallelism this is ``vector_norm(stack(norms))``, the arithmetic of
-    ``torch.nn.utils.clip_grad_norm_``. With it, squares of sharded norms are summed over the TP
-    group, and replicated parameters (LayerNorms, row-parallel biases: equal on every TP rank) are
-    counted once, by TP rank 0; the sum is accumulated in float64 and is the same on every rank.
-    Data-parallel ranks need no reduction here: their gradients are already averaged, so equal.
-    With pipeline stages (``pp_group``), each stage holds other parameters: the squares are summed
-    over the stages too (float64), so every stage clips with the same norm.
+    Without tensor parallelism ``vector_norm(stack(norms))``, as ``clip_grad_norm_``. With it,
+    squares of sharded norms (``sharded[i]``) are summed over the TP group and replicated parameters
+    counted once; with ``pp_group`` the squares are summed over the stages too (float64), so every
+    rank clips with the same norm. DP ranks need no reduction (their gradients are already averaged).
     """
     if group_size(pp_group) > 1:
         own = torch.zeros((), dtype=torch.float64)

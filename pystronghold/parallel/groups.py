@@ -87,16 +87,12 @@ def validate_parallel_sizes(world_size: int, tp_size: int, dp_size: int | None =
 def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, pp: int = 1, heads: int | None = None,
                   backend: str | None = None, timeout_s: float = 600.0) -> ParallelGroups:
     """Make the TP, DP (and, with ``pp`` > 1, pipeline) groups, initialising torch.distributed first
-    when needed. ``pp``: pipeline stages (``pystronghold.pipelining``).
+    when needed.
 
-    When the default process group does not exist yet and the environment names a world
-    (``WORLD_SIZE``, as torchrun sets), the sizes are checked against that world first (a bad
-    configuration raises on every rank before any of them touches the network), then the group is
-    created with ``backend`` (default: nccl when CUDA is available, else gloo) and ``timeout_s``
-    seconds as the collective timeout, so a rank whose peers died raises instead of waiting
-    forever. Without either, the run is one process.
-    The TP and DP groups get the same ``timeout_s`` whoever created the default group.
-    ``heads`` (optional) is checked for divisibility by ``tp_size`` before any group is made.
+    Without a default process group but with ``WORLD_SIZE`` set (torchrun), the sizes (and ``heads``
+    divisibility by ``tp_size``) are checked on every rank first, then the group is created with
+    ``backend`` (default nccl with CUDA, else gloo); otherwise the run is one process. ``timeout_s``
+    (seconds) is every group's collective timeout, so a rank whose peers died raises instead of hanging.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     create = not dist.is_initialized() and "WORLD_SIZE" in os.environ

@@ -111,16 +111,12 @@ def simulate_step(costs: BlockCosts, n_blocks: int, window: int, overlap: str = 
 def choose_window(costs: BlockCosts, n_blocks: int, max_window: int, overlap: str = "backward",
                   tolerance: float = 0.01, *, resident: int = 0, resident_recompute: bool = False
                   ) -> tuple[int, StepTime]:
-    """The smallest W in [1, max_window] whose step time is within ``tolerance`` (relative) of the
-    best step time any W <= max_window reaches, both with and without the host updates, and its
-    step time.
+    """The smallest W in [1, max_window] whose step time is within ``tolerance`` (relative) of the best
+    any W <= max_window reaches, with and without host updates; returns W and its step time.
 
-    When transfers can hide behind compute this is the smallest W that hides them; when the link
-    is the bottleneck, larger windows still help (the last W blocks of forward are not reloaded
-    for backward) and the W returned is where that gain stops. The step time without host updates
-    counts too, so a slow optimizer that would hide any W's transfers does not make W = 1 look good.
-    Binary search: both step times do not increase with W (a slot more only issues loads earlier).
-    With ``resident`` = K the slots serve the N - K streamed blocks (none when K = N: W = 0).
+    Where transfers hide behind compute this is the smallest W that hides them; link-bound, it is
+    where larger windows stop helping. Binary search (step time does not increase with W). With
+    ``resident`` = K the slots serve the N - K streamed blocks (W = 0 when K = N).
     """
     split = dict(resident=resident, resident_recompute=resident_recompute)
     if resident == n_blocks:
