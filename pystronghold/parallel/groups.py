@@ -92,7 +92,7 @@ def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, pp: int = 1, 
     Without a default process group but with ``WORLD_SIZE`` set (torchrun), the sizes (and ``heads``
     divisibility by ``tp_size``) are checked on every rank first, then the group is created with
     ``backend`` (default nccl with CUDA, else gloo); otherwise the run is one process. ``timeout_s``
-    (seconds) is every group's collective timeout, so a rank whose peers died raises instead of hanging.
+    (seconds) is the collective timeout of the groups made here: a rank whose peers died raises.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     create = not dist.is_initialized() and "WORLD_SIZE" in os.environ
