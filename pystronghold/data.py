@@ -1,30 +1,12 @@
 """Byte-level language-model data that is always there: the Python standard library's own sources.
 
-Tokens are bytes (vocabulary 256). The text is read from files, by default every ``*.py`` file of
-the running Python's standard library (``sysconfig.get_paths()["stdlib"]``, no download; installed
-packages under ``site-packages``/``dist-packages`` are skipped), or from the files and directories
-the user names. Files are visited in sorted path order (directories walked in sorted order too),
-joined with a newline, and reading stops at ``max_bytes``, so memory is bounded and the corpus is
-the same on every run with the same files.
-
-The held-out split (``split``):
-
-- ``"range"``: the last ``val_fraction`` of the bytes read is validation, the rest training (two
-  contiguous, disjoint ranges of one stream);
-- ``"file"``: whole files go to validation when ``crc32(relative path) / 2**32 < val_fraction``,
-  a per-file decision that does not depend on which other files exist.
-
-``BatchSampler`` cuts (B, T + 1) windows out of the training bytes and returns ``x = w[:, :-1]``,
-``y = w[:, 1:]``. An epoch is a random permutation (from ``seed`` and the epoch number) of the
-non-overlapping windows of length T + 1 starting at a random offset in [0, T]; the sampler's
-position (epoch, index into the permutation) is its whole state, so ``state_dict()`` /
-``load_state_dict()`` make a resumed run see exactly the batches of the uninterrupted one.
-
-The stream may also be int64 token ids (``pystronghold.tokenized``) or a 1-D numpy array of integer
-ids, e.g. the memory map of a token file (``pystronghold.token_files``: only the windows drawn are
-read). With ``labels`` (the stream's length, int64, ``IGNORE_INDEX`` where no loss is taken, the
-token id elsewhere) ``y`` is cut from the labels at the same positions, so a loss mask travels
-with its tokens.
+Tokens are bytes (vocabulary 256), read in sorted path order from the running Python's stdlib
+``*.py`` files (or the files the user names) up to ``max_bytes``. The held-out ``split`` is
+``"range"`` (the last ``val_fraction`` of the bytes) or ``"file"`` (whole files chosen by a hash of
+their path). ``BatchSampler`` returns (B, T) ``x`` and ``y = x`` shifted by one from a seeded
+permutation of windows; its ``state_dict()`` makes a resumed run see the same batches. The stream
+may also be int64 token ids or a numpy array (a token file's memory map), optionally with
+``labels`` (``IGNORE_INDEX`` where no loss is taken).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Learning-rate schedule: linear warm-up, then cosine decay to a floor.
 
-For step k (the number of ``scheduler.step()`` calls so far), with W = ``warmup_steps``,
-D = ``decay_steps`` (the step at which the floor is reached) and f = ``min_ratio``:
-
-- k < W:       lr = peak * (k + 1) / W        (the first step already trains, at peak / W)
-- W <= k < D:  lr = peak * (f + (1 - f) * 0.5 * (1 + cos(pi * (k - W) / (D - W))))
-- k >= D:      lr = peak * f
-
-``peak`` is the optimizer's ``lr`` when the scheduler is made. The scheduler is a
-``torch.optim.lr_scheduler.LambdaLR`` over a picklable callable, so its ``state_dict()`` round-trips
-(the step count is all it needs) and any ``torch.optim.Optimizer`` (``engine.optimizer`` included)
-works with it.
+For step k, W = ``warmup_steps``, D = ``decay_steps``, f = ``min_ratio``, peak = the optimizer's
+``lr``: ``peak * (k + 1) / W`` for k < W, cosine from peak to ``peak * f`` for W <= k < D, then
+``peak * f``. A ``torch.optim.lr_scheduler.LambdaLR`` over a picklable callable, so its
+``state_dict()`` round-trips and any optimizer (``engine.optimizer`` included) works.
 """
 
 from __future__ import annotations

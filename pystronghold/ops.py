@@ -1,22 +1,12 @@
 """The native stateless kernels as torch operators: ``torch.ops.pystronghold.*`` (csrc/ops.cpp).
 
-=================  ===========================================================================
-adam_step          fused Adam/AdamW over flat CPU buffers; writes param, exp_avg, exp_avg_sq,
-                   shadow (``Tensor(a!)`` in the schema); returns a 0-dim bool: applied
-adam_step_multi    the same over lists of buffers in one parallel region
-grad_sq_norm       sum of squares of grad*grad_scale (float64, 0-dim)
-param_grad_norms   fp32 L2 norm of each grad*grad_scale of a list, (len(grads),), threaded by parameter
-crc32c             CRC32C of a tensor's bytes (int64, 0-dim): the file tier's record checksum
-=================  ===========================================================================
+``adam_step`` / ``adam_step_multi`` (fused Adam/AdamW, in place), ``grad_sq_norm`` (float64),
+``param_grad_norms`` (fp32 norm per grad) and ``crc32c`` (the file tier's checksum). ``native_ops()``
+loads ``pystronghold._C``, registers the fake implementations once (for FakeTensor, ``torch.compile``
+and ``opcheck``) and returns the operators. Typed wrappers: ``optim.functional``,
+``runtime.grad_norms.param_grad_norms`` and ``crc32c`` here.
 
-Loading ``pystronghold._C`` registers the operators (C++ static registration); ``native_ops()``
-loads it, registers the fake implementations below once (shapes only: what FakeTensor,
-``torch.compile`` and ``torch.library.opcheck`` need) and returns the operator overloads. Typed
-wrappers with docstrings: ``pystronghold.optim.functional`` (Adam, the norm),
-``pystronghold.runtime.grad_norms.param_grad_norms`` and ``crc32c`` here.
-
-NOTE: the fake implementations also serve as the ops' Meta kernels, so a call with a tensor on the
-meta device lands here, not in C++: they check the device with C++'s message.
+NOTE: the fake implementations are also the Meta kernels, so they check the device themselves.
 """
 
 from __future__ import annotations

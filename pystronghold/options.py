@@ -1,33 +1,12 @@
 """Settings as dataclass fields, and the command-line options generated from them.
 
-Each setting is declared once: a field of the dataclass of the component that owns it
-(``runtime.config.RuntimeConfig`` for the window runtime, ``train.config.DataOptions`` for the
-training data, ``planner.command.PlanRequest`` for the planner, ...), with the docstring under it
-and its validation in the class's ``__post_init__``. A command composes those dataclasses into one
-job config (``TrainConfig``, ``PlanRequest``); a job field made by ``component(...)`` holds one
-component. ``add_options`` generates the command's argparse options from the job config and
-``from_args`` builds the job config back from the parsed arguments: a new option is a new field.
-
-How a field looks on the command line is its metadata, given with ``option(...)`` (every key is
-optional):
-
-- ``flag``: the option's name; default ``--`` + the field name with dashes.
-- ``help``: the ``--help`` text; default the field's docstring.
-- ``choices``, ``metavar``: as argparse takes them.
-- ``parse``: ``parse(text, flag) -> value`` for a value written differently on the command line
-  (``--host-memory 8GiB``, ``--window all``); it raises ValueError naming ``flag``. Default: the
-  annotation's type (``str``, ``int``, ``float``).
-- ``none_text``: the command-line text that means None (``--clip 0``), used in error messages.
-- ``negated``: a bool that is on by default and whose flag turns it off (``--nvme-sparse``).
-- ``cli=False``: never an option (objects such as an optimizer or process groups).
-
-Bools are switches: off by default ``--flag``, on by default ``--flag/--no-flag`` (``negated``:
-``--flag`` turns it off). ``list[str]`` takes one or more values. The defaults shown and used are
-those of the job config's default instance (``TrainConfig().runtime.clip_grad_norm`` is 1.0 while
-``RuntimeConfig``'s own default is None).
-
-Validation raises ``ConfigError``: a ValueError whose one-line message names fields the way the
-caller wrote them, ``RuntimeConfig.window`` in Python and ``--window`` on the command line.
+Each setting is declared once, as a field (with its docstring) of the dataclass of the component
+that owns it, validated in ``__post_init__``. ``add_options`` generates argparse options from a
+job config (``TrainConfig``, ``PlanRequest``) and ``from_args`` builds it back from the parsed
+arguments. ``option(...)`` sets a field's command-line metadata: ``flag``, ``help`` (default: the
+docstring), ``choices``, ``metavar``, ``parse(text, flag)``, ``none_text``, ``negated``,
+``cli=False``. Validation raises ``ConfigError``, a ValueError naming the field as the caller
+wrote it (``RuntimeConfig.window`` in Python, ``--window`` on the command line).
 """
 
 from __future__ import annotations

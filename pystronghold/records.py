@@ -1,27 +1,11 @@
 """Training records (JSONL lines or rows of a ``datasets`` directory) as token ids and loss labels.
 
-A record is a dict of one of three kinds, told apart by its keys:
-
-- ``{"text": str}``: a document; every token is a target, and the end-of-sequence token follows;
-- ``{"messages": [{"role": ..., "content": str}, ...]}``: a conversation, rendered with the
-  tokenizer's chat template (``apply_chat_template``); only the assistant turns are targets;
-- ``{"prompt": str, "completion": str}``: the two joined, the end-of-sequence token after; only
-  the completion (and that token) are targets.
-
-``encode_record`` returns the ids and the labels (the id where a loss is taken,
-``data.IGNORE_INDEX`` elsewhere), as TRL's SFT trainer builds them with ``assistant_only_loss`` and
-``completion_only_loss``. Which characters of a conversation are the assistant's:
-
-- a template with ``{% generation %}`` markers: transformers' ``return_assistant_tokens_mask``
-  (what TRL requires);
-- any other template: rendered prefix by prefix. Assistant turn i spans from the end of
-  ``messages[:i]`` rendered with the generation prompt to the end of ``messages[:i + 1]``, both of
-  which must be prefixes of the whole conversation's text (its end-of-turn token is a target: the
-  model learns to stop).
-
-The whole text is tokenized once, as inference would tokenize it, and a token is a target when it
-starts inside a target span (character offsets; a tokenizer without them encodes the spans one by
-one). Errors name the file and line (or row): a ValueError of one line.
+A record is ``{"text"}`` (every token a target, then end-of-sequence), ``{"messages"}`` (rendered
+with the tokenizer's chat template; only assistant turns are targets) or ``{"prompt",
+"completion"}`` (only the completion and end-of-sequence are targets). ``encode_record`` returns
+the ids and labels (``data.IGNORE_INDEX`` where no loss is taken), as TRL's SFT trainer builds
+them. The text is tokenized once; a token is a target when it starts inside a target span.
+Errors are one-line ValueErrors naming the file and line (or row).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Pre-tokenized data: one flat file of token ids, memory-mapped, never read whole.
 
-- ``.bin``: raw little-endian ids with no header (nanoGPT's ``train.bin``, a Megatron ``.bin``);
-  the dtype is ``token_dtype`` ("uint16" or "uint32"), or with "auto" uint16 when the model's
-  vocabulary has at most 65536 entries (every id fits), else uint32;
-- ``.npy``: a 1-D integer array saved by ``numpy.save``; the dtype is its header's.
-
-The file is opened with ``numpy.memmap`` / ``numpy.load(mmap_mode="r")``: the corpus holds the
-map, and ``BatchSampler`` reads the pages of the windows it draws. The ids are checked against the
-vocabulary in chunks of ``CHECK_CHUNK`` tokens (the pages read are the kernel's to drop). The last
-``val_fraction`` of the tokens is validation.
+``.bin``: raw little-endian ids, ``token_dtype`` "uint16", "uint32" or "auto" (uint16 when the
+vocabulary has at most 65536 entries); ``.npy``: a 1-D integer array, its header's dtype.
+``BatchSampler`` reads only the pages of the windows it draws; ids are checked against the
+vocabulary in chunks of ``CHECK_CHUNK``. The last ``val_fraction`` of the tokens is validation.
 """
 
 from __future__ import annotations

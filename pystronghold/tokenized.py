@@ -1,26 +1,11 @@
 """Token data: what ``--data`` gives a model, as token ids (and loss labels).
 
-``training_corpus`` picks the reader of the paths given:
-
-- one token file (``.bin``/``.npy``, any model): ``pystronghold.token_files``, memory-mapped;
-- a GPT preset or JSON model: bytes (``pystronghold.data.load_corpus``);
-- a model with its own tokenizer (``--model hf:DIR``): ``tokenized_corpus``.
-
-``load_tokenizer(DIR)`` reads the tokenizer saved beside the weights (``AutoTokenizer``, local files
-only). ``tokenized_corpus`` returns a ``pystronghold.data.Corpus`` of int64 token ids, which
-``BatchSampler`` and ``validation_batches`` cut into batches as they do bytes:
-
-- a ``.jsonl`` file holds one record per line, and a ``datasets`` ``save_to_disk`` directory one
-  per row: ``{"text"}``, ``{"messages"}`` or ``{"prompt", "completion"}``, each tokenized alone
-  (``pystronghold.records``: chat template, end-of-sequence token, loss labels) and packed one after
-  the other into the stream; attention is not cut at their boundaries;
-- every other path (files, directories, or none: the Python standard library) is read as
-  ``pystronghold.data.load_corpus`` reads it and tokenized as one stream.
-
-The tokens of all paths are concatenated in the order given and split by range: the last
-``val_fraction`` of them is validation. When a record leaves tokens out of the loss (a prompt, a
-user turn) the corpus carries labels beside the ids. ``max_bytes`` bounds the text read (UTF-8
-bytes; a text record is cut at the budget, a conversation or prompt/completion pair is read whole).
+``training_corpus`` picks the reader: a token file (``.bin``/``.npy``, memory-mapped by
+``token_files``), bytes for a GPT preset or JSON model (``data.load_corpus``), or
+``tokenized_corpus`` for a model with its own tokenizer (``load_tokenizer(DIR)``, local files
+only). ``.jsonl`` files and ``datasets`` directories hold records (``pystronghold.records``)
+packed one after the other; other paths are tokenized as one stream. The last ``val_fraction`` of
+the tokens is validation; ``max_bytes`` bounds the text read (UTF-8 bytes).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Asynchronous copies between buffers, served by the native copy engine's worker threads.
 
-A `CopyEngine` owns worker threads and numbered queues. `engine.copy(dst, src)` returns at once
-with a `CopyHandle`; the bytes move on the workers, cut into chunks of `chunk_bytes` so a large
-copy uses every thread while a small one costs a single queue hop. Requests on one queue run and
-complete in submission order; `after=` names handles (of the same engine) that must complete
-first, and a failure of one of those fails the dependent request too. A request keeps its
-tensors alive until it is done. Errors never vanish: `wait()` raises `CopyError` naming the file
-(or buffer), byte offset and size of the failed transfer. Waiting releases the GIL.
-
-Kinds: host to host here; host to device / device to host (cudaMemcpyAsync on the engine's own
-streams, staged through pinned memory when the host side is not pinned) on CUDA builds; host to
-file and file to host through `pystronghold.io.FileStore`.
-
-Ordering against torch's streams (host<->device copies): a copy starts after the work queued on
-torch's current stream of the tensor's device when `copy()` was called (an event recorded there
-then, which the engine's streams wait for), and is complete on the device when its handle is done.
-Work on other streams is not waited for, and work queued after `copy()` returns runs alongside
-the copy: wait for the handle before using `dst`, or before writing `src`, on any stream.
+``CopyEngine.copy(dst, src)`` returns a ``CopyHandle`` at once; the bytes move in ``chunk_bytes``
+chunks on the workers. Requests on one queue complete in order; ``after=`` handles must complete
+first (their failure fails the request). ``wait()`` releases the GIL and raises ``CopyError``
+naming the file or buffer, offset and size. Host<->device copies (CUDA builds) start after the
+work queued on torch's current stream at ``copy()`` time; wait for the handle before using
+``dst`` or writing ``src``. File copies go through ``pystronghold.io.FileStore``.
 """
 
 from __future__ import annotations

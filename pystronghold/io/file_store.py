@@ -1,33 +1,12 @@
 """The file tier: fixed-size records, one per (block, state), in preallocated files on NVMe.
 
-A store is a directory holding one file per state, `<state>.psr`; each file holds `num_blocks`
-records of that state's `record_bytes`. Reads and writes are copy-engine requests and return the
-same `CopyHandle` as `CopyEngine.copy` (ordering per queue, `after=` dependencies, errors on
-`wait()` naming file, offset and size)::
-
-    engine = CopyEngine(threads=2)
-    store = FileStore.create("/nvme/run1", num_blocks=48, record_bytes={"master": n, "exp_avg": n},
-                             engine=engine)
-    store.write(3, "master", host_tensor, queue=1).wait()
-    store.read(3, "master", other_tensor).wait()
-    store.flush()                     # completed writes are durable (fsync)
-    store = FileStore.open("/nvme/run1", engine=engine)   # reopen later: layout from the headers
-
-Guarantees:
-- Every file starts with a 4096-byte header (magic, format version, record layout, CRC32C); a
-  file from another format version, or not a store at all, is refused with a clear message.
-- Files are preallocated at creation (`posix_fallocate`), so running out of space shows at
-  `create()`, before any data moves; `preallocate=False` makes sparse files instead (a full disk
-  then fails the write request with ENOSPC on `wait()`; records written earlier stay intact).
-- I/O is `O_DIRECT` where the file system supports it, buffered otherwise (logged once per file
-  with the reason); unaligned host memory goes through an aligned bounce buffer.
-- Each record carries a checksum (CRC32C of per-segment CRC32Cs, computed by the worker
-  threads) written after its payload and verified on every read: corruption raises `CopyError`,
-  a record never written raises `CopyError` ("was never written"), never zeros.
-- A record being rewritten reads as corrupt until the rewrite completes: order reads after writes
-  of the same record with one queue or `after=`.
-- A directory that cannot be written (read-only file system, permissions) opens read-only: reads
-  work, writes raise naming the reason.
+A store is a directory with one file ``<state>.psr`` per state, each holding ``num_blocks``
+records of ``record_bytes``. ``read``/``write`` are copy-engine requests returning a
+``CopyHandle``; errors surface on ``wait()`` naming file, offset and size. Files start with a
+checksummed header (another format is refused), are preallocated at ``create()`` (so a full disk
+shows there), use ``O_DIRECT`` where supported, and every record carries a CRC32C verified on
+read: corruption or a never-written record raises ``CopyError``. A read-only directory opens
+read-only. Order reads after writes of the same record (one queue or ``after=``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Scratch space for the live file tier (NVMe): a private directory that lives as long as the run.
 
-The runtime spills training states it cannot keep in host memory to files under the user's
-``--nvme DIR``. Those files are scratch: the runtime creates a fresh subdirectory per process,
-removes it on close (or at a normal interpreter exit), and never keeps anything a checkpoint
-needs there, so deleting it loses nothing that cannot be rebuilt::
-
-    check_free_space("/nvme", need_bytes, what="the NVMe tier's optimizer states")
-    with ScratchDir("/nvme") as scratch:       # /nvme/pystronghold-scratch-<pid>-<hex>/
-        store = FileStore.create(scratch.path / "states", ...)
-    # gone here
-
-A run killed by a signal or the OOM killer cannot clean up after itself; the next ``ScratchDir``
-in the same parent removes such stale directories (their owner process is gone on this host).
-All sizes are in bytes.
+``ScratchDir(parent)`` creates ``pystronghold-scratch-<pid>-<hex>`` under ``--nvme DIR`` and
+removes it on close or normal exit; nothing a checkpoint needs lives there. Stale directories
+of dead processes on this host are removed by the next ``ScratchDir``. ``check_free_space``
+refuses too little room up front. Sizes are in bytes.
 """
 
 from __future__ import annotations

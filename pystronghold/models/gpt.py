@@ -1,15 +1,9 @@
 """A GPT (pre-LN decoder-only transformer), laid out for the layer-window runtime.
 
-The model is three parts, which the runtime relies on:
-
-- ``model.head``: token embedding + learned position embedding + dropout. ``idx (B, T) -> x (B, T, C)``
-- ``model.blocks``: an ``nn.ModuleList`` of ``Block``; each maps ``x (B, T, C) -> x (B, T, C)``.
-- ``model.tail``: final LayerNorm + LM head + loss. ``x -> logits (B, T, V)``, or the mean loss
-  when targets are given.
-
-Names used in shape comments: B batch, T sequence, C hidden, nh heads, hs head size (C // nh),
-F MLP width (mlp_ratio * C), V (padded) vocabulary. With tensor parallelism each rank holds
-nh / tp heads and F / tp MLP columns; the shapes below are those of one rank.
+Three parts: ``model.head`` (embeddings, ``idx (B, T) -> x (B, T, C)``), ``model.blocks`` (an
+``nn.ModuleList`` of ``Block``, ``(B, T, C) -> (B, T, C)``) and ``model.tail`` (final LayerNorm,
+LM head, loss: logits (B, T, V) or the mean loss given targets). Shape names: B batch, T sequence,
+C hidden, nh heads, hs head size, F MLP width, V padded vocabulary; shapes are one TP rank's.
 """
 
 from __future__ import annotations
@@ -251,18 +245,11 @@ class Tail(nn.Module):
 class GPT(nn.Module):
     """GPT = head -> blocks -> tail. Weights are a deterministic function of ``seed``.
 
-    Every parameter is drawn from its own generator, seeded from ``seed`` and the parameter's
-    name, so a block's initial weights do not depend on construction order or on which other
-    blocks exist, and a tensor-parallel rank draws the full tensor and keeps its slice: a TP run
-    starts from exactly the single-process weights.
-
-    With ``config.tp_size > 1``, ``tp_group`` (a process group of that many ranks, see
-    ``pystronghold.parallel.init_parallel``) splits heads, MLP columns and the vocabulary.
-
-    With ``materialize_blocks=False`` only the head and tail get storage; the blocks' parameters
-    stay on the ``meta`` device (0 bytes) until ``materialize_block_(i)`` gives block ``i`` real
-    tensors, initialised exactly as the eager constructor would have. A model too large for host
-    memory in fp32 (3B parameters are 12 GB) can so be built and handed over one block at a time.
+    Each parameter is drawn from a generator seeded by ``seed`` and its name, so weights do not
+    depend on construction order, and a tensor-parallel rank (``config.tp_size > 1`` with
+    ``tp_group``) keeps its slice of the single-process tensor. With ``materialize_blocks=False`` the
+    blocks stay on ``meta`` until ``materialize_block_(i)`` gives block i the same weights the eager
+    constructor would, so a model larger than host memory is built one block at a time.
     """
 
     materialize_block_thread_safe = True

@@ -1,23 +1,11 @@
 """Hugging Face causal LMs from a local directory, built one block at a time into the window store.
 
-``pystronghold.from_pretrained(DIR, **wrap_options)`` (``runtime.api``, over ``load_lazy``) and
-``pystronghold train --model hf:DIR`` read ``DIR/config.json`` and the safetensors weights
-(``model.safetensors`` or shards with ``model.safetensors.index.json``); nothing is downloaded.
-Any causal LM transformers builds from its own code (``AutoModelForCausalLM.from_config``) loads.
-The model is built the way ``GPT(materialize_blocks=False)`` is: its skeleton is constructed with
-every parameter on the ``meta`` device (0 bytes; buffers such as rotary frequencies stay real),
-the head and tail (embeddings, final norm, lm_head, tied or not) are read from the shards, and
-``wrap(materialize=...)`` then reads block i's tensors only when it fills block i into the store.
-So the whole model is never in host memory at once: with ``nvme_dir`` a model larger than host
-memory is fine-tuned. The block stack is found in the built model (``block_stack``), and stored
-tensors become the model's by transformers' own conversion mapping (``models.hf_convert``: renamed
-legacy names, per-expert tensors fused), checked from the shard headers before anything is
-allocated. Weights are loaded as fp32 (the optimizer's masters).
-
-Refused with one line: remote code (``auto_map``), encoder-decoder models, a ``model_type`` the
-installed transformers does not know or builds no causal LM for, a model without one stack of
-``num_hidden_layers`` blocks, and a conversion that mixes blocks. The cache is turned off
-(``use_cache=False``): a training forward must not append to a KV cache.
+``pystronghold.from_pretrained(DIR, **wrap_options)`` and ``train --model hf:DIR`` read
+``DIR/config.json`` and the safetensors weights (nothing is downloaded). The skeleton is built on
+``meta``, head and tail are read from the shards, and each block's tensors are read only when it
+is filled into the store, so the whole model is never in host memory at once. Weights load as
+fp32; ``use_cache`` is off. Refused with one line: remote code, encoder-decoder models, unknown
+``model_type``, no single stack of ``num_hidden_layers`` blocks, a conversion mixing blocks.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """A checkpoint's stored tensors -> the model's parameters, and back, by transformers' own
 conversion mapping, one block at a time.
 
-transformers 5 builds some families differently from how their checkpoints store them: a Mixtral's
-experts are stored one by one (``...experts.0.w1.weight``) and built as fused tensors
-(``...experts.gate_up_proj``); old checkpoints lack the base model's prefix (GPT-2's ``h.0...``) or
-carry legacy names. ``get_model_conversion_mapping(model)`` lists the model's renamings and
-converters, ``rename_source_key`` names the parameter a stored tensor feeds. ``CheckpointPlan``
-groups the stored tensors by the parameter they make, as transformers' loader does
-(``convert_and_load_state_dict_in_model``), then runs every group once on ``meta`` tensors shaped
-from the shard headers: that checks what it makes (names, shapes) without reading any data, and
-assigns the group to the block its parameters belong to (or to the head and tail). A group whose
-parameters span blocks cannot be loaded one block at a time and is refused. ``tensors(block)``
-then reads and converts one block's groups only.
-
-``hub_layout`` is the reverse, for saving: transformers' ``revert_weight_conversion`` applied to
-one block's weights at a time (per-expert tensors again for a Mixtral).
-
-Uses ``rename_source_key``, ``dot_natural_key``, ``WeightRenaming``/``WeightConverter``
-(``add_tensor``, ``convert``) and ``revert_weight_conversion`` of ``transformers.core_model_loading``,
-present from transformers 5.0 on.
+``CheckpointPlan`` groups the stored tensors by the parameter they make (renamed legacy names,
+per-expert tensors fused), as transformers' loader does, and dry-runs every group on ``meta``
+tensors from the shard headers to check names and shapes and assign it to a block (or head/tail)
+without reading data; a group spanning blocks is refused. ``tensors(block)`` reads one block.
+``hub_layout`` is the reverse (``revert_weight_conversion``), for saving. Needs
+``transformers.core_model_loading`` (transformers >= 5.0).
 """
 
 from __future__ import annotations

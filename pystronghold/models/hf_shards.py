@@ -1,15 +1,9 @@
 """Read a Hugging Face model directory's safetensors weights one tensor at a time.
 
-A directory holds either one ``model.safetensors`` or shards named by ``model.safetensors.index.json``
-(``{"weight_map": {tensor name: shard file}}``). ``SafetensorsShards`` opens every shard's header
-(no tensor data), checks that the shards the index names exist and hold what it says, and then reads
-single tensors on demand with ``safe_open``, so a block's weights can be loaded without touching the
-rest of the model. ``float_shape`` gives a tensor's shape and checks its dtype from the header alone:
-the loader checks the whole model that way before it allocates anything.
-
-A shard is memory-mapped while its handle is open, and the pages read stay resident in the process
-until it is closed: ``close()`` after each block (the handles reopen on demand) keeps the resident
-size at one block's worth rather than growing with every block read.
+``SafetensorsShards`` opens ``model.safetensors`` or the shards of ``model.safetensors.index.json``
+(headers only), checks the index against them, and reads single tensors on demand; ``float_shape``
+checks a tensor's shape and dtype from the header alone. ``close()`` after each block keeps the
+resident size at one block's worth (handles reopen on demand).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """LoRA adapters on a model built one block at a time (``pystronghold train --lora-rank R``): a
 Hugging Face model (``--model hf:DIR``) or pystronghold's GPT, and the adapters in PEFT's format.
 
-PEFT (``pip install 'pystronghold[peft]'``) makes the adapters: ``add_lora`` wraps the model of
-``models.hf.load_lazy`` or a ``GPT`` with ``peft.get_peft_model``, which freezes every base weight.
-The blocks are still on ``meta`` then, and PEFT puts a meta layer's adapters on meta too; so block
-i's adapters get their initial values when ``wrap`` materializes block i, right after its base
-weights (read from the shards, or drawn as the GPT draws them): PEFT's own initialisation (A
-Kaiming-uniform, B zero: the model starts as the base) drawn from a generator seeded by
-``(seed, i)``, the same whatever the order of blocks. The GPT's linear layers are no ``nn.Linear``;
-PEFT's LoRA ``Linear`` wraps them (its custom-module dispatch) at tensor parallelism 1.
-
-The format PEFT saves (``save_pretrained``, loaded by ``PeftModel.from_pretrained``):
-``adapter_config.json`` (the ``LoraConfig``) and ``adapter_model.safetensors`` holding the adapter
-tensors under the model's names with the adapter's name dropped (``...q_proj.lora_A.weight``).
-``merged`` adds ``(alpha / r) B A`` to a base weight (``merge_and_unload``'s arithmetic);
-``merged_state_dict`` does it to every adapted weight of a state dict.
+``add_lora`` wraps the model with ``peft.get_peft_model`` (``pip install 'pystronghold[peft]'``),
+freezing every base weight. Block i's adapters get PEFT's initial values (A Kaiming-uniform, B
+zero) when ``wrap`` materializes block i, from a generator seeded by ``(seed, i)``, independent of
+block order. ``merged`` adds ``(alpha / r) B A`` to a base weight; ``merged_state_dict`` does it
+to every adapted weight of a state dict. Saved as PEFT saves: ``adapter_config.json`` and
+``adapter_model.safetensors``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Which implementation of a fused op runs: our Triton kernel or torch's own path.
 
-`pystronghold.nn.functional` asks `DISPATCHER.path(op, tensor, key, ...)` before every call. The answer:
+``DISPATCHER.path(op, tensor, key, ...)`` answers "torch" where Triton cannot run (CPU unless
+``PYSTRONGHOLD_TRITON_ON_CPU=1``, other devices, triton missing); otherwise it obeys
+``PYSTRONGHOLD_KERNELS`` ("triton", "torch" or "auto"). "auto" on CUDA times both paths
+forward+backward once per process and shape class and keeps the faster (summed over ranks so all
+agree); elsewhere, and for the cross-entropy, it means Triton.
 
-1. "torch" when Triton cannot run on the tensor: CPU tensors unless `PYSTRONGHOLD_TRITON_ON_CPU=1`
-   (then the kernels run in the Triton interpreter), any device but CUDA and CPU, or triton missing.
-2. Otherwise the mode `PYSTRONGHOLD_KERNELS` gives the op (read at every call, see `parse_modes`):
-   "triton" or "torch" is obeyed; "auto" (the default) on a device the dispatcher measures (CUDA)
-   runs both paths forward+backward on the call's own inputs, once per process and *shape class*
-   (`key`: dtype, head dim, causal flag, width, size buckets, ...), and keeps the faster; on other
-   devices (CPU with the interpreter forced) "auto" means Triton, since timing the interpreter says
-   nothing about a GPU. The cross-entropy is not timed: "auto" is Triton wherever it can run, because
-   its torch path keeps fp32 copies of the logits (up to B*T*V/tp*(s + 12) bytes against the kernel's
-   3*B*T*V/tp*s) that the planner does not budget (`pystronghold.planner.cost.tail_activation_bytes`).
-
-NOTE: the choice must not depend on whether autograd is recording: the runtime runs a block forward
-without grad and recomputes it with grad, and both runs must take the same path (the dropout masks
-and rounding of the two paths differ). So the key has no grad flag and the measurement always times
-forward+backward (forward only in inference mode). With several ranks the measured times are summed
-over the default process group before choosing, so every rank takes the same path (replicated
-activations stay identical across TP ranks); this is one all_reduce per new shape class and needs
-every rank to meet each new shape class in the same order, as SPMD training does (pin the paths with
-PYSTRONGHOLD_KERNELS otherwise). The timer runs a fixed number of calls, so ops with collectives
-inside (the vocab-parallel cross-entropy) stay in step across ranks.
+NOTE: the key has no grad flag: the no-grad forward and the recompute must take the same path.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Fused ops of the GPT blocks: our Triton kernels or torch's own path, whichever is faster.
 
-Every function takes the same arguments on both paths and is differentiable on both:
-- Triton: the kernels of `pystronghold.kernels` (imported on first use).
-- torch: the pure-torch references of `pystronghold.kernels.reference` (SDPA for attention,
-  `F.layer_norm`, the unfused RMSNorm, ...; no triton import).
-Which one runs (`pystronghold.nn.dispatch`): CPU tensors take the torch path, unless
-`PYSTRONGHOLD_TRITON_ON_CPU=1` (read at every call), which makes Triton available on CPU through the
-Triton interpreter (`TRITON_INTERPRET=1` must then be set before the kernel modules are first
-imported; `pystronghold.kernels._config` sets it if PYSTRONGHOLD_TRITON_ON_CPU is already set).
-Where Triton is available, `PYSTRONGHOLD_KERNELS` picks per op (`triton`, `torch`, or `auto`, the
-default: on CUDA the faster of the two, measured once per process and shape class; under the
-interpreter, Triton). Inputs the Triton path cannot take (dtype other than fp32/fp16/bf16, head dim
-outside 16..128, norm width over 16384, mismatched shapes) raise ValueError there (in "auto" on CUDA,
-a refusal picks torch's path); non-contiguous inputs are copied to contiguous ones (never
-modified). When triton is not installed, CUDA tensors fall back to the reference with a one-time
-warning. The two dropout paths draw different masks for the same seed (Philox on Triton, torch's
-generator on the reference); each is deterministic in the seed.
+Each function takes the same arguments and is differentiable on both paths: the kernels of
+``pystronghold.kernels`` or the pure-torch references of ``pystronghold.kernels.reference``.
+``pystronghold.nn.dispatch`` chooses (``PYSTRONGHOLD_TRITON_ON_CPU``, ``PYSTRONGHOLD_KERNELS``).
+Inputs Triton cannot take (dtype, head dim outside 16..128, norm width over 16384, mismatched
+shapes) raise ValueError on the Triton path. Without triton, CUDA tensors fall back to the
+reference with a one-time warning. Dropout masks differ between the paths; each is seeded.
 """
 
 from __future__ import annotations

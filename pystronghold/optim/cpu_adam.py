@@ -43,25 +43,14 @@ def _hyper(group: dict, step: int) -> AdamWHyper:
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam/AdamW for fp32 parameters in host memory, one fused C++ pass per parameter.
+    """Adam/AdamW for fp32 parameters in host memory, one fused C++ pass per param group.
 
-    Args:
-        params: parameters or param groups (fp32, on the CPU).
-        lr: learning rate. betas: (beta1, beta2) moment decay rates. eps: denominator term.
-        weight_decay: decoupled (AdamW) or L2 (Adam) coefficient; default 1e-2 for AdamW, 0 for Adam.
-        adamw: True: `torch.optim.AdamW` semantics; False: `torch.optim.Adam` (stored per group as
-            ``decoupled_weight_decay``, as torch does).
-        amsgrad, maximize, foreach, capturable, differentiable, fused: accepted only at their
-            defaults (kept in the state dict for compatibility); other values raise ValueError.
-        bitwise_torch: bit-identical results to ``torch.optim.AdamW(foreach=False)`` (MKL's sqrt, as
-            torch), ~4x slower. Default False: the IEEE SIMD sqrt, within a few ulp of torch (see
-            `pystronghold.optim.functional`). An attribute of the optimizer, not of the state dict.
-
-    Each `step()` makes one fused call per param group (per distinct step count within a group):
-    all its tensors in one parallel region.
-
-    `step()` returns the closure's loss. As in torch, a non-finite gradient is not skipped: it
-    propagates into the parameter (use `pystronghold.optim.adam_step_` for loss-scaling skips).
+    ``lr``, ``betas``, ``eps`` as in torch; ``weight_decay`` defaults to 1e-2 for AdamW, 0 for Adam
+    (``adamw=False``: ``torch.optim.Adam`` semantics, L2 decay). ``amsgrad``, ``maximize``,
+    ``foreach``, ``capturable``, ``differentiable``, ``fused`` are accepted only at their defaults
+    (ValueError otherwise). ``bitwise_torch=True``: bit-identical to ``torch.optim.AdamW(foreach=False)``,
+    slower; default: within a few ulp of torch. ``step()`` returns the closure's loss; as in torch a
+    non-finite gradient is not skipped (use ``pystronghold.optim.adam_step_`` for loss-scaling skips).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

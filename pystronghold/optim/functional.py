@@ -1,22 +1,11 @@
 """Functional fused CPU Adam/AdamW over flat buffers (the runtime's entry point).
 
-The native ones run in C++ (`csrc/adam.cpp`, `csrc/grad_norms.cpp`) as the
-torch operators ``torch.ops.pystronghold.adam_step``, ``adam_step_multi``, ``grad_sq_norm`` and
-``param_grad_norms`` (`pystronghold.ops`):
-one SIMD pass, OpenMP threads, the GIL released. The hyper-parameters travel as one frozen
-``AdamWHyper`` and are unpacked here, into the operator's arguments. The arithmetic follows
-`torch.optim.AdamW` / `torch.optim.Adam` (single-tensor CPU path) operation by operation with the
-same roundings (torch's CPU kernels fuse the multiply-adds of lerp, addcmul and add(alpha=) into
-FMAs, vector and scalar loops alike).
-
-Accuracy against torch's default CPU AdamW/Adam:
-- default: the correctly rounded (IEEE) SIMD sqrt. torch's CPU sqrt is MKL's ``vmsSqrt``, 1 ulp off
-  IEEE for ~16% of inputs; nothing else differs. AdamW's ``exp_avg``/``exp_avg_sq`` stay bit-identical
-  (sqrt does not feed back into them), ``param`` differs by at most ~1 ulp of each step's update
-  (``lr * |m/(sqrt(v)+eps)|``); over 50 steps that is below 1e-6 relative or 1e-8*lr*steps absolute.
-  Adam with L2 weight decay feeds ``param`` back into the moments, so they inherit that difference.
-- ``bitwise_torch=True``: MKL's ``vmsSqrt`` from libtorch_cpu, as torch does: bit-identical fp32
-  results (checked on x86 with AVX-512 and AVX2 builds of torch), at ~4x the cost (vmsSqrt dominates).
+Typed wrappers over the C++ operators ``torch.ops.pystronghold.adam_step``, ``adam_step_multi``,
+``grad_sq_norm`` and ``param_grad_norms`` (``pystronghold.ops``): one SIMD pass, OpenMP threads,
+the GIL released; hyper-parameters travel as one frozen ``AdamWHyper``. The arithmetic follows
+``torch.optim.AdamW``/``Adam`` (single-tensor CPU path) with the same roundings, except the sqrt:
+by default the IEEE SIMD sqrt, so ``param`` may differ from torch by ~1 ulp of each step's update;
+``bitwise_torch=True`` uses MKL's ``vmsSqrt`` as torch does, bit-identical and slower.
 """
 
 from __future__ import annotations
@@ -44,28 +33,13 @@ def adam_step_(
 ) -> bool:
     """One Adam/AdamW step over flat CPU buffers, in place; returns whether it was applied.
 
-    Args:
-        param: fp32 master weights (updated in place), contiguous, on the CPU.
-        grad: gradient, fp32, bf16 or fp16, same number of elements; read only.
-        exp_avg, exp_avg_sq: fp32 first and second moments (updated in place).
-        hyper: step count, lr, betas, eps, weight_decay, AdamW or Adam, and the gradient scale
-            (``AdamWHyper``; the gradient is multiplied by ``grad_scale`` in the same pass).
-        shadow: optional bf16/fp16 buffer that receives ``param.to(shadow.dtype)`` (round to nearest
-            even, bit-identical to torch's cast) after the update.
-        check_finite: scan ``grad*grad_scale`` for inf/NaN first (reads the grad once more: 4 or 2 of
-            the 28-30 bytes per element). Pass False only when the caller already knows it is finite,
-            e.g. because ``grad_sq_norm`` returned a finite value.
-        bitwise_torch: compute sqrt with MKL's ``vmsSqrt`` as torch's CPU sqrt does, so results are
-            bit-identical to ``torch.optim.AdamW(foreach=False)``; ~4x slower. Default False: the IEEE
-            SIMD sqrt (see the module docstring for the accuracy).
-
-    Returns:
-        True when applied; False, with param, states and shadow untouched, when any ``grad*grad_scale``
-        is not finite (overflow skip).
-
-    Raises:
-        TypeError: ``hyper`` is not an ``AdamWHyper``.
-        ValueError: a tensor has the wrong dtype, device, layout or size, or two buffers overlap.
+    ``param``, ``exp_avg``, ``exp_avg_sq``: fp32, contiguous, on the CPU, updated in place; ``grad``
+    (fp32/bf16/fp16, same size) is multiplied by ``hyper.grad_scale`` (an ``AdamWHyper``). ``shadow``
+    (optional bf16/fp16) receives the rounded new param. ``check_finite=False`` skips the inf/NaN scan
+    when the caller knows the grad is finite; ``bitwise_torch=True`` matches
+    ``torch.optim.AdamW(foreach=False)`` bit for bit, slower. Returns False, touching nothing, when the
+    scaled grad is not finite. Raises TypeError for a wrong ``hyper`` and ValueError for a wrong dtype,
+    device, layout or size, or overlapping buffers.
     """
     h = _checked("adam_step_", hyper)
     return bool(native_ops().adam_step(
@@ -84,16 +58,11 @@ def adam_step_multi_(
     check_finite: bool = True,
     bitwise_torch: bool = False,
 ) -> bool:
-    """`adam_step_` over lists of flat buffers (one param group), in one parallel region.
+    """``adam_step_`` over lists of flat buffers (one param group), in one parallel region.
 
-    The tensors are laid end to end and each OpenMP thread updates one contiguous range of the
-    whole, so many small tensors cost no per-tensor synchronisation. Results equal one `adam_step_`
-    per tensor with the same arguments, element for element. All grads must share one dtype, and so
-    must all shadows; no two buffers of any list may overlap.
-
-    Returns:
-        True when applied to every tensor (also when the lists are empty); False, with nothing
-        written anywhere, when any ``grad*grad_scale`` of any tensor is not finite (``check_finite``).
+    Results equal one ``adam_step_`` per tensor, element for element. All grads share one dtype, as
+    do all shadows; no two buffers may overlap. Returns True when applied to every tensor (also for
+    empty lists); False, with nothing written, when any scaled grad is not finite (``check_finite``).
     """
     h = _checked("adam_step_multi_", hyper)
     lists = [list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)]
@@ -128,14 +97,9 @@ def grad_sq_norm(grad: torch.Tensor, grad_scale: float = 1.0) -> float:
 def param_grad_norms(grads: Sequence[torch.Tensor], grad_scale: float = 1.0) -> torch.Tensor:
     """fp32 L2 norm of each gradient x ``grad_scale``, shape (len(grads),), on the gradients' device.
 
-    CPU: ``torch.linalg.vector_norm(g.float() * grad_scale)`` for each g, bit for bit (what
-    ``clip_grad_norm_`` computes per parameter there), the parameters shared among threads by the
-    operator ``param_grad_norms`` (each reduction torch's own on one thread, so the thread count
-    changes nothing). Other devices: ``device_param_grad_norms``.
-
-    Raises:
-        ValueError: the gradients are on several devices, a dtype is not float32/bfloat16/float16,
-            or ``grad_scale`` is not finite.
+    On the CPU bit for bit ``torch.linalg.vector_norm(g.float() * grad_scale)`` whatever the thread
+    count; other devices: ``device_param_grad_norms``. Raises ValueError when the gradients are on
+    several devices, a dtype is not float32/bfloat16/float16, or ``grad_scale`` is not finite.
     """
     if not grads:
         return torch.zeros(0)

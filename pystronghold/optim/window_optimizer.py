@@ -1,13 +1,9 @@
 """``engine.optimizer``: the optimizer the user sees when a model is wrapped.
 
 A real ``torch.optim.Optimizer`` whose param groups carry lr, betas, eps and weight_decay, so LR
-schedulers and manual ``lr`` edits work. With ``AdamW(decay="matrices")`` there are two groups, as
-nanoGPT builds them: parameters of two or more dimensions (weight matrices and embeddings) decay,
-the others (biases, norm gains) have weight_decay 0. It updates nothing itself: ``step``,
-``zero_grad`` and the state dict run the engine's (callables given at construction), and at each
-update the engine reads the groups' current values as one ``AdamWHyper`` per group (``hyper``).
-Block parameters are then updated by the fused CPU Adam on the host store, head and tail parameters
-by ``DeviceAdamW``.
+schedulers and ``lr`` edits work (``AdamW(decay="matrices")``: two groups, as nanoGPT). It updates
+nothing itself: ``step``, ``zero_grad`` and the state dict call the engine's, which reads each
+group's values as one ``AdamWHyper`` per update.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Data-parallel gradient averaging and the cross-rank agreements of an optimizer step.
 
-Every collective the window runtime issues goes through this file, whichever backend runs it:
-
-- ``average_``: one block's flat gradient buffer averaged across the DP group, in place (one
-  all_reduce per block: the bucket is the block). The caller passes the buffer where it is when
-  the gradient is complete: the device slot (on CUDA, before the copy-out; on CPU the "device" is
-  host memory and gloo reduces it there).
-- ``average_grads_``: the head and tail gradients (``.grad`` of device parameters), one bucket per
-  dtype.
-- ``global_grad_norm``: the L2 norm of the whole model's gradient from per-parameter norms, summed
-  over tensor-parallel shards with replicated parameters counted once (as Megatron-LM does).
-- ``any_rank``: a flag (fp16 overflow) agreed by every rank, so all of them skip a step together.
-
-With one rank (group None or of size 1) each is a local operation and issues no collective.
+Every collective the window runtime issues goes through here: ``average_`` (one block's flat
+gradient buffer, in place, one all_reduce per block), ``average_grads_`` (head and tail
+gradients, one bucket per dtype), ``global_grad_norm`` (the whole model's L2 norm from
+per-parameter norms, TP-replicated parameters counted once) and ``any_rank`` (a flag such as an
+fp16 overflow, agreed by all ranks). With one rank each is local and issues no collective.
 """
 
 from __future__ import annotations
@@ -79,14 +71,10 @@ def global_grad_norm(norms: list[torch.Tensor], sharded: list[bool],
                      pp_group: dist.ProcessGroup | None = None) -> float:
     """The L2 norm of the whole model's gradient, from per-parameter L2 norms (fp32 scalars).
 
-    ``sharded[i]`` says whether ``norms[i]`` is the norm of one tensor-parallel shard. Without
-    tensor parallelism this is ``vector_norm(stack(norms))``, the arithmetic of
-    ``torch.nn.utils.clip_grad_norm_``. With it, squares of sharded norms are summed over the TP
-    group, and replicated parameters (LayerNorms, row-parallel biases: equal on every TP rank) are
-    counted once, by TP rank 0; the sum is accumulated in float64 and is the same on every rank.
-    Data-parallel ranks need no reduction here: their gradients are already averaged, so equal.
-    With pipeline stages (``pp_group``), each stage holds other parameters: the squares are summed
-    over the stages too (float64), so every stage clips with the same norm.
+    Without tensor parallelism ``vector_norm(stack(norms))``, as ``clip_grad_norm_``. With it,
+    squares of sharded norms (``sharded[i]``) are summed over the TP group and replicated parameters
+    counted once; with ``pp_group`` the squares are summed over the stages too (float64), so every
+    rank clips with the same norm. DP ranks need no reduction (their gradients are already averaged).
     """
     if group_size(pp_group) > 1:
         own = torch.zeros((), dtype=torch.float64)

@@ -1,17 +1,10 @@
 """Tensor-parallel (TP), data-parallel (DP) and pipeline (PP) process groups over the world.
 
-Layout (as Megatron-LM): the TP ranks of one model replica are adjacent, so TP traffic stays
-inside a node; pipeline stages are the outermost (across nodes). With world = pp * dp * tp,
-global rank r is TP rank ``r % tp`` of replica ``(r // tp) % dp`` in stage ``r // (tp * dp)``:
-
-    tp groups: [0, 1, .., tp-1], [tp, .., 2tp-1], ...        (one per replica and stage)
-    dp groups: [0, tp, 2tp, ..], [1, tp+1, ..], ...          (one per TP rank and stage)
-    pp groups: [t + d*tp, t + d*tp + tp*dp, ...]             (one per TP rank and replica)
-    embedding groups: the first and last rank of each pp group (tied embeddings, pp > 1)
-
-Sizes are checked on every rank before any group is made, with the same deterministic test, so a
-bad configuration raises the same ValueError everywhere (logged as an error on rank 0) and no rank
-is left waiting in a collective.
+As Megatron-LM: with world = pp * dp * tp, global rank r is TP rank ``r % tp`` of replica
+``(r // tp) % dp`` in stage ``r // (tp * dp)`` (TP adjacent, within a node; stages outermost).
+Embedding groups join each pipeline's first and last rank (tied embeddings, pp > 1). Sizes are
+checked identically on every rank before any group is made, so a bad layout raises the same
+ValueError everywhere and no rank hangs.
 """
 
 from __future__ import annotations
@@ -94,16 +87,12 @@ def validate_parallel_sizes(world_size: int, tp_size: int, dp_size: int | None =
 def init_parallel(tp_size: int = 1, dp_size: int | None = None, *, pp: int = 1, heads: int | None = None,
                   backend: str | None = None, timeout_s: float = 600.0) -> ParallelGroups:
     """Make the TP, DP (and, with ``pp`` > 1, pipeline) groups, initialising torch.distributed first
-    when needed. ``pp``: pipeline stages (``pystronghold.pipelining``).
+    when needed.
 
-    When the default process group does not exist yet and the environment names a world
-    (``WORLD_SIZE``, as torchrun sets), the sizes are checked against that world first (a bad
-    configuration raises on every rank before any of them touches the network), then the group is
-    created with ``backend`` (default: nccl when CUDA is available, else gloo) and ``timeout_s``
-    seconds as the collective timeout, so a rank whose peers died raises instead of waiting
-    forever. Without either, the run is one process.
-    The TP and DP groups get the same ``timeout_s`` whoever created the default group.
-    ``heads`` (optional) is checked for divisibility by ``tp_size`` before any group is made.
+    Without a default process group but with ``WORLD_SIZE`` set (torchrun), the sizes (and ``heads``
+    divisibility by ``tp_size``) are checked on every rank first, then the group is created with
+    ``backend`` (default nccl with CUDA, else gloo); otherwise the run is one process. ``timeout_s``
+    (seconds) is the collective timeout of the groups made here: a rank whose peers died raises.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     create = not dist.is_initialized() and "WORLD_SIZE" in os.environ

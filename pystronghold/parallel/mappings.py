@@ -1,20 +1,10 @@
 """The four conjugate region functions of tensor parallelism (Shoeybi et al. 2019, Megatron-LM).
 
-A *TP region* is where each rank holds a slice of the last dimension (heads, MLP columns, vocabulary
-entries). Entering and leaving it takes one of these autograd functions; each is the conjugate of
-another in backward:
-
-============================  ==========================  ==========================
-function                      forward                     backward
-============================  ==========================  ==========================
-copy_to_tp_region (f)         identity                    all-reduce (sum)
-reduce_from_tp_region (g)     all-reduce (sum)            identity
-scatter_to_tp_region          keep this rank's slice      all-gather
-gather_from_tp_region         all-gather                  keep this rank's slice
-============================  ==========================  ==========================
-
-Slices are along the last dimension, rank r holding the r-th of ``size`` equal chunks. With a
-group of one rank (or ``group=None``) every function returns its input unchanged.
+In a TP region each rank holds the r-th of ``size`` equal slices of the last dimension.
+``copy_to_tp_region`` (identity; backward all-reduce), ``reduce_from_tp_region`` (all-reduce;
+backward identity), ``scatter_to_tp_region`` (keep this rank's slice; backward all-gather) and
+``gather_from_tp_region`` (all-gather; backward keep the slice). With a group of one rank (or
+``group=None``) every function returns its input unchanged.
 """
 
 from __future__ import annotations

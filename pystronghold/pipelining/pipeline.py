@@ -1,28 +1,12 @@
 """Pipeline parallelism: each stage runs the window runtime over its own blocks, on
-``torch.distributed.pipelining`` (its schedules move activations and run the micro-batches; we
-write no scheduler).
+``torch.distributed.pipelining`` (its schedules move activations; we write no scheduler).
 
-- the split (``pipelining.gpt``): ``planner.pipeline.stage_split`` (contiguous blocks whose
-  largest stage compute is smallest, the first stage's head and the last stage's tail, the LM
-  head, counted).
-- ``pipelining.stages``: ``PipelineStageModule`` / ``build_stage``, one stage's part of the model
-  (head? blocks, tail?), the module torch's ``PipelineStage`` runs; ``PipelineChunks``, a rank's
-  model chunks as one model for the engine.
-- the interleaved schedule (``ScheduleInterleaved1F1B``, Narayanan et al. SC'21): each rank holds
-  ``chunks`` = v stages ("model chunks", virtual stages r, r + p, ..., r + (v-1)p of p*v, see
-  ``planner.pipeline.rank_stages``); one engine (one window, store and host optimizer) runs every chunk of the rank
-  (``PipelineChunks``), and the bubble shrinks by v.
-- ``planner.pipeline.stage_passes`` / ``rank_passes``: the forward/backward passes a stage runs in one step, in its
-  schedule's order (for interleaved, read from torch's own per-rank action list); the engine plans
-  its window over all of them (``Engine.use_step_plan``) and checks each use.
-- ``Pipeline``: one rank's stage(s) through ``wrap``, a torch schedule, tied-embedding gradients
-  all-reduced between the first and last stage, and ``step(x, y)`` = one optimizer step.
-- ``pipelining.gpt``: a ``GPT``'s stages (``gpt_stage`` / ``gpt_chunks``: balanced split, tied
-  embeddings marked) and ``gpt_pipeline``.
-
-Exactness (fp32): the loss of each micro-batch is divided by their number, so the summed
-gradient is the global batch's mean; clipping uses the norm summed over the stages
-(``parallel.data.global_grad_norm``); an fp16 overflow anywhere skips the step on every rank.
+``Pipeline`` runs one rank's stage(s) through ``wrap`` with a torch schedule (1F1B, GPipe or
+interleaved with v model chunks per rank, one engine for all of them), all-reduces tied-embedding
+gradients between the first and last stage, and ``step(x, y)`` is one optimizer step. The split
+and schedule order come from ``planner.pipeline``; stage modules from ``pipelining.stages``. In
+fp32 the summed micro-batch gradient is the global batch's mean, clipping uses the norm over all
+stages, and an fp16 overflow anywhere skips the step on every rank.
 """
 
 from __future__ import annotations
@@ -49,17 +33,11 @@ log = logging.getLogger(__name__)
 class Pipeline:
     """This rank's pipeline stage trained through the window runtime.
 
-    ``stage``: this rank's ``PipelineStageModule`` (stage ``groups.pp_rank``), or with
-    ``schedule="interleaved"`` the list of its v model chunks (virtual stages ``pp_rank + c * pp``
-    for c = 0 .. v-1, of p*v; ``gpt_chunks``), which one engine runs; ``loss_fn(output,
-    target)``: mean loss of one micro-batch from the last stage's output; ``micro_batches``: m, the
-    micro-batches each step's batch is cut into; ``activation``: (hidden size, dtype) of the tensor
-    passed between stages, (B/m, T, hidden); ``output_size``: last dimension of the last stage's
-    output; ``tied``: parameters of this stage tied to one on the other end of the pipeline (the
-    embedding and the LM head): their gradients are summed over ``groups.embedding_group``.
-    ``options`` are ``wrap``'s (window, optimizer, clip_grad_norm, precision, ...), or ``config=``
-    one whole ``RuntimeConfig``; ``accumulation_steps`` is set to ``micro_batches`` and
-    ``parallel`` to ``groups``.
+    ``stage``: this rank's ``PipelineStageModule``, or for ``schedule="interleaved"`` the list of its
+    model chunks (one engine runs them). ``loss_fn(output, target)``: one micro-batch's mean loss;
+    ``micro_batches``: m per step; ``hidden``, ``output_size``: sizes of the tensors between stages
+    and of the last output; ``tied``: parameters whose gradients are summed over
+    ``groups.embedding_group``. ``options`` are ``wrap``'s, or ``config=`` a ``RuntimeConfig``.
     """
 
     def __init__(self, stage: PipelineStageModule | Sequence[PipelineStageModule], groups: ParallelGroups, *,

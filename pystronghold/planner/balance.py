@@ -1,22 +1,12 @@
 """Hardware-aware balancing, Whale (Jia et al., USENIX ATC'22) section 3.3.
 
-- **replicate** (data parallelism): device i gets a local batch b_i proportional to its
-  throughput s_i (Whale's ratio b_i = B * s_i / sum s), capped by what its memory holds; the
-  global gradient stays the equal-split one because each rank scales its mean loss by
-  ``dp_loss_weight`` = b_i * n / B before the DP average (sum over ranks of (b_i / B) * mean_i =
-  mean over the global batch). ``balance_batch`` rounds to whole samples by handing them out one
-  at a time to the device that finishes it soonest, which minimises the slowest device's time
-  max_i b_i / s_i exactly (water-filling; the per-device times are separable and increasing).
-- **stage** (pipeline): blocks go to stages in order, so that the slowest stage's time
-  sum(block FLOPs) / device FLOP/s is least, subject to each device's memory; devices are sorted
-  by memory, largest first, because an earlier stage of a 1F1B pipeline holds more micro-batches
-  in flight (stage s of S keeps S - s). ``balance_stages`` solves this exactly by dynamic
-  programming over contiguous splits (O(S n^2), ``contiguous_split``), the optimum Whale's greedy
-  approximates. Without device figures it is the pipeline runtime's split: identical devices,
-  the embeddings' cost on the first stage and the LM head's on the last.
-- **split** (tensor parallelism): not balanced. pystronghold's TP layers need even shards (heads,
-  MLP columns and vocabulary rows are divided by the TP size, ``pystronghold.parallel.layers``),
-  so a split over unlike devices runs at its slowest device: ``split_throughput``.
+- replicate (data parallelism): ``balance_batch`` gives device i a local batch b_i proportional to
+  its throughput, capped by its memory, minimising max_i b_i / s_i; ``dp_loss_weight`` keeps the
+  global gradient the equal-split one.
+- stage (pipeline): ``balance_stages`` splits blocks into contiguous stages minimising the slowest
+  stage's time within each device's memory (exact dynamic programming, O(S n^2)).
+- split (tensor parallelism): not balanced (TP shards are even); ``split_throughput`` is the
+  slowest device's.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """A cluster of unlike machines: nodes, their devices and links, read from a JSON or YAML file.
 
-The file (JSON; YAML too with PyYAML, the ``yaml`` extra: ``pip install 'pystronghold[yaml]'``)::
+YAML needs PyYAML (``pip install 'pystronghold[yaml]'``)::
 
-    {"inter_node_gbps": 12.5,
-     "nodes": [
-       {"name": "a", "host_memory_gib": 384, "devices": [{"type": "v100-32gb", "count": 8}]},
-       {"name": "b", "host_memory_gib": 256,
-        "devices": [{"memory_gib": 16, "tflops": 9.3, "count": 8}]}]}
+    {"inter_node_gbps": 12.5, "nodes": [{"name": "a", "host_memory_gib": 384,
+      "devices": [{"type": "v100-32gb", "count": 8}]}]}
 
-A device is a preset of ``pystronghold.planner.hardware.GPUS`` (``type``, datasheet figures) or
-``memory_gib`` plus ``tflops`` (dense, in the training precision); ``tflops``/``memory_gib`` next to
-``type`` override the preset's, ``link_gbps`` its host link. Units as people say them: GiB (2**30
-bytes) for memory, GB/s (1e9 bytes/s) for links, TFLOP/s for compute; stored in bytes, bytes/s and
-FLOP/s. An unknown key is an error naming it (a misspelt key must not be silently ignored).
+A device is a preset of ``planner.hardware.GPUS`` or ``memory_gib`` plus ``tflops``. Units: GiB
+for memory, GB/s for links, TFLOP/s for compute. An unknown key is an error naming it.
 """
 
 from __future__ import annotations

@@ -147,19 +147,11 @@ def block_forward_flops(config: GPTConfig, batch: int, seq: int) -> float:
 def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
     """Bytes one block keeps for its backward (Korthikanti et al. 2022, generalised).
 
-    Per block, in elements of s bytes: 4*B*T*C replicated (LayerNorm inputs and outputs) plus
-    (3 + 1 + 2*F/C)*B*T*C / t (Q, K, V, attention output, GeLU input and output); without a fused
-    attention kernel also 2*a*T^2*B / t (scores, softmax output); with dropout, 1-byte masks of
-    2*B*T*C (+ a*T^2*B / t). At s = 2, F = 4C, t = 1 with dropout and no fused attention this is
-    Korthikanti's B*T*C*(34 + 5*a*T/C).
-
-    A Hugging Face block (``HFShape``, t = 1), likewise: 4*B*T*C (RMS/LayerNorm inputs and
-    outputs) + B*T*(a*d + 2*g*d) (Q, K, V with g key/value heads) + B*T*a*d (attention output) +
-    4*B*T*F for a gated MLP (gate and up outputs, the activation, their product) or 2*B*T*F (GELU
-    input and output). A MoE block's MLP term is that of its active width (top-k x an expert's F,
-    plus shared experts: ``HFShape.active_mlp_width``), plus B*T*(2*k*C + 2*E): the tokens gathered
-    for their k experts and the experts' outputs, the router's logits and probabilities. LoRA's
-    rank-R intermediates (B*T*R per adapter) are not counted.
+    GPT, in elements of s bytes: 4*B*T*C replicated plus (4 + 2*F/C)*B*T*C / t; without a fused
+    attention kernel also 2*a*T^2*B / t; with dropout, 1-byte masks. A Hugging Face block
+    (``HFShape``, t = 1): 4*B*T*C + B*T*(2*a*d + 2*g*d) plus the MLP's 4*B*T*F (gated) or 2*B*T*F,
+    at its active width for a MoE (plus router and gathered-token terms). LoRA intermediates are not
+    counted.
     """
     B, T, C, t, s = work.batch, seq, config.hidden, config.tp_size, work.dtype_bytes
     btc = B * T * C
@@ -178,17 +170,13 @@ def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
 
 
 def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
-    """Peak bytes of the loss on one rank: the logits shard in compute precision (B*T*V/t*s), the
-    gradient shard the fused cross-entropy writes during the forward (B*T*V/t*s) and the scaled copy
-    its backward hands to the LM head (B*T*V/t*s), plus the final norm's input and output
-    (2*B*T*C*s). V is the padded vocabulary (the LM head's rows).
+    """Peak bytes of the loss on one rank: three B*T*V/t*s logits-sized shards of the vocab-parallel
+    cross-entropy plus the final norm's input and output (2*B*T*C*s); V is the padded vocabulary.
 
-    NOTE: ``lm_loss`` is the vocab-parallel cross-entropy (Triton on CUDA), so no rank gathers the
-    full vocabulary and nothing is copied to fp32. The gathered ``F.cross_entropy`` it replaced held
-    the full logits, their fp32 copy, the fp32 log-softmax and its fp32 gradient: B*T*V*(s + 12).
-    The torch path of the cross-entropy (``PYSTRONGHOLD_KERNELS=vocab_parallel_cross_entropy:torch``,
-    or no triton) still holds fp32 copies of the shard, up to B*T*V/t*(s + 12): not budgeted here.
-    A Hugging Face model's loss (``models.hf.causal_lm_loss``) is that gathered one: B*T*V*(s + 12)."""
+    A Hugging Face model's gathered loss (``models.hf.causal_lm_loss``) counts B*T*V*(s + 12). NOTE:
+    the torch path of the cross-entropy (no triton, or pinned by ``PYSTRONGHOLD_KERNELS``) holds up
+    to B*T*V/t*(s + 12) and is not budgeted here.
+    """
     B, V, C, s, t = work.batch, config.padded_vocab_size, config.hidden, work.dtype_bytes, config.tp_size
     logits = 3 * B * seq * (V // t) * s if isinstance(config, GPTConfig) else B * seq * V * (s + 12)
     return logits + 2 * B * seq * C * s

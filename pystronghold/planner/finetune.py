@@ -1,19 +1,11 @@
 """What trains: the whole model, LoRA adapters on a frozen base, or all but the frozen parameters.
 
-A frozen parameter (``requires_grad=False``) costs its value in the compute dtype, once: 2 bytes
-in bf16/fp16, 4 in fp32, in the host store (or on NVMe) and, when loaded, in the window slot; it
-has no fp32 master, no Adam moments, no gradient, no copy-out and no host update. A trainable one
-costs what full fine-tuning costs (16 bytes of host store per block parameter). The runtime lays a
-block out trainable parameters first, frozen ones after (``runtime/store.py``'s ``BlockLayout``),
-so the split below lists them in that order.
-
-What trains is ``models.finetune.FinetuneOptions`` (``train``'s options too). LoRA (``lora_rank``),
-as PEFT's ``LoraConfig(r=R, target_modules=...)`` with its defaults (no bias, no
-``modules_to_save``): every module whose name is or ends with ``.TARGET`` and that holds a matrix
-weight of shape (out, in) gets an adapter A of shape (R, in) and B of shape (out, R), R·(in + out)
-trainable parameters; every parameter of the base model is frozen. ``freeze`` freezes the
-parameters whose full name (``blocks.3.attn.qkv.weight``, ``model.layers.3.mlp.up_proj.weight``)
-matches a regular expression (``re.search``); the rest train.
+A frozen parameter costs its value once in the compute dtype (2 bytes in bf16/fp16, 4 in fp32)
+in the store and the window slot, and nothing else; a trainable one costs full fine-tuning's 16
+bytes of host store. Blocks lay out trainable parameters first. ``models.finetune.FinetuneOptions``
+decides: ``lora_rank`` R adds R·(in + out) trainable parameters per targeted (out, in) weight as
+PEFT's ``LoraConfig`` does and freezes the base; ``freeze`` freezes parameters whose full name
+matches a regular expression (``re.search``).
 """
 
 from __future__ import annotations

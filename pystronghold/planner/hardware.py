@@ -1,13 +1,8 @@
 """What the planner knows about a machine: the accelerator (``GPU``) and its host (``Hardware``).
 
-Units everywhere: bytes, bytes/s, FLOP/s, parameters/s. ``GiB = 2**30`` bytes (GPU memory sizes,
-as ``nvidia-smi`` reports them); bandwidths are in decimal GB/s (1e9 bytes/s), as vendors quote them.
-
-GPU presets carry the vendor's dense (no sparsity) peak FLOP/s and a *practical* host link
-bandwidth: what a pinned ``cudaMemcpyAsync`` of large buffers reaches over PCIe x16, about 75-80%
-of the signalling rate (PCIe gen3: 15.75 GB/s theoretical per direction, gen4: 31.5, gen5: 63;
-PCI-SIG base specifications, 128b/130b encoding). Both directions run at the same time (full
-duplex), so H2D loads and D2H gradient copies are modelled as two independent links.
+Units: bytes, bytes/s, FLOP/s; ``GiB = 2**30`` bytes, bandwidths in decimal GB/s. GPU presets
+carry the vendor's dense peak FLOP/s and a practical host-link bandwidth (about 75-80% of the PCIe
+signalling rate), the same in each direction: H2D and D2H are two independent links.
 """
 
 from __future__ import annotations

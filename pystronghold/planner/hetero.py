@@ -1,25 +1,12 @@
 """Plans for clusters of unlike GPUs: TP x PP x DP sizes, stage splits, batch splits and each
 piece's window W, from the planner's per-block cost model (Whale, Jia et al., ATC'22, 3.3).
 
-A *piece* is one stage of one replica: ``tp`` devices running that stage's blocks through the
-window runtime. Its time per micro-batch is ``make_plan``'s compute plus exposed transfer for its
-blocks on its device (the slowest of its TP group: even shards), without the loss on stages other
-than the last; its host update (once per step) is ``make_plan``'s exposed optimizer time; the
-window W is the one ``make_plan`` chooses. A replica's step is (M + S - 1) times its slowest stage's
-micro-batch (compute and exposed transfers; a 1F1B pipeline of S stages and M micro-batches; M = 1,
-S = 1 without one) with the activation sends between stages, plus the slowest exposed host update
-(once per step); the cluster's step is the slowest replica's plus the data-parallel all-reduce
-of the largest stage's gradients over the cluster's links (not overlapped: conservative).
-
-Devices are placed as Whale places them: sorted by memory, then FLOP/s, largest first; TP groups
-are consecutive devices; stage s takes the s-th group of ``dp`` pieces (larger memory earlier).
-Blocks go to stages by ``balance.balance_stage_counts`` with each stage's cost-model time (the
-same split in every replica: they share weights; the FLOP-only split of Whale's formula is
-``balance.balance_stages``), the batch to replicas by ``balance.balance_batch_times`` (the cost
-model's replica step time as a function of its batch, inf where it does not fit). Every plan is
-also costed with the even splits, and the gain is reported. Simplifications, stated: every stage
-keeps the head and tail parameters on its device (the planner has no headless piece), and host
-memory is shared evenly by a node's devices.
+A piece is one stage of one replica (``tp`` devices), timed by ``make_plan``. A replica's step is
+(M + S - 1) times its slowest stage's micro-batch plus its slowest host update; the cluster's is
+the slowest replica's plus the (non-overlapped) data-parallel all-reduce. Devices are placed as
+Whale does (largest memory first); blocks go to stages by ``balance.balance_stage_counts`` and the
+batch to replicas by ``balance.balance_batch_times``; the gain over even splits is reported.
+Simplifications: every stage keeps head and tail on its device; host memory is shared evenly.
 """
 
 from __future__ import annotations

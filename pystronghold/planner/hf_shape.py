@@ -1,15 +1,9 @@
 """A Hugging Face model as the planner costs it: ``pystronghold plan --model hf:DIR``.
 
-Only ``DIR/config.json`` is read (no weights): the model is built by transformers on the ``meta``
-device with one block (0 bytes), and the planner takes the names and shapes of its parameters
-from it, so they are those of the model ``pystronghold train --model hf:DIR`` trains, for every
-architecture ``models.hf`` loads, and LoRA targets and --freeze patterns match the
-names PEFT and the runtime see. Tensor parallelism is 1 (as the runtime trains Hugging Face models).
-
-A mixture-of-experts block (parameters under an ``experts`` module, ``params.is_expert_param``)
-holds every expert's weights; a token passes through ``experts_per_token`` of them (plus the
-router and any shared expert), which is what its FLOPs and activations count. Block 0 stands for
-every block: a model whose first blocks are dense and the rest MoE is costed as its block 0.
+Only ``DIR/config.json`` is read: transformers builds one block on ``meta`` and the planner takes
+its parameter names and shapes, so they match what ``train --model hf:DIR``, LoRA and --freeze
+see. Tensor parallelism is 1. A MoE block holds every expert but a token's FLOPs and activations
+count ``experts_per_token`` of them; block 0 stands for every block.
 """
 
 from __future__ import annotations

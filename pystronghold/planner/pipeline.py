@@ -1,30 +1,11 @@
-"""The pipeline's arithmetic: its settings and their one check, which stage holds which blocks,
-the passes each runs, and its share of the plan (bubble, in-flight activations, point-to-point
-bytes). Pure functions of the layout: the pipeline runtime (``pystronghold.pipelining``), ``train``
-and ``plan`` all read it here.
+"""The pipeline's arithmetic: settings, their one check, stage placement, passes and costs.
 
-- ``ParallelOptions``: the TP x DP x PP layout as the user gives it (``train`` and ``plan`` compose
-  it); ``check_pipeline``: the one validator of the pipeline settings (ConfigError naming the
-  field), called by ``ParallelOptions`` itself and, with the model's block count, by
-  ``TrainConfig``, ``plan`` and the runtime's ``Pipeline``.
-- ``rank_stages``: the interleaved placement of virtual stages on ranks; ``stage_passes`` /
-  ``rank_passes``: the forward/backward passes of a stage (rank) in its schedule's order;
-  ``gpt_stage_costs`` / ``stage_split``: the FLOPs the block split balances, and the split.
-
-With p stages and m micro-batches per step, a stage computes m forwards and m backwards and waits
-for the others to fill and drain the pipeline for p - 1 micro-batch slots (Narayanan et al., SC'21):
-
-    bubble fraction = (p - 1) / m            (GPipe and 1F1B: idle time / compute time)
-                    = (1 / v) * (p - 1) / m  (interleaved, v model chunks per rank)
-
-1F1B keeps the activations of at most ``p - s`` micro-batches on stage s (its warm-up forwards),
-GPipe all m. The interleaved schedule (v model chunks per rank, p * v balanced chunks, rank r
-holding chunks r, r + p, ...) keeps (v - 1) * p + 2 * (p - 1 - s) + 1 chunk forwards in flight on
-rank s (torch's ScheduleInterleaved1F1B, m a multiple of p), each holding one chunk's activations:
-more than 1F1B's p - s whole-stage micro-batches, the price of the smaller bubble. Under checkpointing, a micro-batch in flight holds each of the stage's block inputs
-(B*T*C*s bytes per block); without it, every block's saved activations (``block_activation_bytes``).
-Between two stages, each micro-batch sends its activation forward and receives its gradient back:
-B*T*C*s bytes each way, per TP rank (every TP rank holds the whole activation).
+Pure functions of the layout, read by the pipeline runtime, ``train`` and ``plan``:
+``ParallelOptions`` (the TP x DP x PP layout) and ``check_pipeline`` (the one validator, raising
+ConfigError naming the field); ``rank_stages``, ``stage_passes``/``rank_passes`` (placement and
+schedule order); ``gpt_stage_costs``/``stage_split`` (the FLOPs-balanced block split). With p
+stages and m micro-batches the bubble fraction is (p - 1) / m, divided by v for the interleaved
+schedule (Narayanan et al., SC'21); between stages each micro-batch sends B*T*C*s bytes each way.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""The relay schedule in the cost model: link bytes, boundary activations and step time of a step of
-m micro-batches under the default (micro-batch-major) and the relay (layer-major, L2L's) schedule,
+"""The relay schedule in the cost model: link bytes, boundary activations and step time of m
+micro-batches under the default (micro-batch-major) and the relay (layer-major, L2L's) schedule,
 and the choice between them (``--schedule auto``). See docs/DESIGN.md "Relay schedule".
 
-Per step, with N streamed blocks, W slots, P_b·s bytes per block load and P_t·s per gradient (its
-trainable parameters; P_t = P_b unless some are frozen) in compute precision, and one block input of I = B·T·C·s bytes (K device-resident blocks cross no link; each
-micro-batch keeps their input, or their activations when they do not recompute, on the device, m
-micro-batches' worth under the relay, never staged):
-
-- default: each micro-batch is a whole pass: H2D m·(N + N − W)·P_b·s (forward loads, backward
-  reloads of the blocks not kept) + (m − 1)·N·P_t·s (the host sum uploaded before the next
-  micro-batch's backward); D2H m·N·P_t·s. Saved block inputs on the device: N·I.
-- relay: one pass: H2D (N + N − W)·P_b·s, D2H N·P_t·s. Saved block inputs: m·N·I; when they do
-  not fit the device they are staged through host memory, adding m·N·I bytes in each direction.
-
-Step time: the relay is the runtime's one-pass schedule with m times the compute per block use
-(``timeline.simulate_step`` with ``fwd_s``, ``bwd_s`` and the loss scaled by m); staged inputs add
-m·I per block to its backward load (counted on every load: an upper bound). The default is m
-passes without host updates, the passes after the first also uploading each block's gradient sum
-(counted on every load: an upper bound), plus the host updates' exposed time of one step.
+With N streamed blocks, W slots, P_b·s bytes per block load, P_t·s per gradient and I = B·T·C·s
+per block input: default H2D m·(2N − W)·P_b·s + (m − 1)·N·P_t·s, D2H m·N·P_t·s, N·I saved; relay
+H2D (2N − W)·P_b·s, D2H N·P_t·s, m·N·I saved (staged through host memory when they do not fit).
+Step times come from ``timeline.simulate_step`` and are upper bounds where stated in the code.
 """
 
 from __future__ import annotations

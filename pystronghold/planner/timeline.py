@@ -1,28 +1,11 @@
 """Step time of the window schedule, by simulating its lanes, and the choice of W.
 
-The simulated schedule is the runtime's (``pystronghold.runtime.schedule``): forward uses blocks
-0 .. N-1, backward N-1 .. 0; W slots; after forward use k the slot of block k is reloaded with
-block k + W; the last W blocks of forward stay resident for backward; after backward use j the
-slot of block j is reloaded with block j - W once block j's gradient has left it. Five lanes, each
-serial (one job at a time, in issue order), run concurrently:
-
-- compute: block forwards, the loss, block backwards (a block waits for its load);
-- H2D: block loads (a load waits for its slot to be free and, in the next step, for the block's
-  host update);
-- collective: the data-parallel all-reduce of each block's gradient (after its backward);
-- D2H: gradient copy-outs (after the all-reduce);
-- CPU: the fused Adam of each block (after its copy-out; in "forward" overlap mode all of them
-  once the whole backward has ended, resident blocks included, block 0 first).
-
-With K device-resident blocks (``resident``: blocks 0 .. K-1, ``pystronghold.runtime.resident``)
-those have no load, copy-out or host update: they compute forward and backward (without the
-recompute unless ``resident_recompute``) and their device AdamW runs on the compute lane at the end
-of the step; the window's W slots serve the streamed blocks K .. N-1, whose loads of the next step
-wait for their host updates. The streamed blocks' updates have the resident blocks' backward and
-forward to hide behind: why the first blocks are the resident ones.
-
-Three consecutive steps are simulated and the last one is measured, so the host updates of one
-step delaying the loads of the next are counted. O(N) per simulation.
+The simulation follows ``pystronghold.runtime.schedule`` (W slots, forward 0 .. N-1, backward
+N-1 .. 0, the last W blocks resident for backward) on five serial lanes running concurrently:
+compute, H2D loads, the data-parallel all-reduce, D2H gradient copy-outs and the CPU Adam. K
+device-resident blocks (``pystronghold.runtime.resident``) have no loads or host updates and run
+their AdamW on the compute lane. Three steps are simulated and the last is measured, so host
+updates delaying the next step's loads count. O(N) per simulation.
 """
 
 from __future__ import annotations
@@ -128,16 +111,12 @@ def simulate_step(costs: BlockCosts, n_blocks: int, window: int, overlap: str = 
 def choose_window(costs: BlockCosts, n_blocks: int, max_window: int, overlap: str = "backward",
                   tolerance: float = 0.01, *, resident: int = 0, resident_recompute: bool = False
                   ) -> tuple[int, StepTime]:
-    """The smallest W in [1, max_window] whose step time is within ``tolerance`` (relative) of the
-    best step time any W <= max_window reaches, both with and without the host updates, and its
-    step time.
+    """The smallest W in [1, max_window] whose step time is within ``tolerance`` (relative) of the best
+    any W <= max_window reaches, with and without host updates; returns W and its step time.
 
-    When transfers can hide behind compute this is the smallest W that hides them; when the link
-    is the bottleneck, larger windows still help (the last W blocks of forward are not reloaded
-    for backward) and the W returned is where that gain stops. The step time without host updates
-    counts too, so a slow optimizer that would hide any W's transfers does not make W = 1 look good.
-    Binary search: both step times do not increase with W (a slot more only issues loads earlier).
-    With ``resident`` = K the slots serve the N - K streamed blocks (none when K = N: W = 0).
+    Where transfers hide behind compute this is the smallest W that hides them; link-bound, it is
+    where larger windows stop helping. Binary search (step time does not increase with W). With
+    ``resident`` = K the slots serve the N - K streamed blocks (W = 0 when K = N).
     """
     split = dict(resident=resident, resident_recompute=resident_recompute)
     if resident == n_blocks:

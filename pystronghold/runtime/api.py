@@ -22,24 +22,14 @@ blocks' own parameters are emptied), so a second engine of them would train noth
 
 def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, materialize=None,
          config: RuntimeConfig | None = None, **options):
-    """Train ``model`` with only ``window`` of its ``blocks`` on the device at a time.
+    """Train ``model`` with only ``window`` of its ``blocks`` on the device at a time; returns an Engine.
 
-    ``blocks`` is the model's stack of transformer blocks (an ``nn.ModuleList``); when omitted it is
-    found with ``pystronghold.runtime.discovery.find_blocks``. ``options`` are the fields of
-    :class:`pystronghold.runtime.config.RuntimeConfig` (window, device, precision, optimizer,
-    clip_grad_norm, accumulation_steps, checkpointing, resident_blocks, resident_recompute, overlap,
-    strict, trace, host_memory_bytes, nvme_dir, parallel, ...), or ``config=`` one whole
-    ``RuntimeConfig`` (what ``pystronghold train`` passes). With ``resident_blocks=K`` the first K
-    blocks never leave the device (device AdamW, no host update); the others stream through the window. With ``nvme_dir``, the block states the host budget cannot hold live
-    on disk there (the file tier), staged through a bounded host cache. Blocks may be built on the
-    ``meta`` device (a model larger than host memory): ``materialize(i)`` (default: the model's
-    ``materialize_block_``) then gives block i real parameters, one block at a time (in
-    ``init_threads`` parallel threads when the model declares its ``materialize_block_``
-    thread-safe). With ``parallel=init_parallel(tp, dp)`` every rank calls ``wrap`` on its own
-    replica (its TP shard) and feeds it its own slice of the batch. Returns an :class:`~pystronghold.runtime.engine.Engine`::
+    ``blocks``: the model's ``nn.ModuleList`` of blocks (``find_blocks`` finds it when omitted).
+    ``options`` are ``RuntimeConfig`` fields (window, device, precision, optimizer, nvme_dir, parallel:
+    each rank wraps its own replica, ...), or ``config=`` one ``RuntimeConfig``, not both (TypeError).
+    Blocks on ``meta`` are materialized one at a time by ``materialize(i)`` (default: ``materialize_block_``)::
 
-        engine = pystronghold.wrap(model, blocks=model.blocks, window=4,
-                                   optimizer=pystronghold.AdamW(lr=3e-4, weight_decay=0.1))
+        engine = pystronghold.wrap(model, blocks=model.blocks, window=4, optimizer=pystronghold.AdamW(lr=3e-4))
         loss = engine(x, y); engine.backward(loss); engine.step(); engine.zero_grad()
     """
     from pystronghold.runtime.engine import Engine

@@ -1,23 +1,11 @@
 """What a backend does for the engine, and how one is chosen.
 
-The engine never copies or synchronises by itself: it asks its backend. A backend provides
-
-- ``device``: where compute runs (head, tail and the window slots live there);
-- ``device_buffer(name, numel, dtype)``: a flat tensor carved from the budgeted device arena;
-- ``host_arena(capacity_bytes)``: a host arena for one store tier (pinned where that helps);
-- ``h2d(dst, src, after, timed=)`` / ``d2h(dst, src, after, timed=)``: an asynchronous copy that
-  starts after the handles in ``after`` and returns a handle with ``wait()``, ``done()``, ``nbytes``
-  and, once done, its start and end marks (``runtime.timing.copy_marks``: host stamps on the CPU,
-  events on CUDA only when ``timed``);
-- ``clock``: makes the trace's marks (``HostClock`` on the CPU, ``EventClock`` on CUDA: timing
-  events on the compute stream) and the per-step calibration that places device marks on the host
-  clock (``runtime/timing.py``);
-- ``compute_wait(handle)``: make the following compute wait for a copy (CPU: block on the handle;
-  CUDA: the compute stream waits on the copy's event, the host does not block);
-- ``compute_marker()``: a handle that completes when the compute issued so far has finished
-  (CPU: None, compute is synchronous; CUDA: an event on the compute stream);
-- ``poison(tensor)``: fill with NaN (strict mode), ordered after the compute issued so far;
-- ``arena_peak_bytes`` / ``arena_capacity_bytes``; ``synchronize()``; ``close()``.
+The engine never copies or synchronises by itself: it asks its backend, which provides
+``device``, ``device_buffer`` (from the budgeted device arena), ``host_arena``, asynchronous
+``h2d``/``d2h`` copies ordered ``after`` other handles (handles with ``wait()``/``done()``),
+``clock`` (trace marks, ``runtime/timing.py``), ``compute_wait`` and ``compute_marker`` (order
+compute and copies; the host blocks only on the CPU backend), ``poison`` (NaN fill, strict mode),
+arena byte counts, ``synchronize()`` and ``close()``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The CUDA backend: window slots in device memory, copies on dedicated streams ordered by events.
 
-- Loads run on ``h2d_stream``, gradient copy-outs on ``d2h_stream``; compute stays on the current
-  stream. A copy that must start after other work makes its stream wait on those events (never
-  the host). Compute waits for a load with ``current_stream().wait_event``.
-- A slot is reused only after the event recorded on the compute stream when it was released
-  (``compute_marker``) and after its gradient copy-out's event: both are in the load's ``after``.
-- The store's arenas are pinned (HostArena ``pin="auto"`` registers them with CUDA), so the copies
-  are truly asynchronous DMA.
-- Events: every event the host may wait on is made with ``blocking=True``, so a host wait sleeps
-  instead of spinning a core. A copy records one event without timing after it, unless asked
-  for times (``timed=True``, the trace is on).
-- Times: a timed copy is bracketed by two timing events on its stream (the handle's
-  ``start_mark`` and ``end_mark``); compute spans by events on the compute stream
-  (``clock.mark()``). The trace takes durations from ``Event.elapsed_time`` and places them on the
-  host clock by one calibration per step (``runtime/timing.py``), never from when the host issued
-  a copy or saw it done.
-
-Importable without CUDA; constructing it without a GPU raises RuntimeError.
+Loads run on ``h2d_stream``, gradient copy-outs on ``d2h_stream``, compute on the current stream;
+streams wait on events, never the host. A slot is reused only after its release and its gradient
+copy-out. The store's arenas are pinned, so copies are asynchronous DMA. Host-waited events are
+``blocking=True`` (the host sleeps instead of spinning). Timed copies (``timed=True``) are
+bracketed by timing events placed on the host clock by ``runtime/timing.py``. Importable without
+CUDA; constructing it without a GPU raises RuntimeError.
 """
 
 from __future__ import annotations

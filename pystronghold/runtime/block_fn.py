@@ -1,27 +1,12 @@
 """How the engine gets into the model: one autograd Function around each block's forward.
 
-We chose an autograd Function per block (over module hooks + torch.utils.checkpoint) because it
-puts every scheduling point in one place we control: forward waits for the block's load, runs it
-without building a graph (only the inputs are saved: activation checkpointing), then releases the
-slot / issues prefetches; backward waits for the (re)load, recomputes with grad, back-propagates,
-hands the trainable parameters' gradients to the engine in one flat buffer, and returns the input
-gradients (a frozen block only passes the input gradient on).
-No ``.grad`` of an offloaded parameter is ever touched by autograd, and nothing depends on hook
-firing order. The block's own ``forward`` is unchanged: the wrapper replaces the instance's
-``forward`` attribute, so module names, ``state_dict`` keys and user hooks stay as they were.
-
-Arguments and outputs may be nested (tuples, dicts, keyword arguments): they are flattened with
-``torch.utils._pytree``; non-tensor leaves pass through. A tiny "anchor" tensor that requires grad
-is always an input, so backward runs even when no block input requires grad.
-
-With ``checkpointing=False`` (keep activations) the forward builds the graph and keeps it; saved
-tensors that are views of the block's slot are packed as (offset, size, stride) and re-resolved
-against the slot the block is reloaded into for backward, so eviction between forward and backward
-stays correct.
-
-Tensors a block hands out by a side channel (a hook on a submodule storing its output, as Hugging
-Face's router-logit and attention recorders do) are found after its forward and carried as extra
-outputs of the Function, recomputed in backward (``side_outputs.py``).
+Forward waits for the block's load, runs without building a graph (only inputs are saved:
+activation checkpointing) and releases the slot; backward waits for the (re)load, recomputes with
+grad, hands the trainable parameters' gradients to the engine in one flat buffer and returns the
+input gradients. Autograd never touches an offloaded parameter's ``.grad``. The wrapper replaces
+the instance's ``forward`` attribute, so names, ``state_dict`` keys and hooks are unchanged.
+Nested arguments and outputs are flattened with pytree; side-channel outputs (Hugging Face
+recorders) are carried as extra outputs (``side_outputs.py``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Building the engine's parts from a model, its blocks and a ``RuntimeConfig``.
 
-``build_parts`` does the memory side, in the order the memory is planned: split the parameters
-(resident blocks, streamed blocks, head and tail), plan every byte (window arena, host store,
-file tier: ``placement.py``) before the first allocation so a too-small host fails cleanly, then
-make the backend (device arena, copy engine), the scratch file and ``DiskTier`` when states
-spill, fill the ``HostStore`` (fp32 masters), move the model to the device, make the ``Window``
-and the two pass plans. ``build_optimizers`` makes the update side once the param groups are
-known: the device AdamW of head and tail, the resident blocks, the host updates of streamed
-blocks, where their gradient norms are taken (``grad_norms.py``) and the fp16 loss scaler. ``Engine`` (``engine.py``) composes them with the pass executor
-(``executor.py``) and the step (``step.py``). See docs/DESIGN.md "wrap, discovery, configuration".
+``build_parts`` plans every byte (window, host store, file tier) before the first allocation, so
+a too-small host fails cleanly, then makes the backend, the ``DiskTier`` when states spill, the
+filled ``HostStore``, the ``Window`` and the pass plans. ``build_optimizers`` makes the device
+AdamW of head, tail and resident blocks, the host updates of streamed blocks and the fp16 loss
+scaler. See docs/DESIGN.md "wrap, discovery, configuration".
 """
 
 from __future__ import annotations

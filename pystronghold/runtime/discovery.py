@@ -1,19 +1,10 @@
 """Find a model's stack of transformer blocks, so ``wrap(model)`` works without ``blocks=``.
 
-The stack is an ``nn.ModuleList`` whose attribute name is one of ``STACK_NAMES`` and which sits at
-the top of the model or up to two levels down, as in the layouts people have:
-
-- ``model.blocks`` (nanoGPT-style, pystronghold's GPT), ``model.layers``, ``model.h``
-- ``transformer.h`` (GPT-2), ``model.layers`` (Llama, Mistral), ``gpt_neox.layers`` (Pythia),
-  ``encoder.layer`` (BERT), ``model.decoder.layers`` (OPT), ``transformer.blocks`` (MPT)
-
-A wrapper that holds the model and hands it out with ``get_base_model()`` (PEFT's ``PeftModel``,
-whose stack is at ``base_model.model.model.layers``) is looked through: the search starts at the
-model it wraps, and the name returned is the full path from the wrapper.
-
-A ModuleList inside another ModuleList (sub-layers of one block) is never a candidate. Exactly one
-candidate must exist: none, or more than one (an encoder-decoder model, say), raises ValueError
-asking the caller to pass ``blocks=`` explicitly.
+The stack is the one ``nn.ModuleList`` named in ``STACK_NAMES`` at the top of the model or up to
+two levels down (``blocks``, ``transformer.h``, ``model.layers``, ``gpt_neox.layers``, ...); a
+wrapper with ``get_base_model()`` (PEFT) is looked through and the full path returned. A
+ModuleList inside another is never a candidate. None, or more than one, raises ValueError asking
+for ``blocks=``.
 """
 
 from __future__ import annotations

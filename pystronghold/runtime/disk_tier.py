@@ -1,16 +1,10 @@
 """The file (NVMe) tier of the store: block states on disk, staged through a bounded host cache.
 
-One ``FileStore`` per disk state in a scratch directory; a cache of ``cache_blocks`` slots:
-
-- ``acquire(block, states)`` -> :class:`Lease`: the slot holding ``block``, or the least recently
-  used free one (evicted after its pending writes); missing states are read asynchronously
-  (``Lease.wait()``), a never-written state reads as zeros without I/O.
-- ``release(lease, dirty=...)`` writes dirty states back asynchronously (write-behind).
-- ``prefetch(block, states)`` starts reads into a free slot, never blocking.
-
-A record is never read while it is being written (one slot per block; a slot is reused only after
-its writes and readers finish). Failures raise :class:`DiskTierError` naming directory, state and
-block, at the latest at ``synchronize()``.
+One ``FileStore`` per disk state and a cache of ``cache_blocks`` slots. ``acquire(block, states)``
+returns a ``Lease`` on the block's slot (LRU eviction; reads are asynchronous, ``Lease.wait()``;
+never-written states read as zeros). ``release(lease, dirty=...)`` writes back asynchronously;
+``prefetch`` never blocks. Failures raise ``DiskTierError`` naming directory, state and block, at
+the latest at ``synchronize()``.
 """
 
 from __future__ import annotations

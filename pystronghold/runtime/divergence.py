@@ -1,14 +1,9 @@
 """What stops a training run whose numbers diverged, and the one line it stops with.
 
-- fp16: a step with inf/NaN gradients is skipped (``step.py``); the run stops when it overflows at
-  the loss scale's floor, or after ``max_skipped_steps`` skipped steps in a row.
-- bf16/fp32: no step is skipped; the first inf/NaN gradient stops the run (the gradient norm when
-  clipping, else the host update of the streamed block that holds it; unclipped head, tail and
-  resident blocks are not checked: their inf/NaN reaches the streamed blocks' gradients a step later).
-- A checkpoint is never written with non-finite state: ``check_finite_state`` runs on each file's
-  tensors before they are written.
-
-Each raises ``DivergenceError``: one line naming the step and the non-finite quantity.
+fp16: a step with inf/NaN gradients is skipped; the run stops on overflow at the loss scale's
+floor or after ``max_skipped_steps`` skips in a row. bf16/fp32: the first inf/NaN gradient of a
+streamed block (or the clipping norm) stops the run. ``check_finite_state`` keeps non-finite state
+out of checkpoints. Each raises ``DivergenceError`` naming the step and the quantity.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The engine: what ``pystronghold.wrap`` returns, composed of three parts, one per job.
 
-- building (``build.py``): plans every byte, makes the backend, host store, file tier, window and
-  pass plans (``build_parts``), then the updaters of every parameter (``build_optimizers``);
-- the pass executor (``executor.py``): what ``block_fn`` calls around each block (``enter`` /
-  ``leave``): loads, releases, gradient copy-out, host jobs, and the accumulation state;
-- the step (``step.py``): global norm, fp16 overflow, clip coefficient, host and device updates.
-
-``Engine`` owns none of that logic: it gives the user API (call, train/eval, backward, step,
-zero_grad, synchronize, stats, memory_report, state_dict, close, states) and the names other
-modules read. The parts themselves (host store, window, pass plans, executor, step, host updates)
-are private: runtime modules get the ones they need passed in. See docs/DESIGN.md "Window runtime".
+Building (``build.py``), the pass executor (``executor.py``: loads, releases, copy-outs, host jobs
+around each block) and the step (``step.py``: norms, fp16 overflow, clipping, updates). ``Engine``
+holds none of that logic: it gives the user API (call, train/eval, backward, step, zero_grad,
+synchronize, stats, memory_report, state_dict, close, states); the parts are private. See
+docs/DESIGN.md "Window runtime".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The pass executor: runs the window schedule from inside each block's autograd Function.
 
-Per pass (forward, then backward when training) the executor walks the plan of ``schedule.py``:
-``enter(block)`` before a block computes (issue what is pending, wait for its load, bind its
-parameters to the slot), ``leave(block)`` after (in backward: gradients into the slot's flat
-buffer, one copy-out, a host job; then the plan's releases and prefetch loads). A load of block i
-is issued only after block i's last host update has finished, and into a slot only after that
-slot's previous copy-out (and compute) finished. Between passes the optimizer step
-(``step.py``) runs once ``finish_accumulation`` has every gradient copy-out done. See
+Per pass it walks the plan of ``schedule.py``: ``enter(block)`` issues pending loads, waits for
+the block's and binds its parameters to the slot; ``leave(block)`` (in backward) gathers gradients
+into the slot, copies them out, submits the host update, then releases and prefetches. A load
+waits for the block's last host update and for the slot's previous copy-out. Relay passes
+(``relay.py``) and layer-drop steps (``layer_drop.py``) use cached variant plans. See
 docs/DESIGN.md "The window and the copy engine".
-
-Two variations of the plan: a relay pass (``relay.py``, ``engine.accumulate`` with
-``schedule="relay"``) runs each use m times in a row, one per micro-batch, the gradient summed in
-the slot and copied out after the last; a layer-drop step (``layer_drop.py``) plans over the
-blocks that run. Both plans are built once per (m, blocks) and cached.
 """
 
 from __future__ import annotations

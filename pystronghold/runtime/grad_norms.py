@@ -1,20 +1,10 @@
 """The streamed blocks' per-parameter gradient norms for global-norm clipping, taken where the
 gradients are.
 
-``torch.nn.utils.clip_grad_norm_`` takes one fp32 L2 norm per parameter, then the norm of those
-norms. The engine does the same (``pystronghold.parallel.data.global_grad_norm`` combines them), and
-each per-parameter norm is computed as PyTorch computes it on the device that holds the gradient
-(``pystronghold.optim.functional.param_grad_norms``):
-
-- on the host (the CPU backend, and the host copies of streamed blocks):
-  ``torch.linalg.vector_norm`` of the fp32 gradient x grad_scale, the parameters shared among
-  threads by the operator ``torch.ops.pystronghold.param_grad_norms`` (csrc/grad_norms.cpp): each
-  parameter's reduction is torch's own on one thread, so every norm is the single-threaded one;
-- on a CUDA device: ``torch._foreach_norm``, what ``clip_grad_norm_`` runs on CUDA. A streamed
-  block's norms are taken from its slot right before the gradient's copy-out, queued on the
-  compute stream: the gradient is there anyway, and no host pass over it is needed.
-
-``BlockGradNorms`` collects the streamed blocks' norms of one step from either place.
+As ``torch.nn.utils.clip_grad_norm_`` does, one fp32 L2 norm per parameter, combined by
+``parallel.data.global_grad_norm``. On the host, ``optim.functional.param_grad_norms`` (torch's
+reduction, single-threaded per parameter); on CUDA, ``torch._foreach_norm`` on the slot right
+before the copy-out. ``BlockGradNorms`` collects one step's norms from either place.
 """
 
 from __future__ import annotations

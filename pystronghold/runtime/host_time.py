@@ -1,21 +1,10 @@
 """Host-timed trace spans of what the block spans leave out.
 
-The trace's compute, copy, update and wait spans cover the blocks. The rest of a training step is
-named here, timed on the host clock (``time.monotonic()``), in three kinds:
-
-- ``model``: the model's own code outside the streamed blocks, forward and backward (embedding,
-  final norm, head, the loss when the model computes it, device-resident blocks, and the autograd
-  and Function glue between two blocks): from ``Engine.__call__``/``Engine.backward`` entering the
-  model, or a block call returning to it, to the next block call (or the end of the call);
-- ``engine``: the engine's per-block calls (``PassExecutor.enter``/``leave``: loads issued, slot
-  bound, gradient copy-out, host job submitted), the waits for copies and host updates they contain
-  included (those are also "wait" spans);
-- ``step``: the optimizer step (``Engine.run_step``: the host updates still running waited for,
-  head/tail and resident device AdamW, global norm and clipping).
-
-On the CPU backend, where compute is synchronous on the host, compute + model + engine + step plus
-what runs outside the engine (the training loop's own code) is the step's wall time; on CUDA the
-compute spans are device time and overlap these host spans.
+Three kinds, on ``time.monotonic()``: ``model`` (the model's own code outside the streamed blocks:
+embedding, head, loss, resident blocks, autograd glue), ``engine`` (the engine's per-block calls,
+their waits included) and ``step`` (``Engine.run_step``: device AdamW, norms, clipping, waiting
+for host updates). On the CPU backend compute + model + engine + step plus the loop's own code is
+the step's wall time; on CUDA compute spans are device time and overlap these.
 """
 
 from __future__ import annotations

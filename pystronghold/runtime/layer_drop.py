@@ -1,14 +1,10 @@
-"""LayerDrop-style stochastic depth for the window runtime (Fan et al. 2019, "Reducing Transformer
-Depth on Demand with Structured Dropout"; L2L varied the layers run per iteration the same way).
+"""LayerDrop-style stochastic depth for the window runtime (Fan et al. 2019).
 
-At the first training forward of a step, each streamed block is skipped with probability p, drawn
-from the engine's own seeded generator (one draw per step, so a run is reproducible and does not
-disturb torch's global RNG). A skipped block is the identity for every micro-batch of the step:
-its first argument is passed on. It is neither loaded nor updated: its weights, AdamW moments and
-step count are untouched, as ``torch.optim.AdamW`` leaves a parameter whose ``.grad`` is None
-(``OptimizerStep.block_steps``: each block's own count for its bias correction). The step's plan is
-rebuilt over the blocks that run (``schedule.build_plan(blocks=...)``), cached per set.
-At evaluation (no grad, or ``engine.eval()``) every block runs, without rescaling (LayerDrop's rule).
+At a step's first training forward each streamed block is skipped with probability p, drawn from
+the engine's own seeded generator. A skipped block is the identity for every micro-batch of the
+step, neither loaded nor updated (its own step count stays, as AdamW leaves a parameter without
+``.grad``); the plan is rebuilt over the blocks that run, cached per set. At evaluation every
+block runs, without rescaling.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Layout arithmetic: how many bytes the runtime's buffers take, in one place.
 
-Everything that sizes a buffer the way the runtime lays it out calls these functions: the store
-(``store.py``), its placement in host memory or on disk (``placement.py``, ``disk_tier.py``), the
-window slots and head/tail (``prepare.py``), the memory report (``train/metrics.py``) and the
-planner (``planner/cost.py``), so a prediction and the run it predicts cannot drift apart.
-
-- A block's parameters sit in one flat buffer per state, each at an offset that is a multiple of
-  ``ALIGN_ELEMS`` elements (``param_offsets``).
-- Every per-block buffer is rounded up to ``ARENA_ALIGN`` bytes (``buffer_bytes``); an arena
-  holding several of them gets ``ARENA_ALIGN`` bytes of slack for its own base alignment
-  (``arena_bytes``).
-- The store holds, per block, fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` and, in the compute
-  dtype, ``grad`` and (bf16/fp16 only) ``shadow`` (``STATES``, ``stored_states``, ``state_dtype``).
-- A block lays out its trainable parameters first, then its frozen ones (``requires_grad=False``).
-  The state a load uploads (``upload_state``: the shadow, or the master in fp32) covers the whole
-  block, so a frozen parameter is stored once, in the compute dtype; every other state covers the
-  trainable part only (``state_numel``).
-- A window slot holds one block's parameters and its trainable parameters' gradients in the
-  compute dtype (``slot_bytes``).
-- Parameters trained on the device (head, tail, resident blocks) keep parameter, gradient, two fp32
-  moments and, in bf16/fp16, an fp32 master and its fp32 gradient (``device_bytes_per_param``).
+The store, placement, disk tier, window slots, memory report and planner all size buffers with
+these functions, so a prediction and the run it predicts cannot drift apart. Parameters sit in
+one flat buffer per state at ``ALIGN_ELEMS``-aligned offsets (``param_offsets``); buffers round up
+to ``ARENA_ALIGN`` bytes. Per block the store holds fp32 ``master``, ``exp_avg``, ``exp_avg_sq``
+and, in the compute dtype, ``grad`` and (bf16/fp16) ``shadow``; trainable parameters come first,
+frozen ones after (stored once, in the compute dtype). ``slot_bytes`` and
+``device_bytes_per_param`` size the window slots and device-trained parameters.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Which block states live in host memory and which in the file (NVMe) tier.
 
-The store holds five states per block (see ``store.py``). With no disk directory every state is in
-host memory and a store larger than the budget is refused. With one, states move to disk until
-the host part, the block cache that stages disk states, and the fixed costs fit the budget. The
-order is the order of least harm:
-
-1. ``grad`` first when it is *streamed*: with backward overlap and no accumulation a block's
-   gradient goes from the device into a cache buffer and is consumed by the block's update right
-   away, so it costs no disk I/O at all (and no host memory beyond the cache).
-2. ``exp_avg_sq``, ``exp_avg``: read and written once per step, by the host update only.
-3. ``master``: the same in bf16/fp16; in fp32 it is also what loads upload, so spilling it adds
-   disk reads to the forward and backward loads.
-4. ``grad`` (not streamed): written after the copy-out, read back by the update.
-5. ``shadow`` (bf16/fp16 only): what loads upload; read twice per step.
-
-Within a state, the last blocks go first (a state may be split: blocks 0..k-1 in host memory,
-k..N-1 on disk). The cache holds ``cache_blocks`` blocks' worth of every state that has any block
-on disk.
+Without a disk directory every state is in host memory and a store larger than the budget is
+refused. With one, states move to disk, least harmful first (a streamed ``grad``, ``exp_avg_sq``,
+``exp_avg``, ``master``, a non-streamed ``grad``, ``shadow``), last blocks first within a state,
+until the host part, the block cache (``cache_blocks`` blocks of every state with any block on
+disk) and the fixed costs fit the budget.
 """
 
 from __future__ import annotations
@@ -145,16 +133,11 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
                    budget_is_limit: bool = False, train_numels: list[int] | None = None) -> Placement:
     """Place the states of blocks with ``numels`` (padded elements per block) for a host budget.
 
-    budget_bytes: host bytes for the store plus ``fixed_bytes``. nvme: a disk directory exists
-    (else everything must fit in host memory). cache_blocks: blocks staged in host memory at once.
-    streamed_grads: gradients can go straight to the update (backward overlap, no accumulation).
-    force_disk: spill every state of every block even when host memory would hold them (tests,
-    benchmarks). budget_is_limit: the budget is a limit the user set (host_memory_bytes= /
-    --host-memory), not what the host has: errors then say so and show both figures.
-    train_numels: padded elements of each block's trainable part (default ``numels``: nothing
-    frozen); the states other than the upload state hold only that part (``layout.state_numel``),
-    and a state with no elements in a block never goes to disk. Raises MemoryError with the
-    numbers when no placement fits.
+    ``budget_bytes``: host bytes for the store plus ``fixed_bytes``; ``nvme``: a disk directory
+    exists; ``cache_blocks``: blocks staged at once; ``streamed_grads``: gradients go straight to the
+    update; ``force_disk``: spill everything; ``budget_is_limit``: the user set the budget (errors say
+    so); ``train_numels``: trainable elements per block (default ``numels``). Raises MemoryError with
+    the numbers when no placement fits.
     """
     if cache_blocks < 1:
         raise ValueError(f"cache_blocks must be >= 1, got {cache_blocks}")

@@ -1,19 +1,10 @@
 """Blocks must be pure for recompute: the checks that keep a recomputed block equal to its forward.
 
-The backward pass runs each block's forward a second time (activation checkpointing) and relies
-on it seeing exactly what the first forward saw. Tensor arguments are saved; non-tensor arguments
-(flags, config objects, a Hugging Face KV cache) are only referenced, so a block that mutates one
-would recompute something else, silently. Three guards:
-
-- ``disable_hf_cache``: a Hugging Face model's training forwards get ``use_cache=False`` (what
-  Hugging Face's own gradient checkpointing does), so its blocks are not handed a KV cache that
-  each call appends to.
-- ``refuse_mutable_arguments`` / ``fingerprint``: a Hugging Face ``Cache`` object passed to a block
-  that will be recomputed is refused, and every other non-tensor argument is fingerprinted
-  (its attributes, recursively, tensors by identity, shape and version counter) before the
-  forward; a changed fingerprint after the forward or before the recompute is an error.
-- ``output_checksums``: strict mode keeps an exact checksum of each block's forward output and
-  compares the recomputed output with it (``RuntimeConfig.strict``).
+Backward reruns each block's forward; tensor arguments are saved, non-tensor ones only
+referenced, so mutating one would silently recompute something else. ``disable_hf_cache`` gives
+Hugging Face training forwards ``use_cache=False``; ``refuse_mutable_arguments`` refuses a
+``Cache`` argument and ``fingerprint`` raises when another non-tensor argument changes between
+forward and recompute; ``output_checksums`` (strict mode) compares the recomputed output exactly.
 """
 
 from __future__ import annotations

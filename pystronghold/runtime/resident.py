@@ -1,20 +1,10 @@
 """Device-resident blocks: the first K blocks never leave the device.
 
-Their parameters live on the device in compute precision like the head and tail, the fp32 masters
-and AdamW moments of the trainable ones beside them (a frozen parameter has neither), and a device
-``torch.optim.AdamW`` (fused on CUDA, torch's single-tensor loop on CPU: the same kernel plain
-PyTorch runs there) updates them in ``step()``.
-No load, copy-out or host update touches them; autograd fills their ``.grad`` as in plain PyTorch.
-They keep their activations unless ``resident_recompute`` (then ``torch.utils.checkpoint``).
-
-Why the first blocks: in backward they finish last, so a host update of theirs would have the
-least time to hide before the next forward needs them again.
-
-Why the update runs in ``step()`` rather than right after each block's backward: on one compute
-stream a device update costs the same wherever it is issued, and issuing it in ``step()`` keeps
-clipping, fp16 overflow skips and accumulation exactly plain PyTorch's (the update needs the whole
-gradient's norm first). Resident blocks use the engine's step count (layer drop, whose skipped
-streamed blocks keep their own, is refused with them); moments written into a resident block (a checkpoint or optimizer state load) take the engine's count at the next step.
+Their parameters live on the device in compute precision, with fp32 masters and AdamW moments of
+the trainable ones, updated by a device ``torch.optim.AdamW`` in ``step()`` (so clipping, fp16
+skips and accumulation are plain PyTorch's). No load, copy-out or host update touches them; they
+keep their activations unless ``resident_recompute``. The first blocks are chosen because they
+finish backward last, leaving a host update the least time to hide. Refused with layer drop.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The schedule: which block is loaded into which slot, and when slots are released.
 
-One pass through the model *uses* blocks in a fixed order: forward ``0 .. N-1`` and, when training,
-backward ``N-1 .. 0`` (the backward use recomputes the block under checkpointing, or back-propagates
-through kept activations: either way it needs the block's parameters again). The plan is computed
-once per (N, W, train) by simulating a window of W slots over that sequence: after each use, the
-resident set becomes the next W distinct blocks still to be used; blocks leaving it are released,
-blocks entering it are loaded into the slots just freed. So while block i computes, blocks
-i+1 .. i+W-1 are being copied in, and the last W blocks of forward stay resident for backward.
-
-Both backends run exactly this plan; only how a load, a release or a wait is carried out differs.
+A pass uses blocks forward ``0 .. N-1`` and, when training, backward ``N-1 .. 0``. The plan,
+computed once per (N, W, train), simulates W slots: after each use the resident set becomes the
+next W distinct blocks to be used, so while block i computes blocks i+1 .. i+W-1 are loading, and
+the last W blocks of forward stay for backward. Both backends run exactly this plan.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Whole values of a wrapped model: ``model.state_dict()``, ``engine.optimizer.state_dict()``,
 ``engine.state_dict()`` and their ``load_state_dict``, over the store where the block states live.
 
-A windowed block's ``Parameter`` is an empty placeholder between passes; its value (fp32 master)
-and AdamW moments are in the host store (or the file tier); a frozen parameter
-(``requires_grad=False``) has only its value, stored in the compute dtype. ``EngineStates``
-(``engine.states``) reads and writes them one block at a time, by full parameter name;
-``install_model_hooks`` makes ``model.state_dict()`` / ``model.load_state_dict()`` go through it,
-and ``optimizer_state_dict`` / ``load_optimizer_state_dict`` give ``engine.optimizer`` torch
-AdamW's format. ``model.state_dict()``
-holds the fp32 masters in each parameter's dtype before ``wrap`` whatever the compute precision,
-as the model under plain autocast would: a bf16 run saves and resumes without rounding.
-``engine_state_dict`` is the rest: step counts, the fp16 loss scale, the layer-drop draws.
-
-Memory: as in PyTorch, state dicts alias the live values rather than copy them: a block entry of
-``model.state_dict()`` (of a model built in fp32) and the moments of ``engine.optimizer.state_dict()``
-are views into the host store (nothing is doubled; copy them to keep a snapshot while training goes
-on). A state on disk is read one block at a time into a copy. ``load_state_dict`` stages one block
-at a time. The checkpoint writer (``pystronghold.train.checkpoint``) streams block by block through
-``read_block`` / ``write_block``.
+``EngineStates`` (``engine.states``) reads and writes block states one block at a time, by full
+parameter name; ``model.state_dict()`` holds the fp32 masters in each parameter's pre-``wrap``
+dtype (a bf16 run resumes without rounding), the optimizer's is torch AdamW's format, and
+``engine_state_dict`` holds step counts, the fp16 loss scale and the layer-drop draws. As in
+PyTorch, host-store entries are views, not copies (copy them to keep a snapshot); states on disk
+are read into a copy. Loading stages one block at a time.
 """
 
 from __future__ import annotations

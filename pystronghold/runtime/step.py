@@ -1,13 +1,9 @@
 """The optimizer step of the engine: global gradient norm, fp16 overflow, clip coefficient, updates.
 
-``OptimizerStep`` runs once the pass executor (``executor.py``) has every gradient of the
-accumulated micro-batches on the host (blocks) or on the device (head, tail, resident blocks):
-data-parallel averaging of the device gradients, then either the streamed path (overlap
-"backward": block updates already ran during backward; only head/tail and resident blocks step
-here) or the whole-model path (global norm when clipping or fp16 needs it, the overflow skip, the
-clip coefficient, one host update per streamed block and the device updates). It owns the step
-counters and the loss scaler, and stops a diverged run (``divergence.py``). See docs/DESIGN.md
-"The step".
+``OptimizerStep`` runs once every accumulated gradient is in place: data-parallel averaging, then
+either the streamed path (block updates already ran during backward) or the whole-model path
+(global norm, overflow skip, clip coefficient, host and device updates). It owns the step counters
+and the loss scaler, and stops a diverged run (``divergence.py``). See docs/DESIGN.md "The step".
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The store: every block's parameters and optimizer state as flat per-block buffers.
 
-Per state, host arenas (pinned on CUDA hosts) carved into one flat buffer per block; states over the
-host budget live in the file tier (``placement.py`` decides, ``disk_tier.py`` stages them):
-
-=============  ==============  ====================================================================
-tier           dtype           what it holds
-=============  ==============  ====================================================================
-master         fp32            the parameters the optimizer updates (the source of truth)
-exp_avg        fp32            Adam first moment
-exp_avg_sq     fp32            Adam second moment
-grad           compute dtype   the block's gradient as it left the device
-shadow         compute dtype   bf16/fp16 copy of master that the next forward uploads (not in fp32)
-=============  ==============  ====================================================================
-
-Parameter offsets are aligned to ``layout.ALIGN_ELEMS`` elements and the gaps are zero in every
-state, so the fused Adam runs over whole buffers. Frozen parameters come last and live only in the
-upload state (shadow, or master in fp32); every other state covers ``[0, layout.state_numel)``.
+Per state, host arenas (pinned on CUDA hosts) carved into one flat buffer per block: fp32
+``master`` (the source of truth), ``exp_avg``, ``exp_avg_sq``, and in the compute dtype ``grad``
+and (bf16/fp16 only) ``shadow``, the copy the next forward uploads. States over the host budget
+live in the file tier (``placement.py`` decides, ``disk_tier.py`` stages). Offsets follow
+``layout``; gaps are zero, so the fused Adam runs over whole buffers.
 """
 
 from __future__ import annotations
@@ -123,17 +112,11 @@ class _Chunk:
 class HostStore:
     """Owns every block's states: host buffers per tier and, per ``placement``, the file tier.
 
-    Host-memory states are flat buffers carved from arenas of at most ``chunk_bytes`` each
-    (default ``DEFAULT_CHUNK_BYTES``; ``tiers[state][block]``; None for a block whose state is on
-    disk). Every user goes through ``acquire``/``release`` leases, which hand out the host buffer
-    directly or stage a disk state in the tier's cache (``pystronghold.runtime.disk_tier``;
-    ``disk_factory(placement)`` makes the ``DiskTier`` when the placement spills).
-    ``arena_factory(capacity_bytes)`` makes a new HostArena (pinned on CUDA), whose views read as
-    zero: the moments, gradients and gaps start at zero without a pass over them. The caller
-    planned the placement against its budget first: this class allocates. With
-    ``background=True`` the arenas are made (pinned) by a builder thread in block order, so filling
-    block i overlaps making the arenas of later blocks; a lease on a block waits for its buffers
-    (``wait_built``) and raises the builder's error if it failed.
+    ``tiers[state][block]`` is a flat buffer carved from arenas of at most ``chunk_bytes`` (None when
+    on disk; ``disk_factory(placement)`` makes the ``DiskTier``). Users go through
+    ``acquire``/``release`` leases. ``arena_factory(capacity_bytes)`` makes zeroed HostArenas (pinned
+    on CUDA). The caller planned the placement; this class allocates. With ``background=True`` a
+    builder thread makes the arenas in block order; a lease waits for them and raises its error.
     """
 
     def __init__(self, layouts: list[BlockLayout], compute_dtype: torch.dtype, arena_factory, *,

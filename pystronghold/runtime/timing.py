@@ -1,24 +1,10 @@
 """Where the trace's times come from: host readings on the CPU backend, CUDA events on the GPU.
 
-Every timed action (a block's compute, a copy, a wait) is two *marks*, its start and its end. A
-mark is either
-
-- a host reading: ``float`` seconds on ``time.monotonic()`` (the CPU backend, where compute runs
-  on the calling thread and the copy engine's workers stamp their own start and end), or
-- a device mark: a timing event recorded on the stream that does the work (CUDA). It says when
-  the *device* reached that point, which the host learns only later and only as a duration
-  between two events (``Event.elapsed_time``, milliseconds).
-
-Device marks are placed on the host timeline by one *calibration* per step: an event recorded on
-the compute stream at a sync point and waited for, together with a host ``time.monotonic()``
-reading taken the moment the wait returns. A device mark ``e`` then sits at
-``calibration.host_s - e.elapsed_time(calibration.event) / 1e3`` host seconds, and a span's
-duration is exactly the device's ``elapsed_time`` between its two marks. NOTE: timing a copy from
-when it was issued to when the host first saw it done measures the host's polling, not the copy
-(on an H100 that read "h2d 2.8 GB/s" and "background h2d 732 s" for 49 s of training).
-
-The backends' ``clock`` (``HostClock`` or ``EventClock``) makes marks; ``pystronghold.runtime.trace.Tracer``
-holds spans with device marks until a calibration resolves them (``Tracer.resolve``).
+A timed action is two marks, start and end: a host reading (``time.monotonic()`` seconds) or a
+device mark (a timing event on the stream that does the work). Device marks are placed on the host
+timeline by one calibration per step (an event waited for at a sync point, with the host time the
+wait returned), so a span's duration is the device's ``elapsed_time``. The backends' ``clock``
+(``HostClock`` or ``EventClock``) makes marks; ``trace.Tracer.resolve`` places them.
 """
 
 from __future__ import annotations

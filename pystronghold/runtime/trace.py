@@ -1,31 +1,10 @@
 """Timeline of the runtime's actions: record, export as Chrome-trace JSON, summarise.
 
-Every scheduled action (a block's compute, a copy, an optimizer update, a stall) is one event with
-a kind, the block it concerns, start and end times in seconds (``time.monotonic()``) and the bytes
-it moved. Events are grouped into *lanes* for display (one row per lane in Perfetto /
-chrome://tracing) and for busy-time accounting.
-
-Kinds the runtime uses, and their lanes:
-
-============================================  ===========
-kind                                          lane
-============================================  ===========
-compute_fwd, compute_bwd, recompute           compute
-h2d                                           h2d
-d2h                                           d2h
-optimizer, norm (host gradient-norm pass)     optimizer
-file_read, file_write                         file_io
-wait (compute waiting on a copy: a stall)     stall
-model, engine, step (host time outside the    host
-blocks' compute, ``runtime/host_time.py``)
-============================================  ===========
-
-Any other kind is accepted and gets a lane of its own name unless ``lane=`` says otherwise.
-
-Times are host seconds. Actions the host timed itself are recorded at once (``record``); actions
-timed on a device (CUDA events, see ``pystronghold.runtime.timing``) are held by ``defer`` until
-their events have happened and ``resolve`` places them on the host clock with one calibration, so
-durations are the device's, not the host's view of them.
+Each action (compute, copy, optimizer update, stall) is one event with a kind, a block, start
+and end times in host seconds (``time.monotonic()``) and the bytes it moved. Events are grouped
+into lanes (compute, h2d, d2h, optimizer, file_io, stall, host) for display and busy-time
+accounting; an unknown kind gets a lane of its own name. Host-timed actions are recorded at once
+(``record``); device-timed ones are held by ``defer`` and placed on the host clock by ``resolve``.
 """
 
 from __future__ import annotations
@@ -256,18 +235,11 @@ class Tracer:
 
     def write_png(self, path: str | os.PathLike, *, title: str | None = None,
                   steps: list[tuple[int, float]] | None = None, min_event_width: float = 1 / 400) -> Path:
-        """Draw the timeline as a PNG: one row per lane, milliseconds from the first event, a dashed
-        line where each of ``steps`` (``(step number, start in seconds)`` pairs) begins, and block
-        numbers on the compute bars wide enough to hold them.
+        """Draw the timeline as a PNG (one row per lane, milliseconds, a dashed line at each of ``steps``'
+        ``(step number, start seconds)``); returns the path written.
 
-        Every event but a stall is drawn at least ``min_event_width`` of the time span wide, with an
-        edge: a block's copy takes microseconds next to steps of hundreds of milliseconds, and drawn
-        to scale it would vanish. NOTE: stalls keep their true width: on CUDA every
-        compute-waits-for-copy is a span, most of them zero long (the copy had finished), and
-        widening them would draw stalls that did not happen.
-
-        Needs matplotlib (``pip install pystronghold[plots]``); raises ImportError naming it
-        otherwise. The title defaults to the summary line. Returns the path written.
+        Events are at least ``min_event_width`` of the span wide so short copies stay visible; stalls
+        keep their true width. Needs matplotlib (``pip install pystronghold[plots]``), else ImportError.
         """
         from pystronghold.extras import require
 

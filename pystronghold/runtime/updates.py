@@ -1,13 +1,8 @@
 """The host side of the optimizer: per-block gradient norms and fused Adam updates on a worker thread.
 
-Every job first waits for the block's gradient copy-out, then works on the host store only, so it
-overlaps the device's compute of other blocks. ``adam_step_`` and torch's reductions release the GIL.
-
-NOTE: gradient norms are per parameter, fp32, ``torch.linalg.vector_norm`` over each parameter's
-view of the flat buffer (``optim.functional.param_grad_norms``: threads share the parameters, each
-reduction is torch's own), then combined exactly as ``torch.nn.utils.clip_grad_norm_`` does; so
-clipping is bit-for-bit the PyTorch one (a float64 flat norm would differ in the last bits, and
-Adam turns last-bit differences of near-zero gradients into visible ones through eps).
+Each job waits for the block's gradient copy-out, then works on the host store only, overlapping
+device compute; ``adam_step_`` and torch's reductions release the GIL. NOTE: norms are per
+parameter in fp32, combined as ``clip_grad_norm_`` does, so clipping is bit-for-bit PyTorch's.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """From the scopes' annotations on a model to a ``Layout``: DP size, stages, TP degree per stage.
 
-The unit is a *parameter-owning module* (a module with parameters of its own: a Linear, a
-LayerNorm, an Embedding). Its strategy is its own annotation, else its nearest annotated
-ancestor's, else the default strategy. When the model has stages, a module that no stage
-annotates joins the stage of the next module in registration order that has one (the embeddings
-before the first stage join it), or the last stage when none follows (the final norm and the LM
-head join the last stage): data flows through the stages in module order.
-
-Ranks: stage outermost, then replica, TP rank innermost (the pipeline runtime's order:
-with one TP degree t, rank r is TP rank r % t of replica (r // t) % dp in stage r // (t * dp)).
-Stage s owns dp * tp_s consecutive ranks, after those of stages 0..s-1; replica d of it the tp_s
-ranks at offset d * tp_s. The DP group of (stage s, TP rank t) is that rank in every replica.
+The unit is a module with parameters of its own; its strategy is its own annotation, else its
+nearest annotated ancestor's, else the default. A module no stage annotates joins the stage of
+the next one in registration order that has one, or the last stage. Ranks: stage outermost, then
+replica, TP rank innermost (the pipeline runtime's order); stage s owns dp * tp_s consecutive
+ranks after those of earlier stages.
 """
 
 from __future__ import annotations

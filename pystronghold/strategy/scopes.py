@@ -1,28 +1,11 @@
 """Whale's strategy scopes: ``replicate``, ``split``, ``stage``, ``pipeline`` (Jia et al., ATC'22).
 
-A scope is a context manager. While it is open, every module that registers a parameter or a
-child module (which is what building a model does) is *annotated* with the stack of open scopes,
-outermost first; the module's code is not touched. Existing modules can be annotated explicitly
-with ``annotate(*modules)`` inside the scopes. ``pystronghold.strategy.layout.layout_of`` turns
-the annotations of a model into a ``Layout`` (DP size, stages with their modules and TP degrees,
-micro-batches).
-
-Nesting follows Whale, restricted to what pystronghold's TP x PP x DP grid can run (each rule is
-checked when the scope opens, and a violation is one ValueError naming the scope):
-
-- ``replicate(n)``: data parallelism over n model replicas (None: whatever devices are left). It
-  must be the outermost scope: pystronghold's DP group spans the whole model, so a replicate inside
-  a stage, split or pipeline (Whale's per-stage replication) is refused.
-- ``pipeline(num_micro_batch)``: the stages opened inside it form one pipeline fed with that many
-  micro-batches. Not inside a stage or split, not inside another pipeline.
-- ``stage()``: one pipeline stage; stages are numbered in the order they are opened. Not inside a
-  split or another stage. A stage outside any pipeline scope belongs to the default pipeline
-  (one micro-batch), as in Whale.
-- ``split(n)``: tensor parallelism over n devices for the modules inside it (Megatron column/row
-  shards). Not inside another split.
-
-Modules that no scope annotates take the default strategy (``set_default_strategy``; initially
-``replicate(None)``: plain data parallelism, Whale's default).
+A scope is a context manager: modules built while it is open are annotated with the stack of
+open scopes (``annotate(*modules)`` does it for existing ones); ``strategy.layout.layout_of``
+turns the annotations into a ``Layout``. Nesting is restricted to what the TP x PP x DP grid runs:
+``replicate(n)`` outermost only; ``pipeline(m)`` not inside stage, split or pipeline; ``stage()``
+not inside split or stage; ``split(n)`` not inside split. A violation raises one ValueError naming
+the scope. Unannotated modules take ``set_default_strategy`` (initially ``replicate(None)``).
 """
 
 from __future__ import annotations

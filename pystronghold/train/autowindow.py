@@ -1,21 +1,11 @@
 """``--window auto``: measure one block on this machine, then let the planner's cost model choose
 K (device-resident blocks), their recompute and W.
 
-Before the first step, one copy of block 0 runs forward and forward+backward (with recompute, as
-the runtime does) at the run's (B, T) and precision on the device: pystronghold's GPT block, or a
-Hugging Face model's (``--model hf:DIR``: its block 0, built from the meta model with random
-weights, given the inputs the model's own forward hands it); a block's bytes are copied
-host->device and device->host; the fused CPU Adam updates a block-sized buffer and the device
-AdamW (what resident blocks use) a block-sized parameter. Those seconds replace the analytic ones in
-the planner's ``BlockCosts`` (bytes still come from the planner: a GPT's config, or the ``HFShape`` of
-the Hugging Face model's config.json), and
-``pystronghold.planner.plan.choose_split`` picks the split with the best simulated step that fits
-the device budget: the first K blocks resident (device AdamW), the rest streamed through the
-smallest W that hides their transfers. ``--resident-blocks K`` (K > 0) fixes K instead. ONE cost model:
-the planner's.
-
-On CUDA the budget is the free device memory (the allocator's cache emptied first) less a reserve
-(``device_reserve_bytes``) that the planner's byte counts do not see.
+Before the first step, block 0 (GPT's, or a Hugging Face model's with random weights) is timed
+forward and forward+backward at the run's (B, T) and precision, with its copies and both Adam
+updates. Those seconds replace the analytic ones in the planner's ``BlockCosts`` and
+``planner.plan.choose_split`` picks the best split that fits the device budget (on CUDA the free
+memory less ``device_reserve_bytes``). ``--resident-blocks K`` fixes K. One cost model: the planner's.
 """
 
 from __future__ import annotations

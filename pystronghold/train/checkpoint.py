@@ -1,39 +1,12 @@
 """Checkpoints of a training run: streamed block by block, atomic, checksummed, window-independent.
 
-Layout of one checkpoint (``<dir>/step-00000100/``)::
-
-    blocks/block-00000.safetensors ...   one file per block: for each parameter (full model name)
-                                         its fp32 master, ``<name>.exp_avg`` and ``<name>.exp_avg_sq``
-                                         (a frozen parameter: its value, in the compute dtype;
-                                         none in a --model hf:DIR run, see below)
-    head_tail.safetensors                head and tail fp32 masters and their AdamW moments
-    state.pt                             step, LR schedule, optimizer hyper-parameters, RNG states,
-                                         data position, and ``engine.state_dict()`` (its step counts,
-                                         loss scaler and layer-drop generator) (small)
-    manifest.json                        format, version, model config, step, lineage (the run ids
-                                         that led to it), fine-tune options (LoRA, --freeze) and the
-                                         base directory's fingerprint, sha256 of every file
-
-A ``--model hf:DIR`` run with frozen parameters (``--lora-rank``, ``--freeze``) saves only what
-trains: the frozen ones are DIR's weights, read from it again on resume, which is refused (one
-line) when DIR's config or safetensors files have changed since (``train/finetune.py``).
-
-Nothing in it depends on the window size or the number of ranks that wrote it: tensors are keyed
-by parameter name and hold whole parameters (``manifest.json`` records the PP x TP x DP layout that
-wrote it, as information only). With tensor parallelism saving is a collective: the TP ranks of DP
-replica 0 gather every split tensor (master and moments, along the parameter's ``tp_split`` dim)
-one block at a time and global rank 0 writes; loading reads the whole tensors on every rank and
-keeps each rank's slice, so a checkpoint written with any TP size resumes with any other. With
-pipeline stages (--pp), the stage holding each block sends it (model names, global block index) to
-rank 0 in block order, and each stage reads back only its blocks' files; the last stage's copy of a
-tied embedding is saved once, under the embedding's name, and restored from it. Writing
-goes into ``<dir>/.tmp-step-...`` one block at a time (at most one block's serialised bytes in
-extra memory), each file fsynced, the manifest
-last; only then is the directory renamed to ``step-...``. A crash or kill leaves at most a ``.tmp``
-directory (ignored, and removed by the next save) and the previous checkpoints intact; a failed
-write (a full disk) removes its ``.tmp`` and names the step and file. Loading verifies every
-checksum before it changes anything. Names, manifests, the directory's lock and which checkpoints
-a run may delete are ``checkpoint_dir.py``'s.
+A checkpoint ``<dir>/step-00000100/`` holds one safetensors file per block (fp32 masters and AdamW
+moments by full parameter name), ``head_tail.safetensors``, ``state.pt`` (step, schedule, RNG,
+data position, ``engine.state_dict()``) and ``manifest.json`` (config, lineage, sha256 of every
+file). It does not depend on the window size or the PP x TP x DP layout that wrote it. Writing
+goes into a ``.tmp-step-...`` directory renamed when complete, so a crash leaves the previous
+checkpoints intact; loading verifies every checksum before changing anything and raises
+``CheckpointError`` (one line). Directory naming and locking are ``checkpoint_dir.py``'s.
 """
 
 from __future__ import annotations

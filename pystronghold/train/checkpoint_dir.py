@@ -1,22 +1,12 @@
 """What a checkpoint directory holds and who owns it: names, manifests and their integrity, the one
 run allowed to write it (a lock), and which of its checkpoints that run may delete.
 
-Rules, in the order a run meets them:
-
-- **One run per directory.** ``open_run_directory`` takes an exclusive ``flock`` on ``<dir>/.lock``
-  (the file names the holder's PID and host, and is removed at the end); a second run refuses in
-  one line. The kernel releases the lock when its holder exits or is killed (``kill -9`` included).
-- **A fresh run never adopts a directory with checkpoints.** Without ``--resume`` it refuses,
-  naming the newest step and model there and the choices (``--resume``, another directory,
-  ``--overwrite``). With ``--overwrite`` the earlier checkpoints are deleted, loudly, only once this
-  run's first checkpoint is complete (a run that fails before that leaves them).
-- **A damaged checkpoint is moved aside**, not left as the newest: ``--resume`` renames it to
-  ``step-NNNNNNNN.corrupt`` (kept for inspection, logged) and falls back to the next older one.
-- **Pruning deletes only this lineage's checkpoints.** Every manifest records ``lineage``: the run
-  ids of the runs that led to it, its writer's last. A fresh run has a new id; a resumed one appends
-  its id to the loaded checkpoint's lineage. ``prune_checkpoints`` keeps the one just written and
-  the newest ``keep - 1`` other checkpoints whose writer is in the lineage; checkpoints of other runs
-  (or without a lineage: older pystronghold) are deleted only under ``--overwrite``.
+One run per directory (an exclusive ``flock`` on ``<dir>/.lock``; a second run refuses in one
+line). A fresh run refuses a directory with checkpoints unless ``--resume`` or ``--overwrite``
+(which deletes them only once its own first checkpoint is complete). ``--resume`` renames a
+damaged checkpoint to ``step-NNNNNNNN.corrupt`` and falls back to the next older one.
+``prune_checkpoints`` keeps the newest ``keep`` checkpoints of this run's lineage (the run ids in
+each manifest) and deletes other runs' only under ``--overwrite``.
 """
 
 from __future__ import annotations

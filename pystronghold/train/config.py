@@ -1,13 +1,9 @@
 """Options of ``pystronghold train``: one dataclass per component, composed into ``TrainConfig``.
 
-The window runtime's settings are ``pystronghold.runtime.config.RuntimeConfig``'s, composed as
-``TrainConfig.runtime`` (declared and validated there, once); the classes here hold what only
-training has. Every field has a docstring (shown by ``--help``) and is validated in
-``__post_init__`` (a ``ValueError`` naming the option). ``pystronghold.options`` generates the
-argparse options from ``TrainConfig`` (``train/command.py``). Which model ``--model`` names, and its default learning rate, is
-``model_spec.py``'s. With no options at all the run is the embedded demo (``DEMO_MODEL``): a GPT
-whose blocks need several times the device budget they are given, trained on the Python standard
-library's sources.
+The runtime's settings are ``RuntimeConfig``'s (``TrainConfig.runtime``); the classes here hold
+what only training has. Every field's docstring is its ``--help`` text and ``__post_init__``
+raises a ``ValueError`` naming the option. ``model_spec.py`` resolves ``--model``. With no options
+the run is the embedded demo (``DEMO_MODEL``) on the Python standard library's sources.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
-"""``pystronghold export CKPT OUTDIR --hf``: a checkpoint of a ``--model hf:DIR`` run, written back as a
-Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained(OUTDIR)`` loads.
+"""``pystronghold export CKPT OUTDIR --hf``: a ``--model hf:DIR`` checkpoint as a Hugging Face directory.
 
-The checkpoint's manifest records the model as ``HFModelConfig`` (source directory, architecture,
-config.json). The export writes ``config.json`` (that config, ``dtype`` float32: the weights are the
-optimizer's fp32 masters, so the exported model gives the trained engine's fp32 logits), the weights
-as safetensors shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json`` (in the
-family's own checkpoint layout: transformers' ``revert_weight_conversion`` of the model's names,
-block by block, so a Mixtral's experts are stored one by one; tied weights stored once), and
-copies the tokenizer and generation files of the source directory (or of ``tokenizer_dir``); a
-source that has lost its tokenizer (moved, deleted) is refused before anything is written. The
-checkpoint is read one block file at a time, so at most one shard plus one block is in memory.
-Everything goes to a temporary sibling directory first, renamed to OUTDIR when complete.
-
-``save_pretrained(engine, OUTDIR)`` does the same from a live engine (Python: the fp32 masters of
-``engine.master_parameters()``, the model's own config with ``use_cache`` back on).
-
-A checkpoint that holds only the trained parameters (``--lora-rank``, ``--freeze``; see
-``checkpoint.py``) is completed from its base directory, refused when that has changed since. A LoRA
-checkpoint exports its adapters in PEFT's format (``adapter_config.json``,
-``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, OUTDIR)`` loads them), or with
-``merge`` the base with every adapter merged into its weight (W + (alpha/r) B A), a plain model
-directory. Base tensors are read one at a time; the adapters are held whole (they are small).
-
-Checkpoints of pystronghold's own GPT are refused (export them with ``pystronghold export CKPT
-OUT.safetensors``): its layout is not one of the Hugging Face architectures.
+Writes ``config.json`` (dtype float32: the fp32 masters), safetensors shards of at most
+``max_shard_bytes`` with their index in the family's own layout, and the source's tokenizer files
+(a source that lost them is refused before anything is written). A LoRA checkpoint exports PEFT
+adapters, or with ``merge`` a plain model with the adapters merged. Memory holds at most one shard
+plus one block; output goes to a temporary sibling renamed when complete. ``save_pretrained(engine,
+OUTDIR)`` does the same from a live engine. Checkpoints of pystronghold's own GPT are refused.
 """
 
 from __future__ import annotations

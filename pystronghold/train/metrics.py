@@ -1,13 +1,9 @@
 """What ``pystronghold train`` reports: the per-interval metrics line, the memory report and where
 time went.
 
-The metrics line has fixed fields, in this order (``METRIC_FIELDS``)::
-
-    step 100 | loss 2.3141 (mean of 10 steps) | ms/step 412.3 | tok/s 2484 | h2d 3.10 GB/s
-      | d2h 2.95 GB/s | dev peak 4.3 MiB | host 36.4 MiB | overlap 71.2%
-
-Bandwidths and overlap come from the engine's trace (``pystronghold.runtime.trace.TraceSummary``) over the
-steps of the interval; ``-`` where the interval moved nothing of that kind.
+The metrics line has the fixed fields ``METRIC_FIELDS`` (step, mean loss, ms/step, tok/s, h2d and
+d2h GB/s, device peak, host bytes, overlap %), from the engine's ``TraceSummary`` over the
+interval; ``-`` where nothing of that kind moved.
 """
 
 from __future__ import annotations

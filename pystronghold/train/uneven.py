@@ -1,15 +1,9 @@
 """Uneven data-parallel batches (Whale's hardware-aware ``replicate``): each DP rank takes its own
 number of samples of the global batch, and the gradient stays the equal-split one.
 
-The runtime's DP average (``pystronghold.parallel.data.average_``) divides the sum of the ranks'
-gradients by the DP size n. Rank r's loss is the mean over its b_r samples; scaling it by
-w_r = b_r * n / B before backward (``UnevenBatch.scale``) makes that average
-(1/n) * sum_r w_r * grad(mean_r) = sum_r (b_r / B) * grad(mean_r) = grad(mean over all B samples),
-the gradient of one process on the whole batch. Nothing else in the runtime changes: clipping
-sees the averaged gradient, the fp16 loss scale multiplies the weighted loss.
-
-``add_compute_delay`` makes one rank slower per sample (a forward pre-hook that sleeps), to show on
-CPU processes what an unlike GPU does to a step (``bench/whale.py``).
+``UnevenBatch.scale`` multiplies rank r's mean loss by w_r = b_r * n / B, so the runtime's DP
+average equals the gradient of one process on the whole batch. ``add_compute_delay`` slows one
+rank per sample (a sleeping pre-hook), to show an unlike GPU on CPU (``bench/whale.py``).
 """
 
 from __future__ import annotations
