@@ -24,6 +24,7 @@ from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
 from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.api import wrap
+from pystronghold.tokenized import training_corpus
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
@@ -145,8 +146,6 @@ class Trainer:
             from pystronghold.models.hf import load_lazy
 
             hf_model = load_lazy(cfg.source)
-        from pystronghold.tokenized import training_corpus
-
         data = config.data
         self.corpus = training_corpus(list(data.data), vocab_size=cfg.vocab_size, max_bytes=data.max_bytes,
                                       val_fraction=data.val_fraction, token_dtype=data.token_dtype,

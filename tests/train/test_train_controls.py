@@ -79,13 +79,14 @@ def held(*args, **kwargs):
     open({marker!r}, "w").close()
     time.sleep(600)
 
+assert hasattr(loop, {hook!r})  # the hook is what the loop calls
 setattr(loop, {hook!r}, held)
 from pystronghold.cli import main
 sys.exit(main({argv!r}))
 """
 
 
-@pytest.mark.parametrize("hook", ["load_corpus", "warmup_cosine"])
+@pytest.mark.parametrize("hook", ["training_corpus", "warmup_cosine"])
 def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path, hook):
     marker, err = tmp_path / "started", tmp_path / "stderr.txt"
     script = START_UP_SCRIPT.format(marker=str(marker), hook=hook, argv=_cli(tmp_path, "--steps", "2")[3:])

@@ -13,7 +13,6 @@ import shutil
 import pytest
 import torch
 
-import pystronghold
 from pystronghold.cli import build_parser, main
 from pystronghold.data import BatchSampler, DataConfig, load_corpus
 from pystronghold.lr_schedule import warmup_cosine
@@ -35,8 +34,9 @@ def text(tmp_path):
 @pytest.fixture
 def bitwise_adamw(monkeypatch):
     """The trainer's AdamW with torch's CPU square root (``bitwise_torch``): exact against torch.optim.AdamW."""
-    monkeypatch.setattr(pystronghold, "AdamW", functools.partial(pystronghold.AdamW, bitwise_torch=True),
-                        raising=False)
+    from pystronghold.train import loop
+
+    monkeypatch.setattr(loop, "AdamW", functools.partial(loop.AdamW, bitwise_torch=True))
 
 
 def train_args(text, ck, *, lora=LORA, steps=STEPS, every=0, resume=False, metrics=None) -> list[str]:
