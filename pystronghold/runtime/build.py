@@ -16,7 +16,7 @@ import torch
 from pystronghold.io.scratch import check_io_directory
 from pystronghold.runtime import layout
 from pystronghold.runtime.backend import make_backend
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.config import ResolvedModes, RuntimeConfig
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.grad_norms import BlockGradNorms
 from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
@@ -66,6 +66,8 @@ class EngineParts:
     """W: device slots."""
     dtype: torch.dtype
     """Compute precision of parameters and gradients on the device."""
+    modes: ResolvedModes
+    """The overlap and schedule modes in effect ("auto" resolved): what the engine's parts read."""
     planned_arena_bytes: int
     """Bytes of the W slots (parameters + gradients), 0 when nothing streams."""
     placement: Placement
@@ -122,7 +124,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
     if k > total:
         raise ValueError(f"wrap: resident_blocks={k} is more than the {total} blocks")
     n = total - k  # streamed blocks: global index k + local index
-    par = config.parallel
+    par, modes = config.parallel, config.resolved_modes()
     if config.nvme_dir is not None:
         check_io_directory(config.nvme_dir, flag="nvme_dir=")  # also when nothing spills: fail early
     split = split_model(model, blocks, config, materialize)
@@ -138,7 +140,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
         # on the CPU backend the "device" (window arena, head and tail) is host memory too
         fixed_bytes=(planned_arena_bytes + split.device_bytes if config.device == "cpu" else 0),
         nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
-        streamed_grads=config.overlap_mode == "backward" and config.accumulation_steps == 1,
+        streamed_grads=modes.overlap == "backward" and config.accumulation_steps == 1,
         force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
     scratch = None
     if placement.spilled:
@@ -176,7 +178,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
                      for p, span in zip(ps, lay.spans)},  # block parameters are placeholders now
         block_names=[[names[id(p)] for p in ps] for ps in resident_params + block_params],
         head_tail_params=head_tail_params, head_tail_names=[names[id(p)] for p in head_tail_params],
-        head_tail_masters=head_tail_masters, saved_dtypes=saved_dtypes, window_size=window, dtype=dtype,
+        head_tail_masters=head_tail_masters, saved_dtypes=saved_dtypes, window_size=window, dtype=dtype, modes=modes,
         planned_arena_bytes=planned_arena_bytes, placement=placement, scratch=scratch, backend=backend,
         store=store, fill_times=fill_times, window=Window(backend, layouts, block_params, window, dtype),
         plans={train: build_plan(n, window, train) for train in (True, False)} if n else {},
@@ -194,11 +196,13 @@ def build_optimizers(parts: EngineParts, config: RuntimeConfig, group_of: dict[i
                           param_groups=[[group_of[id(p)] for p in parts.window.trainable(b)]
                                         for b in range(len(parts.block_params))])
     head_tail = [p for p in parts.head_tail_params if p.requires_grad]  # frozen ones: no optimizer state
+    fused = fused_adamw_for(device)  # head, tail and resident blocks alike
     return OptimizerParts(
         device_optimizer=DeviceAdamW(head_tail, config.optimizer, parts.head_tail_masters,
-                                     [group_of[id(p)] for p in head_tail], fused=fused_adamw_for(device)),
+                                     [group_of[id(p)] for p in head_tail], fused=fused),
         resident=ResidentBlocks(parts.resident_blocks, parts.resident_params, config.optimizer, device,
-                                parts.dtype, recompute=config.resident_recompute, group_of=group_of),
+                                parts.dtype, recompute=config.resident_recompute, group_of=group_of,
+                                fused=fused),
         updates=updates,
         # on CUDA the norms come from the slot before the copy-out; on the CPU backend from the host copy
         grad_norms=BlockGradNorms(updates, on_device=device.type == "cuda"),

@@ -14,7 +14,7 @@ from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.precision import DTYPES
 
-__all__ = ["RuntimeConfig", "OVERLAP_MODES", "NVME_STATES", "SCHEDULES"]
+__all__ = ["RuntimeConfig", "ResolvedModes", "OVERLAP_MODES", "NVME_STATES", "SCHEDULES"]
 
 OVERLAP_MODES = ("auto", "backward", "forward", "none")
 NVME_STATES = ("auto", "all")
@@ -34,6 +34,16 @@ def _norm_from_text(text: str, flag: str) -> float | None:
     except ValueError:
         raise ValueError(f"{flag} must be a number, got {text!r}") from None
     return None if value == 0 else value
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModes:
+    """The modes of a ``RuntimeConfig`` with "auto" resolved, taken once when an engine is built."""
+
+    overlap: str
+    """When host updates run: "backward", "forward" or "none" (``RuntimeConfig.overlap_mode``)."""
+    schedule: str
+    """How accumulation runs: "default" or "relay" (``RuntimeConfig.schedule_mode``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -259,3 +269,7 @@ class RuntimeConfig:
         if self.schedule != "auto":
             return self.schedule
         return "relay" if self.accumulation_steps > 1 else "default"
+
+    def resolved_modes(self) -> ResolvedModes:
+        """``overlap_mode`` and ``schedule_mode`` together, as the engine's parts are handed them."""
+        return ResolvedModes(overlap=self.overlap_mode, schedule=self.schedule_mode)

@@ -49,7 +49,7 @@ class Engine:
         # and stepper are private (runtime modules are handed the ones they use)
         self.n_blocks, self.n_streamed = parts.n_blocks, len(parts.block_params)
         self.window_size = parts.window_size
-        self.dtype, self.overlap, self.placement = parts.dtype, config.overlap_mode, parts.placement
+        self.dtype, self.overlap, self.placement = parts.dtype, parts.modes.overlap, parts.placement
         self.planned_arena_bytes, self.fill_times = parts.planned_arena_bytes, parts.fill_times
         self.backend, self.device, self.scratch = parts.backend, parts.backend.device, parts.scratch
         self._store, self._window, self._plans, self.trace = parts.store, parts.window, parts.plans, parts.trace
@@ -73,15 +73,15 @@ class Engine:
                                                                updaters.updates)
         self.grad_norms = updaters.grad_norms
         """Where the streamed blocks' gradient norms are taken (``grad_norms.BlockGradNorms``)."""
-        self._stepper = OptimizerStep(model=model, config=config, optimizer=self.optimizer,
+        self._stepper = OptimizerStep(model=model, config=config, overlap=self.overlap, optimizer=self.optimizer,
                                       device_optimizer=self.device_optimizer, resident=self.resident,
                                       updates=self._updates, grad_norms=self.grad_norms, window=self._window,
                                       scaler=updaters.scaler, dp_group=self.dp_group, tp_group=self.tp_group,
                                       pp_group=parts.pp_group, parallel=self.parallel)
-        self._executor = PassExecutor(config=config, window=self._window, store=self._store, backend=self.backend,
-                                      updates=self._updates, grad_norms=self.grad_norms, stepper=self._stepper,
-                                      trace=self.trace, plans=self._plans, model=model, dp_group=self.dp_group,
-                                      before_training_pass=self.check_requires_grad)
+        self._executor = PassExecutor(config=config, overlap=self.overlap, window=self._window, store=self._store,
+                                      backend=self.backend, updates=self._updates, grad_norms=self.grad_norms,
+                                      stepper=self._stepper, trace=self.trace, plans=self._plans, model=model,
+                                      dp_group=self.dp_group, before_training_pass=self.check_requires_grad)
         self.block_forwards = block_fn.install(block_fn.BlockRunner(self, self._executor, self._window),
                                                parts.streamed_blocks)
         if not self.n_streamed:
@@ -101,7 +101,7 @@ class Engine:
                  self.resident.count, self.resident.nbytes, kept[config.resident_recompute], self.n_streamed,
                  self.window_size, self.planned_arena_bytes, self._store.nbytes, kept[config.checkpointing],
                  config.device, config.precision, self.overlap)
-        if config.schedule_mode == "relay":
+        if parts.modes.schedule == "relay":
             log.info("relay schedule (engine.accumulate): saved block inputs on the device %s",
                      "without limit" if config.relay_activation_bytes is None else
                      f"up to {config.relay_activation_bytes} bytes, staged through host memory beyond")

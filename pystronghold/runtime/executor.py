@@ -33,14 +33,14 @@ class PassExecutor:
     ``before_training_pass``: called before a training pass begins (may raise to refuse it).
     """
 
-    def __init__(self, *, config, window, store, backend, updates, grad_norms, stepper, trace, plans, model,
-                 dp_group=None, before_training_pass=None) -> None:
+    def __init__(self, *, config, overlap: str, window, store, backend, updates, grad_norms, stepper, trace, plans,
+                 model, dp_group=None, before_training_pass=None) -> None:
         self.config, self.window, self.store, self.backend = config, window, store, backend
         self.updates, self.stepper, self.trace, self.plans = updates, stepper, trace, plans
         self.grad_norms = grad_norms  # grad_norms.BlockGradNorms: before or after the copy-out
         self.model, self.dp_group = model, dp_group
         self.before_training_pass = before_training_pass  # the engine's requires_grad check, or None
-        self.overlap = config.overlap_mode
+        self.overlap = overlap  # the overlap mode in effect ("auto" resolved)
         self.n_streamed = len(window.params)
         self._plan = None  # the plan of the pass in progress
         self._pos = 0  # index of the next use in the plan

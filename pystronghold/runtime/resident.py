@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
+from pystronghold.optim.device_adamw import DeviceAdamW
 from pystronghold.optim.hyper import AdamW, AdamWHyper
 from pystronghold.runtime.prepare import head_tail_bytes
 
@@ -24,12 +24,13 @@ class ResidentBlocks:
 
     def __init__(self, modules: list[torch.nn.Module], block_params: list[list[torch.nn.Parameter]],
                  spec: AdamW, device: torch.device, dtype: torch.dtype, *, recompute: bool,
-                 group_of: dict[int, int] | None = None) -> None:
+                 group_of: dict[int, int] | None = None, fused: bool = False) -> None:
         """``block_params[i]``: block i's parameters, the trainable ones first (still at their initial
         values, on the host or the device); they are moved to ``device`` in ``dtype`` after the fp32
         masters of the trainable ones are taken (a frozen parameter is kept once, in ``dtype``, with
         no optimizer state). ``group_of``: the engine's param group of each trainable parameter by
-        id (default: all in group 0)."""
+        id (default: all in group 0); ``fused``: torch's fused AdamW kernel (``fused_adamw_for``
+        the device, decided by the builder for every device optimizer)."""
         self.count = len(modules)
         self.block_params = block_params
         flat = [p for ps in block_params for p in ps]
@@ -39,7 +40,7 @@ class ResidentBlocks:
         with torch.no_grad():
             for p in flat:
                 p.data = p.data.to(device=device, dtype=dtype)
-        self.optimizer = DeviceAdamW(trainable, spec, masters, groups, fused=fused_adamw_for(device))
+        self.optimizer = DeviceAdamW(trainable, spec, masters, groups, fused=fused)
         self.nbytes = head_tail_bytes(flat, dtype)
         """Device bytes: parameters and gradients in compute precision, fp32 moments (and masters);
         a frozen parameter's value only."""

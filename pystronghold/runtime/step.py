@@ -30,8 +30,8 @@ class OptimizerStep:
     ``model.parameters()`` order; ``scaler``: the fp16 ``DynamicLossScaler`` or None.
     """
 
-    def __init__(self, *, model, config, optimizer, device_optimizer, resident, updates, grad_norms, window,
-                 scaler, dp_group=None, tp_group=None, pp_group=None, parallel: bool = False) -> None:
+    def __init__(self, *, model, config, overlap: str, optimizer, device_optimizer, resident, updates, grad_norms,
+                 window, scaler, dp_group=None, tp_group=None, pp_group=None, parallel: bool = False) -> None:
         # NOTE: the engine's names for its parts, so the step reads as it did inside Engine
         self.model, self.config, self.optimizer = model, config, optimizer
         self.device_optimizer, self.resident, self.updates = device_optimizer, resident, updates
@@ -39,7 +39,7 @@ class OptimizerStep:
         self.window, self.n_streamed = window, len(window.params)
         self.dp_group, self.tp_group, self.parallel = dp_group, tp_group, parallel
         self.pp_group = pp_group  # pipeline stages: gradient norms summed over them
-        self.overlap = config.overlap_mode
+        self.overlap = overlap  # the overlap mode in effect ("auto" resolved)
         self.scaler = scaler
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
         self._steps = 0
