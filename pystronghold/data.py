@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DataConfig", "Corpus", "load_corpus", "default_paths", "BatchSampler", "validation_batches",
+__all__ = ["DataConfig", "Corpus", "load_corpus", "split_range", "default_paths", "BatchSampler", "validation_batches",
            "VOCAB_SIZE", "IGNORE_INDEX"]
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,16 @@ def load_corpus(config: DataConfig) -> Corpus:
     return Corpus(train=stream["train"], val=stream["val"], train_files=files["train"],
                   val_files=files["val"])
 
+
+def split_range(stream, val_fraction: float, *, remedy: str, where: str = ""):
+    """``(train, val)`` views of ``stream``: the last ``val_fraction`` of it is validation.
+    ValueError (``where``, the short split, ``remedy``) when either has fewer than 2 tokens."""
+    cut = len(stream) - int(len(stream) * val_fraction)
+    train, val = stream[:cut], stream[cut:]
+    for part, t in (("train", train), ("val", val)):
+        if len(t) < 2:
+            raise ValueError(f"{where}the {part} split has {len(t)} tokens; {remedy}")
+    return train, val
 
 def _check_stream(data, labels, who: str) -> None:
     if isinstance(data, np.ndarray):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pystronghold.data import Corpus
+from pystronghold.data import Corpus, split_range
 
 __all__ = ["TOKEN_FILE_SUFFIXES", "TOKEN_DTYPES", "is_token_file", "open_token_file", "token_file_corpus"]
 
@@ -71,12 +71,8 @@ def token_file_corpus(path: str | Path, *, vocab_size: int, val_fraction: float,
     """Training and validation ids of one token file: two memory-mapped ranges (the last
     ``val_fraction`` is validation)."""
     tokens = open_token_file(path, vocab_size=vocab_size, token_dtype=token_dtype)
-    cut = len(tokens) - int(len(tokens) * val_fraction)
-    train, val = tokens[:cut], tokens[cut:]
-    for part, t in (("train", train), ("val", val)):
-        if len(t) < 2:
-            raise ValueError(f"{path}: the {part} split has {len(t)} tokens; give a longer file or another "
-                             "--val-fraction")
+    train, val = split_range(tokens, val_fraction, where=f"{path}: ",
+                             remedy="give a longer file or another --val-fraction")
     log.info("corpus: %d train tokens, %d validation tokens from %s (%s, memory-mapped)", len(train), len(val),
              path, tokens.dtype)
     return Corpus(train=train, val=val, train_files=[str(path)], val_files=[str(path)])

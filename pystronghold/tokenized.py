@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pystronghold.data import IGNORE_INDEX, VOCAB_SIZE, Corpus, DataConfig, load_corpus
+from pystronghold.data import IGNORE_INDEX, VOCAB_SIZE, Corpus, DataConfig, load_corpus, split_range
 from pystronghold.records import (dataset_records, encode_record, encode_text, is_dataset_dir, jsonl_records,
                                   record_bytes)
 from pystronghold.token_files import is_token_file, token_file_corpus
@@ -133,12 +133,8 @@ def tokenized_corpus(paths: list[str], tokenizer, *, max_bytes: int, val_fractio
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise ValueError(f"the tokenizer gives token id {int(tokens.max())}, but the model's vocabulary has "
                          f"{vocab_size} entries: the tokenizer does not belong to the model")
-    cut = len(tokens) - int(len(tokens) * val_fraction)
-    train, val = tokens[:cut], tokens[cut:]
-    for part, t in (("train", train), ("val", val)):
-        if len(t) < 2:
-            raise ValueError(f"the {part} split has {len(t)} tokens; give more text, a larger --max-bytes "
-                             "or --val-fraction")
+    train, val = split_range(tokens, val_fraction, remedy="give more text, a larger --max-bytes or --val-fraction")
+    cut = len(train)
     masked = bool((labels == IGNORE_INDEX).any())
     if masked and not bool((labels[1:cut] != IGNORE_INDEX).any()):
         raise ValueError(f"the train split of {', '.join(files)} has no target token (no assistant turn or "
