@@ -23,8 +23,9 @@ from pystronghold.runtime.schedule import Plan
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.memory_report import EngineMemory, measure_memory
 from pystronghold.optim.window_optimizer import WindowOptimizer
-from pystronghold.runtime.state_dict import (EngineStates, engine_state_dict, install_model_hooks,
-                                             load_engine_state_dict, load_optimizer_state_dict, optimizer_state_dict)
+from pystronghold.runtime.optimizer_state import (engine_state_dict, load_engine_state_dict,
+                                                  load_optimizer_state_dict, optimizer_state_dict)
+from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
 from pystronghold.runtime.step import OptimizerStep
 
 __all__ = ["Engine", "engine_parts_for_tests"]
@@ -187,7 +188,7 @@ class Engine:
 
     def state_dict(self) -> dict:
         """What the engine itself holds: step counts (the run's, the fp16 skips, each block's), the fp16
-        loss scale and the layer-drop draws (``state_dict.engine_state_dict``). With
+        loss scale and the layer-drop draws (``optimizer_state.engine_state_dict``). With
         ``model.state_dict()`` and ``engine.optimizer.state_dict()`` it is a whole checkpoint."""
         return engine_state_dict(self)
 
@@ -285,7 +286,7 @@ class Engine:
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
         return self._stepper.scaler
 
-    # read by state_dict.py, checkpoints and tests, set when a checkpoint is loaded
+    # read by optimizer_state.py, checkpoints and tests, set when a checkpoint is loaded
     steps = _stepper_counter("steps", "Optimizer steps taken (skipped fp16 steps not counted).")
     skipped_steps = _stepper_counter("skipped_steps", "fp16 steps skipped for an overflow (a run that "
                                      "cannot go on raises ``DivergenceError`` instead).")
