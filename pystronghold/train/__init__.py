@@ -1,6 +1,7 @@
 """``pystronghold train``: the training loop, its options, metrics, checkpoints and pictures."""
 
 from pystronghold.train.config import TrainConfig
-from pystronghold.train.loop import Trainer, TrainResult
+from pystronghold.train.loop import Trainer
+from pystronghold.train.metrics import TrainResult
 
 __all__ = ["TrainConfig", "Trainer", "TrainResult"]

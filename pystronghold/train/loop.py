@@ -13,7 +13,6 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,10 +26,10 @@ from pystronghold.runtime.api import wrap
 from pystronghold.tokenized import training_corpus
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
 from pystronghold.train.config import TrainConfig
-from pystronghold.train.metrics import (IntervalMetrics, MemoryReport, MetricsWriter, TimeReport,
-                                        device_peak_bytes, format_rate, memory_report, summarize_events)
+from pystronghold.train.metrics import (IntervalMetrics, MetricsWriter, TrainResult, device_peak_bytes,
+                                        memory_report, summarize_events)
 
-__all__ = ["Trainer", "TrainResult", "seed_everything"]
+__all__ = ["Trainer", "seed_everything"]
 
 log = logging.getLogger(__name__)
 
@@ -47,52 +46,12 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-@dataclass(slots=True)
-class TrainResult:
-    """What a run produced."""
-
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    """(step, training loss) of every step run in this process (1-based steps)."""
-    val_losses: list[tuple[int, float]] = field(default_factory=list)
-    """(step, validation loss) of every evaluation."""
-    intervals: list[IntervalMetrics] = field(default_factory=list)
-    """One entry per metrics line."""
-    memory: MemoryReport | None = None
-    time: TimeReport = field(default_factory=TimeReport)
-    start_step: int = 0
-    """Steps already done when this process started (a resumed run's checkpoint step)."""
-    checkpoints: list[str] = field(default_factory=list)
-    """Directories of the checkpoints written."""
-    outputs: list[str] = field(default_factory=list)
-    """Trace files and pictures written."""
-    stopped_by: str | None = None
-    """Name of the signal (e.g. "SIGINT") that stopped the run after a step; None: it ran to the end."""
-    skipped_steps: int = 0
-    """fp16 steps of this process skipped for inf/NaN gradients (their losses are in ``losses``)."""
-
-    def summary_lines(self) -> list[str]:
-        out = []
-        if self.losses:
-            out.append(f"trained steps {self.start_step + 1}..{self.losses[-1][0]}: loss "
-                       f"{self.losses[0][1]:.4f} -> {self.losses[-1][1]:.4f}"
-                       + (f", validation {self.val_losses[-1][1]:.4f}" if self.val_losses else "")
-                       + (f"; {self.skipped_steps} skipped (fp16 inf/NaN gradients)" if self.skipped_steps else ""))
-            if self.time.wall_s > 0:
-                out.append(f"tokens/s {format_rate(self.intervals[-1].tokens_per_s)} (last interval), "
-                           f"ms/step {1e3 * self.time.wall_s / len(self.losses):.1f} (mean)")
-        if self.memory is not None:
-            out += ["memory:"] + ["  " + s for s in self.memory.lines()]
-        out += ["time:"] + ["  " + s for s in self.time.lines()]
-        out += [f"wrote {p}" for p in self.checkpoints + self.outputs]
-        return out
-
-
 class Trainer:
     """One training run of a GPT through the window runtime."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        cfg, run = config.gpt, config.run
+        cfg = config.gpt
         self.hf = isinstance(cfg, HFModelConfig)  # --model hf:DIR: its own tokenizer, loaded lazily
         from pystronghold.models.presets import param_count
         from pystronghold.runtime.placement import available_host_bytes

@@ -20,7 +20,7 @@ from pystronghold.runtime.layout import device_bytes_per_param
 from pystronghold.runtime.trace import Tracer
 
 __all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport", "memory_report",
-           "TimeReport", "format_bytes", "MetricsWriter"]
+           "TimeReport", "format_bytes", "MetricsWriter", "TrainResult"]
 
 METRIC_FIELDS = ("step", "loss", "ms/step", "tok/s", "h2d", "d2h", "dev peak", "host", "overlap")
 """Fields of a metrics line, in order."""
@@ -286,3 +286,43 @@ class TimeReport:
         named = {"compute": sum(self.kind_s.get(k, 0.0) for k in ("compute_fwd", "compute_bwd", "recompute")),
                  **{k: self.kind_s.get(k, 0.0) for k in HOST_KINDS}}
         return {**named, "unaccounted": self.wall_s - sum(named.values())}
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What a run produced."""
+
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, training loss) of every step run in this process (1-based steps)."""
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, validation loss) of every evaluation."""
+    intervals: list[IntervalMetrics] = field(default_factory=list)
+    """One entry per metrics line."""
+    memory: MemoryReport | None = None
+    time: TimeReport = field(default_factory=TimeReport)
+    start_step: int = 0
+    """Steps already done when this process started (a resumed run's checkpoint step)."""
+    checkpoints: list[str] = field(default_factory=list)
+    """Directories of the checkpoints written."""
+    outputs: list[str] = field(default_factory=list)
+    """Trace files and pictures written."""
+    stopped_by: str | None = None
+    """Name of the signal (e.g. "SIGINT") that stopped the run after a step; None: it ran to the end."""
+    skipped_steps: int = 0
+    """fp16 steps of this process skipped for inf/NaN gradients (their losses are in ``losses``)."""
+
+    def summary_lines(self) -> list[str]:
+        out = []
+        if self.losses:
+            out.append(f"trained steps {self.start_step + 1}..{self.losses[-1][0]}: loss "
+                       f"{self.losses[0][1]:.4f} -> {self.losses[-1][1]:.4f}"
+                       + (f", validation {self.val_losses[-1][1]:.4f}" if self.val_losses else "")
+                       + (f"; {self.skipped_steps} skipped (fp16 inf/NaN gradients)" if self.skipped_steps else ""))
+            if self.time.wall_s > 0:
+                out.append(f"tokens/s {format_rate(self.intervals[-1].tokens_per_s)} (last interval), "
+                           f"ms/step {1e3 * self.time.wall_s / len(self.losses):.1f} (mean)")
+        if self.memory is not None:
+            out += ["memory:"] + ["  " + s for s in self.memory.lines()]
+        out += ["time:"] + ["  " + s for s in self.time.lines()]
+        out += [f"wrote {p}" for p in self.checkpoints + self.outputs]
+        return out
