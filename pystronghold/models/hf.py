@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, block_of, hub_layout
+from pystronghold.data import IGNORE_INDEX
+from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, hub_layout
 from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
 
 __all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "meta_model",
@@ -327,7 +328,7 @@ def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
             p = nn.Parameter(made[stored], requires_grad=old.requires_grad)
             for _, module, attr in aliases:
                 setattr(module, attr, p)
-        _load_buffers(model, "", {name: t for name, t in made.items() if block_of(name, blocks_name) is None})
+        _load_buffers(model, "", made)  # the head and tail's: only they are in ``made``
     shards.close()
     log.info("%s: %s, %d blocks at %s, head and tail loaded; blocks load one at a time",
              spec.source, spec.architecture, len(blocks), blocks_name)
@@ -341,5 +342,6 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     flat = targets.flatten()
     # NOTE: a sum over a count clamped to 1, not reduction="mean": that is 0/0 = NaN (and NaN
     # gradients) for a window of prompt tokens only; no host synchronization either way.
-    total = nn.functional.cross_entropy(logits.float().flatten(0, 1), flat, ignore_index=-100, reduction="sum")
-    return total / (flat != -100).sum().clamp(min=1)
+    total = nn.functional.cross_entropy(logits.float().flatten(0, 1), flat, ignore_index=IGNORE_INDEX,
+                                        reduction="sum")
+    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)

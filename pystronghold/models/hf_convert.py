@@ -40,7 +40,8 @@ class _Group:
     """Stored tensors that make one or more parameters together (transformers' unit of loading)."""
 
     transform: object
-    """transformers' ``WeightRenaming`` or ``WeightConverter``; a fresh copy runs each time."""
+    """transformers' ``WeightRenaming`` or ``WeightConverter``, shared and never run itself: each
+    run works on a fresh copy (``add_tensor`` fills it)."""
     target: str
     """The first parameter it makes (transformers' key of the group)."""
     sources: list[tuple[str, str]] = field(default_factory=list)
@@ -74,7 +75,7 @@ class CheckpointPlan:
                 group = groups.setdefault(target, _Group(WeightRenaming(stored, target), target))
                 pattern = stored
             else:
-                group = groups.setdefault(target, _Group(copy.deepcopy(converter_of[pattern]), target))
+                group = groups.setdefault(target, _Group(converter_of[pattern], target))
             group.sources.append((pattern, stored))
         self.groups: dict[int | None, list[_Group]] = {}
         self.made: set[str] = set()
