@@ -20,7 +20,7 @@ import sys
 import textwrap
 
 __all__ = ["option", "component", "ConfigError", "field_docs", "flag_of", "add_options", "from_args",
-           "parse_bytes", "one_line_error"]
+           "parse_bytes", "one_line_error", "first_line"]
 
 _TYPES = {"str": str, "int": int, "float": float}
 _METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
@@ -176,6 +176,13 @@ def one_line_error(prog: str, hint: str = ""):
         print(f"{prog}: error: {message}{hint}", file=sys.stderr)
         sys.exit(2)
     return error
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type's name when it has none): what a one-line error
+    quotes of a library's exception."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _value(f: dataclasses.Field, given):

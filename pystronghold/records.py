@@ -17,6 +17,7 @@ from typing import Iterator
 
 from pystronghold.data import IGNORE_INDEX
 from pystronghold.extras import require
+from pystronghold.options import first_line
 
 __all__ = ["ROLES", "jsonl_records", "dataset_records", "is_dataset_dir", "require_data", "encode_record", "encode_text",
            "record_bytes"]
@@ -71,8 +72,7 @@ def dataset_records(path: Path) -> Iterator[tuple[str, dict]]:
     try:
         dataset = datasets.load_from_disk(str(path))
     except (OSError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path}: cannot load the datasets directory ({first})") from None
+        raise ValueError(f"{path}: cannot load the datasets directory ({first_line(e)})") from None
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
             raise ValueError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(dataset)})")
@@ -131,7 +131,7 @@ def _encode_messages(tokenizer, messages, where: str) -> tuple[list[int], list[i
             out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
         except Exception as e:  # a template's own error (jinja raise_exception) or the tokenizer's
-            raise ValueError(f"{where}: the chat template failed ({_first_line(e)})") from None
+            raise ValueError(f"{where}: the chat template failed ({first_line(e)})") from None
         ids = list(out["input_ids"])
         return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"])]
     render = _renderer(tokenizer, where)
@@ -155,12 +155,8 @@ def _renderer(tokenizer, where: str):
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as e:  # a template's own error (jinja raise_exception, a missing key)
-            raise ValueError(f"{where}: the chat template failed ({_first_line(e)})") from None
+            raise ValueError(f"{where}: the chat template failed ({first_line(e)})") from None
     return render
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 # ---- tokens of text spans

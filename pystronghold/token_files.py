@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pystronghold.data import Corpus, split_range
+from pystronghold.options import first_line
 
 __all__ = ["TOKEN_FILE_SUFFIXES", "TOKEN_DTYPES", "is_token_file", "open_token_file", "token_file_corpus"]
 
@@ -42,7 +43,7 @@ def open_token_file(path: str | Path, *, vocab_size: int, token_dtype: str = "au
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as e:
-            raise ValueError(f"{path}: not a .npy array ({str(e).strip().splitlines()[0]})") from None
+            raise ValueError(f"{path}: not a .npy array ({first_line(e)})") from None
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise ValueError(f"{path}: a token file must hold a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         if token_dtype != "auto" and tokens.dtype != np.dtype(token_dtype):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pystronghold.data import IGNORE_INDEX, VOCAB_SIZE, Corpus, DataConfig, load_corpus, split_range
+from pystronghold.options import first_line
 from pystronghold.records import (dataset_records, encode_record, encode_text, is_dataset_dir, jsonl_records,
                                   record_bytes)
 from pystronghold.token_files import is_token_file, token_file_corpus
@@ -47,8 +48,7 @@ def load_tokenizer(directory: str | os.PathLike):
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path}: cannot load its tokenizer ({first})") from None
+        raise ValueError(f"{path}: cannot load its tokenizer ({first_line(e)})") from None
 
 
 def training_corpus(paths: list[str], *, vocab_size: int, max_bytes: int, val_fraction: float,

@@ -24,6 +24,7 @@ from torch import nn
 from pystronghold.data import IGNORE_INDEX
 from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, hub_layout
 from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
+from pystronghold.options import first_line
 
 __all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "meta_model",
            "block_stack", "hub_weights", "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint"]
@@ -218,7 +219,7 @@ def meta_model(spec: HFModelConfig) -> nn.Module:
         config = CONFIG_MAPPING[model_type].from_dict(spec.config)
     except (KeyError, ValueError, TypeError) as e:
         raise ValueError(f"{where}: transformers {transformers.__version__} cannot read it "
-                         f"(model_type {spec.config.get('model_type')!r}): {_first_line(e)}") from None
+                         f"(model_type {spec.config.get('model_type')!r}): {first_line(e)}") from None
     config.name_or_path = spec.source
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{where}: {spec.architecture} is an encoder-decoder model; only causal LMs (one stack of "
@@ -229,11 +230,7 @@ def meta_model(spec: HFModelConfig) -> nn.Module:
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
         raise ValueError(f"{where}: transformers {transformers.__version__} builds no causal LM for model_type "
-                         f"{config.model_type!r} ({_first_line(e)})") from None
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                         f"{config.model_type!r} ({first_line(e)})") from None
 
 
 def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pystronghold.models.gpt import GPT
+from pystronghold.options import first_line
 
 __all__ = ["LoraSpec", "ADAPTER", "PEFT_PREFIX", "GPT_ARCHITECTURE", "GPT_LORA_DEFAULT_TARGETS", "GPT_NOT_ADAPTABLE",
            "default_lora_targets", "add_lora", "lora_config", "adapter_key", "merged", "merged_state_dict"]
@@ -137,7 +138,7 @@ def add_lora(owner, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
             warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
             model = peft.get_peft_model(model, config)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model. ..."
-        raise ValueError(f"--lora-targets: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"--lora-targets: {first_line(e)}") from None
     owner.adapters = _BlockAdapters(seed)
     targets = tuple(sorted(model.peft_config[ADAPTER].target_modules))
     return model, LoraSpec(rank=spec.rank, alpha=spec.alpha, targets=targets, dropout=spec.dropout)

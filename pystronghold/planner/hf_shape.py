@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pystronghold.models.hf import HF_PREFIX, NO_POSITION_LIMIT, POSITION_KEYS, block_stack, read_hf_config
+from pystronghold.options import first_line
 from pystronghold.planner.params import is_expert_param, is_matrix_weight, numel
 
 __all__ = ["HFShape", "read_hf_shape", "hf_shape_from_config"]
@@ -97,7 +98,7 @@ def read_hf_shape(directory: str) -> HFShape:
         config = AutoConfig.from_pretrained(spec.source, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{spec.source}/config.json: transformers cannot read it: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                         f"{first_line(e)}") from None
     return hf_shape_from_config(config, source=spec.source, architecture=spec.architecture)
 
 
