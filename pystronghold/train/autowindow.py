@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from pystronghold.models.hf import HFModelConfig
 from pystronghold.optim.functional import adam_step_
@@ -182,17 +183,6 @@ def _hf_block_inputs(probe: HFProbe, batch: int, seq: int) -> tuple[tuple, dict]
     return seen["args"], seen["kwargs"]
 
 
-def _to(value, device: torch.device, dtype: torch.dtype):
-    """``value`` (tensors inside tuples, lists and dicts too) on ``device``, floating tensors in ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, dtype) if value.is_floating_point() else value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device, dtype) for k, v in value.items()}
-    return value
-
-
 def _block_with_values(block: nn.Module, std: float) -> nn.Module:
     """A trainable copy of ``block``, its ``meta`` parameters (a lazily built model's) given random
     values: they do not matter to its timing."""
@@ -216,7 +206,9 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
     # bound a partial one's
     block = _block_with_values(model.blocks[0], std=0.02 if hf else cfg.init_std).to(device, dtype)
     if hf:
-        args, kwargs = _to(_hf_block_inputs(model, work.batch, seq), device, dtype)
+        args, kwargs = tree_map_only(  # floating inputs (hidden states, rotary tables) in the compute dtype
+            torch.Tensor, lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device),
+            _hf_block_inputs(model, work.batch, seq))
         if not args:  # the hidden states, passed by name: the first argument from here on
             args = (kwargs.pop("hidden_states"),)
     else:
