@@ -90,17 +90,24 @@ def cuda_wanted() -> bool:
     import torch
     from torch.utils import cpp_extension
 
-    possible = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    home = cpp_extension.CUDA_HOME
+    # NOTE: torch guesses CUDA_HOME from nvcc's folder; where nvcc is a wrapper script (e.g.
+    # /usr/local/bin/nvcc) that guess holds no headers, and the build would fail deep inside nvcc
+    toolkit = home is not None and (Path(home) / "include" / "cuda_runtime_api.h").is_file()
+    possible = torch.version.cuda is not None and toolkit
+    why_not = (f"a CUDA build needs both a CUDA build of torch (torch.version.cuda={torch.version.cuda}) "
+               f"and a CUDA toolkit (CUDA_HOME={home}"
+               f"{'' if home is None or toolkit else ' holds no include/cuda_runtime_api.h'})")
     if mode in ("1", "yes", "on", "true", "force"):
         if not possible:
-            sys.exit(
-                "PYSTRONGHOLD_CUDA=1 but a CUDA build needs both a CUDA build of torch "
-                f"(torch.version.cuda={torch.version.cuda}) and a CUDA toolkit "
-                f"(CUDA_HOME={cpp_extension.CUDA_HOME}); set CUDA_HOME or unset PYSTRONGHOLD_CUDA."
-            )
+            sys.exit(f"PYSTRONGHOLD_CUDA=1 but {why_not}; set CUDA_HOME to the toolkit's root or unset "
+                     "PYSTRONGHOLD_CUDA.")
         return True
     if mode != "auto":
         sys.exit(f"PYSTRONGHOLD_CUDA={mode!r}: expected auto, 1 or 0")
+    if not possible and torch.version.cuda is not None:
+        print(f"pystronghold: building for CPU only: {why_not}; set CUDA_HOME to the toolkit's root "
+              "for the CUDA side")
     return possible
 
 

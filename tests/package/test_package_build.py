@@ -51,3 +51,29 @@ def test_failed_build_shows_the_whole_log(tmp_path, capfd, monkeypatch):
     terminal = capfd.readouterr()
     shown = terminal.out + terminal.err
     assert "error: boom" in shown and "some context" in shown and "the build failed" in shown and str(log) in shown
+
+
+@pytest.mark.parametrize("headers", [False, True])
+def test_cuda_home_without_the_toolkits_headers_is_no_toolkit(tmp_path, capfd, monkeypatch, headers):
+    """torch guesses CUDA_HOME from nvcc's folder, which for a wrapper script holds no headers: auto
+    builds for CPU and says why, forced CUDA stops with that reason, a real toolkit is taken."""
+    import torch
+    from torch.utils import cpp_extension
+
+    home = tmp_path / "cuda"
+    (home / "include").mkdir(parents=True)
+    if headers:
+        (home / "include" / "cuda_runtime_api.h").write_text("")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(home))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    setup = _setup_module()
+    monkeypatch.setenv("PYSTRONGHOLD_CUDA", "auto")
+    assert setup.cuda_wanted() is headers
+    printed = capfd.readouterr().out
+    assert ("holds no include/cuda_runtime_api.h" in printed) is not headers
+    monkeypatch.setenv("PYSTRONGHOLD_CUDA", "1")
+    if headers:
+        assert setup.cuda_wanted() is True
+    else:
+        with pytest.raises(SystemExit, match=f"CUDA_HOME={home} holds no include/cuda_runtime_api.h"):
+            setup.cuda_wanted()
