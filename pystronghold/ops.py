@@ -11,7 +11,7 @@ NOTE: the fake implementations are also the Meta kernels, so they check the devi
 
 from __future__ import annotations
 
-import functools
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -24,13 +24,23 @@ OPS = ("adam_step", "adam_step_multi", "grad_sq_norm", "param_grad_norms", "crc3
 """The operators of the ``pystronghold`` namespace."""
 
 
-@functools.cache
+_loaded: SimpleNamespace | None = None
+_loading = threading.Lock()
+
+
 def native_ops() -> SimpleNamespace:
     """The ``.default`` overloads of ``torch.ops.pystronghold.*`` by name, fake implementations
     registered; raises ``pystronghold._ext.ExtensionError`` naming the fix when _C is missing."""
-    native()
-    _register_fakes()
-    return SimpleNamespace(**{name: getattr(torch.ops.pystronghold, name).default for name in OPS})
+    global _loaded
+    if _loaded is None:
+        # NOTE: the first calls may come at once from the main thread and a host-update worker;
+        # registering the fakes twice raises, so the first one loads under a lock (not functools.cache)
+        with _loading:
+            if _loaded is None:
+                native()
+                _register_fakes()
+                _loaded = SimpleNamespace(**{name: getattr(torch.ops.pystronghold, name).default for name in OPS})
+    return _loaded
 
 
 def crc32c(data: torch.Tensor, force_software: bool = False) -> int:

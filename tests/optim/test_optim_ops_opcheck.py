@@ -109,3 +109,34 @@ def test_the_wrappers_call_the_operators():
     assert torch.ops.pystronghold.adam_step(*direct, None, *SCALARS).item() is True
     assert all(torch.equal(a, b) for a, b in zip((p, m, v), (direct[0], direct[2], direct[3])))
     assert adam_step_multi_([p], [g], [m], [v], hyper) is True
+
+
+FIRST_CALLS_AT_ONCE = """
+import threading
+from pystronghold.ops import native_ops
+
+start, errors, got = threading.Barrier(8), [], []
+def first_call():
+    start.wait()
+    try:
+        got.append(native_ops())
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=first_call) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert not errors, errors
+assert len(got) == 8 and all(ops is got[0] for ops in got)
+print("ok")
+"""
+
+
+def test_first_calls_from_several_threads_at_once_load_the_operators_once():
+    """A worker's first host update and the main thread's first grad norm may ask for the operators
+    at the same moment (a pipeline rank did, and its second fake registration raised)."""
+    import subprocess
+    import sys
+
+    for _ in range(3):  # a fresh interpreter each time: the first calls are the ones that race
+        p = subprocess.run([sys.executable, "-c", FIRST_CALLS_AT_ONCE], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
