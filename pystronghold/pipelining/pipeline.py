@@ -12,6 +12,7 @@ stages, and an fp16 overflow anywhere skips the step on every rank.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 
@@ -83,6 +84,9 @@ class Pipeline:
             self._use_passes([(0, kind) for kind in stage_passes(schedule, groups.pp_rank, groups.pp_size,
                                                                 micro_batches)], train=True)
         self._stage_cls = PipelineStage
+        # NOTE: torch 2.11's PipelineStage (the GPU machine's) takes no gradient shapes: it gives the
+        # gradients their activations' shapes, which is what we pass where it does take them
+        self._stage_takes_grad_shapes = "input_grads" in inspect.signature(PipelineStage).parameters
         self._schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
                               "interleaved": ScheduleInterleaved1F1B}[schedule]
         self._schedules: dict[tuple, object] = {}  # by micro-batch input shape
@@ -133,9 +137,10 @@ class Pipeline:
                           else act.clone().requires_grad_(True))
                 outputs = (torch.empty(*mb, self.output_size, dtype=self.engine.dtype, device="meta")
                            if last else act)
+                grads = (dict(input_grads=None if first else act, output_grads=None if last else act)
+                         if self._stage_takes_grad_shapes else {})
                 stages.append(self._stage_cls(chunk, index, p * v, self.engine.device, input_args=inputs,
-                                              output_args=outputs, input_grads=None if first else act,
-                                              output_grads=None if last else act, group=self.groups.pp_group))
+                                              output_args=outputs, group=self.groups.pp_group, **grads))
             schedule = self._schedule_cls(stages if v > 1 else stages[0], m, loss_fn=self._loss,
                                           scale_grads=False)
             if v > 1 and not self._schedules:  # the window follows torch's own order of this rank's passes
@@ -176,10 +181,12 @@ class Pipeline:
         """``run`` (a schedule's step or eval) with what this stage feeds it: the first stage the
         inputs, the last the targets, the others nothing (they receive activations)."""
         self._losses.clear()
+        # NOTE: contiguous, as the stage's input meta is: torch 2.11 checks strides too, and a shifted
+        # slice such as tokens[:, :-1] would fail that check
         if self.first:
-            run(x.to(self.engine.device))
+            run(x.to(self.engine.device).contiguous())
         elif self.last:
-            run(target=y.to(self.engine.device))
+            run(target=y.to(self.engine.device).contiguous())
         else:
             run()
 

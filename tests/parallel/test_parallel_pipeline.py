@@ -13,6 +13,7 @@ The model ties its embeddings (first stage) to its LM head (last stage).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -154,6 +155,42 @@ def test_stages_out_of_model_order_are_refused_on_every_rank():
 
 def test_pp2_1f1b_and_gpipe_equal_single_process():
     run_ranks(_pp, 2, 1, ("1f1b", "gpipe"), timeout_s=150)
+
+
+def _pp_on_torch_2_11s_stage(rank: int, world: int) -> None:
+    """As under torch 2.11 (the GPU machine's): its PipelineStage takes no gradient shapes, and
+    checks the strides of a stage's inputs as well as their shapes."""
+    import torch.distributed.pipelining as pipelining
+
+    newer = pipelining.PipelineStage
+
+    class Torch211Stage(newer):
+        def __init__(self, submodule, stage_index, num_stages, device, input_args=None, output_args=None,
+                     group=None, dw_builder=None):
+            first, last = stage_index == 0, stage_index == num_stages - 1
+            grads = (dict(input_grads=None if first else input_args.detach(),  # 2.11: the activations'
+                          output_grads=None if last else output_args)
+                     if "input_grads" in inspect.signature(newer).parameters else {})  # (on 2.11 itself)
+            super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
+                             output_args=output_args, group=group, dw_builder=dw_builder, **grads)
+
+        def forward_one_chunk(self, fwd_chunk_id, args, *rest, **options):
+            for arg in args:
+                assert arg.is_contiguous(), f"stage {self.stage_index}: input of stride {arg.stride()}"
+            return super().forward_one_chunk(fwd_chunk_id, args, *rest, **options)
+
+    pipelining.PipelineStage = Torch211Stage
+    try:
+        groups = init_parallel(1, pp=2, heads=CFG.heads, timeout_s=30)
+        data = _data(steps=2, batch=2 * MICRO)  # inputs tokens[:, :-1]: a slice of stride T + 1
+        _assert_matches(_train(groups, data, "1f1b", clip_grad_norm=CLIP),
+                        single_process_run(data.unsqueeze(1), CLIP, config=CFG))
+    finally:
+        pipelining.PipelineStage = newer
+
+
+def test_pp2_trains_on_torch_2_11s_pipeline_stage():
+    run_ranks(_pp_on_torch_2_11s_stage, 2, timeout_s=120)
 
 
 def test_pp2_tp2_equals_single_process():
