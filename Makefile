@@ -8,7 +8,7 @@ DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.editable-stamp
 PYTEST_ARGS ?=
 
-.PHONY: build demo test bench cuda-check gpu-test gpu-verify gpu-verify-big deepspeed clean
+.PHONY: build demo test bench cuda-check gpu-stack-check gpu-test gpu-verify gpu-verify-big deepspeed clean
 
 $(DEPS_STAMP): constraints.txt
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
@@ -135,6 +135,39 @@ cuda-check: $(CUDA_DEPS_STAMP)
 	cp -r pystronghold $(CUDA_CHECK_DIR)/pkg/ && rm -f $(CUDA_CHECK_DIR)/pkg/pystronghold/_C*.so
 	cp $(CUDA_CHECK_DIR)/lib/pystronghold/_C*.so $(CUDA_CHECK_DIR)/pkg/pystronghold/
 	cd $(CUDA_CHECK_DIR)/pkg && $(abspath $(CUDA_PY)) -c "$$CUDA_CHECK_PY"
+
+# ---- gpu-stack-check: the GPU machine's software (../shared/GPU.md: Python 3.12, torch 2.11.0+cu130,
+# triton 3.6.0, transformers 5.17.0, no DeepSpeed, no datasets) in its own venv, on this GPU-less
+# machine: the CUDA build of _C against that torch, cuda-check's script, both verification dry runs,
+# and the suite but for what a GPU runs (`-m gpu`: here the Triton interpreter, which triton 3.6's
+# cannot run without a GPU) and the check of .venv's pinned torch. `make test` runs on .venv's newer
+# torch; this shows the package imports, builds and runs on the older one before a lent GPU's
+# minutes are spent finding out. About 5 GB from PyPI once, then about 12 minutes; not part of
+# `make test`. The .so it builds is Python 3.12's, beside .venv's.
+STACK_VENV ?= .venv-gpu-stack
+STACK_PY := $(STACK_VENV)/bin/python
+STACK_DEPS_STAMP := $(STACK_VENV)/.deps-stamp
+STACK_OUT ?= build/gpu-stack
+
+$(STACK_DEPS_STAMP):
+	@test -x $(STACK_PY) || python3.12 -m venv $(STACK_VENV)
+	$(STACK_PY) -m pip install -q --disable-pip-version-check torch==2.11.0 triton==3.6.0 \
+	    transformers==5.17.0 peft accelerate safetensors numpy ninja setuptools wheel pytest \
+	    pytest-xdist pytest-timeout hypothesis tqdm matplotlib tensorboard pyyaml
+	@touch $@
+
+gpu-stack-check: $(STACK_DEPS_STAMP)
+	PYSTRONGHOLD_NO_EXTENSION=1 $(STACK_PY) -m pip install -q --disable-pip-version-check \
+	    --no-build-isolation --no-deps -e .
+	CUDA_HOME=$${CUDA_HOME:-$(NVCC_ROOT)/cuda} PYSTRONGHOLD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
+	    $(STACK_PY) setup.py -q build_ext --inplace
+	$(STACK_PY) -c "$$CUDA_CHECK_PY"
+	CUDA_HOME=$${CUDA_HOME:-$(NVCC_ROOT)/cuda} $(MAKE) --no-print-directory gpu-verify GPU_VERIFY_DRY=1 \
+	    GPU_PY=$(STACK_PY) GPU_OUT=$(STACK_OUT)/verify
+	CUDA_HOME=$${CUDA_HOME:-$(NVCC_ROOT)/cuda} $(MAKE) --no-print-directory gpu-verify-big GPU_VERIFY_DRY=1 \
+	    GPU_PY=$(STACK_PY) GPU_OUT=$(STACK_OUT)/big
+	$(STACK_PY) -m pytest -q -p no:cacheprovider -m "not gpu" \
+	    --deselect tests/package/test_package_extension_and_extras.py::test_info_reports_build tests
 
 # ---- On a machine with a CUDA GPU (../shared/GPU.md). GPU_PY: a Python whose torch is a CUDA build:
 # .venv's when there is one, else python3 (a GPU machine whose system Python already holds torch);
