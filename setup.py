@@ -341,7 +341,7 @@ def main():
             "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "ninja", "transformers", "tokenizers", "pyyaml",
                     "tensorboard", "peft", "accelerate", "datasets"],
         },
-        entry_points={"console_scripts": ["pystronghold=pystronghold.cli:main"]},
+        entry_points={"console_scripts": ["pystronghold=pystronghold.cli:run"]},
         zip_safe=False,
     )
 

@@ -1,3 +1,3 @@
-from pystronghold.cli import main
+from pystronghold.cli import run
 
-raise SystemExit(main())
+run()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -65,5 +66,22 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
 
 
+def run() -> None:
+    """The ``pystronghold`` command (its console script and ``python -m pystronghold``): ``main``,
+    then exit with its status. A rank of a multi-process run (``WORLD_SIZE`` > 1) leaves without
+    the interpreter's finalization, once its output is flushed."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        # NOTE: a torch gloo worker may drop a finished collective's tensors just after the collective
+        # returned; during finalization that GIL request ends the thread with pthread_exit, whose
+        # unwind through C++ destructors aborts the process (SIGABRT after a run that succeeded). A
+        # run has closed its engine, checkpoints and process group by now: nothing is left to finish.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -189,3 +189,29 @@ def test_timeline_pictures_the_last_steps_with_a_resident_block_0(tmp_path, monk
     assert [k for k, _ in drawn["steps"]] == [3, 4, 5]
     starts = [s for _, s in drawn["steps"]]
     assert starts == sorted(starts) and starts[0] == drawn["first_s"]
+
+
+EXIT_PROBE = """
+import atexit, sys
+atexit.register(lambda: print("finalized", flush=True))
+sys.argv = ["pystronghold", *sys.argv[1:]]
+from pystronghold.cli import run
+run()
+"""
+
+
+@pytest.mark.parametrize("world_size", [None, "2"])
+def test_a_rank_of_a_multi_process_run_leaves_without_finalizing_and_flushed(world_size):
+    """Under torchrun (WORLD_SIZE > 1) the command leaves with os._exit once its output is flushed:
+    during finalization a torch gloo worker that drops a finished collective's tensors is ended
+    by pthread_exit, which aborts the process (a rank of a successful run died with SIGABRT).
+    Its status is kept; a single process still finalizes as usual."""
+    env = {k: v for k, v in ENV.items() if k != "WORLD_SIZE"}
+    if world_size:
+        env["WORLD_SIZE"] = world_size
+    for argv, status in ((["info"], 0), (["plan", "--model", "no-such-preset"], 2)):
+        p = subprocess.run([sys.executable, "-c", EXIT_PROBE, *argv], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert p.returncode == status, p.stderr[-2000:]
+        assert (p.stdout + p.stderr).strip()  # what it printed reached the pipe
+        assert ("finalized" in p.stdout) is (world_size is None)
