@@ -75,7 +75,8 @@ def run() -> None:
         # NOTE: a torch gloo worker may drop a finished collective's tensors just after the collective
         # returned; during finalization that GIL request ends the thread with pthread_exit, whose
         # unwind through C++ destructors aborts the process (SIGABRT after a run that succeeded). A
-        # run has closed its engine, checkpoints and process group by now: nothing is left to finish.
+        # run has closed its engine, checkpoints and process group by now: nothing is left to finish
+        # (multiprocessing's forked children leave the same way).
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
