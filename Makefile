@@ -58,6 +58,9 @@ CUDA_PY := $(CUDA_VENV)/bin/python
 CUDA_DEPS_STAMP := $(CUDA_VENV)/.deps-stamp
 CUDA_CHECK_DIR := build/cuda-check
 NVCC_ROOT := $(shell dirname "$$(dirname "$$(command -v nvcc)")")
+# The toolkit root torch's build needs (../shared/CUDA_BUILD.md): CUDA_HOME when set, else the `cuda`
+# folder beside nvcc's (torch's own guess from a wrapper script holds no headers here).
+WITH_TOOLKIT := CUDA_HOME=$${CUDA_HOME:-$(NVCC_ROOT)/cuda}
 
 $(CUDA_DEPS_STAMP):
 	@test -x $(CUDA_PY) || $(PYTHON_BOOT) -m venv $(CUDA_VENV)
@@ -129,7 +132,7 @@ endef
 export CUDA_CHECK_PY
 
 cuda-check: $(CUDA_DEPS_STAMP)
-	CUDA_HOME=$${CUDA_HOME:-$(NVCC_ROOT)/cuda} PYSTRONGHOLD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
+	$(WITH_TOOLKIT) PYSTRONGHOLD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
 	    $(CUDA_PY) setup.py -q build_ext --build-lib $(CUDA_CHECK_DIR)/lib --build-temp $(CUDA_CHECK_DIR)/temp
 	rm -rf $(CUDA_CHECK_DIR)/pkg && mkdir -p $(CUDA_CHECK_DIR)/pkg
 	cp -r pystronghold $(CUDA_CHECK_DIR)/pkg/ && rm -f $(CUDA_CHECK_DIR)/pkg/pystronghold/_C*.so
@@ -159,12 +162,12 @@ $(STACK_DEPS_STAMP):
 gpu-stack-check: $(STACK_DEPS_STAMP)
 	PYSTRONGHOLD_NO_EXTENSION=1 $(STACK_PY) -m pip install -q --disable-pip-version-check \
 	    --no-build-isolation --no-deps -e .
-	CUDA_HOME=$${CUDA_HOME:-$(NVCC_ROOT)/cuda} PYSTRONGHOLD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
+	$(WITH_TOOLKIT) PYSTRONGHOLD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
 	    $(STACK_PY) setup.py -q build_ext --inplace
 	$(STACK_PY) -c "$$CUDA_CHECK_PY"
-	CUDA_HOME=$${CUDA_HOME:-$(NVCC_ROOT)/cuda} $(MAKE) --no-print-directory gpu-verify GPU_VERIFY_DRY=1 \
+	$(WITH_TOOLKIT) $(MAKE) --no-print-directory gpu-verify GPU_VERIFY_DRY=1 \
 	    GPU_PY=$(STACK_PY) GPU_OUT=$(STACK_OUT)/verify
-	CUDA_HOME=$${CUDA_HOME:-$(NVCC_ROOT)/cuda} $(MAKE) --no-print-directory gpu-verify-big GPU_VERIFY_DRY=1 \
+	$(WITH_TOOLKIT) $(MAKE) --no-print-directory gpu-verify-big GPU_VERIFY_DRY=1 \
 	    GPU_PY=$(STACK_PY) GPU_OUT=$(STACK_OUT)/big
 	$(STACK_PY) -m pytest -q -p no:cacheprovider -m "not gpu" \
 	    --deselect tests/package/test_package_extension_and_extras.py::test_info_reports_build tests
