@@ -136,6 +136,10 @@ def add_lora(owner, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
     try:
         with warnings.catch_warnings():  # NOTE: PEFT warns of every layer its custom dispatch wraps
             warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
+            # NOTE: PeftModel asks the model's is_gradient_checkpointing, which transformers 5
+            # deprecates; the warning is addressed to PEFT, and would print on every LoRA run
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning, module=r"transformers\.")
             model = peft.get_peft_model(model, config)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model. ..."
         raise ValueError(f"--lora-targets: {first_line(e)}") from None

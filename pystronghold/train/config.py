@@ -101,7 +101,8 @@ class OptimOptions:
     (gpt3-125m 6e-4 ... gpt3-6.7b 1.2e-4, gpt3-175b 6e-5); gpt2-124m: 6e-4 (as nanoGPT and GPT-3
     Small); demo, tiny, mini, small: 2e-3; a JSON model: its "lr" key, else the GPT-3 value of the
     largest GPT-3 size it reaches (2e-3 below 125M parameters); hf:DIR: 5e-5 (Hugging Face
-    Trainer's default for fine-tuning)."""
+    Trainer's default for fine-tuning); with --lora-rank, any model: 2e-4 (TRL's and PEFT's LoRA
+    recipes)."""
     warmup: int = 20
     """Steps of linear warm-up to the peak."""
     min_lr_ratio: float = 0.1
@@ -360,8 +361,10 @@ class TrainConfig:
 
     @property
     def lr(self) -> float:
-        """Peak learning rate in effect: --lr, or the model's (``model_lr``)."""
-        return self.optim.lr if self.optim.lr is not None else model_lr(self.model.model)
+        """Peak learning rate in effect: --lr, or the model's (``model_lr``; LoRA's with --lora-rank)."""
+        if self.optim.lr is not None:
+            return self.optim.lr
+        return model_lr(self.model.model, lora=self.finetune.lora_rank is not None)
 
     @property
     def seq(self) -> int:

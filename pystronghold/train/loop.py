@@ -163,6 +163,9 @@ class Trainer:
             self.engine = wrap(self.model, blocks=blocks, materialize=materialize, config=runtime)
         self.scheduler = warmup_cosine(self.engine.optimizer, warmup_steps=min(o.warmup, run.steps),
                                        decay_steps=max(run.steps, 1), min_ratio=o.min_lr_ratio)
+        origin = "--lr" if o.lr is not None else "LoRA's default" if self.lora else "the model's default"
+        log.info("AdamW: peak lr %g (%s), %d warm-up steps, cosine to %g x peak", config.lr, origin,
+                 min(o.warmup, run.steps), o.min_lr_ratio)
         self.step = 0
         self.lineage = [new_run_id()]
         """Run ids of the runs this one continues, its own last (recorded in its checkpoints)."""

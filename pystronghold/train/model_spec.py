@@ -14,7 +14,7 @@ from pystronghold.models import GPTConfig
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig, read_hf_config
 from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, recommended_lr
 
-__all__ = ["DEMO_MODEL", "HF_FINETUNE_LR", "resolve_model", "model_lr"]
+__all__ = ["DEMO_MODEL", "HF_FINETUNE_LR", "LORA_LR", "resolve_model", "model_lr"]
 
 DEMO_MODEL = GPTConfig(vocab_size=256, seq_len=128, layers=12, hidden=128, heads=4)
 """The demo GPT: 12 blocks of 198k parameters (2.4M in blocks), byte vocabulary. With W=2 the
@@ -47,6 +47,10 @@ def _is_model_file(name: str) -> bool:
 HF_FINETUNE_LR = 5e-5
 """Peak learning rate of a ``--model hf:DIR`` fine-tune without --lr: Hugging Face Trainer's default
 (``TrainingArguments.learning_rate``); pre-training rates would wreck a trained model."""
+LORA_LR = 2e-4
+"""Peak learning rate of a ``--lora-rank`` run without --lr, whatever the model: TRL's and PEFT's LoRA
+recipes' rate, about 10x a full fine-tune's (the adapters start at zero and are few; at
+``HF_FINETUNE_LR`` the loss barely moves)."""
 
 def resolve_model(name: str) -> GPTConfig | HFModelConfig:
     """``"demo"``, a preset name (``pystronghold.models.PRESETS``), a JSON file of GPTConfig fields,
@@ -79,11 +83,13 @@ def resolve_model(name: str) -> GPTConfig | HFModelConfig:
                      "or a JSON file of GPTConfig fields")
 
 
-def model_lr(name: str) -> float:
-    """The peak learning rate ``--lr`` defaults to for ``--model name``: the demo's
-    ``SMALL_MODEL_LR``, a preset's ``PRESET_LR`` entry (published values), a JSON file's ``"lr"``,
-    else ``recommended_lr`` of its shape (the GPT-3 lr of its size class); ``hf:DIR``:
-    ``HF_FINETUNE_LR`` (fine-tuning a trained model)."""
+def model_lr(name: str, *, lora: bool = False) -> float:
+    """The peak learning rate ``--lr`` defaults to for ``--model name``: ``LORA_LR`` when ``lora``
+    (training LoRA adapters), else the demo's ``SMALL_MODEL_LR``, a preset's ``PRESET_LR`` entry
+    (published values), a JSON file's ``"lr"``, else ``recommended_lr`` of its shape (the GPT-3 lr
+    of its size class); ``hf:DIR``: ``HF_FINETUNE_LR`` (fine-tuning a trained model)."""
+    if lora:
+        return LORA_LR
     if name == "demo":
         return SMALL_MODEL_LR
     if name.startswith(HF_PREFIX):

@@ -198,3 +198,21 @@ def test_lora_without_peft_is_one_line_before_training(tmp_path, llama, monkeypa
     monkeypatch.setitem(sys.modules, "peft", None)  # find_spec now answers "not installed"
     err = cli_error(capsys, train_args(*llama, tmp_path / "ck", ["--lora-rank", "4"]))
     assert "--lora-rank needs peft" in err and "pip install 'pystronghold[peft]'" in err
+
+
+def test_a_lora_run_prints_no_future_warning_and_names_its_lr(peft, tmp_path, llama):
+    """A LoRA run in a fresh interpreter (Python's default warning filters, as a user's): PEFT's call of
+    the deprecated ``is_gradient_checkpointing`` does not reach stderr; the start-up line gives the
+    LoRA learning rate chosen without --lr."""
+    import os
+    import subprocess
+    import sys
+
+    directory, data = llama
+    args = [a for a in train_args(directory, data, tmp_path / "ck", ["--lora-rank", "4"], steps=1)
+            if a not in ("--lr", "1e-2")]
+    run = subprocess.run([sys.executable, "-m", "pystronghold", *args], capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "Warning" not in run.stderr, run.stderr
+    assert "AdamW: peak lr 0.0002 (LoRA's default)" in run.stdout

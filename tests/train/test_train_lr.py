@@ -11,7 +11,7 @@ from pystronghold.cli import build_parser
 from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, param_count, recommended_lr
 from pystronghold.train import Trainer
 from pystronghold.train.command import config_from_args
-from pystronghold.train.model_spec import model_lr
+from pystronghold.train.model_spec import LORA_LR, model_lr
 from train_helpers import TINY, tiny_config
 
 # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1, "Learning Rate" column
@@ -89,3 +89,10 @@ def test_trainer_uses_the_models_lr(tmp_path):
         assert trainer.scheduler.base_lrs == [1e-4] * 2
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("model", ["tiny", "gpt2-124m"])
+def test_lora_defaults_to_the_lora_rate_and_an_explicit_lr_wins(peft, model):
+    assert _config(["--model", model]).lr == PRESET_LR[model]
+    assert _config(["--model", model, "--lora-rank", "4"]).lr == LORA_LR == 2e-4
+    assert _config(["--model", model, "--lora-rank", "4", "--lr", "3e-5"]).lr == 3e-5
