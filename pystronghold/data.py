@@ -77,6 +77,9 @@ class Corpus:
     """(N_train,) int64 targets, ``IGNORE_INDEX`` where no loss is taken; None: every token is a target."""
     val_labels: torch.Tensor | None = None
     """(N_val,) as ``train_labels``."""
+    unit: str = "byte"
+    """What one position of the stream is: "byte" (byte-level text) or "token" (a tokenizer's or a
+    token file's ids); losses are nats per this unit."""
 
 
 def default_paths() -> list[str]:

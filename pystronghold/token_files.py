@@ -76,4 +76,4 @@ def token_file_corpus(path: str | Path, *, vocab_size: int, val_fraction: float,
                              remedy="give a longer file or another --val-fraction")
     log.info("corpus: %d train tokens, %d validation tokens from %s (%s, memory-mapped)", len(train), len(val),
              path, tokens.dtype)
-    return Corpus(train=train, val=val, train_files=[str(path)], val_files=[str(path)])
+    return Corpus(train=train, val=val, train_files=[str(path)], val_files=[str(path)], unit="token")

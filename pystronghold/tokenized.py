@@ -142,5 +142,6 @@ def tokenized_corpus(paths: list[str], tokenizer, *, max_bytes: int, val_fractio
     log.info("corpus: %d train tokens, %d validation tokens from %d file(s)%s", len(train), len(val), len(files),
              f", {int((labels[:cut] != IGNORE_INDEX).sum())} train targets" if masked else "")
     return Corpus(train=train, val=val, train_files=files, val_files=files[-1:],
-                  train_labels=labels[:cut] if masked else None, val_labels=labels[cut:] if masked else None)
+                  train_labels=labels[:cut] if masked else None, val_labels=labels[cut:] if masked else None,
+                  unit="token")
 

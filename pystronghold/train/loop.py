@@ -408,7 +408,7 @@ class Trainer:
     def _write_trace(self, out: Path) -> None:
         from pystronghold.train.pictures import write_outputs
 
-        self.result.outputs += [str(p) for p in write_outputs(out, self._all_events, self.result)]
+        self.result.outputs += [str(p) for p in write_outputs(out, self._all_events, self.result, unit=self.corpus.unit)]
 
     def close(self, *, keep_process_group: bool = False) -> None:
         """Stop the engine's worker threads, release the checkpoint directory and leave

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pystronghold.runtime.trace import Tracer
 
-__all__ = ["write_outputs", "write_loss_png", "step_starts", "timeline_title"]
+__all__ = ["write_outputs", "write_loss_png", "loss_axis_label", "step_starts", "timeline_title"]
 
 
 def step_starts(events, steps: list[int]) -> list[tuple[int, float]]:
@@ -38,9 +38,17 @@ def timeline_title(n_steps: int, window, summary) -> str:
             f"overlapped compute; compute stalled {summary.stall_s * 1e3:.1f} ms waiting")
 
 
+def loss_axis_label(unit: str) -> str:
+    """The loss axis's label for a stream of ``unit`` ("byte" or "token", ``data.Corpus.unit``)."""
+    if unit not in ("byte", "token"):
+        raise ValueError(f"loss_axis_label: unit must be 'byte' or 'token', got {unit!r}")
+    return f"cross-entropy (nats/{unit})"
+
+
 def write_loss_png(path: Path, losses: list[tuple[int, float]], val_losses: list[tuple[int, float]],
-                   title: str = "loss") -> Path:
-    """Plot training (per step) and validation losses (nats/byte) against the step; returns ``path``."""
+                   title: str = "loss", unit: str = "byte") -> Path:
+    """Plot training (per step) and validation losses (nats per ``unit``, "byte" or "token") against
+    the step; returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -52,7 +60,7 @@ def write_loss_png(path: Path, losses: list[tuple[int, float]], val_losses: list
     if val_losses:
         ax.plot(*zip(*val_losses), "o-", lw=1.5, label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_ylabel(loss_axis_label(unit))
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -62,9 +70,9 @@ def write_loss_png(path: Path, losses: list[tuple[int, float]], val_losses: list
     return path
 
 
-def write_outputs(out: Path, events, result, max_png_steps: int = 3) -> list[Path]:
+def write_outputs(out: Path, events, result, max_png_steps: int = 3, unit: str = "byte") -> list[Path]:
     """Write trace.json of every event, timeline.png of the last ``max_png_steps`` steps' events
-    (a whole run is too dense to read) and loss.png. Returns the paths."""
+    (a whole run is too dense to read) and loss.png (losses in nats per ``unit``). Returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     full = Tracer(enabled=True)
     for e in events:
@@ -79,5 +87,5 @@ def write_outputs(out: Path, events, result, max_png_steps: int = 3) -> list[Pat
     window = result.memory.window if result.memory else "?"
     paths.append(tail.write_png(out / "timeline.png", title=timeline_title(len(shown), window, tail.summary()),
                                 steps=shown))
-    paths.append(write_loss_png(out / "loss.png", result.losses, result.val_losses))
+    paths.append(write_loss_png(out / "loss.png", result.losses, result.val_losses, unit=unit))
     return paths
