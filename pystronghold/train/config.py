@@ -60,9 +60,10 @@ class DataOptions:
     """Where batches come from."""
 
     data: list[str] = field(default_factory=list)
-    """Text files or directories to train on; default: the Python standard library's sources. With
-    hf:DIR also .jsonl records ({"text"}, {"messages"}, {"prompt", "completion"}) and datasets
-    save_to_disk directories; for any model one token file (.bin, .npy), memory-mapped."""
+    """Text files or directories to train on; default: the Python standard library's sources (for
+    hf:DIR --data is required). With hf:DIR also .jsonl records ({"text"}, {"messages"}, {"prompt",
+    "completion"}) and datasets save_to_disk directories; for any model one token file (.bin, .npy),
+    memory-mapped."""
     max_bytes: int = 4 << 20
     """Most bytes of text read (training and validation together), bytes."""
     val_fraction: float = 0.05
@@ -273,6 +274,11 @@ class TrainConfig:
         tp, dp, world = par.tp, par.dp_size, par.world_size
         if isinstance(cfg, HFModelConfig) and tp > 1:
             raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
+        if isinstance(cfg, HFModelConfig) and not self.data.data:
+            # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
+            # on it by a forgotten option would look like success
+            raise ValueError(f"--model {HF_PREFIX}DIR needs --data (the text, .jsonl records or token file to "
+                             "fine-tune on)")
         self._check_finetune(cfg)
         if self.runtime.resident_blocks == "auto" and self.runtime.window != "auto":
             raise ConfigError(self.runtime, "resident_blocks=", "is chosen together with the window: it needs "

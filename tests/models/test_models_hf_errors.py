@@ -43,7 +43,8 @@ def test_a_model_that_cannot_be_streamed_is_refused_in_one_line(tmp_path, capsys
     (directory / "config.json").write_text(json.dumps(dict(config, **change)))
     with pytest.raises(ValueError, match=re.escape(message)):
         ph.from_pretrained(directory, window=2)
-    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1"])
+    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--data", str(directory / "config.json"),
+                             "--steps", "1"])
     assert message in err and "config.json" in err
 
 
@@ -72,7 +73,8 @@ def test_missing_shard_is_named(tmp_path, capsys):
     shard.unlink()
     with pytest.raises(ValueError, match=rf"{shard.name}: shard missing"):
         ph.from_pretrained(directory, window=2)
-    assert shard.name in cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
+    assert shard.name in cli_error(capsys, ["train", "--model", f"hf:{directory}", "--data", str(directory / "config.json"),
+                                            "--steps", "1", "--quiet"])
 
 
 def test_non_float_tensor_is_named_with_its_file_and_dtype(tmp_path):
@@ -110,7 +112,8 @@ def test_tensor_missing_from_the_shards_is_named(tmp_path):
 
 def test_missing_tokenizer_is_one_line(tmp_path, capsys):
     directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
-    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
+    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--data", str(directory / "config.json"),
+                             "--steps", "1", "--quiet"])
     assert "no tokenizer in the model directory" in err
 
 
@@ -156,6 +159,19 @@ def test_tensor_parallel_is_refused_for_hf_models(tmp_path, capsys):
     err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--tp", "2"])
     assert "--tp 2: --model hf:DIR trains with --tp 1 only" in err
     assert "no such directory" in cli_error(capsys, ["train", "--model", f"hf:{tmp_path / 'nope'}"])
+
+
+def test_an_hf_model_without_data_is_refused_and_the_demo_keeps_its_default(tmp_path, capsys):
+    """A forgotten --data must not fine-tune on the embedded default corpus (the standard library)
+    without a word; the demo, our own byte-level model, still trains on it."""
+    from pystronghold.cli import build_parser
+    from pystronghold.train.command import config_from_args
+
+    directory = save_tiny(tmp_path, "gpt2")
+    err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--steps", "1", "--quiet"])
+    assert err.strip() == "pystronghold train: error: --model hf:DIR needs --data (the text, .jsonl records or " \
+                          "token file to fine-tune on)"
+    assert config_from_args(build_parser().parse_args(["train", "--steps", "1"])).data.data == []
 
 
 def test_export_hf_names_a_moved_tokenizer_source_and_writes_files_by_the_umask(tmp_path, capsys):
