@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 __all__ = ["DataConfig", "Corpus", "load_corpus", "split_range", "default_paths", "BatchSampler", "validation_batches",
-           "VOCAB_SIZE", "IGNORE_INDEX"]
+           "VOCAB_SIZE", "IGNORE_INDEX", "SKIP_DIRS"]
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ VOCAB_SIZE = 256
 """Byte-level vocabulary."""
 IGNORE_INDEX = -100
 """A target no loss is taken on (``cross_entropy``'s default ``ignore_index``)."""
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+"""Directories never read inside a data directory: installed packages and bytecode."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,7 +94,7 @@ def _walk(root: Path, suffixes: tuple[str, ...]):
         yield root, root.name
         return
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         for name in sorted(filenames):
             if not suffixes or name.endswith(suffixes):
                 path = Path(dirpath, name)
@@ -150,8 +151,10 @@ def load_corpus(config: DataConfig) -> Corpus:
             raise ValueError(f"the {part} split of {', '.join(map(str, roots))} has {len(stream[part])} "
                              f"bytes (files: {len(files[part])}); give more text, a larger max_bytes or "
                              f"val_fraction, or split='range'")
-    log.info("corpus: %d train bytes (%d files), %d validation bytes (%d files), split=%s",
-             len(stream["train"]), len(files["train"]), len(stream["val"]), len(files["val"]), config.split)
+    full = all(used[k] >= budget[k] for k in used)
+    log.info("corpus: %d train bytes (%d files), %d validation bytes (%d files), split=%s%s",
+             len(stream["train"]), len(files["train"]), len(stream["val"]), len(files["val"]), config.split,
+             f"; max_bytes {config.max_bytes} reached, the rest is not read" if full else "")
     return Corpus(train=stream["train"], val=stream["val"], train_files=files["train"],
                   val_files=files["val"])
 

@@ -1,28 +1,34 @@
 """Token data: what ``--data`` gives a model, as token ids (and loss labels).
 
-``training_corpus`` picks the reader: a token file (``.bin``/``.npy``, memory-mapped by
-``token_files``), bytes for a GPT preset or JSON model (``data.load_corpus``), or
-``tokenized_corpus`` for a model with its own tokenizer (``load_tokenizer(DIR)``, local files
-only). ``.jsonl`` files and ``datasets`` directories hold records (``pystronghold.records``)
-packed one after the other; other paths are tokenized as one stream. The last ``val_fraction`` of
-the tokens is validation; ``max_bytes`` bounds the text read (UTF-8 bytes).
+``data_files`` lists what ``--data`` names: a file as it is, a ``datasets`` directory whole, any
+other directory as every file under it in sorted path order (hidden entries and ``data.SKIP_DIRS``
+are not read, and counted), each by format: a token file (``.bin``/``.npy``), ``.jsonl`` records,
+or text (UTF-8 without NUL bytes, judged by the first ``SNIFF_BYTES``). A file of none of these in a
+directory is refused, named, rather than skipped. ``training_corpus`` logs what it reads and picks
+the reader: a token file alone (memory-mapped by ``token_files``), bytes for a GPT preset or JSON
+model (``data.load_corpus``; text only), or ``tokenized_corpus`` for a model with its own tokenizer
+(``load_tokenizer(DIR)``, local files only): records (``pystronghold.records``) packed one after
+the other, then the text files tokenized as one stream. The last ``val_fraction`` of the tokens is
+validation; ``max_bytes`` bounds the text read (UTF-8 bytes).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pystronghold.data import IGNORE_INDEX, VOCAB_SIZE, Corpus, DataConfig, load_corpus, split_range
+from pystronghold.data import IGNORE_INDEX, SKIP_DIRS, VOCAB_SIZE, Corpus, DataConfig, load_corpus, split_range
 from pystronghold.options import first_line
 from pystronghold.records import (dataset_records, encode_record, encode_text, is_dataset_dir, jsonl_records,
                                   record_bytes)
-from pystronghold.token_files import is_token_file, token_file_corpus
+from pystronghold.token_files import TOKEN_FILE_SUFFIXES, is_token_file, token_file_corpus
 
-__all__ = ["training_corpus", "load_tokenizer", "has_tokenizer", "tokenized_corpus", "TOKENIZER_FILES"]
+__all__ = ["training_corpus", "load_tokenizer", "has_tokenizer", "tokenized_corpus", "TOKENIZER_FILES", "DataFile",
+           "data_files", "SNIFF_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -51,25 +57,135 @@ def load_tokenizer(directory: str | os.PathLike):
         raise ValueError(f"{path}: cannot load its tokenizer ({first_line(e)})") from None
 
 
+# ---- what --data names
+
+SNIFF_BYTES = 8192
+"""Leading bytes of a file inside a directory that decide whether it is text."""
+FORMATS = ("text", "jsonl", "dataset", "tokens")
+"""``DataFile.format`` values."""
+
+
+@dataclass(frozen=True, slots=True)
+class DataFile:
+    """One source of ``--data``."""
+
+    path: str
+    format: str
+    """One of ``FORMATS``: text, JSONL records, a datasets directory, or a token file."""
+    size: int
+    """Bytes on disk (a datasets directory: its files' total)."""
+
+
+def _names(paths: list[str], most: int = 5) -> str:
+    return ", ".join(paths[:most]) + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
+def _is_text(path: Path) -> bool:
+    """UTF-8 without NUL bytes in the first ``SNIFF_BYTES`` (a character cut at the end is fine)."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data" and len(head) == SNIFF_BYTES
+    return True
+
+
+def _format(path: Path, *, named: bool) -> str | None:
+    """The format of file ``path``; a file named directly is text unless its suffix says otherwise,
+    one inside a directory must look like text (None: it does not)."""
+    if path.suffix in TOKEN_FILE_SUFFIXES:
+        return "tokens"
+    if path.suffix == ".jsonl":
+        return "jsonl"
+    return "text" if named or _is_text(path) else None
+
+
+def _tree_size(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def data_files(paths: list[str]) -> tuple[list[DataFile], int]:
+    """The sources of ``--data paths`` in order (see the module docstring), and how many hidden or
+    ``SKIP_DIRS`` entries inside directories were not read. ValueError (one line) naming the files
+    of a directory that are of no supported format, or a directory with no file to read."""
+    out: list[DataFile] = []
+    skipped = 0
+    for p in paths:
+        root = Path(p)
+        if is_dataset_dir(root):
+            out.append(DataFile(str(root), "dataset", _tree_size(root)))
+            continue
+        if not root.is_dir():
+            out.append(DataFile(str(root), _format(root, named=True), root.stat().st_size))
+            continue
+        found, unsupported = [], []
+        for dirpath, dirnames, filenames in os.walk(root):
+            keep = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+            skipped += len(dirnames) - len(keep)
+            dirnames[:] = []
+            for name in keep:  # a datasets directory inside is one source, not its files
+                sub = Path(dirpath, name)
+                if is_dataset_dir(sub):
+                    found.append(DataFile(str(sub), "dataset", _tree_size(sub)))
+                else:
+                    dirnames.append(name)
+            for name in sorted(filenames):
+                path = Path(dirpath, name)
+                if name.startswith("."):
+                    skipped += 1
+                elif path.is_file():
+                    kind = _format(path, named=False)
+                    if kind is None:
+                        unsupported.append(str(path))
+                    else:
+                        found.append(DataFile(str(path), kind, path.stat().st_size))
+        if unsupported:
+            raise ValueError(f"--data {p}: {len(unsupported)} file(s) are neither text (UTF-8), .jsonl records nor "
+                             f"token files (.bin, .npy) and would be skipped: {_names(unsupported)}; move them "
+                             "out or name the files to read")
+        if not found:
+            raise ValueError(f"--data {p}: the directory has no file to read (hidden files and "
+                             f"{', '.join(sorted(SKIP_DIRS))} are not read)")
+        out += sorted(found, key=lambda f: f.path)
+    return out, skipped
+
+
+def _describe(files: list[DataFile], skipped: int) -> str:
+    """The start-up line of what ``--data`` reads."""
+    counts = {k: sum(f.format == k for f in files) for k in FORMATS}
+    kinds = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    return (f"--data: {len(files)} source(s) ({kinds}), {sum(f.size for f in files)} bytes on disk"
+            + (f"; {skipped} hidden or {'/'.join(sorted(SKIP_DIRS))} entries not read" if skipped else ""))
+
+
 def training_corpus(paths: list[str], *, vocab_size: int, max_bytes: int, val_fraction: float,
                     token_dtype: str = "auto", tokenizer_dir: str | os.PathLike | None = None) -> Corpus:
-    """The corpus of ``--data paths`` for a model of ``vocab_size`` entries (see the module
-    docstring); ``tokenizer_dir``: the model's own tokenizer (None: the model reads bytes)."""
-    if any(is_token_file(p) for p in paths):
-        if len(paths) != 1:
-            raise ValueError("--data: a token file (.bin, .npy) is trained on alone; give one token file "
-                             f"and nothing else (got {len(paths)} paths)")
-        return token_file_corpus(paths[0], vocab_size=vocab_size, val_fraction=val_fraction, token_dtype=token_dtype)
+    """The corpus of ``--data paths`` (none: the standard library's sources) for a model of
+    ``vocab_size`` entries (see the module docstring); ``tokenizer_dir``: the model's own tokenizer
+    (None: the model reads bytes). ValueError (one line) for sources that cannot be read together:
+    a token file with anything else, records for a byte-level model."""
+    files, skipped = data_files(paths)
+    if files:
+        log.info("%s", _describe(files, skipped))
+    tokens = [f.path for f in files if f.format == "tokens"]
+    if tokens:
+        if len(files) != 1:
+            raise ValueError("--data: a token file (.bin, .npy) is trained on alone and mixes with nothing, but "
+                             f"{len(files)} sources were given: {_names([f.path for f in files])}")
+        return token_file_corpus(tokens[0], vocab_size=vocab_size, val_fraction=val_fraction, token_dtype=token_dtype)
     if tokenizer_dir is not None:
-        return tokenized_corpus(paths, load_tokenizer(tokenizer_dir), max_bytes=max_bytes,
+        return tokenized_corpus([f.path for f in files], load_tokenizer(tokenizer_dir), max_bytes=max_bytes,
                                 val_fraction=val_fraction, vocab_size=vocab_size)
-    for p in paths:
-        if is_dataset_dir(Path(p)):
-            raise ValueError(f"--data {p}: a datasets directory needs a model with a tokenizer (--model hf:DIR); "
-                             "byte-level models read text files")
+    records = [f.path for f in files if f.format != "text"]
+    if records:
+        raise ValueError(f"--data: records (.jsonl files, datasets directories) need a model with a tokenizer "
+                         f"(--model hf:DIR); byte-level models read text files: {_names(records)}")
     if vocab_size < VOCAB_SIZE:
         raise ValueError(f"--model: vocab_size {vocab_size} is smaller than the {VOCAB_SIZE} byte values of the data")
-    return load_corpus(DataConfig(paths=paths, max_bytes=max_bytes, val_fraction=val_fraction))
+    return load_corpus(DataConfig(paths=[f.path for f in files], max_bytes=max_bytes, val_fraction=val_fraction))
 
 
 def _is_record_source(path: str) -> bool:
@@ -139,8 +255,10 @@ def tokenized_corpus(paths: list[str], tokenizer, *, max_bytes: int, val_fractio
     if masked and not bool((labels[1:cut] != IGNORE_INDEX).any()):
         raise ValueError(f"the train split of {', '.join(files)} has no target token (no assistant turn or "
                          "completion): nothing to learn")
-    log.info("corpus: %d train tokens, %d validation tokens from %d file(s)%s", len(train), len(val), len(files),
-             f", {int((labels[:cut] != IGNORE_INDEX).sum())} train targets" if masked else "")
+    log.info("corpus: %d train tokens, %d validation tokens from %d file(s)%s%s", len(train), len(val), len(files),
+             f", {int((labels[:cut] != IGNORE_INDEX).sum())} train targets" if masked else "",
+             f"; max_bytes {max_bytes} reached: {len(paths) - len(files)} of {len(paths)} sources not read"
+             if len(files) < len(paths) else "")
     return Corpus(train=train, val=val, train_files=files, val_files=files[-1:],
                   train_labels=labels[:cut] if masked else None, val_labels=labels[cut:] if masked else None,
                   unit="token")

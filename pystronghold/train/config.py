@@ -60,10 +60,10 @@ class DataOptions:
     """Where batches come from."""
 
     data: list[str] = field(default_factory=list)
-    """Text files or directories to train on; default: the Python standard library's sources (for
-    hf:DIR --data is required). With hf:DIR also .jsonl records ({"text"}, {"messages"}, {"prompt",
-    "completion"}) and datasets save_to_disk directories; for any model one token file (.bin, .npy),
-    memory-mapped."""
+    """Text files or directories (every file under one, sorted; a format not read is refused by
+    name) to train on; default: the Python standard library's sources (for hf:DIR --data is
+    required). With hf:DIR also .jsonl records ({"text"}, {"messages"}, {"prompt", "completion"})
+    and datasets save_to_disk directories; for any model one token file (.bin, .npy), memory-mapped."""
     max_bytes: int = 4 << 20
     """Most bytes of text read (training and validation together), bytes."""
     val_fraction: float = 0.05
