@@ -15,6 +15,8 @@ import hashlib
 import json
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -295,16 +297,71 @@ def hub_weights(model: nn.Module, weight_dicts):
     return hub_layout(model, block_stack(model)[0], weight_dicts)
 
 
-def weights_fingerprint(directory: str | os.PathLike) -> dict:
-    """What identifies the model saved in ``directory`` without reading its weights: the sha256 of
-    config.json (and of the shard index), and the size in bytes of every safetensors file."""
+# ---- what identifies a base model's files
+
+HASH_CHUNK = 64 << 20
+"""Bytes of a safetensors file hashed per ``crc32c`` call (the file's value is the crc32c of the
+chunks' crc32c values, little-endian uint32), bytes."""
+FINGERPRINT_IDENTITY = ("bytes", "crc32c")
+"""The fields of a safetensors file's fingerprint entry that identify its contents; its ``"stat"``
+is only the cache key under which its ``crc32c`` is trusted without reading the file."""
+
+_hashed: dict[tuple, str] = {}
+"""(directory, file name, size, mtime_ns, ctime_ns, inode) -> crc32c of the file: what this process has
+hashed or trusted, so a second fingerprint of unchanged files reads nothing."""
+_hashing = threading.Lock()
+
+
+def _stat_key(path: Path) -> list[int]:
+    """``[size, mtime_ns, ctime_ns, inode]``: any write through the file system, a replacement by
+    rename, or an mtime set back (which sets ctime to now) changes it."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _file_crc32c(path: Path) -> str:
+    """crc32c of ``path``'s bytes, read ``HASH_CHUNK`` at a time into one buffer (``HASH_CHUNK``)."""
+    from pystronghold.ops import crc32c
+
+    buffer = bytearray(HASH_CHUNK)
+    view = torch.frombuffer(buffer, dtype=torch.uint8)  # (HASH_CHUNK,)
+    chunks = []
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            chunks.append(crc32c(view[:n]))
+    # NOTE: the op takes no running value, so chunks are combined as the file tier's segments are
+    combined = crc32c(torch.tensor(chunks, dtype=torch.int64).to(torch.int32).view(torch.uint8))
+    return f"{combined:08x}"
+
+
+def weights_fingerprint(directory: str | os.PathLike, known: dict | None = None) -> dict:
+    """What identifies the model saved in ``directory``: the sha256 of config.json (and of the shard
+    index) and, per safetensors file, ``{"bytes", "crc32c", "stat"}`` (``FINGERPRINT_IDENTITY``).
+
+    Files are hashed (``_file_crc32c``) only when neither this process nor ``known`` (a fingerprint
+    recorded earlier, e.g. a checkpoint manifest's) holds a crc32c under the file's current path and
+    ``stat`` (size, mtime, ctime, inode): resuming from an unchanged base reads no weights twice."""
     path = Path(directory)
-    out = {}
+    out: dict = {}
     for name in ("config.json", INDEX_NAME):
         if (path / name).is_file():
             out[name] = hashlib.sha256((path / name).read_bytes()).hexdigest()
-    for file in sorted(path.glob("*.safetensors")):
-        out[file.name] = file.stat().st_size
+    root = str(path.resolve())
+    for name, entry in (known or {}).items():
+        if isinstance(entry, dict) and "stat" in entry:
+            _hashed.setdefault((root, name, entry["bytes"], *entry["stat"]), entry["crc32c"])
+    done, start = 0, time.perf_counter()
+    with _hashing:
+        for file in sorted(path.glob("*.safetensors")):
+            stat = _stat_key(file)
+            key = (root, file.name, *stat)
+            if key not in _hashed:
+                _hashed[key] = _file_crc32c(file)
+                done += stat[0]
+            out[file.name] = {"bytes": stat[0], "crc32c": _hashed[key], "stat": stat[1:]}
+    if done:
+        log.info("%s: hashed %d bytes of safetensors (crc32c) in %.1f s: the base's fingerprint", root, done,
+                 time.perf_counter() - start)
     return out
 
 

@@ -31,7 +31,7 @@ from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
 from pystronghold.runtime.divergence import check_finite_state
 from pystronghold.train.checkpoint_dir import (FORMAT, VERSION, CheckpointError, block_file, checkpoint_name,
                                                read_manifest)
-from pystronghold.train.finetune import check_checkpoint_record, checkpoint_record
+from pystronghold.train.finetune import check_base, check_checkpoint_record, checkpoint_record
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "load_checkpoint", "read_manifest",
            "checkpoint_weights", "export_weights", "save_safetensors"]
@@ -313,6 +313,9 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     mine, saved_model = _model_dict(trainer.config.gpt), dict(manifest["model"], tp_size=1)
     if saved_model != mine:
         raise CheckpointError(f"checkpoint {path} was made for another model: {_model_difference(saved_model, mine)}")
+    # NOTE: the base first: it trusts the manifest's crc32c of unchanged files, so the record
+    # computed next for this run hashes nothing again
+    check_base(manifest, path, "resume")
     check_checkpoint_record(manifest, _finetune_record(trainer), path)
     engine = trainer.engine
     states = engine.states

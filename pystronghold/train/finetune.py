@@ -58,29 +58,47 @@ def _options_text(finetune: dict) -> str:
 
 def check_checkpoint_record(manifest: dict, mine: dict, path) -> None:
     """CheckpointError (one line) unless checkpoint ``path`` (its ``manifest``) was made with the
-    fine-tune options of this run (``mine``: its ``checkpoint_record``) and, when it left the frozen
-    parameters to a base directory, that directory still holds the weights it was trained from.
-    A manifest without these entries predates them: a full fine-tune."""
+    fine-tune options of this run (``mine``: its ``checkpoint_record``). A manifest without these
+    entries predates them: a full fine-tune. (Whether the base directory still holds the weights it
+    was trained from is ``check_base``'s; resume runs it first.)"""
     from pystronghold.train.checkpoint_dir import CheckpointError
 
     saved = manifest.get("finetune") or {"lora": None, "freeze": None}
     if saved != mine["finetune"]:
         raise CheckpointError(f"checkpoint {path} was trained with {_options_text(saved)}, this run with "
                               f"{_options_text(mine['finetune'])}; resume with the options it was made with")
-    check_base(manifest, path, "resume")
+
+
+def _identity(entry):
+    """What of a fingerprint entry must match: a hash, or a safetensors file's size and crc32c (a
+    bare size: a manifest written before the files were hashed)."""
+    from pystronghold.models.hf import FINGERPRINT_IDENTITY
+
+    if isinstance(entry, dict):
+        return {k: entry.get(k) for k in FINGERPRINT_IDENTITY}
+    return entry
 
 
 def check_base(manifest: dict, path, use: str) -> None:
     """CheckpointError (one line, saying what ``use`` needs) when checkpoint ``path`` left its
-    frozen parameters to a base directory whose config or safetensors files have changed since."""
+    frozen parameters to a base directory whose config or safetensors files (their bytes, by
+    crc32c) have changed since. Files whose size, mtime, ctime and inode are those the manifest
+    recorded are not read again (``models.hf.weights_fingerprint``)."""
     base = manifest.get("base")
     if base is None:
         return
     from pystronghold.models.hf import weights_fingerprint
     from pystronghold.train.checkpoint_dir import CheckpointError
 
-    now = weights_fingerprint(base["source"])
-    changed = sorted(name for name in {**base["fingerprint"], **now} if base["fingerprint"].get(name) != now.get(name))
+    saved, now = base["fingerprint"], weights_fingerprint(base["source"], known=base["fingerprint"])
+
+    def same(name: str) -> bool:
+        old, new = saved.get(name), now.get(name)
+        if isinstance(old, int) and isinstance(new, dict):  # sizes only were recorded
+            return old == new["bytes"]
+        return _identity(old) == _identity(new)
+
+    changed = sorted(name for name in {**saved, **now} if not same(name))
     if changed:
         raise CheckpointError(f"checkpoint {path} holds only the trained parameters; the frozen ones come from "
                               f"{base['source']}, which has changed since ({', '.join(changed[:3])}"

@@ -216,3 +216,43 @@ def test_a_lora_run_prints_no_future_warning_and_names_its_lr(peft, tmp_path, ll
     assert run.returncode == 0, run.stderr
     assert "Warning" not in run.stderr, run.stderr
     assert "AdamW: peak lr 0.0002 (LoRA's default)" in run.stdout
+
+
+def test_a_base_edited_in_place_at_the_same_size_is_refused(peft, tmp_path, llama, capsys):
+    """The base's weights scaled x10 and saved over the shard at the same size (and then with the
+    shard's mtime set back): resume and export refuse in one line naming the shard. Resuming from the
+    unchanged base in a new process hashes nothing: the manifest's crc32c is trusted under the
+    file's unchanged size, mtime, ctime and inode."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    directory, data = llama
+    args = train_args(directory, data, tmp_path / "ck", LORA, steps=2, every=2)
+    assert main(args) == 0
+    manifest = json.loads((tmp_path / "ck" / "step-00000002" / "manifest.json").read_text())
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    shard = directory / index["weight_map"]["model.layers.1.self_attn.q_proj.weight"]
+    assert set(manifest["base"]["fingerprint"][shard.name]) == {"bytes", "crc32c", "stat"}
+
+    resume = train_args(directory, data, tmp_path / "ck", LORA, steps=3, every=3, resume=True)
+    run = subprocess.run([sys.executable, "-m", "pystronghold", *resume], capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "hashed" not in run.stdout  # the manifest's crc32c, trusted: no weights read twice
+
+    before = shard.stat()
+    tensors = load_file(str(shard))
+    save_file({k: t * 10 for k, t in tensors.items()}, str(shard), metadata={"format": "pt"})
+    assert shard.stat().st_size == before.st_size
+    again = train_args(directory, data, tmp_path / "ck", LORA, steps=4, resume=True)
+    for set_mtime_back in (False, True):
+        if set_mtime_back:  # ctime cannot be set back: the file is hashed again
+            os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+            assert shard.stat().st_mtime_ns == before.st_mtime_ns
+        err = cli_error(capsys, again)
+        assert f"which has changed since ({shard.name} differ); resume with the base it was trained from" in err
+        assert f"({shard.name} differ); export with the base" in cli_error(
+            capsys, ["export", str(tmp_path / "ck"), str(tmp_path / "o"), "--hf"])
