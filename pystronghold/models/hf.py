@@ -29,7 +29,8 @@ from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
 from pystronghold.options import first_line
 
 __all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "meta_model",
-           "block_stack", "hub_weights", "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint"]
+           "block_stack", "hub_weights", "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint",
+           "HASH_CHUNK", "FINGERPRINT_IDENTITY"]
 
 log = logging.getLogger(__name__)
 
