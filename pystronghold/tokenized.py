@@ -1,8 +1,8 @@
 """Token data: what ``--data`` gives a model, as token ids (and loss labels).
 
 ``data_files`` lists what ``--data`` names: a file as it is, a ``datasets`` directory whole, any
-other directory as every file under it in sorted path order (hidden entries and ``data.SKIP_DIRS``
-are not read, and counted), each by format: a token file (``.bin``/``.npy``), ``.jsonl`` records,
+other directory as every file under it in sorted path order (hidden entries, ``data.SKIP_DIRS``
+and links to directories are not read, and counted), each by format: a token file (``.bin``/``.npy``), ``.jsonl`` records,
 or text (UTF-8 without NUL bytes, judged by the first ``SNIFF_BYTES``). A file of none of these in a
 directory is refused, named, rather than skipped. ``training_corpus`` logs what it reads and picks
 the reader: a token file alone (memory-mapped by ``token_files``), bytes for a GPT preset or JSON
@@ -123,7 +123,9 @@ def data_files(paths: list[str]) -> tuple[list[DataFile], int]:
             continue
         found, unsupported = [], []
         for dirpath, dirnames, filenames in os.walk(root):
-            keep = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+            # NOTE: a link to a directory is not followed (os.walk's default: no loops), and counted
+            keep = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")
+                          and not Path(dirpath, d).is_symlink())
             skipped += len(dirnames) - len(keep)
             dirnames[:] = []
             for name in keep:  # a datasets directory inside is one source, not its files
@@ -158,7 +160,8 @@ def _describe(files: list[DataFile], skipped: int) -> str:
     counts = {k: sum(f.format == k for f in files) for k in FORMATS}
     kinds = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
     return (f"--data: {len(files)} source(s) ({kinds}), {sum(f.size for f in files)} bytes on disk"
-            + (f"; {skipped} hidden or {'/'.join(sorted(SKIP_DIRS))} entries not read" if skipped else ""))
+            + (f"; {skipped} entries not read (hidden, {'/'.join(sorted(SKIP_DIRS))}, links to directories)"
+               if skipped else ""))
 
 
 def training_corpus(paths: list[str], *, vocab_size: int, max_bytes: int, val_fraction: float,

@@ -102,8 +102,9 @@ def test_hidden_entries_and_bytecode_are_counted_not_read_and_an_empty_folder_is
     (folder / ".env").write_text("SECRET=1\n")
     (folder / "b" / "z.txt").write_text("z\n")
     (folder / "a.txt").write_text("a\n")
+    (folder / "link").symlink_to(folder / "b")  # not followed (a link may loop)
     files, skipped = data_files([str(folder)])
-    assert [f.path for f in files] == [str(folder / "a.txt"), str(folder / "b" / "z.txt")] and skipped == 3
+    assert [f.path for f in files] == [str(folder / "a.txt"), str(folder / "b" / "z.txt")] and skipped == 4
     empty = tmp_path / "empty"
     (empty / ".git").mkdir(parents=True)
     assert "the directory has no file to read" in cli_error(capsys, ["train", "--data", str(empty), "--steps", "1"])
