@@ -25,7 +25,7 @@ from pystronghold.data import IGNORE_INDEX, SKIP_DIRS, VOCAB_SIZE, Corpus, DataC
 from pystronghold.options import first_line
 from pystronghold.records import (dataset_records, encode_record, encode_text, is_dataset_dir, jsonl_records,
                                   record_bytes)
-from pystronghold.token_files import TOKEN_FILE_SUFFIXES, is_token_file, token_file_corpus
+from pystronghold.token_files import TOKEN_FILE_SUFFIXES, token_file_corpus
 
 __all__ = ["training_corpus", "load_tokenizer", "has_tokenizer", "tokenized_corpus", "TOKENIZER_FILES", "DataFile",
            "data_files", "SNIFF_BYTES"]
