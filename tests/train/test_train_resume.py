@@ -193,3 +193,31 @@ def test_resume_refuses_when_no_checkpoint_fits(tmp_path):
         Trainer(tiny_config(tmp_path, steps=6, ckpt=str(ck), resume=True, model=dict(TINY, hidden=64)))
     assert str(info.value) == (f"checkpoint {ck / 'step-00000004'} was made for another model: hidden 32 (this run "
                                "64) (and the 1 older valid one(s) do not fit either)")
+
+
+def test_the_readmes_code_loads_a_cli_checkpoint_into_an_engine(tmp_path, monkeypatch):
+    """README's snippet, run as written in a directory holding the CLI's ``ck``: the engine's values
+    are the checkpoint's (two steps away from the initial ones the snippet's model starts with)."""
+    import re
+    from pathlib import Path
+
+    from pystronghold.train.checkpoint import checkpoint_weights, read_manifest
+
+    ck = tmp_path / "ck"
+    assert main(_cli(tmp_path, ck, "--steps", "2")) == 0
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    snippet = next(code for code in re.findall(r"```python\n(.*?)```", readme, re.S)
+                   if 'newest_valid_checkpoint("ck")' in code)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    engine = scope["engine"]
+    try:
+        path = ck / "step-00000002"
+        saved = {k: v for part in checkpoint_weights(path, read_manifest(path)) for k, v in part.items()}
+        masters = engine.master_parameters()
+        assert saved.keys() <= masters.keys() and len(saved) > 10
+        for name, value in saved.items():
+            assert torch.equal(masters[name], value), name
+    finally:
+        engine.close()
