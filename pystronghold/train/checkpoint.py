@@ -144,7 +144,7 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, _after_file=None) -> Pa
         if writer:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".tmp-*"):  # left by a killed save (one run per directory: not a live one)
-                shutil.rmtree(stale, ignore_errors=True)
+                stale.unlink() if stale.is_file() else shutil.rmtree(stale, ignore_errors=True)
             (tmp / "blocks").mkdir(parents=True)
         files = _write_tensors(trainer, tmp if writer else None, _after_file)
         if not writer:
