@@ -268,3 +268,26 @@ def test_a_partial_save_that_cannot_be_removed_is_named_not_said_removed(tmp_pat
     err = _one_line(capsys)
     assert code == 1 and "removed" not in err
     assert err.endswith(f"its partial save {ck}/.tmp-step-00000004-{os.getpid()} is left (remove it by hand)"), err
+
+
+def test_an_overwrite_run_killed_between_marking_the_directory_and_its_first_checkpoint_resumes_nothing(
+        tmp_path, monkeypatch):
+    """The directory is the new run's as soon as it is marked: its first checkpoint not yet renamed
+    into place, --resume finds nothing of it and refuses, rather than continuing the old run."""
+    import pystronghold.train.checkpoint as checkpoint
+
+    ck = tmp_path / "ck"
+    run_training(_config(tmp_path, ck, steps=4, every=2))
+    mark = checkpoint.mark_run
+
+    def marked_then_killed(*args, **kwargs):
+        mark(*args, **kwargs)
+        raise _Killed
+
+    monkeypatch.setattr(checkpoint, "mark_run", marked_then_killed)
+    with pytest.raises(_Killed):
+        run_training(_config(tmp_path, ck, steps=3, every=1, overwrite=True))
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"--resume: no valid checkpoint in .*step-00000004 is another run's "
+                                              r"than the directory's .*\(and 1 older"):
+        Trainer(_config(tmp_path, ck, steps=3, resume=True))
