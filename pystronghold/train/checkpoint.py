@@ -6,7 +6,8 @@ data position, ``engine.state_dict()``) and ``manifest.json`` (config, lineage, 
 file). It does not depend on the window size or the PP x TP x DP layout that wrote it. Writing
 goes into a ``.tmp-step-...`` directory renamed when complete, so a crash leaves the previous
 checkpoints intact; loading verifies every checksum before changing anything and raises
-``CheckpointError`` (one line). Directory naming and locking are ``checkpoint_dir.py``'s.
+``CheckpointError`` (one line). Directory naming and locking are ``checkpoint_dir.py``'s, which
+checkpoint a resume takes and what it does with the options given again ``resume.py``'s.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from pystronghold.train.checkpoint_dir import (FORMAT, VERSION, CheckpointError,
                                                checkpoint_name, mark_run, read_manifest)
 from pystronghold.train.finetune import check_checkpoint_record, checkpoint_record
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "SaveInterrupted", "save_checkpoint", "load_checkpoint", "read_manifest",
-           "checkpoint_weights", "export_weights", "save_safetensors"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "SaveInterrupted", "save_checkpoint", "load_checkpoint",
+           "read_manifest", "checkpoint_weights", "export_weights", "save_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +339,8 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
 
     Every rank of a run with several processes calls it and reads the files itself; a rank of a
     tensor-parallel run keeps its slice of each split tensor (any TP size may have written them).
+    UnusableCheckpoint for one made for another model or block count (before anything changes) or
+    holding inf/NaN values or moments (found as each file is read: load another one after it).
     """
     path = Path(path)
     manifest = read_manifest(path)
