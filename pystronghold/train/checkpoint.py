@@ -405,16 +405,17 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     try:
         trainer.sampler.load_state_dict(state["sampler"])
     except ValueError as e:
-        raise CheckpointError(f"checkpoint {path}: its data position does not fit this run's data "
-                              f"({_data_difference(state['sampler'], trainer.sampler.state_dict()) or e}); "
-                              "a resumed run keeps them") from None
+        differs = _data_difference(state["sampler"], trainer.sampler.state_dict())
+        raise CheckpointError(f"checkpoint {path} was made with other data settings: {differs}; a resumed run "
+                              "keeps its batch, sequence length and data" if differs else
+                              f"checkpoint {path}: its data position does not fit this run's data ({e})") from None
     _set_rng_state(state["rng"])
 
 
 def _data_difference(saved: dict, mine: dict) -> str:
     """The data settings of a saved data position (``BatchSampler.state_dict``) that differ from this
     run's, named as options: ``--batch 4 (this run 8)``."""
-    flags = {"batch": "--batch", "seq": "--seq", "data_bytes": "bytes of training text (--data, --max-bytes)"}
+    flags = {"batch": "--batch", "seq": "--seq", "data_bytes": "training bytes (--data, --max-bytes)"}
     return ", ".join(f"{flag} {saved.get(k)} (this run {mine[k]})" for k, flag in flags.items()
                      if saved.get(k) != mine[k])
 

@@ -115,14 +115,17 @@ def test_only_options_given_on_the_command_line_change_a_resumed_run(tmp_path, c
     assert schedule["warmup_steps"] == 1 and schedule["min_ratio"] == 0.5 and peaks == [1e-3, 1e-3]
 
 
-def test_a_changed_seed_on_resume_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("option, words", [("--seed", "--seed 1 differs from checkpoint"),
+                                           ("--batch", "made with other data settings: --batch 4 (this run 1); a resumed run keeps")])
+def test_a_changed_seed_or_batch_on_resume_is_refused_in_one_line_naming_it(tmp_path, capsys, option, words):
     ck = tmp_path / "ck"
     assert main(_cli(tmp_path, ck, "--steps", "2")) == 0
     capsys.readouterr()
-    assert main(_cli(tmp_path, ck, "--steps", "3", "--resume", "--seed", "1")) == 2
+    assert main(_cli(tmp_path, ck, "--steps", "3", "--resume", option, "1")) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--seed 1 differs from checkpoint" in err, err
-    assert main(_cli(tmp_path, ck, "--steps", "3", "--resume", "--seed", "0")) == 0  # given, the same: fine
+    assert len(err.splitlines()) == 1 and words in err, err
+    same = {"--seed": "0", "--batch": "4"}[option]
+    assert main(_cli(tmp_path, ck, "--steps", "3", "--resume", option, same)) == 0  # given, the same: fine
 
 
 def test_resuming_past_steps_says_there_is_nothing_to_train(tmp_path, caplog):
