@@ -19,7 +19,7 @@ import re
 import sys
 import textwrap
 
-__all__ = ["option", "component", "ConfigError", "field_docs", "flag_of", "add_options", "from_args",
+__all__ = ["option", "component", "ConfigError", "field_docs", "flag_of", "add_options", "from_args", "given_options",
            "parse_bytes", "one_line_error", "first_line"]
 
 _TYPES = {"str": str, "int": int, "float": float}
@@ -211,6 +211,18 @@ def from_args(job_cls, args: argparse.Namespace):
         return job_cls(**values)
     except ConfigError as e:
         raise ValueError(e.on_command_line()) from None
+
+
+def given_options(job_cls, args: argparse.Namespace) -> frozenset[str]:
+    """The option fields of ``job_cls`` given on the command line ``args`` was parsed from (a parser
+    made with ``add_options`` leaves the others out), as ``component.field`` (or ``field``) names."""
+    names = set()
+    for f in dataclasses.fields(job_cls):
+        if f.metadata.get("component"):
+            names.update(f"{f.name}.{g.name}" for g in _options(f, type(f.default_factory())))
+        elif f.metadata.get("cli", True):
+            names.add(f.name)
+    return frozenset(names & set(vars(args)))
 
 
 # ---- values written as text

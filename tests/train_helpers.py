@@ -38,6 +38,13 @@ def tiny_config(tmp_path: Path, *, steps: int = 6, window: int | str = 2, ckpt: 
         checkpoint=CheckpointOptions(checkpoint_dir=ckpt, checkpoint_every=every, resume=resume))
 
 
+def listing(ck: Path) -> list[str]:
+    """The names in checkpoint directory ``ck`` but its run marker (``checkpoint_dir.RUN_FILE``), sorted."""
+    from pystronghold.train.checkpoint_dir import RUN_FILE
+
+    return sorted(p.name for p in Path(ck).iterdir() if p.name != RUN_FILE)
+
+
 def run_training(config: TrainConfig, *, keep: bool = False):
     """Train ``config`` to the end and close the trainer. Returns the ``TrainResult``, or with ``keep``
     the (closed) ``Trainer`` itself, for a test that reads its engine afterwards."""

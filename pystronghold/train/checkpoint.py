@@ -6,7 +6,8 @@ data position, ``engine.state_dict()``) and ``manifest.json`` (config, lineage, 
 file). It does not depend on the window size or the PP x TP x DP layout that wrote it. Writing
 goes into a ``.tmp-step-...`` directory renamed when complete, so a crash leaves the previous
 checkpoints intact; loading verifies every checksum before changing anything and raises
-``CheckpointError`` (one line). Directory naming and locking are ``checkpoint_dir.py``'s.
+``CheckpointError`` (one line). Directory naming and locking are ``checkpoint_dir.py``'s, which
+checkpoint a resume takes and what it does with the options given again ``resume.py``'s.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from pystronghold.models.hf import HFModelConfig
 from pystronghold.models.lora import GPT_ARCHITECTURE, LoraSpec, merged_state_dict
 from pystronghold.parallel.data import is_pipeline_copy, tied_source
 from pystronghold.parallel.layers import gather_tp_tensor, tp_slice
-from pystronghold.runtime.divergence import check_finite_state
-from pystronghold.train.checkpoint_dir import (FORMAT, VERSION, CheckpointError, block_file, checkpoint_name,
-                                               read_manifest)
+from pystronghold.runtime.divergence import check_finite_state, nonfinite_entry
+from pystronghold.train.checkpoint_dir import (FORMAT, VERSION, CheckpointError, UnusableCheckpoint, block_file,
+                                               checkpoint_name, mark_run, read_manifest)
 from pystronghold.train.finetune import check_base, check_checkpoint_record, checkpoint_record
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "load_checkpoint", "read_manifest",
-           "checkpoint_weights", "export_weights", "save_safetensors"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "SaveInterrupted", "save_checkpoint", "load_checkpoint",
+           "read_manifest", "checkpoint_weights", "export_weights", "save_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,12 @@ def _model_dict(config) -> dict:
 
 class CheckpointWriteError(OSError):
     """A checkpoint that could not be written (a full disk, an I/O error): the message names the
-    step and the file; ``errno`` is the cause's. Its partial save has been removed."""
+    step, the file, and whether its partial save was removed; ``errno`` is the cause's."""
+
+
+class SaveInterrupted(KeyboardInterrupt):
+    """A save stopped by KeyboardInterrupt (a second Ctrl-C): ``str()`` is one line naming the step
+    and what became of its partial save (removed, or the path left)."""
 
 
 def save_checkpoint(trainer, root: str | os.PathLike, *, _after_file=None) -> Path | None:
@@ -124,7 +130,8 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, _after_file=None) -> Pa
     In a run of several processes every rank calls it: with tensor parallelism the TP ranks of DP
     replica 0 gather each split tensor (a collective, one block at a time); global rank 0 alone
     writes and gets the directory, every other rank gets None. CheckpointWriteError when a write
-    fails. ``_after_file(name)`` is a test hook called after each file is written.
+    fails, SaveInterrupted on a KeyboardInterrupt; either way the partial save is removed first.
+    ``_after_file(name)`` is a test hook called after each file is written.
     """
     trainer.engine.synchronize()  # every host update (forward-overlap ones too) has landed in the store
     groups = trainer.groups
@@ -138,23 +145,35 @@ def save_checkpoint(trainer, root: str | os.PathLike, *, _after_file=None) -> Pa
         if writer:
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.glob(".tmp-*"):  # left by a killed save (one run per directory: not a live one)
-                shutil.rmtree(stale, ignore_errors=True)
+                stale.unlink() if stale.is_file() else shutil.rmtree(stale, ignore_errors=True)
             (tmp / "blocks").mkdir(parents=True)
         files = _write_tensors(trainer, tmp if writer else None, _after_file)
         if not writer:
             return None
         final = _write_manifest(trainer, root, tmp, name, files)
-    except (FloatingPointError, OSError) as e:  # inf/NaN state refused, or a failed write
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)  # NOTE: on a full disk the partial save is what fills it
+    except (FloatingPointError, OSError, KeyboardInterrupt) as e:  # inf/NaN state, a failed write, Ctrl-C
+        left = _remove_partial(tmp) if writer else "its partial save is rank 0's"
+        if isinstance(e, KeyboardInterrupt):
+            raise SaveInterrupted(f"interrupted again while writing the checkpoint of step {trainer.step}: "
+                                  f"not written, {left}") from e
         if not isinstance(e, OSError):
             raise
         error = CheckpointWriteError(f"checkpoint of step {trainer.step} not written: {e.strerror or e} "
-                                     f"({e.filename or tmp}); its partial save was removed")
+                                     f"({e.filename or tmp}); {left}")
         error.errno = e.errno
         raise error from e
     log.info("checkpoint: step %d written to %s", trainer.step, final)
     return final
+
+
+def _remove_partial(tmp: Path) -> str:
+    """Remove the partial save ``tmp`` (NOTE: on a full disk it is what fills it); says what became of it."""
+    if not tmp.exists():
+        return "nothing of it was written"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():  # a read-only file system, say
+        return f"its partial save {tmp} is left (remove it by hand)"
+    return "its partial save was removed"
 
 
 def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
@@ -249,6 +268,9 @@ def _write_manifest(trainer, root: Path, tmp: Path, name: str, files: dict[str, 
     _write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
     _fsync_dir(tmp / "blocks")
     _fsync_dir(tmp)
+    # NOTE: before the rename that makes it count: from then on a resume takes this lineage only,
+    # even where an --overwrite run is killed before it deleted its predecessor's checkpoints
+    mark_run(root, trainer.lineage, overwrite=trainer.config.checkpoint.overwrite)
     final = root / name
     if final.exists():  # the same step saved again (e.g. a resumed run's end): replace it
         old = root / f".tmp-old-{name}-{os.getpid()}"
@@ -266,6 +288,16 @@ def _load_file(path: Path, rel: str, meta: dict) -> dict[str, torch.Tensor]:
     if hashlib.sha256(data).hexdigest() != meta["sha256"]:  # changed since it was verified
         raise CheckpointError(f"checkpoint {path}: {rel} is corrupt (sha256 mismatch)")
     return st_load(data)
+
+
+def _load_finite(path: Path, rel: str, meta: dict) -> dict[str, torch.Tensor]:
+    """``_load_file``, refusing (UnusableCheckpoint) values or moments that hold inf/NaN: whole
+    checksums, yet no run can continue from them (they were written so)."""
+    tensors = _load_file(path, rel, meta)
+    bad = nonfinite_entry(tensors)
+    if bad is not None:
+        raise UnusableCheckpoint(f"checkpoint {path}: {rel}: {bad}")
+    return tensors
 
 
 def _mine(saved: dict[str, torch.Tensor], key: str, param: torch.Tensor, shape, path: Path) -> torch.Tensor:
@@ -307,12 +339,18 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
 
     Every rank of a run with several processes calls it and reads the files itself; a rank of a
     tensor-parallel run keeps its slice of each split tensor (any TP size may have written them).
+    UnusableCheckpoint for one made for another model or block count (before anything changes) or
+    holding inf/NaN values or moments (found as each file is read: load another one after it).
     """
     path = Path(path)
     manifest = read_manifest(path)
     mine, saved_model = _model_dict(trainer.config.gpt), dict(manifest["model"], tp_size=1)
     if saved_model != mine:
-        raise CheckpointError(f"checkpoint {path} was made for another model: {_model_difference(saved_model, mine)}")
+        raise UnusableCheckpoint(f"checkpoint {path} was made for another model: "
+                                 f"{_model_difference(saved_model, mine)}")
+    if manifest["blocks"] != _block_count(trainer):
+        raise UnusableCheckpoint(f"checkpoint {path} holds {manifest['blocks']} blocks, this run's model "
+                                 f"{_block_count(trainer)}")
     # NOTE: the base first: it trusts the manifest's crc32c of unchanged files, so the record
     # computed next for this run hashes nothing again
     check_base(manifest, path, "resume")
@@ -327,7 +365,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
         rel = block_file(indices[b])  # a pipeline stage reads its own blocks
         if rel not in manifest["files"]:
             raise CheckpointError(f"checkpoint {path}: {rel} is missing (it has {manifest.get('blocks')} blocks)")
-        saved = _load_file(path, rel, manifest["files"][rel])
+        saved = _load_finite(path, rel, manifest["files"][rel])
         params, shapes, trains = states.block_params(b), states.block_shapes(b), states.block_trainable(b)
         current = states.read_block(b, ("master",))["master"] if left and not all(trains) else {}
         masters = [current[n] if left and not t else _mine(saved, rename(n), p, shape, path)
@@ -336,7 +374,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
             tier: [_mine(saved, rename(n) + suffix, p, shape, path)
                    for n, p, shape, t in zip(names, params, shapes, trains) if t]
             for tier, suffix in _BLOCK_STATES if tier != "master"}})
-    saved = _load_file(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
+    saved = _load_finite(path, "head_tail.safetensors", manifest["files"]["head_tail.safetensors"])
     for i, (n, p, m, _) in enumerate(states.head_tail()):
         if left and not p.requires_grad:
             continue
@@ -360,12 +398,6 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     trainer.scheduler.load_state_dict(state["scheduler"])
-    saved_decay = getattr(trainer.scheduler.lr_lambdas[0], "decay_steps", None)
-    if saved_decay is not None and saved_decay != trainer.config.run.steps:
-        log.warning("resume: the LR schedule comes from the checkpoint (cosine to step %d); with --steps %d "
-                    "the learning rate %s", saved_decay, trainer.config.run.steps,
-                    "stays at its floor after that step" if saved_decay < trainer.config.run.steps
-                    else "will not reach its floor")
     hyper = [state["hyper"]] if isinstance(state["hyper"], dict) else state["hyper"]  # one group before 0.1.1
     groups = engine.optimizer.param_groups
     if len(hyper) != len(groups):
@@ -376,8 +408,19 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     try:
         trainer.sampler.load_state_dict(state["sampler"])
     except ValueError as e:
-        raise CheckpointError(f"checkpoint {path}: its data position does not fit this run's data ({e})") from None
+        differs = _data_difference(state["sampler"], trainer.sampler.state_dict())
+        raise CheckpointError(f"checkpoint {path} was made with other data settings: {differs}; a resumed run "
+                              "keeps its batch, sequence length and data" if differs else
+                              f"checkpoint {path}: its data position does not fit this run's data ({e})") from None
     _set_rng_state(state["rng"])
+
+
+def _data_difference(saved: dict, mine: dict) -> str:
+    """The data settings of a saved data position (``BatchSampler.state_dict``) that differ from this
+    run's, named as options: ``--batch 4 (this run 8)``."""
+    flags = {"batch": "--batch", "seq": "--seq", "data_bytes": "training bytes (--data, --max-bytes)"}
+    return ", ".join(f"{flag} {saved.get(k)} (this run {mine[k]})" for k, flag in flags.items()
+                     if saved.get(k) != mine[k])
 
 
 def _engine_state(state: dict, n_blocks: int) -> dict:

@@ -2,11 +2,14 @@
 run allowed to write it (a lock), and which of its checkpoints that run may delete.
 
 One run per directory (an exclusive ``flock`` on ``<dir>/.lock``; a second run refuses in one
-line). A fresh run refuses a directory with checkpoints unless ``--resume`` or ``--overwrite``
-(which deletes them only once its own first checkpoint is complete). ``--resume`` renames a
-damaged checkpoint to ``step-NNNNNNNN.corrupt`` and falls back to the next older one.
-``prune_checkpoints`` keeps the newest ``keep`` checkpoints of this run's lineage (the run ids in
-each manifest) and deletes other runs' only under ``--overwrite``.
+line). A fresh run refuses a directory with checkpoints unless ``--resume`` or ``--overwrite``.
+The directory's run (``<dir>/.run``: the first run id of a lineage) is set by a fresh run in one
+rename just before its first checkpoint counts; from then on ``--resume`` and ``export`` take only
+that lineage's checkpoints, so an ``--overwrite`` run killed before it deleted its predecessor's
+is never mixed with them. ``--resume`` renames a damaged checkpoint to ``step-NNNNNNNN.corrupt``
+and falls back to the next older one. ``prune_checkpoints`` keeps the newest ``keep`` checkpoints
+of this run's lineage (the run ids in each manifest) and deletes other runs' only under
+``--overwrite`` (given to this run, or to the one that started the directory's lineage).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import uuid
 from pathlib import Path
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "checkpoint_name", "block_file", "checkpoint_steps",
-           "latest_checkpoint", "read_manifest", "newest_valid_checkpoint", "set_aside", "new_run_id",
+           "latest_checkpoint", "read_manifest", "newest_valid_checkpoint", "valid_checkpoints", "set_aside",
+           "UnusableCheckpoint", "new_run_id", "mark_run",
            "DirectoryLock", "open_run_directory", "open_run_directory_on_rank_0", "prune_checkpoints", "describe_model"]
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,7 @@ VERSION = 1
 _PREFIX = "step-"
 _ASIDE = ".corrupt"
 LOCK_FILE = ".lock"
+RUN_FILE = ".run"
 
 
 class CheckpointError(ValueError):
@@ -40,8 +45,14 @@ class CheckpointError(ValueError):
     directory this run may not use."""
 
 
-class _OtherVersion(CheckpointError):
-    """A whole checkpoint of another format version: skipped by a resume, never moved aside."""
+class UnusableCheckpoint(CheckpointError):
+    """A whole checkpoint this run cannot continue from (made for another model or block count,
+    holding inf/NaN states, of another format version, or of another run than the directory's):
+    a resume falls back to an older one; it is never moved aside."""
+
+
+class _OtherVersion(UnusableCheckpoint):
+    """A whole checkpoint of another format version."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -112,26 +123,63 @@ def read_manifest(path: str | os.PathLike, *, verify: bool = True) -> dict:
                               f"pystronghold reads version {VERSION}")
     _check_listing(path, manifest)
     if verify:
-        for rel, meta in manifest["files"].items():
-            h = hashlib.sha256()
-            try:
-                with open(path / rel, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 22), b""):
-                        h.update(chunk)
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint {path}: {rel} is missing") from None
-            if h.hexdigest() != meta["sha256"]:
-                raise CheckpointError(f"checkpoint {path}: {rel} is corrupt (sha256 mismatch)")
+        _verify_files(path, manifest)
     return manifest
+
+
+def _verify_files(path: Path, manifest: dict) -> None:
+    """CheckpointError naming the first file of ``manifest`` missing or not matching its sha256."""
+    for rel, meta in manifest["files"].items():
+        h = hashlib.sha256()
+        try:
+            with open(path / rel, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path}: {rel} is missing") from None
+        if h.hexdigest() != meta["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} is corrupt (sha256 mismatch)")
+
+
+def _lineage(manifest: dict) -> list:
+    lineage = manifest.get("lineage")
+    return lineage if isinstance(lineage, list) else []
 
 
 def _writer(path: Path) -> str | None:
     """The run id that wrote checkpoint ``path`` (its lineage's last), None when unknown."""
     try:
-        lineage = _manifest_json(path).get("lineage")
+        lineage = _lineage(_manifest_json(path))
     except CheckpointError:
         return None
-    return lineage[-1] if isinstance(lineage, list) and lineage and isinstance(lineage[-1], str) else None
+    return lineage[-1] if lineage and isinstance(lineage[-1], str) else None
+
+
+# ---- the directory's run
+
+def _directory_run(root: Path) -> dict:
+    """``{"run": id, "overwrite": bool}`` of ``root/.run``; {} when there is none (a directory
+    written before runs were marked, or no run has checkpointed there yet) or it is unreadable."""
+    try:
+        marker = json.loads((root / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) and isinstance(marker.get("run"), str) else {}
+
+
+def mark_run(root: str | os.PathLike, lineage: list[str], *, overwrite: bool) -> None:
+    """Make ``lineage``'s run (its first id) the directory's, unless it is already, in one rename
+    (written, fsynced, renamed into place). A fresh run calls it just before its first checkpoint
+    counts; ``overwrite``: the run was given --overwrite (what is not of its lineage goes)."""
+    root = Path(root)
+    if _directory_run(root).get("run") == lineage[0]:
+        return
+    tmp = root / f".tmp-run-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"run": lineage[0], "overwrite": overwrite}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(root / RUN_FILE)
 
 
 def describe_model(model: dict) -> str:
@@ -158,30 +206,41 @@ def set_aside(path: str | os.PathLike) -> Path:
 
 def newest_valid_checkpoint(root: str | os.PathLike, *, move_damaged: bool = False) -> Path | None:
     """The newest checkpoint under ``root`` whose manifest is whole and whose files all match their
-    sha256; each newer one that is not is logged (naming what is wrong) and skipped, and with
-    ``move_damaged`` a damaged one is moved aside (``set_aside``; only the run holding the
-    directory's lock may). None when none is valid."""
-    return _newest_valid(Path(root), move_damaged)[0]
+    sha256, of the directory's run; each newer one that is not is logged (naming what is wrong) and
+    skipped, and with ``move_damaged`` a damaged one is moved aside (``set_aside``; only the run
+    holding the directory's lock may). None when none is valid."""
+    return next(iter(valid_checkpoints(root, move_damaged=move_damaged)), None)
 
 
-def _newest_valid(root: Path, move_damaged: bool) -> tuple[Path | None, list[str]]:
-    """(``newest_valid_checkpoint``, what was wrong with each newer one)."""
-    skipped, reasons = [], []
-    for _, path in reversed(checkpoint_steps(root)):
+def valid_checkpoints(root: str | os.PathLike, *, below: int | None = None, move_damaged: bool = False,
+                      reasons: list[str] | None = None):
+    """The valid checkpoints under ``root`` (see ``newest_valid_checkpoint``), newest first, each
+    verified as it is reached; ``below``: only those of lower steps. What was wrong with each one
+    skipped is appended to ``reasons``."""
+    root = Path(root)
+    run, skipped = _directory_run(root).get("run"), []
+    for step, path in reversed(checkpoint_steps(root)):
+        if below is not None and step >= below:
+            continue
         try:
-            read_manifest(path)
+            manifest = read_manifest(path, verify=False)
+            if run is not None and run not in _lineage(manifest):
+                raise UnusableCheckpoint(f"checkpoint {path} is another run's than the directory's (left by a "
+                                         "run that --overwrite replaced, or copied here)")
+            _verify_files(path, manifest)
         except CheckpointError as e:
-            if move_damaged and not isinstance(e, _OtherVersion):
+            if move_damaged and not isinstance(e, UnusableCheckpoint):
                 log.warning("%s; moved it aside as %s", e, set_aside(path).name)
             else:
                 log.warning("%s; trying an older checkpoint", e)
+            if reasons is not None:
+                reasons.append(str(e))
             skipped.append(path.name)
-            reasons.append(str(e))
             continue
         if skipped:
             log.warning("falling back to %s (the newest valid checkpoint; skipped %s)", path, ", ".join(skipped))
-        return path, reasons
-    return None, reasons
+        yield path
+        skipped = []
 
 
 # ---- ownership
@@ -265,7 +324,8 @@ def open_run_directory(root: str | os.PathLike, *, resume: bool, overwrite: bool
         if resume:
             if not found:
                 raise CheckpointError(f"--resume: no checkpoint in {root}")
-            path, reasons = _newest_valid(root, move_damaged=True)
+            reasons = []
+            path = next(iter(valid_checkpoints(root, move_damaged=True, reasons=reasons)), None)
             if path is None:
                 more = f" (and {len(reasons) - 1} older: see the warnings above)" if len(reasons) > 1 else ""
                 raise CheckpointError(f"--resume: no valid checkpoint in {root}: {reasons[0]}{more}")
@@ -316,13 +376,16 @@ def prune_checkpoints(root: str | os.PathLike, *, keep: int, lineage: list[str],
                       overwrite: bool = False) -> list[Path]:
     """Delete the checkpoints under ``root`` beyond the newest ``keep`` of this run's ``lineage``
     (run ids); never ``written`` (the checkpoint just saved, counted in ``keep``), never another run's
-    unless ``overwrite`` (then all of those). Returns the deleted directories."""
+    unless ``overwrite`` or the lineage's first run had it (``mark_run``; then all of those). Returns
+    the directories deleted (one that could not be is named in a warning instead)."""
     written, ours, others = Path(written), [], []
     for _, path in checkpoint_steps(root):
         if path == written:
             continue
         (ours if _writer(path) in lineage else others).append(path)
-    doomed = ours[:max(len(ours) - (keep - 1), 0)] + (others if overwrite else [])
+    marker = _directory_run(Path(root))
+    overwrite = overwrite or (marker.get("run") == lineage[0] and marker.get("overwrite") is True)
+    doomed, deleted = ours[:max(len(ours) - (keep - 1), 0)] + (others if overwrite else []), []
     for path in doomed:
         # NOTE: renamed first (atomic), so a kill mid-delete leaves a .tmp-* that the next save
         # removes, never half a checkpoint that no manifest names any more
@@ -332,8 +395,9 @@ def prune_checkpoints(root: str | os.PathLike, *, keep: int, lineage: list[str],
         except OSError as e:
             log.warning("could not delete old checkpoint %s: %s", path, e)
             continue
+        deleted.append(path)
         shutil.rmtree(gone, ignore_errors=True)
     if overwrite and others:
         log.warning("--overwrite: deleted %d earlier checkpoint(s) in %s (%s)", len(others), root,
                     ", ".join(p.name for p in others))
-    return doomed
+    return deleted

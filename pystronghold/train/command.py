@@ -32,11 +32,14 @@ EXAMPLES = """examples:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The TrainConfig of parsed ``args`` (ValueError naming the option for bad values)."""
-    from pystronghold.options import from_args
+    """The TrainConfig of parsed ``args`` (ValueError naming the option for bad values), with the
+    options given (``TrainConfig.given``)."""
+    from pystronghold.options import from_args, given_options
     from pystronghold.train.config import TrainConfig
 
-    return from_args(TrainConfig, args)
+    config = from_args(TrainConfig, args)
+    config.given = given_options(TrainConfig, args)
+    return config
 
 
 RANK_0_REPORT_WAIT_S = 60.0
@@ -59,7 +62,7 @@ def _leave_the_first_exit_to_rank_0(message: str) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Run ``pystronghold train``: 0 on success, 2 on bad input, 1 when training fails."""
     from pystronghold.runtime.divergence import DivergenceError
-    from pystronghold.train.checkpoint import CheckpointError, CheckpointWriteError
+    from pystronghold.train.checkpoint import CheckpointError, CheckpointWriteError, SaveInterrupted
     from pystronghold.train.loop import Trainer, close_parallel
 
     # Under torchrun every rank runs this; only rank 0 logs, draws the bar and prints errors (every
@@ -97,6 +100,8 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         with stopper:
             result = trainer.train(on_step)
+    except SaveInterrupted as e:  # a second Ctrl-C in a save: it names the step saved
+        failure = str(e)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once
         failure = f"interrupted again: stopped at once in step {trainer.step + 1} (no checkpoint written)"
     except DivergenceError as e:  # inf/NaN: its one line names the step already

@@ -16,7 +16,7 @@ from pathlib import Path
 from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX, HFModelConfig
-from pystronghold.options import ConfigError, component
+from pystronghold.options import ConfigError, component, option
 from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.config import RuntimeConfig
@@ -255,6 +255,10 @@ class TrainConfig:
     run: RunOptions = component(RunOptions)
     checkpoint: CheckpointOptions = component(CheckpointOptions)
     parallel: ParallelOptions = component(ParallelOptions)
+    given: frozenset[str] | None = option(default=None, cli=False)
+    """The options given on the command line, as ``component.field`` names (``optim.lr``); None (a
+    config built in Python): every field counts as given. What ``--resume`` applies, or refuses,
+    where it differs from the checkpoint (``train.resume``)."""
 
     def __post_init__(self) -> None:
         # NOTE: the machine's side of the runtime settings, before the data is read or anything built

@@ -175,10 +175,9 @@ class Trainer:
         """Set (to a signal's name) from outside, e.g. a signal handler: the run stops after the step
         in progress, writing a checkpoint when --checkpoint-dir is set."""
         if resume_from is not None:
-            from pystronghold.train.checkpoint import load_checkpoint
+            from pystronghold.train.resume import resume
 
-            load_checkpoint(self, resume_from)
-            log.info("resumed from %s at step %d", resume_from, self.step)
+            resume(self, resume_from)
         self.result.start_step = self.step
 
     def release_checkpoint_dir(self) -> None:
@@ -375,8 +374,9 @@ class Trainer:
                 written = save_checkpoint(self, ck.checkpoint_dir)
                 if written is not None:
                     res.checkpoints.append(str(written))
-                    prune_checkpoints(ck.checkpoint_dir, keep=ck.keep, lineage=self.lineage, written=written,
-                                      overwrite=ck.overwrite)
+                    deleted = prune_checkpoints(ck.checkpoint_dir, keep=ck.keep, lineage=self.lineage,
+                                                written=written, overwrite=ck.overwrite)
+                    res.checkpoints = [c for c in res.checkpoints if Path(c) not in deleted]  # what --keep left
                 self._barrier()
                 res.time.checkpoint_s += time.perf_counter() - t0
             if self.step % run.log_every == 0 or last:

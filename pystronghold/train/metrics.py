@@ -303,7 +303,7 @@ class TrainResult:
     start_step: int = 0
     """Steps already done when this process started (a resumed run's checkpoint step)."""
     checkpoints: list[str] = field(default_factory=list)
-    """Directories of the checkpoints written."""
+    """Directories of the checkpoints written and still there (not deleted by ``--keep``)."""
     outputs: list[str] = field(default_factory=list)
     """Trace files and pictures written."""
     stopped_by: str | None = None

@@ -14,7 +14,7 @@ from pystronghold.models import GPT, GPTConfig
 from pystronghold.train import Trainer
 from pystronghold.train.checkpoint import CheckpointError, export_weights, load_checkpoint, read_manifest
 from pystronghold.train.checkpoint_dir import latest_checkpoint, newest_valid_checkpoint
-from train_helpers import TINY, kill_when_marked, run_training, tiny_config
+from train_helpers import TINY, kill_when_marked, listing, run_training, tiny_config
 
 
 @pytest.mark.parametrize("clip, acc, window_after", [(1.0, 1, 2), (None, 1, 3), (1.0, 2, 1)])
@@ -24,7 +24,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, clip, acc, window_
     straight = run_training(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc))
     ck = tmp_path / "ck"
     run_training(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), every=3))
-    assert sorted(p.name for p in ck.iterdir()) == ["step-00000003", "step-00000006"]
+    assert listing(ck) == ["step-00000003", "step-00000006"]
     shutil.rmtree(ck / "step-00000006")  # as if the run had been killed after step 3
     resumed = run_training(tiny_config(tmp_path, steps=6, clip=clip, accumulation=acc, ckpt=str(ck), resume=True,
                                window=window_after))
@@ -279,4 +279,4 @@ def _random_kills(tmp_path, steps, rng):
     last = run_training(tiny_config(tmp_path, steps=steps, ckpt=str(ck), resume=start > 0))
     assert last.losses == [(s, straight[s]) for s in range(start + 1, steps + 1)]
     # the checkpoint resumed and the last run's (at its end): --keep 2 of one lineage, no .tmp left
-    assert sorted(p.name for p in ck.iterdir()) == [f"step-{start:08d}", f"step-{steps:08d}"]
+    assert listing(ck) == [f"step-{start:08d}", f"step-{steps:08d}"]

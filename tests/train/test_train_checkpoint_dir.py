@@ -19,7 +19,7 @@ from pystronghold.cli import main
 from pystronghold.train import Trainer
 from pystronghold.train.checkpoint import CheckpointError, read_manifest
 from pystronghold.train.checkpoint_dir import latest_checkpoint, newest_valid_checkpoint
-from train_helpers import TINY, run_training, tiny_config
+from train_helpers import TINY, listing, run_training, tiny_config
 
 
 def _config(tmp_path, ck, *, keep: int = 2, overwrite: bool = False, **kw):
@@ -41,7 +41,7 @@ def _one_line(capsys) -> str:
 
 
 def _names(ck) -> list[str]:
-    return sorted(p.name for p in ck.iterdir())
+    return listing(ck)
 
 
 def _writer(path) -> str:
@@ -173,3 +173,121 @@ def test_resuming_another_models_checkpoint_says_what_differs_in_one_line(tmp_pa
     assert str(info.value) == (f"checkpoint {ck / 'step-00000002'} was made for another model: layers 4 (this "
                                "run 3), hidden 32 (this run 64), heads 2 (this run 4)")
     run_training(_config(tmp_path, ck, steps=3, resume=True))  # the failed run let the directory go
+
+
+class _Killed(Exception):
+    """Stands for a kill at a chosen point of a run (raised by a test hook)."""
+
+
+def test_an_overwrite_run_killed_before_it_deleted_the_old_checkpoints_is_resumed_not_the_old_run(
+        tmp_path, monkeypatch, caplog):
+    """The kill lands after the --overwrite run's first checkpoint is complete, before the old run's
+    (at higher steps) are deleted: --resume continues the new run, names the old ones as another
+    run's, and its first checkpoint deletes them (the --overwrite's permission)."""
+    import pystronghold.train.loop as loop
+
+    ck = tmp_path / "ck"
+    run_training(_config(tmp_path, ck, steps=4, every=2))
+    prune = loop.prune_checkpoints
+
+    def killed(*args, **kwargs):
+        raise _Killed
+
+    monkeypatch.setattr(loop, "prune_checkpoints", killed)
+    with pytest.raises(_Killed):
+        run_training(_config(tmp_path, ck, steps=3, every=1, overwrite=True))
+    monkeypatch.setattr(loop, "prune_checkpoints", prune)
+    assert _names(ck) == ["step-00000001", "step-00000002", "step-00000004"]
+    new_run = _writer(ck / "step-00000001")
+    with caplog.at_level(logging.WARNING):
+        resumed = run_training(_config(tmp_path, ck, steps=3, resume=True))
+    assert resumed.start_step == 1
+    assert f"checkpoint {ck / 'step-00000004'} is another run's than the directory's" in caplog.text
+    assert _names(ck) == ["step-00000001", "step-00000003"]
+    assert read_manifest(ck / "step-00000003")["lineage"][0] == new_run
+
+
+def test_the_checkpoints_listed_at_the_end_are_those_keep_left(tmp_path, caplog):
+    ck = tmp_path / "ck"
+    result = run_training(_config(tmp_path, ck, steps=4, every=1, keep=2))
+    assert result.checkpoints == [str(ck / "step-00000003"), str(ck / "step-00000004")]
+    with caplog.at_level(logging.INFO):
+        assert main(_train_cli(tmp_path, "--checkpoint-dir", str(tmp_path / "ck2"), "--steps", "3",
+                               "--checkpoint-every", "1", "--keep", "1")) == 0
+    wrote = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wrote ")]
+    assert wrote == [f"wrote {tmp_path / 'ck2' / 'step-00000003'}"]
+
+
+def _interrupt_save_of_step(monkeypatch, step: int, after_files: int) -> None:
+    """A KeyboardInterrupt (a second Ctrl-C) inside the save of ``step``, after its first files."""
+    import pystronghold.train.checkpoint as checkpoint
+
+    save = checkpoint.save_checkpoint
+
+    def interrupted(trainer, root, **kw):
+        written = []
+
+        def after_file(name):
+            written.append(name)
+            if trainer.step == step and len(written) == after_files:
+                raise KeyboardInterrupt
+        return save(trainer, root, _after_file=after_file)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", interrupted)  # the loop looks it up at each save
+
+
+def test_a_second_ctrl_c_inside_a_save_removes_it_and_names_its_step(tmp_path, capsys, monkeypatch):
+    ck = tmp_path / "ck"
+    _interrupt_save_of_step(monkeypatch, 4, after_files=2)
+    code = main(_train_cli(tmp_path, "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--steps", "6"))
+    assert code == 1
+    assert _one_line(capsys) == ("pystronghold train: error: interrupted again while writing the checkpoint of "
+                                 "step 4: not written, its partial save was removed")
+    assert _names(ck) == ["step-00000002"]
+
+
+def test_a_partial_save_that_cannot_be_removed_is_named_not_said_removed(tmp_path, capsys, monkeypatch):
+    """A read-only file system: the write fails, and so does the removal of what was written."""
+    import pystronghold.train.checkpoint as checkpoint
+
+    ck = tmp_path / "ck"
+    fsync, rmtree = os.fsync, shutil.rmtree
+
+    def read_only_while_saving_step_4(fd):
+        if ".tmp-step-00000004" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        fsync(fd)
+
+    def keeps_partial_saves(path, *args, **kwargs):
+        if ".tmp-step-" not in str(path):
+            rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", read_only_while_saving_step_4)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", keeps_partial_saves)
+    code = main(_train_cli(tmp_path, "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--steps", "4"))
+    err = _one_line(capsys)
+    assert code == 1 and "removed" not in err
+    assert err.endswith(f"its partial save {ck}/.tmp-step-00000004-{os.getpid()} is left (remove it by hand)"), err
+
+
+def test_an_overwrite_run_killed_between_marking_the_directory_and_its_first_checkpoint_resumes_nothing(
+        tmp_path, monkeypatch):
+    """The directory is the new run's as soon as it is marked: its first checkpoint not yet renamed
+    into place, --resume finds nothing of it and refuses, rather than continuing the old run."""
+    import pystronghold.train.checkpoint as checkpoint
+
+    ck = tmp_path / "ck"
+    run_training(_config(tmp_path, ck, steps=4, every=2))
+    mark = checkpoint.mark_run
+
+    def marked_then_killed(*args, **kwargs):
+        mark(*args, **kwargs)
+        raise _Killed
+
+    monkeypatch.setattr(checkpoint, "mark_run", marked_then_killed)
+    with pytest.raises(_Killed):
+        run_training(_config(tmp_path, ck, steps=3, every=1, overwrite=True))
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"--resume: no valid checkpoint in .*step-00000004 is another run's "
+                                              r"than the directory's .*\(and 1 older"):
+        Trainer(_config(tmp_path, ck, steps=3, resume=True))

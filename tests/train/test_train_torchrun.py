@@ -16,6 +16,7 @@ import sys
 
 import pytest
 from torchrun_cli import ARGS, TIMEOUT_S, assert_logs_reference, reference_losses, run_train
+from train_helpers import listing
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def test_dp_checkpoint_written_by_rank_0_resumed_by_every_rank(reference, tmp_pa
     ck = str(tmp_path / "ck")
     p = run_train(2, "--dp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
     assert p.returncode == 0, p.stderr
-    assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]  # one writer: no clashes
+    assert listing(ck) == ["step-00000002", "step-00000003"]  # one writer: no clashes
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(2, "--dp", "2", "--checkpoint-dir", ck, "--resume")
     assert_logs_reference(p, reference, from_step=3)
@@ -111,7 +112,7 @@ def test_tp_checkpoint_resumed_by_one_process(reference, tmp_path):
     ck = str(tmp_path / "ck")
     p = run_train(2, "--tp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
     assert p.returncode == 0, p.stderr
-    assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]
+    assert listing(ck) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(1, "--checkpoint-dir", ck, "--resume")
     assert_logs_reference(p, reference, from_step=3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from torchrun_cli import assert_logs_reference, reference_losses, run_train
+from train_helpers import listing
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def test_checkpoints_cross_resume_between_pipeline_and_one_process(reference, tm
     ck = str(tmp_path / "ck")
     p = run_train(2 if writer else 1, *writer, "--checkpoint-dir", ck, "--checkpoint-every", "2")
     assert p.returncode == 0, p.stderr
-    assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]
+    assert listing(ck) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(2 if reader else 1, *reader, "--checkpoint-dir", ck, "--resume")
     assert_logs_reference(p, reference, from_step=3)
