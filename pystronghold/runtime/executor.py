@@ -57,6 +57,12 @@ class PassExecutor:
             for slot in window.slots:
                 backend.poison(slot.params)
                 backend.poison(slot.grads)
+            # NOTE: queued after the window's zero-fill marker: each slot's first load (the copy
+            # stream) waits for a marker recorded after the NaN fill too, or it may land under it
+            poisoned = backend.compute_marker()
+            if poisoned is not None:
+                for slot in window.slots:
+                    slot.busy.append(poisoned)
         self.micro_batches = 0
         """Backward passes since the last step."""
         self.test_skip_waits: set[str] = set()
