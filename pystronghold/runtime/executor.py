@@ -82,13 +82,16 @@ class PassExecutor:
         """Copies and host jobs not finished yet."""
         return sum(not h.done() for _, _, h in self._copies) + self.updates.in_flight()
 
-    def synchronize(self) -> None:
-        """Wait for every copy and host update in flight (forward-overlap updates included)."""
-        self.updates.drain()
+    def synchronize(self, updates: bool = True) -> None:
+        """Wait for every copy and host update in flight (forward-overlap updates included);
+        ``updates=False``: for the device's work and the copies only (``Engine.synchronize``)."""
+        if updates:
+            self.updates.drain()
         for _, _, h in self._copies:
             h.wait()
         self.backend.synchronize()
-        self.store.synchronize()
+        if updates:  # the file tier's I/O: the host updates' reads and write-backs among it
+            self.store.synchronize()
         self.flush_copies(calibrate=True)
 
     def span(self, kind: str, block: int | None, *, host: bool = False):
