@@ -75,3 +75,5 @@ def test_host_updates_overlap_the_next_forward_at_every_log(tmp_path):
     forwards = [e for e in events if e["cat"] == "compute_fwd" and e["args"]["block"] == 0]
     assert len(updates) == 3 and len(forwards) == 3
     assert _intersect(updates[0], forwards[1])
+    # and no span of an update that ended between a log and the next step is lost
+    assert len([e for e in events if e["cat"] == "optimizer"]) == 3 * trainer.engine.n_streamed
