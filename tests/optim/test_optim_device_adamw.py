@@ -142,3 +142,10 @@ def test_a_resident_blocks_fp32_gradients_live_only_during_its_own_update():
     assert len(seen) == 3 and sorted(mine for _, mine in seen) == sorted(block_bytes)
     assert all(alive == mine for alive, mine in seen), seen
     assert all(m.grad is None for m in masters)
+
+
+@pytest.mark.parametrize("blocks", [[1], [3, 1], [-1, 3]])
+def test_blocks_that_do_not_cover_the_parameters_are_refused(blocks):
+    params, masters = _params(torch.float32)
+    with pytest.raises(ValueError, match="blocks=.* summing to the 2 parameters"):
+        DeviceAdamW(params[:2], AdamW(), masters[:2], blocks=blocks)
