@@ -168,6 +168,11 @@ class Stage:
     ok_rc: tuple[int, ...] = (0,)
 
 
+def read_records(path: Path) -> dict:
+    """A benchmark's JSON (``--json PATH``), or {} when the run wrote none."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def first_errors(text: str, limit: int = ERROR_LINES) -> list[str]:
     """The pytest short summary when there is one, else the first lines that look like errors
     (with the last line of each traceback)."""

@@ -160,3 +160,27 @@ def test_the_suites_fit_a_lent_gpu_and_write_into_out(tmp_path):
         dry = subprocess.run(["make", "-n", target, f"OUT={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                              timeout=60)
         assert f"--out {tmp_path}/{target} " in dry.stdout, dry.stdout + dry.stderr
+
+
+def test_the_gpu_commands_run_what_each_stage_is_for(tmp_path):
+    """What the stages run on a GPU (not the dry run's sizes): 1.3B b4 plain, W=auto, W=2; b8 plain,
+    W=auto; the baselines with 2 steps; 6.7B b16 for 8 steps logged every 4, with and without clipping."""
+    import gpu_verify
+    from gpu_verify_big import big_train
+
+    ctx = Context(dry=False, out=tmp_path / "out", work=tmp_path / "work", python=sys.executable)
+    ctx.work.mkdir()
+
+    def argv(commands) -> str:
+        (command,) = commands(ctx)
+        return " ".join(command.argv)
+
+    b4, b8, base = (argv(gpu_verify.gpu_train_stage(name)[0])
+                    for name in ("train-1.3b-b4", "train-1.3b-b8", "baselines-1.3b-b4"))
+    assert "--configs plain,W=auto,W=2 " in b4 and "--batch 4 " in b4 and "gpt3-1.3b" in b4
+    assert "--configs plain,W=auto " in b8 and "--batch 8 " in b8
+    assert "--configs plain,fsdp2-offload,deepspeed-zero2 " in base and "--steps 2 " in base
+    for clip in (1.0, 0.0):
+        big = argv(big_train(16, clip)[0])
+        assert "gpt3-6.7b" in big and "--batch 16 " in big and f"--clip {clip} " in big
+        assert "--steps 8 --log-every 4 " in big
