@@ -179,11 +179,12 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 # gpu-verify / gpu-verify-big: the prepared verification a lent GPU runs first (bench/gpu_verify.py:
 # every stage under its own timeout, each run even when an earlier one failed, REPORT.md +
-# report.json + log.txt into GPU_OUT; scratch in GPU_WORK, default build/gpu-verify-work; GPU_BUDGET:
-# seconds for the whole suite, default 480; GPU_COMMIT: the commit the report names, since the device
-# tool's copy of the tree may carry another git HEAD). GPU_VERIFY_DRY=1: the same driver on the CPU, tiny and short.
-GPU_OUT ?= build/gpu-report
-GPU_VERIFY_FLAGS = --out $(GPU_OUT) $(if $(GPU_COMMIT),--commit $(GPU_COMMIT)) $(if $(GPU_BUDGET),--budget $(GPU_BUDGET)) $(if $(GPU_WORK),--work $(GPU_WORK)) $(if $(GPU_VERIFY_DRY),--dry-run) --python $(GPU_PY)
+# report.json + log.txt into GPU_OUT, default $OUT/<target> when the device tool sets OUT, else
+# build/gpu-report; scratch in GPU_WORK, default build/gpu-verify-work; GPU_BUDGET: seconds for the
+# whole suite, default 420 (gpu-verify) and 330 (gpu-verify-big), so both and the machine's start fit a
+# lent GPU's 15 minutes; GPU_COMMIT: the commit the report names, since the device tool's copy of the
+# tree may carry another git HEAD). GPU_VERIFY_DRY=1: the same driver on the CPU, tiny and short.
+GPU_VERIFY_FLAGS = --out $(or $(GPU_OUT),$(if $(OUT),$(OUT)/$@,build/gpu-report)) $(if $(GPU_COMMIT),--commit $(GPU_COMMIT)) $(if $(GPU_BUDGET),--budget $(GPU_BUDGET)) $(if $(GPU_WORK),--work $(GPU_WORK)) $(if $(GPU_VERIFY_DRY),--dry-run) --python $(GPU_PY)
 
 gpu-verify:
 	$(GPU_PY) bench/gpu_verify.py verify $(GPU_VERIFY_FLAGS)

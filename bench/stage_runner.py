@@ -149,6 +149,8 @@ class Context:
     python: str
     results: list = field(default_factory=list)
     """The stages' results so far (a stage may judge a target against an earlier one's figures)."""
+    time_left_s: float = 0.0
+    """The timeout of the stage being set up, seconds (a stage may size its work to it)."""
 
 
 @dataclass(slots=True)
@@ -164,6 +166,11 @@ class Stage:
     summarize: Callable[[Context, StageResult, list[CommandRun]], None] | None = None
     dry_timeout_s: float = 300.0
     ok_rc: tuple[int, ...] = (0,)
+
+
+def read_records(path: Path) -> dict:
+    """A benchmark's JSON (``--json PATH``), or {} when the run wrote none."""
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def first_errors(text: str, limit: int = ERROR_LINES) -> list[str]:
@@ -182,6 +189,7 @@ def run_stage(stage: Stage, ctx: Context, timeout_s: float, log) -> StageResult:
     log.write(f"\n======== stage {stage.name}: {stage.what} (timeout {timeout_s:.0f} s)\n")
     start = time.perf_counter()
     runs: list[CommandRun] = []
+    ctx.time_left_s = timeout_s
     try:
         commands = stage.commands(ctx)
     except Exception as exc:  # noqa: BLE001 - a stage that cannot even be set up is reported, not fatal

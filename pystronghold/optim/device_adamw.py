@@ -4,6 +4,11 @@
 kernel plain PyTorch runs there), with the engine's param groups and, at each step, their values
 from the engine's ``AdamWHyper`` list. torch keeps its own step count per parameter (``set_steps``
 aligns it after a state load); the hyper's ``grad_scale`` multiplies the gradients first.
+
+A step runs one block at a time (one torch optimizer per block): a block's fp32 gradients (the
+compute-precision ones cast and scaled) exist only during its own update, so they never take the
+device memory of every resident block at once. AdamW is elementwise, so the result is the same
+bit for bit as one update over every parameter.
 """
 
 from __future__ import annotations
@@ -31,21 +36,33 @@ class DeviceAdamW:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], spec: AdamW, masters: list[torch.Tensor],
-                 groups: list[int] | None = None, fused: bool = False) -> None:
+                 groups: list[int] | None = None, fused: bool = False, blocks: list[int] | None = None) -> None:
         """``masters``: fp32 values of ``params`` taken before they were cast to compute precision;
         ``groups``: the engine's param group of each parameter (default all in group 0); ``fused``:
-        torch's fused AdamW kernel (``fused_adamw_for`` the device); otherwise its single-tensor loop."""
+        torch's fused AdamW kernel (``fused_adamw_for`` the device); otherwise its single-tensor loop;
+        ``blocks``: how many of ``params``, in order, each block updated on its own has (default:
+        one block of all)."""
         self.params = params
         self.fused = fused
         half = any(p.dtype != torch.float32 for p in params)
         self.masters = [m.detach().clone().requires_grad_(True) for m in masters] if half else params
         groups = groups if groups is not None else [0] * len(params)
-        self._group_ids = sorted(set(groups))  # engine group of each torch group
-        torch_groups = [{"params": [m for m, g in zip(self.masters, groups) if g == gid]}
-                        for gid in self._group_ids]
-        self._opt = torch.optim.AdamW(torch_groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                                      weight_decay=spec.weight_decay, foreach=False,
-                                      fused=True if fused else None) if params else None
+        blocks = [len(params)] if blocks is None else blocks
+        if sum(blocks) != len(params) or any(n < 0 for n in blocks):
+            raise ValueError(f"DeviceAdamW: blocks={blocks} must be counts >= 0 summing to the "
+                             f"{len(params)} parameters")
+        self.blocks = [range(start, start + n) for start, n in
+                       zip([sum(blocks[:i]) for i in range(len(blocks))], blocks) if n]
+        """Parameter indices of each block, updated one block after the other."""
+        self._opts, self._group_ids, self._opt_of = [], [], {}
+        for block in self.blocks:
+            ids = sorted({groups[i] for i in block})  # engine group of each torch group
+            torch_groups = [{"params": [self.masters[i] for i in block if groups[i] == gid]} for gid in ids]
+            self._opts.append(torch.optim.AdamW(torch_groups, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                                                weight_decay=spec.weight_decay, foreach=False,
+                                                fused=True if fused else None))
+            self._group_ids.append(ids)
+            self._opt_of.update({i: self._opts[-1] for i in block})
 
     def _step_tensor(self, index: int, value: float) -> torch.Tensor:
         # NOTE: where torch keeps it: on the parameter's device for the fused kernel, else on the CPU
@@ -56,10 +73,10 @@ class DeviceAdamW:
     def write_moment(self, index: int, key: str, value: torch.Tensor) -> None:
         """Overwrite moment ``key`` ("exp_avg"/"exp_avg_sq") of parameter ``index``; a parameter
         without state gets zero moments and step 0 first (AdamW's state before its first update)."""
-        m = self.masters[index]
-        st = self._opt.state.get(m)
+        m, opt = self.masters[index], self._opt_of[index]
+        st = opt.state.get(m)
         if not st:
-            st = self._opt.state[m] = {"step": self._step_tensor(index, 0.0), "exp_avg": torch.zeros_like(m),
+            st = opt.state[m] = {"step": self._step_tensor(index, 0.0), "exp_avg": torch.zeros_like(m),
                                        "exp_avg_sq": torch.zeros_like(m)}
         st[key].copy_(value)
 
@@ -67,24 +84,23 @@ class DeviceAdamW:
     def set_steps(self, steps: int) -> None:
         """Set the step count of every parameter that has AdamW state to ``steps``."""
         for i, m in enumerate(self.masters):
-            st = self._opt.state.get(m) if self._opt is not None else None
+            st = self._opt_of[i].state.get(m)
             if st:
                 st["step"] = self._step_tensor(i, steps)
 
     def state_of(self, index: int) -> dict:
         """torch AdamW state of parameter ``index`` (``step``, ``exp_avg``, ``exp_avg_sq``; {} before
         its first update). The live tensors: copy them to keep them."""
-        return dict(self._opt.state.get(self.masters[index], {})) if self._opt is not None else {}
+        return dict(self._opt_of[index].state.get(self.masters[index], {}))
 
     @torch.no_grad()
     def load_state(self, index: int, state: dict) -> None:
         """Replace parameter ``index``'s AdamW state (``{}``: none, as before the first update)."""
-        m = self.masters[index]
+        m, opt = self.masters[index], self._opt_of[index]
         if not state:
-            if self._opt is not None:
-                self._opt.state.pop(m, None)
+            opt.state.pop(m, None)
             return
-        self._opt.state[m] = {"step": self._step_tensor(index, float(state["step"])),
+        opt.state[m] = {"step": self._step_tensor(index, float(state["step"])),
                               **{k: state[k].detach().to(device=m.device, dtype=torch.float32, copy=True)
                                  for k in ("exp_avg", "exp_avg_sq")}}
 
@@ -97,26 +113,30 @@ class DeviceAdamW:
 
     @torch.no_grad()
     def step(self, hyper: list[AdamWHyper]) -> None:
-        """One AdamW step; ``hyper``: the engine's param groups at this step (``WindowOptimizer.hyper``),
-        whose ``grad_scale`` (clip coefficient / loss scale, one for all groups) multiplies the gradients."""
-        if self._opt is None:
-            return
-        for group, gid in zip(self._opt.param_groups, self._group_ids):
-            h = hyper[gid]
-            group.update(lr=h.lr, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay)
+        """One AdamW step, block after block; ``hyper``: the engine's param groups at this step
+        (``WindowOptimizer.hyper``), whose ``grad_scale`` (clip coefficient / loss scale, one for all
+        groups) multiplies the gradients. A block's fp32 gradients are made (cast and scaled) just
+        before its update and dropped after it (in fp32 the gradients themselves are scaled)."""
         grad_scale = hyper[0].grad_scale
-        for p, m in zip(self.params, self.masters):
-            if p.grad is None:
-                m.grad = None
-                continue
-            if m is not p:
-                m.grad = p.grad.float()
-            if grad_scale != 1.0:
-                m.grad.mul_(grad_scale)
-        self._opt.step()
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                p.copy_(m)
+        for block, opt, ids in zip(self.blocks, self._opts, self._group_ids):
+            for group, gid in zip(opt.param_groups, ids):
+                h = hyper[gid]
+                group.update(lr=h.lr, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay)
+            for i in block:
+                p, m = self.params[i], self.masters[i]
+                if p.grad is None:
+                    m.grad = None
+                elif m is not p:
+                    # NOTE: the scale folded into the fp32 copy (one tensor, multiplied in place)
+                    m.grad = p.grad.float().mul_(grad_scale) if grad_scale != 1.0 else p.grad.float()
+                elif grad_scale != 1.0:
+                    p.grad.mul_(grad_scale)
+            opt.step()
+            for i in block:
+                p, m = self.params[i], self.masters[i]
+                if m is not p:
+                    p.copy_(m)
+                    m.grad = None
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -174,9 +174,15 @@ class Engine:
         """Forget the gradients (head/tail ``.grad`` set to None; block gradients reset)."""
         self.optimizer.zero_grad()
 
-    def synchronize(self) -> None:
-        """Wait for every copy and host update in flight (forward-overlap updates included)."""
-        self._executor.synchronize()
+    def synchronize(self, *, updates: bool = True) -> None:
+        """Wait for every copy and host update in flight (forward-overlap updates included).
+
+        ``updates=False``: wait for the device's work and the copies only (what a log line needs:
+        the losses, the time, the trace's device spans), leaving the host updates of a
+        forward-overlap step (clipping, fp16) to run on behind the next forward, whose loads wait
+        for each block's own. Drain (the default) before reading the store: a checkpoint, an
+        export, the end of a run."""
+        self._executor.synchronize(updates)
 
     def in_flight(self) -> int:
         """Copies and host jobs not finished yet."""

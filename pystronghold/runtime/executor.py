@@ -57,6 +57,12 @@ class PassExecutor:
             for slot in window.slots:
                 backend.poison(slot.params)
                 backend.poison(slot.grads)
+            # NOTE: queued after the window's zero-fill marker: each slot's first load (the copy
+            # stream) waits for a marker recorded after the NaN fill too, or it may land under it
+            poisoned = backend.compute_marker()
+            if poisoned is not None:
+                for slot in window.slots:
+                    slot.busy.append(poisoned)
         self.micro_batches = 0
         """Backward passes since the last step."""
         self.test_skip_waits: set[str] = set()
@@ -76,13 +82,16 @@ class PassExecutor:
         """Copies and host jobs not finished yet."""
         return sum(not h.done() for _, _, h in self._copies) + self.updates.in_flight()
 
-    def synchronize(self) -> None:
-        """Wait for every copy and host update in flight (forward-overlap updates included)."""
-        self.updates.drain()
+    def synchronize(self, updates: bool = True) -> None:
+        """Wait for every copy and host update in flight (forward-overlap updates included);
+        ``updates=False``: for the device's work and the copies only (``Engine.synchronize``)."""
+        if updates:
+            self.updates.drain()
         for _, _, h in self._copies:
             h.wait()
         self.backend.synchronize()
-        self.store.synchronize()
+        if updates:  # the file tier's I/O: the host updates' reads and write-backs among it
+            self.store.synchronize()
         self.flush_copies(calibrate=True)
 
     def span(self, kind: str, block: int | None, *, host: bool = False):

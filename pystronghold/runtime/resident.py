@@ -40,13 +40,15 @@ class ResidentBlocks:
         with torch.no_grad():
             for p in flat:
                 p.data = p.data.to(device=device, dtype=dtype)
-        self.optimizer = DeviceAdamW(trainable, spec, masters, groups, fused=fused)
+        per_block = [sum(p.requires_grad for p in ps) for ps in block_params]
+        # one block at a time: a block's fp32 gradients exist during its own update only
+        self.optimizer = DeviceAdamW(trainable, spec, masters, groups, fused=fused, blocks=per_block)
         self.nbytes = head_tail_bytes(flat, dtype)
         """Device bytes: parameters and gradients in compute precision, fp32 moments (and masters);
         a frozen parameter's value only."""
         self._first = [0]  # index of each block's first trainable parameter in the optimizer
-        for ps in block_params:
-            self._first.append(self._first[-1] + sum(p.requires_grad for p in ps))
+        for n in per_block:
+            self._first.append(self._first[-1] + n)
         self._steps_unknown = False  # moments were written: their step count is the engine's
         if recompute:
             for module in modules:

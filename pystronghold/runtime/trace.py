@@ -198,10 +198,10 @@ class Tracer:
             return list(self._events)
 
     def clear(self) -> None:
-        """Forget all events, deferred ones included."""
+        """Forget the events recorded so far. Deferred ones (device marks not resolved yet) are
+        kept: a span still running on the device at a log point is recorded once it resolves."""
         with self._lock:
             self._events.clear()
-            self._pending.clear()
 
     # ---- export
 

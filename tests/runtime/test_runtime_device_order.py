@@ -118,11 +118,9 @@ def _twin_hook(twins: list):
     return hook
 
 
-@pytest.mark.parametrize("window", [1, 2, "all"])
-def test_a_slots_first_load_waits_for_the_fill_that_made_it(monkeypatch, window):
-    """The window zero-fills its new slots on the compute stream; their first loads (the copy
-    stream) must wait for those fills, or on a busy GPU the zeros land on the loaded block (seen on
-    an H100 with four test processes sharing it: W=all lost its first step)."""
+def _twins_from_build(monkeypatch) -> list:
+    """Every backend ``wrap`` makes from now on, wrapped in a ``StreamTwin`` before the engine is
+    built, so the twin sees the fills the build queues too."""
     from pystronghold.runtime import build
 
     twins = []
@@ -133,14 +131,25 @@ def test_a_slots_first_load_waits_for_the_fill_that_made_it(monkeypatch, window)
         return twins[-1]
 
     monkeypatch.setattr(build, "make_backend", twin_backend)
-    train_engine(HetStack(), het_batches(2), window=window)
+    return twins
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("window", [1, 2, "all"])
+def test_a_slots_first_load_waits_for_the_fill_that_made_it(monkeypatch, window, strict):
+    """The window zero-fills its new slots on the compute stream, and strict mode NaN-fills them
+    after that; their first loads (the copy stream) must wait for the last of those fills, or on a
+    busy GPU the fill lands on the loaded block (seen on an H100 with four test processes sharing it:
+    W=all lost its first step)."""
+    twins = _twins_from_build(monkeypatch)
+    train_engine(HetStack(), het_batches(2), window=window, strict=strict)
     assert twins and twins[0].poisoned, "the twin saw no slot buffer"
     assert twins[0].races == []
 
 
-def test_strict_mode_poisons_a_released_slot_before_the_marker_the_next_load_waits_for():
-    twins = []
-    train_engine(HetStack(), het_batches(4), window=2, strict=True, engine_hook=_twin_hook(twins))
+def test_strict_mode_poisons_a_released_slot_before_the_marker_the_next_load_waits_for(monkeypatch):
+    twins = _twins_from_build(monkeypatch)
+    train_engine(HetStack(), het_batches(4), window=2, strict=True)
     twin = twins[0]
     assert twin.poisoned, "strict mode poisoned no slot"
     assert twin.races == []

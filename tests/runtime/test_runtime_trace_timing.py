@@ -113,9 +113,28 @@ def test_spans_not_yet_done_wait_for_a_later_calibration():
     # both calibrations find the host clock 998 s ahead of the device's
     assert (h2d.start_s, h2d.end_s) == pytest.approx((999.0, 999.5))
     assert (d2h.start_s, d2h.end_s) == pytest.approx((1001.0, 1001.25))
-    tracer.defer("h2d", 1, clock.mark(copy), clock.mark(copy))
+
+def test_clear_keeps_the_device_spans_not_resolved_yet():
+    """A log point clears the trace while a span may still run on the device: it is recorded in the
+    next interval, when a calibration finds it done."""
+    gpu, compute, copy, clock = fake_clock()
+    tracer = Tracer()
+    copy.at = 1.0
+    start = clock.mark(copy)
+    copy.at = 1.5
+    tracer.defer("h2d", 1, start, clock.mark(copy), 100)
+    tracer.record("compute_fwd", 0, 10.0, 11.0)
+    gpu.device_s, gpu.host_s = 0.5, 1000.0  # the copy has not run yet
+    compute.at = 0.5
+    assert tracer.resolve(clock.calibrate) == 0
     tracer.clear()
-    assert tracer.pending() == 0 and tracer.events() == []
+    assert tracer.events() == [] and tracer.pending() == 1
+    gpu.device_s, gpu.host_s = 2.0, 1001.0  # done now: placed by the next calibration
+    compute.at = 2.0
+    assert tracer.resolve(clock.calibrate) == 1
+    (h2d,) = tracer.events()
+    assert (h2d.kind, h2d.block, h2d.nbytes) == ("h2d", 1, 100)
+    assert (h2d.start_s, h2d.end_s) == pytest.approx((1000.0, 1000.5))
 
 
 def test_host_marks_are_recorded_at_once_and_device_marks_need_a_calibration():
