@@ -27,12 +27,19 @@ __all__ = ["DeviceMemory", "HostMemory", "Plan", "Split", "LargestModel", "devic
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
-    """Device bytes at the peak of a step, by use."""
+    """Device bytes by use, in the two phases of a step; the peak is the larger phase.
+
+    Forward/backward: window, head/tail, resident blocks and the activations. Optimizer step: the
+    activations are freed, and the device AdamW makes fp32 copies of the gradients it updates
+    (bf16/fp16): head and tail's, and one resident block's: the resident AdamW
+    (``optim/device_adamw.py``) converts one block's gradients at a time, so the largest resident
+    block's copies are counted, not K blocks'."""
 
     window_bytes: int
     """W slots of parameters + gradients."""
     head_tail_bytes: int
-    """Head and tail parameters, gradients and their AdamW state (they stay on the device)."""
+    """Head and tail parameters, gradients, fp32 masters and AdamW moments (they stay on the
+    device); their fp32 gradient copies are in ``step_grad_bytes``."""
     activation_bytes: int
     """Peak activations: every block's saved input, plus the larger of one block's recompute
     working set (and its input/output gradients) or the loss."""
@@ -41,13 +48,29 @@ class DeviceMemory:
     capacity_bytes: int
     """Device memory of the GPU."""
     resident_bytes: int = 0
-    """K device-resident blocks: parameters, gradients, fp32 masters and AdamW moments."""
+    """K device-resident blocks: parameters, gradients, fp32 masters and AdamW moments (their fp32
+    gradient copies are in ``step_grad_bytes``)."""
+    step_grad_bytes: int = 0
+    """fp32 gradient copies alive at once in the optimizer step: head and tail's plus one resident
+    block's (0 in fp32, where the gradients are fp32 already)."""
+
+    @property
+    def backward_bytes(self) -> int:
+        """Forward/backward phase: window, head/tail, resident blocks, activations, reserve; bytes."""
+        return (self.window_bytes + self.head_tail_bytes + self.resident_bytes + self.activation_bytes
+                + self.reserve_bytes)
+
+    @property
+    def step_bytes(self) -> int:
+        """Optimizer-step phase: window, head/tail, resident blocks, the fp32 gradient copies,
+        reserve (no activations); bytes."""
+        return (self.window_bytes + self.head_tail_bytes + self.resident_bytes + self.step_grad_bytes
+                + self.reserve_bytes)
 
     @property
     def peak_bytes(self) -> int:
-        """Sum of the uses, bytes."""
-        return (self.window_bytes + self.head_tail_bytes + self.activation_bytes + self.reserve_bytes
-                + self.resident_bytes)
+        """The larger phase, bytes."""
+        return max(self.backward_bytes, self.step_bytes)
 
     @property
     def fits(self) -> bool:
@@ -95,7 +118,8 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
     flight (``in_flight``: micro-batches whose forward is done and backward not; a pipeline stage holds
     several, ``planner.pipeline.in_flight_micro_batches``); on top of those the peak holds the loss,
     or one block's recompute working set (its activations and dy, dx), or, when no block recomputes,
-    the last block's gradients beside its activations: that working set is there once."""
+    the last block's gradients beside its activations: that working set is there once. The peak
+    is the larger of that phase and the optimizer step's (``DeviceMemory``)."""
     if not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1:
         raise ValueError(f"in_flight must be a positive int, got {in_flight!r}")
     c = costs
@@ -107,9 +131,10 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
     acts = (in_flight * (recomputed * c.block_input_bytes + kept * c.block_activation_bytes)
             + max(extra, c.tail_activation_bytes))
     return DeviceMemory(window_bytes=min(window, streamed) * c.slot_bytes,
-                        head_tail_bytes=c.head_tail_bytes, activation_bytes=acts,
+                        head_tail_bytes=c.head_tail_bytes - c.head_tail_fp32_grad_bytes, activation_bytes=acts,
                         reserve_bytes=work.device_reserve_bytes, capacity_bytes=capacity_bytes,
-                        resident_bytes=resident * c.resident_block_bytes)
+                        resident_bytes=resident * (c.resident_block_bytes - c.resident_fp32_grad_bytes),
+                        step_grad_bytes=c.head_tail_fp32_grad_bytes + (c.resident_fp32_grad_bytes if resident else 0))
 
 
 def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, ranks: int) -> HostMemory:

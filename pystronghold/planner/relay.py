@@ -55,8 +55,8 @@ def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
     grad = (c.block_numel - c.block_frozen_numel) * plan.work.dtype_bytes  # what one copy-out moves
     loads = n + max(0, n - w)
     resident_held = k * (c.block_input_bytes if rc else c.block_activation_bytes)  # per micro-batch
-    # the device bytes the saved inputs may use: capacity minus everything else at the peak
-    others = plan.device.peak_bytes - n * c.block_input_bytes - resident_held
+    # the device bytes the saved inputs may use: capacity minus everything else of the phase that holds them
+    others = plan.device.backward_bytes - n * c.block_input_bytes - resident_held
     budget = max(0, plan.device.capacity_bytes - others - m * resident_held)
     overlap = plan.work.overlap
     out = {}

@@ -39,7 +39,8 @@ def plan_to_dict(plan: Plan) -> dict:
                       "resident_bytes": c.resident_block_bytes, "device_adam_s": c.device_adam_s},
         "device": {"window_bytes": dev.window_bytes, "head_tail_bytes": dev.head_tail_bytes,
                    "activation_bytes": dev.activation_bytes, "reserve_bytes": dev.reserve_bytes,
-                   "resident_bytes": dev.resident_bytes,
+                   "resident_bytes": dev.resident_bytes, "step_grad_bytes": dev.step_grad_bytes,
+                   "backward_bytes": dev.backward_bytes, "step_bytes": dev.step_bytes,
                    "peak_bytes": dev.peak_bytes, "capacity_bytes": dev.capacity_bytes, "fits": dev.fits},
         "host": {"tier": host.tier, "host_bytes": host.host_bytes,
                  "host_capacity_bytes": host.host_capacity_bytes, "disk_bytes": host.disk_bytes,
@@ -191,14 +192,20 @@ def format_plan(plan: Plan) -> str:
     out.append(f"per block fwd {_s(c.fwd_s)}, bwd {_s(c.bwd_s)}, load {_s(c.load_s)}, "
                f"grad out {_s(c.grad_s)}, {update} {_s(c.adam_s)}, device AdamW {_s(c.device_adam_s)}")
     out += ["", format_table(["memory", "bytes", "of"], [
-        ["device: resident blocks", _gib(dev.resident_bytes), f"{plan.resident_blocks} x {_gib(c.resident_block_bytes)}"],
+        ["device: resident blocks", _gib(dev.resident_bytes),
+         f"{plan.resident_blocks} x {_gib(c.resident_block_bytes - c.resident_fp32_grad_bytes)}"],
         ["device: window", _gib(dev.window_bytes), f"{plan.window} x {_gib(c.slot_bytes)}" if plan.window else "-"],
         ["device: head + tail", _gib(dev.head_tail_bytes),
          "params, grads, AdamW" if plan.work.finetune.full else "trainable: params, grads, AdamW; frozen: params"],
         ["device: activations", _gib(dev.activation_bytes),
-         f"{plan.recomputed_blocks} blocks checkpointed, {cfg.layers - plan.recomputed_blocks} kept"],
+         f"{plan.recomputed_blocks} blocks checkpointed, {cfg.layers - plan.recomputed_blocks} kept "
+         "(forward/backward only)"],
+        ["device: fp32 grads", _gib(dev.step_grad_bytes),
+         "optimizer step only: head/tail's and one resident block's" if dev.step_grad_bytes else "-"],
         ["device: reserve", _gib(dev.reserve_bytes), ""],
-        ["device: peak", _gib(dev.peak_bytes), f"{_gib(dev.capacity_bytes)}{'' if dev.fits else '  TOO BIG'}"],
+        ["device: peak", _gib(dev.peak_bytes),
+         f"of {_gib(dev.capacity_bytes)}: the larger of forward/backward {_gib(dev.backward_bytes)} and "
+         f"step {_gib(dev.step_bytes)}{'' if dev.fits else '  TOO BIG'}"],
         ["host", _gib(host.host_bytes),
          f"{host_bpp:.1f} B/param{' incl. staging' if host.tier == 'nvme' else ''} + "
          f"{_gib(work.host_reserve_bytes)} reserve, of {_gib(host.host_capacity_bytes)}"

@@ -23,19 +23,37 @@ def hw(gpu="rtx4090", host_gib=128, nvme_gib=0):
     return Hardware(gpu=gpu_preset(gpu), host_memory_bytes=host_gib * GiB, nvme_bytes=nvme_gib * GiB)
 
 
-def test_device_peak_is_the_sum_and_max_window_is_tight():
+def test_device_peak_is_the_larger_phase_and_max_window_is_tight():
     cfg = dataclasses.replace(CFG, layers=128)  # more slots than a 24 GB device holds
     plan = make_plan(cfg, WORK, hw(host_gib=4096))
-    d = plan.device
-    assert d.peak_bytes == (d.window_bytes + d.head_tail_bytes + d.activation_bytes + d.reserve_bytes
-                            + d.resident_bytes)
-    assert d.resident_bytes == plan.resident_blocks * plan.costs.resident_block_bytes
+    d, c = plan.device, plan.costs
+    held = d.window_bytes + d.head_tail_bytes + d.resident_bytes + d.reserve_bytes
+    assert d.backward_bytes == held + d.activation_bytes and d.step_bytes == held + d.step_grad_bytes
+    assert d.peak_bytes == max(d.backward_bytes, d.step_bytes)
+    # the fp32 gradient copies are out of the phase that holds the activations: head/tail's and
+    # one resident block's are in the step's, not K blocks'
+    assert plan.resident_blocks > 1 and c.resident_fp32_grad_bytes == 4 * c.block_params > 0
+    assert d.resident_bytes == plan.resident_blocks * (c.resident_block_bytes - c.resident_fp32_grad_bytes)
+    assert d.head_tail_bytes == c.head_tail_bytes - c.head_tail_fp32_grad_bytes
+    assert d.step_grad_bytes == c.head_tail_fp32_grad_bytes + c.resident_fp32_grad_bytes
     assert 1 <= plan.max_window < cfg.layers
     k = plan.resident_blocks
     assert make_plan(cfg, WORK, hw(host_gib=4096), window=plan.max_window, resident_blocks=k).fits
     too_many = make_plan(cfg, WORK, hw(host_gib=4096), window=plan.max_window + 1, resident_blocks=k)
     assert not too_many.fits and too_many.step is None
     assert plan.window <= plan.max_window and plan.step is not None
+
+
+def test_either_phase_can_be_the_peak():
+    """Long sequences: the activations make forward/backward the peak; short ones with every block
+    resident: the step's fp32 gradient copies do. In fp32 there are no copies."""
+    small = dataclasses.replace(CFG, layers=4)
+    long = make_plan(CFG, WORK, hw(host_gib=512), resident_blocks=0).device
+    short = make_plan(small, Workload(batch=1, seq=16), hw(gpu="h100-80gb"), resident_blocks=4).device
+    assert long.peak_bytes == long.backward_bytes > long.step_bytes
+    assert short.peak_bytes == short.step_bytes > short.backward_bytes
+    fp32 = make_plan(small, Workload(batch=1, seq=16, precision="fp32"), hw(gpu="h100-80gb"), resident_blocks=4)
+    assert fp32.device.step_grad_bytes == 0 and fp32.device.peak_bytes == fp32.device.backward_bytes
 
 
 def test_checkpointing_saves_device_memory():
