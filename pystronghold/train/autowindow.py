@@ -26,6 +26,7 @@ from pystronghold.optim.functional import adam_step_
 from pystronghold.options import ConfigError
 from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
+from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GPU, GiB, Hardware
 from pystronghold.planner.plan import choose_split, device_memory
 from pystronghold.planner.timeline import StepTime
@@ -92,7 +93,11 @@ class AutoWindow:
     reserve_bytes: int = 0
     """Of the free memory, kept out of the budget (``device_reserve_bytes``; 0 when not read)."""
     predicted_peak_bytes: int = 0
-    """The planner's device peak of this split: window, head/tail, resident blocks, activations."""
+    """The planner's device peak of this split: window, head/tail, resident blocks, and activations
+    or the optimizer step's fp32 gradient copies (``planner.plan.DeviceMemory``)."""
+    predicted_step_bytes: int = 0
+    """The planner's device bytes of the optimizer step (no activations): what the CPU arena's
+    measured peak is compared with."""
 
     def wrap_options(self) -> dict:
         """The split as ``wrap``'s options: W (K = N: ``"all"``), K and their recompute."""
@@ -101,12 +106,14 @@ class AutoWindow:
 
     def peak_line(self, measured_bytes: int, steps: int, cuda: bool = True) -> str:
         """The measured device peak after ``steps`` steps (``train.metrics.device_peak_bytes``) beside
-        the planner's; ``cuda`` False: the measured one leaves out the activations (CPU arena)."""
+        the planner's; ``cuda`` False: the measured one leaves out the activations (CPU arena), and
+        so does the planner's figure it is compared with (its optimizer step's)."""
         mib = 2**20
-        ratio = measured_bytes / max(self.predicted_peak_bytes, 1)
+        predicted = self.predicted_peak_bytes if cuda else self.predicted_step_bytes
+        ratio = measured_bytes / max(predicted, 1)
         what = "" if cuda else " (CPU arena: no activations)"
         return (f"window=auto: measured device peak{what} {measured_bytes / mib:.1f} MiB after {steps} steps, "
-                f"predicted {self.predicted_peak_bytes / mib:.1f} MiB ({ratio:.2f}x), "
+                f"predicted {predicted / mib:.1f} MiB ({ratio:.2f}x), "
                 f"budget {self.budget_bytes / mib:.1f} MiB")
 
     def line(self) -> str:
@@ -231,23 +238,27 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
 
     fwd_s, bwd_s = _timed(fwd, device, reps), _timed(bwd, device, reps)
     numel = sum(p.numel() for p in block.parameters())
+    # what trains (work.finetune: LoRA adapters, unfrozen parameters) is what a gradient copy-out
+    # and both Adams move; a load moves the whole block
+    train_numel = max(1, sum(param_split(cfg, work.finetune).block_trainable))
     host = torch.zeros(numel, dtype=dtype, pin_memory=device.type == "cuda")
     dev = torch.zeros(numel, dtype=dtype, device=device)
     load_s = _timed(lambda: dev.copy_(host, non_blocking=True), device, reps)
-    grad_s = _timed(lambda: host.copy_(dev, non_blocking=True), device, reps)
-    p, g, m, v = (torch.zeros(numel) for _ in range(4))
+    grad_s = _timed(lambda: host[:train_numel].copy_(dev[:train_numel], non_blocking=True), device, reps)
+    p, g, m, v = (torch.zeros(train_numel) for _ in range(4))
     hyper = AdamWHyper(step=1, lr=1e-3, weight_decay=0.0)
     adam_s = _timed(lambda: adam_step_(p, g, m, v, hyper), torch.device("cpu"), reps)
     # the resident blocks' device AdamW (optim/device_adamw.DeviceAdamW: torch's, fused on CUDA)
-    master = torch.zeros(numel, device=device, requires_grad=True)
+    master = torch.zeros(train_numel, device=device, requires_grad=True)
     master.grad = torch.zeros_like(master)
     device_opt = torch.optim.AdamW([master], lr=1e-3, fused=device.type == "cuda")
     device_adam_s = _timed(device_opt.step, device, reps)
     nbytes = numel * dtype.itemsize
     gpu = GPU(name=f"{device.type} (measured)", memory_bytes=budget_bytes, fp32_flops=1e12, bf16_flops=1e12,
-              fp16_flops=1e12, h2d_bytes_per_s=nbytes / max(load_s, 1e-9), d2h_bytes_per_s=nbytes / max(grad_s, 1e-9))
+              fp16_flops=1e12, h2d_bytes_per_s=nbytes / max(load_s, 1e-9),
+              d2h_bytes_per_s=train_numel * dtype.itemsize / max(grad_s, 1e-9))
     hw = Hardware(gpu=gpu, host_memory_bytes=available_host_bytes(),
-                  cpu_adam_params_per_s=numel / max(adam_s, 1e-9))
+                  cpu_adam_params_per_s=train_numel / max(adam_s, 1e-9))
     planned = block_costs(cfg, work, hw)  # bytes from the planner; seconds replaced by measurements
     return dataclasses.replace(planned, fwd_s=fwd_s, bwd_s=bwd_s, load_s=load_s, grad_s=grad_s,
                                adam_s=adam_s, head_tail_s=0.0, device_adam_s=device_adam_s,
@@ -268,7 +279,7 @@ def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) ->
     # planner's peak, so that the predicted peak is what the allocator's peak counter should see
     work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
                     overlap="forward" if rt.needs_global_grad else "backward",
-                    device_reserve_bytes=0, host_reserve_bytes=0)
+                    device_reserve_bytes=0, host_reserve_bytes=0, finetune=config.finetune)
     n = len(model.blocks)
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
@@ -295,6 +306,7 @@ def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) ->
     decision = AutoWindow(window=split.window, max_window=split.max_window, budget_bytes=budget, costs=probe,
                           step=split.step, resident_blocks=split.resident,
                           resident_recompute=split.resident_recompute, blocks=n, work=work,
-                          free_bytes=free, reserve_bytes=reserve, predicted_peak_bytes=peak.peak_bytes)
+                          free_bytes=free, reserve_bytes=reserve, predicted_peak_bytes=peak.peak_bytes,
+                          predicted_step_bytes=peak.step_bytes)
     log.info("%s", decision.line())
     return decision
