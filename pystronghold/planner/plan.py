@@ -21,7 +21,7 @@ from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.precision import compute_dtype
 
 __all__ = ["DeviceMemory", "HostMemory", "Plan", "Split", "LargestModel", "device_memory", "host_memory",
-           "max_window_with", "choose_split", "make_plan", "largest_layers",
+           "max_window_with", "most_resident", "choose_split", "make_plan", "largest_layers",
            "largest_models"]
 
 
@@ -279,6 +279,26 @@ def max_window_with(costs: BlockCosts, work: Workload, n: int, capacity_bytes: i
     return min(n - resident, (capacity_bytes - base.peak_bytes) // costs.slot_bytes)
 
 
+def most_resident(costs: BlockCosts, work: Workload, n: int, capacity_bytes: int, window: int = 1,
+                  in_flight: int = 1) -> int:
+    """Most resident blocks (recomputing when ``work.checkpointing``) that fit the device beside
+    ``window`` slots for the others (none when all N are resident); -1 when not even K = 0 fits.
+    The device bytes grow with K (a resident block holds more than its share of a slot)."""
+    def fits(k: int) -> bool:
+        return device_memory(costs, work, n, 0 if k == n else window, capacity_bytes, k, work.checkpointing,
+                             in_flight=in_flight).fits
+
+    if fits(n):
+        return n
+    if not fits(0):
+        return -1
+    lo, hi = 0, n  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def _resident_candidates(n: int) -> list[int]:
     """K values to try: every one up to 64 blocks, else about 64 evenly spaced (and N)."""
     stride = max(1, -(-n // 64))
@@ -332,6 +352,18 @@ def choose_split(costs: BlockCosts, work: Workload, n: int, capacity_bytes: int,
     return Split(resident=k, resident_recompute=rc, window=w, max_window=max_w, step=st)
 
 
+def _store_streamed(config: GPTConfig, work: Workload, hw: Hardware, costs: BlockCosts, split: Split
+                    ) -> tuple[BlockCosts, HostMemory, Split]:
+    """Costs, host store and split once the host store holds the N - K streamed blocks only (placed,
+    their updates costed, the step simulated again when that changed the costs)."""
+    k, rc = split.resident, split.resident_recompute
+    streamed_costs, host = _costs(config, work, hw, config.layers - k)
+    if streamed_costs != costs and split.step is not None:
+        split = dataclasses.replace(split, step=simulate_step(streamed_costs, config.layers, split.window,
+                                                              work.overlap, resident=k, resident_recompute=rc))
+    return streamed_costs, host, split
+
+
 def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | None = None,
               resident_blocks: int | None = None, *, in_flight: int = 1) -> Plan:
     """Plan ``config`` trained as ``work`` on ``hw`` with ``window`` slots and the first
@@ -346,13 +378,17 @@ def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | Non
     costs, host = _costs(config, work, hw)
     split = choose_split(costs, work, n, hw.gpu.memory_bytes, window=window, resident=resident_blocks,
                          in_flight=in_flight)
+    costs, host, split = _store_streamed(config, work, hw, costs, split)
+    if not host.fits and resident_blocks is None:  # more resident blocks leave fewer in the host store
+        most = most_resident(costs, work, n, hw.gpu.memory_bytes, window or 1, in_flight)
+        if most > split.resident and _costs(config, work, hw, n - most)[1].fits:
+            lo, hi = split.resident, most  # the host store fits with hi resident blocks, not with lo
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if _costs(config, work, hw, n - mid)[1].fits else (mid, hi)
+            more = choose_split(costs, work, n, hw.gpu.memory_bytes, window=window, resident=hi, in_flight=in_flight)
+            costs, host, split = _store_streamed(config, work, hw, costs, more)
     k, rc = split.resident, split.resident_recompute
-    if k and host.fits:  # the host store holds the streamed blocks only: place them, cost their updates so
-        streamed_costs, host = _costs(config, work, hw, n - k)
-        if streamed_costs != costs and split.step is not None:
-            costs = streamed_costs
-            split = dataclasses.replace(split, step=simulate_step(costs, n, split.window, work.overlap,
-                                                                  resident=k, resident_recompute=rc))
     params = param_split(config, work.finetune)
     n_frozen = n * sum(params.block_frozen) + params.head_tail_frozen
     n_params = model_params(config)
@@ -391,11 +427,14 @@ class LargestModel:
 
 
 def _fits_with(config: GPTConfig, work: Workload, hw: Hardware, layers: int) -> str | None:
-    """None when ``layers`` blocks train with W = 1, else what is short ("device", "host", "disk")."""
+    """None when ``layers`` blocks train with W = 1 (and as many resident blocks as the device holds
+    beside it, relieving the host store), else what is short ("device", "host", "disk")."""
     cfg = dataclasses.replace(config, layers=layers)
-    costs, host = _costs(cfg, work, hw)
-    if not device_memory(costs, work, layers, 1, hw.gpu.memory_bytes).fits:
+    costs = block_costs(cfg, work, hw)
+    most = most_resident(costs, work, layers, hw.gpu.memory_bytes)
+    if most < 0:
         return "device"
+    _, host = _costs(cfg, work, hw, layers - most)
     if host.host_bytes > host.host_capacity_bytes:
         return "host"
     if host.disk_bytes > host.disk_capacity_bytes:

@@ -118,8 +118,8 @@ def format_finetune(plan: Plan) -> list[str]:
     return [f"trains    {_what_trains(plan)}: {_params(d['trainable_params'])} trainable params "
             f"({100 * d['trainable_params'] / max(plan.params, 1):.2g}% of the model), "
             f"{_params(d['frozen_params'])} frozen",
-            f"frozen    {s} B/param ({plan.work.precision}), no optimizer state, no gradient: host store "
-            f"{_gib(d['frozen_host_bytes'])}{disk}, device {_gib(d['frozen_device_bytes'])} (head, tail"
+            f"frozen    {s} B/param ({plan.work.precision}), no optimizer state, no gradient: "
+            f"{_gib(d['frozen_host_bytes'])} of the host store{disk}, device {_gib(d['frozen_device_bytes'])} (head, tail"
             f"{', resident blocks' if plan.resident_blocks and c.block_frozen_params else ''})"]
 
 
@@ -236,6 +236,7 @@ def format_plan(plan: Plan) -> str:
                 for r in plan.largest]
         none = "; W none: every block resident" if any(r.layers and not r.window for r in plan.largest) else ""
         how = "" if work.finetune.full else f", {_what_trains(plan)}"
-        out += ["", f"largest trainable model (same seq, batch, precision{how}; W = 1 must fit{none}):",
+        out += ["", f"largest trainable model (same seq, batch, precision{how}; W = 1 must fit beside the "
+                f"most resident blocks the device holds{none}):",
                 format_table(["hidden", "heads", "layers", "params", "bound by", "W", "step"], rows)]
     return "\n".join(out)

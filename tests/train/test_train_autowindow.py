@@ -164,13 +164,16 @@ def test_planner_matches_the_runtime_on_cpu():
     assert abs(measured - planned) <= 0.1 * planned, (measured, planned)
     # host-bound largest model: on CPU the device (W slots, head and tail) is host memory too, so
     # the planner is given the host budget minus those; that is halfway between its needs at 5 and
-    # 6 blocks
+    # 6 blocks. Its device holds one slot and no resident block (which would relieve the host
+    # store; the runtime below streams every block)
     def planner_host(layers):
         return make_plan(dataclasses.replace(cfg, layers=layers), work, hw, window=2,
                          resident_blocks=0).host.host_bytes
     device = 2 * plan.costs.slot_bytes + plan.device.head_tail_bytes
     budget = (planner_host(5) + planner_host(6)) // 2 + device
-    hw_small = dataclasses.replace(hw, host_memory_bytes=budget - device)
+    one_slot = device_memory(plan.costs, work, 7, 1, 0).peak_bytes
+    hw_small = dataclasses.replace(hw, host_memory_bytes=budget - device,
+                                   gpu=dataclasses.replace(hw.gpu, memory_bytes=one_slot))
     largest, bound = largest_layers(cfg, work, hw_small)
     assert (largest, bound) == (5, "host")
     for layers, fits in ((largest, True), (largest + 1, False)):
