@@ -39,9 +39,9 @@ EXAMPLES = """examples:
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
-PLAN_RUNTIME_DEFAULTS = {"window": "auto", "resident_blocks": "auto", "precision": "bf16", "schedule": "auto"}
+PLAN_RUNTIME_DEFAULTS = {"window": "auto", "resident_blocks": "auto", "schedule": "auto"}
 """Where ``pystronghold plan``'s runtime defaults differ from ``RuntimeConfig``'s: it picks K and W and
-the accumulation schedule, and plans in bf16, unless told otherwise."""
+the accumulation schedule unless told otherwise. The precision is ``train``'s (``RuntimeConfig``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,7 +58,7 @@ class PlanRequest:
     link_bandwidth: float | None = field(default=None, metadata={"metavar": "GB/S"})
     """Host<->device bandwidth per direction, GB/s (default: the preset's, else 25, PCIe gen4)."""
     host_memory: float | None = field(default=None, metadata={"metavar": "GB"})
-    """Host memory for the store, GiB (required)."""
+    """Host memory of the machine planned, GiB (default: this machine's RAM)."""
     cpu_adam_rate: float = 2.0
     """Fused CPU AdamW speed of the whole host, billions of parameters per second (measure yours
     with bench/adam.py)."""
@@ -126,14 +126,17 @@ class PlanRequest:
                 from pystronghold.planner.hardware import gpu_preset
 
                 gpu_preset(self.gpu)
+        missing = []  # every option missing, in one line
+        if self.cluster is None:
             if self.gpu is None and self.gpu_memory is None and self.gpu_tflops is None:
-                raise ValueError("give --gpu NAME, or --gpu-memory GB and --gpu-tflops X")
-            if self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
-                raise ValueError("a GPU without a preset needs both --gpu-memory and --gpu-tflops")
-            if self.host_memory is None:
-                raise ValueError("--host-memory GB is required")
+                missing.append("--gpu NAME (or --gpu-memory GB and --gpu-tflops X)")
+            elif self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
+                missing.append(f"--{'gpu-tflops X' if self.gpu_tflops is None else 'gpu-memory GB'} "
+                               "(a GPU without a preset needs both --gpu-memory and --gpu-tflops)")
         if self.model is None and None in (self.layers, self.hidden, self.heads):
-            raise ValueError("give --model PRESET, or --layers, --hidden and --heads")
+            missing.append("--model PRESET (or --layers, --hidden and --heads)")
+        if missing:
+            raise ValueError("give " + " and ".join(missing))
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
                      "nvme_bandwidth", "efficiency", "layers", "hidden", "heads", "vocab", "seq",
                      "batch"):
@@ -191,7 +194,8 @@ class PlanRequest:
         """(GPTConfig, Workload, Hardware, window or None, widths or None, resident blocks or None);
         ValueError on bad values."""
         from pystronghold.planner.cost import Workload
-        from pystronghold.planner.hardware import GB, GPU, PCIE_GEN4, GiB, TFLOPS, Hardware, gpu_preset
+        from pystronghold.planner.hardware import (GB, GPU, PCIE_GEN4, GiB, TFLOPS, Hardware, gpu_preset,
+                                                   local_host_memory_bytes)
 
         if self.gpu is not None:
             gpu = gpu_preset(self.gpu)
@@ -207,7 +211,8 @@ class PlanRequest:
                       h2d_bytes_per_s=PCIE_GEN4, d2h_bytes_per_s=PCIE_GEN4)
         if self.link_bandwidth is not None:
             gpu.h2d_bytes_per_s = gpu.d2h_bytes_per_s = self.link_bandwidth * GB
-        hw = Hardware(gpu=gpu, host_memory_bytes=int(self.host_memory * GiB),
+        host = local_host_memory_bytes() if self.host_memory is None else int(self.host_memory * GiB)
+        hw = Hardware(gpu=gpu, host_memory_bytes=host,
                       cpu_adam_params_per_s=self.cpu_adam_rate * 1e9, nvme_bytes=int(self.nvme * GiB),
                       nvme_bytes_per_s=self.nvme_bandwidth * GB)
         config = self.model_config()
@@ -231,6 +236,7 @@ class PlanRequest:
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``pystronghold plan``: 0 when the model fits, 1 when it does not, 2 on bad input."""
     from pystronghold.planner.finetune import check_freeze
+    from pystronghold.planner.hardware import format_bytes
     from pystronghold.planner.plan import largest_models, make_plan
     from pystronghold.planner.relay import schedule_report
     from pystronghold.planner.report import format_plan, plan_to_dict
@@ -259,6 +265,10 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"pystronghold plan: error: {message}", file=sys.stderr)
         return 2
     record, text = plan_to_dict(plan), format_plan(plan)
+    record["hardware"]["host_memory_from"] = "this machine" if request.host_memory is None else "--host-memory"
+    if request.host_memory is None:
+        text = (f"host memory: {format_bytes(hw.host_memory_bytes)} (this machine; --host-memory GB plans "
+                "another)\n" + text)
     if pipeline is not None:
         record["pipeline"] = pipeline.to_dict()
         text += "\n" + "\n".join(pipeline.lines() + [

@@ -8,10 +8,12 @@ signalling rate), the same in each direction: H2D and D2H are two independent li
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
-__all__ = ["GiB", "GB", "TFLOPS", "GPU", "Hardware", "GPUS", "PCIE_GEN3", "PCIE_GEN4", "PCIE_GEN5",
-           "DEFAULT_CPU_ADAM_RATE", "DEFAULT_NVME_BANDWIDTH", "DEFAULT_DEVICE_MEMORY_BANDWIDTH", "gpu_preset"]
+__all__ = ["GiB", "GB", "TFLOPS", "format_bytes", "GPU", "Hardware", "GPUS", "PCIE_GEN3", "PCIE_GEN4", "PCIE_GEN5",
+           "DEFAULT_CPU_ADAM_RATE", "DEFAULT_NVME_BANDWIDTH", "DEFAULT_DEVICE_MEMORY_BANDWIDTH", "gpu_preset",
+           "local_host_memory_bytes"]
 
 GiB = 2**30
 """Bytes in a GiB."""
@@ -19,6 +21,15 @@ GB = 1e9
 """Bytes in a (decimal) GB, the unit of bandwidths."""
 TFLOPS = 1e12
 """FLOP/s in a TFLOP/s."""
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit it reaches (B, KiB, MiB, GiB), one decimal: what the
+    plan and the training log print (a small model's 3.2 MiB is not 0.0 GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{int(n)} B"
 
 # Practical per-direction bandwidth of a PCIe x16 link with pinned host memory, bytes/s:
 # ~80% of the signalling rate (15.75 / 31.5 / 63 GB/s), what bandwidthTest-style measurements show.
@@ -130,6 +141,12 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     _gpu("rtx4090", 24, 82.6, 165.2, 165.2, PCIE_GEN4, hbm_gb_s=1008),
 ]}
 """Built-in GPU presets by name."""
+
+
+def local_host_memory_bytes() -> int:
+    """This machine's RAM, bytes (all of it: what ``--host-memory`` means; the planner keeps its
+    own reserve out of it)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def gpu_preset(name: str) -> GPU:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.planner.cost import BlockCosts, Workload, analytic_window, block_costs
 from pystronghold.planner.finetune import param_split
-from pystronghold.planner.hardware import Hardware
+from pystronghold.planner.hardware import Hardware, format_bytes
 from pystronghold.planner.params import model_params
 from pystronghold.planner.timeline import StepTime, choose_window, simulate_step
 from pystronghold.runtime.layout import upload_state
@@ -149,9 +149,9 @@ def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, 
     place = functools.partial(plan_placement, numels, dtype, train_numels=train_numels)
     budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
     everything = place(budget_bytes=2**62)
-    budget_words = (f"{budget / 2**30:.1f} GiB of host memory per rank (after the "
-                    f"{work.host_reserve_bytes / 2**30:.1f} GiB reserve)")
-    need_words = f"the store needs {everything.host_bytes / 2**30:.1f} GiB per rank"
+    budget_words = (f"{format_bytes(budget)} of host memory per rank (after the "
+                    f"{format_bytes(work.host_reserve_bytes)} reserve)")
+    need_words = f"the store needs {format_bytes(everything.host_bytes)} per rank"
     try:
         placement = place(budget_bytes=budget, nvme=bool(hw.nvme_bytes), cache_blocks=work.nvme_staging_blocks,
                           streamed_grads=work.overlap == "backward")

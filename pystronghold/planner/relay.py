@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from pystronghold.planner.hardware import format_bytes
+from pystronghold.planner.report import format_seconds
 from pystronghold.planner.timeline import simulate_step
 
 __all__ = ["ScheduleEstimate", "schedule_estimates", "choose_schedule", "schedule_report"]
@@ -102,10 +104,15 @@ def schedule_report(plan, micro_batches: int, schedule: str) -> tuple[dict, str]
         chosen = schedule
     record = dict(requested=schedule, chosen=chosen, micro_batches=micro_batches,
                   estimates={name: asdict(e) for name, e in estimates.items()})
-    lines = [f"schedule ({micro_batches} micro-batches per step): {chosen}"
-             + (" (--schedule auto: the faster predicted)" if schedule == "auto" else "")]
-    for name, e in estimates.items():
-        lines.append(f"  {name:<8} step {e.step_s:.3f} s, link H2D {e.h2d_bytes / 2**30:.2f} GiB, "
-                     f"D2H {e.d2h_bytes / 2**30:.2f} GiB per step, saved block inputs "
-                     f"{e.saved_input_bytes / 2**30:.2f} GiB on the {e.activations}")
+    if micro_batches == 1:  # NOTE: one micro-batch: both schedules are the same step, one row says it
+        lines = [f"schedule (1 micro-batch per step): {chosen} (the relay is the same with one micro-batch)"]
+        shown = {chosen: estimates[chosen]}
+    else:
+        lines = [f"schedule ({micro_batches} micro-batches per step): {chosen}"
+                 + (" (--schedule auto: the faster predicted)" if schedule == "auto" else "")]
+        shown = estimates
+    for name, e in shown.items():
+        lines.append(f"  {name:<8} step {format_seconds(e.step_s)}, link H2D {format_bytes(e.h2d_bytes)}, "
+                     f"D2H {format_bytes(e.d2h_bytes)} per step, saved block inputs "
+                     f"{format_bytes(e.saved_input_bytes)} on the {e.activations}")
     return record, "\n".join(lines)

@@ -188,7 +188,7 @@ def test_the_largest_lora_model_is_larger_than_the_largest_full_fine_tune():
 def test_llama_70b_lora_on_one_h100_is_planned(capsys):
     pytest.importorskip("transformers")
     base = ["plan", "--gpu", "h100-80gb", "--host-memory", "125", "--nvme", "2000", "--model", f"hf:{LLAMA_70B}",
-            "--seq", "4096"]
+            "--seq", "4096", "--precision", "bf16"]
     assert main(base + ["--lora-rank", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     ft = out["finetune"]
@@ -211,7 +211,7 @@ def test_llama_70b_lora_fits_one_h100_and_125_gib_without_nvme(capsys):
     report names one host store, and the frozen bytes as a part of it."""
     pytest.importorskip("transformers")
     rc = main(["plan", "--gpu", "h100-80gb", "--host-memory", "125", "--model", f"hf:{LLAMA_70B}", "--seq", "4096",
-               "--lora-rank", "16"])
+               "--precision", "bf16", "--lora-rank", "16"])
     text = capsys.readouterr().out
     assert rc == 0 and "DOES NOT FIT" not in text and "TOO BIG" not in text
     streamed = re.search(r"streamed  (\d+) blocks through W=\d+ slots: [\d.]+ GiB on the device, ([\d.]+) GiB host "

@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,10 @@ from pystronghold.cli import main
 from pystronghold.models import PRESETS, param_count
 from pystronghold.planner import Hardware, Workload, gpu_preset, largest_layers, largest_models, make_plan
 from pystronghold.options import add_options, field_docs, from_args
-from pystronghold.planner.hardware import GiB
+from pystronghold.planner.hardware import GiB, local_host_memory_bytes
+from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.planner.command import PLAN_RUNTIME_DEFAULTS
+from pystronghold.train.config import TRAIN_RUNTIME_DEFAULTS
 from pystronghold.planner.report import format_plan, plan_to_dict
 
 CFG = PRESETS["gpt3-1.3b"]
@@ -137,13 +141,14 @@ def test_cli_does_not_fit_exits_1(capsys):
     (["--gpu", "b200", "--host-memory", "64", "--model", "tiny"], "unknown GPU 'b200'"),
     (["--gpu", "rtx3090", "--host-memory", "64", "--model", "gpt5"], "unknown model preset 'gpt5'"),
     (["--gpu", "rtx3090", "--host-memory", "-1", "--model", "tiny"], "--host-memory must be a positive"),
-    (["--gpu", "rtx3090", "--model", "tiny"], "--host-memory GB is required"),
     (["--host-memory", "8", "--model", "tiny"], "give --gpu NAME"),
+    (["--host-memory", "8"], "give --gpu NAME (or --gpu-memory GB and --gpu-tflops X) and --model PRESET (or "
+                             "--layers, --hidden and --heads)"),
     (["--gpu-memory", "8", "--host-memory", "8", "--model", "tiny"], "needs both"),
     (["--gpu", "rtx3090", "--host-memory", "8", "--layers", "4"], "--layers, --hidden and --heads"),
     (["--gpu", "rtx3090", "--host-memory", "8", "--model", "tiny", "--window", "0"], "--window must be"),
     (["--gpu", "rtx3090", "--host-memory", "8", "--model", "tiny", "--batch", "0"], "--batch must be"),
-    (["--gpu", "v100-16gb", "--host-memory", "8", "--model", "tiny"], "no bf16"),
+    (["--gpu", "v100-16gb", "--host-memory", "8", "--model", "tiny", "--precision", "bf16"], "no bf16"),
     (["--gpu", "rtx3090", "--host-memory", "8", "--layers", "x"], "invalid int value"),
 ])
 def test_cli_bad_inputs_give_one_line(args, message, capsys):
@@ -188,7 +193,11 @@ def test_every_request_field_is_a_documented_option():
     assert request.runtime.checkpointing is False and request.runtime.window == 4  # RuntimeConfig's fields
     default = from_args(PlanRequest, parser.parse_args(base))
     assert default.runtime.checkpointing is True and default.json is False
-    assert default.runtime.window == "auto" and default.runtime.precision == "bf16"  # the plan's defaults
+    assert default.runtime.window == "auto"  # the plan's default
+    # the precision is train's: one default, RuntimeConfig's, which neither command overrides
+    assert default.runtime.precision == RuntimeConfig().precision
+    assert "precision" not in PLAN_RUNTIME_DEFAULTS and "precision" not in TRAIN_RUNTIME_DEFAULTS
+    assert from_args(PlanRequest, parser.parse_args(base[:2] + base[4:])).host_memory is None  # this machine's
 
 
 def test_json_of_a_model_that_does_not_fit(capsys):
@@ -208,3 +217,27 @@ def test_plan_reuses_the_runtime_window_and_its_validation(capsys):
     assert '"chosen": 24' in capsys.readouterr().out
 
 
+
+
+def test_host_memory_defaults_to_this_machine(capsys):
+    """Without --host-memory the plan is of this machine's RAM, and says so."""
+    from pystronghold.planner.hardware import format_bytes
+
+    args = ["plan", "--gpu", "h100-80gb", "--model", "mini", "--widths", "128"]
+    assert main(args) == 0
+    ram = local_host_memory_bytes()
+    assert capsys.readouterr().out.startswith(f"host memory: {format_bytes(ram)} (this machine")
+    assert main([*args, "--json"]) == 0
+    hardware = json.loads(capsys.readouterr().out)["hardware"]
+    assert (hardware["host_memory_bytes"], hardware["host_memory_from"]) == (ram, "this machine")
+    assert main([*args, "--host-memory", "64", "--json"]) == 0
+    hardware = json.loads(capsys.readouterr().out)["hardware"]
+    assert (hardware["host_memory_bytes"], hardware["host_memory_from"]) == (64 * GiB, "--host-memory")
+
+
+def test_small_models_print_small_units(capsys):
+    """A 1.9 M-parameter model's bytes and seconds read in MiB/KiB and us, not 0.0 GiB and 0.0 ms."""
+    assert main(["plan", "--gpu", "h100-80gb", "--host-memory", "64", "--model", "mini", "--widths", "128"]) == 0
+    text = capsys.readouterr().out
+    assert not re.search(r"(?<![\d,])0\.0+ GiB", text) and "fwd 0.0 ms" not in text, text
+    assert "device: resident blocks  24.2 MiB  8 x 3.0 MiB" in text and " us, bwd " in text
