@@ -29,12 +29,13 @@ __all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan
 log = logging.getLogger(__name__)
 
 EXAMPLES = """examples:
-  pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b --batch 4
+  pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b --batch 4 --precision bf16
+  pystronghold plan --gpu auto --model gpt3-1.3b        # this machine's GPU and RAM
   pystronghold plan --gpu rtx4090 --host-memory 128 --nvme 2000 --layers 48 --hidden 6144 --heads 48
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
   pystronghold plan --gpu h100-80gb --host-memory 512 --model gpt3-13b --pp 4 --tp 2 --micro-batches 8
   pystronghold plan --cluster cluster.yaml --model gpt3-350m --global-batch 512 --precision fp32
-  pystronghold plan --gpu h100-80gb --host-memory 125 --nvme 2000 --model hf:bench/models/llama-3-70b --seq 4096 --lora-rank 16
+  pystronghold plan --gpu h100-80gb --host-memory 125 --model hf:bench/models/llama-3-70b --seq 4096 --lora-rank 16 --precision bf16
   pystronghold plan --gpu rtx4090 --host-memory 64 --model gpt3-2.7b --freeze 'head|ln|attn'
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
@@ -50,7 +51,8 @@ class PlanRequest:
 
     gpu: str | None = field(default=None, metadata={"metavar": "NAME"})
     """GPU preset: v100-16gb, v100-32gb, v100-pcie-32gb, p100-16gb, p100-pcie-16gb, a100-40gb,
-    a100-80gb, h100-80gb, rtx3090, rtx4090."""
+    a100-80gb, h100-80gb, h200-141gb, gh200-96gb, b200-180gb, l40s-48gb, rtx3090, rtx4090, rtx5090,
+    rtx-pro-6000; or auto: this machine's CUDA device (its preset, the memory it reports)."""
     gpu_memory: float | None = field(default=None, metadata={"metavar": "GB"})
     """Device memory in GiB of a GPU without a preset (with --gpu-tflops), or overriding the preset's."""
     gpu_tflops: float | None = None
@@ -122,7 +124,7 @@ class PlanRequest:
         if self.global_batch is not None and self.global_batch < 1:
             raise ConfigError(self, "global_batch=", "must be a positive number of samples")
         if self.cluster is None:
-            if self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
+            if self.gpu not in (None, "auto"):  # first: a misspelt GPU is the error to report, not a missing option
                 from pystronghold.planner.hardware import gpu_preset
 
                 gpu_preset(self.gpu)
@@ -195,10 +197,10 @@ class PlanRequest:
         ValueError on bad values."""
         from pystronghold.planner.cost import Workload
         from pystronghold.planner.hardware import (GB, GPU, PCIE_GEN4, GiB, TFLOPS, Hardware, gpu_preset,
-                                                   local_host_memory_bytes)
+                                                   local_gpu, local_host_memory_bytes)
 
         if self.gpu is not None:
-            gpu = gpu_preset(self.gpu)
+            gpu = local_gpu(self.gpu_tflops) if self.gpu == "auto" else gpu_preset(self.gpu)
             if self.gpu_memory is not None:
                 gpu.memory_bytes = int(self.gpu_memory * GiB)
             if self.gpu_tflops is not None:

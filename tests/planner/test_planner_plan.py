@@ -138,7 +138,7 @@ def test_cli_does_not_fit_exits_1(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--gpu", "b200", "--host-memory", "64", "--model", "tiny"], "unknown GPU 'b200'"),
+    (["--gpu", "b300", "--host-memory", "64", "--model", "tiny"], "unknown GPU 'b300'"),
     (["--gpu", "rtx3090", "--host-memory", "64", "--model", "gpt5"], "unknown model preset 'gpt5'"),
     (["--gpu", "rtx3090", "--host-memory", "-1", "--model", "tiny"], "--host-memory must be a positive"),
     (["--host-memory", "8", "--model", "tiny"], "give --gpu NAME"),
@@ -168,7 +168,8 @@ def test_cli_bad_input_in_a_real_process():
     assert proc.stderr.strip().splitlines() == ["pystronghold plan: error: unknown GPU 'nope'; known: "
                                                 "v100-16gb, v100-32gb, v100-pcie-32gb, p100-16gb, "
                                                 "p100-pcie-16gb, a100-40gb, a100-80gb, h100-80gb, "
-                                                "rtx3090, rtx4090"]
+                                                "rtx3090, rtx4090, h200-141gb, gh200-96gb, b200-180gb, "
+                                                "l40s-48gb, rtx5090, rtx-pro-6000"]
 
 
 def test_help_has_examples(capsys):
