@@ -130,7 +130,7 @@ class AutoWindow:
                 f"(saving {recomputed * (c.block_activation_bytes - c.block_input_bytes) / mib:.1f} MiB); "
                 f"per block measured fwd {c.fwd_s * 1e3:.2f} ms, bwd+recompute {c.bwd_s * 1e3:.2f} ms, "
                 f"load {c.load_s * 1e3:.3f} ms, grad copy {c.grad_s * 1e3:.3f} ms, host Adam {c.adam_s * 1e3:.2f} ms, "
-                f"device AdamW {c.device_adam_s * 1e3:.2f} ms; "
+                f"device AdamW {c.device_adam_s * 1e3:.2f} ms, LM head + loss fwd+bwd {c.head_tail_s * 1e3:.2f} ms; "
                 f"predicted device peak {self.predicted_peak_bytes / mib:.1f} MiB, "
                 f"predicted step {s.total_s * 1e3:.1f} ms (compute {s.compute_s * 1e3:.1f}, exposed transfer "
                 f"{s.exposed_transfer_s * 1e3:.1f}, exposed optimizer {s.exposed_optimizer_s * 1e3:.1f})")
@@ -237,6 +237,7 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
         torch.autograd.grad(output(xg), [xg, *block.parameters()], dy, allow_unused=True)
 
     fwd_s, bwd_s = _timed(fwd, device, reps), _timed(bwd, device, reps)
+    head_tail_s = _head_tail_seconds(cfg, work, device, reps)
     numel = sum(p.numel() for p in block.parameters())
     # what trains (work.finetune: LoRA adapters, unfrozen parameters) is what a gradient copy-out
     # and both Adams move; a load moves the whole block
@@ -261,8 +262,27 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
                   cpu_adam_params_per_s=train_numel / max(adam_s, 1e-9))
     planned = block_costs(cfg, work, hw)  # bytes from the planner; seconds replaced by measurements
     return dataclasses.replace(planned, fwd_s=fwd_s, bwd_s=bwd_s, load_s=load_s, grad_s=grad_s,
-                               adam_s=adam_s, head_tail_s=0.0, device_adam_s=device_adam_s,
+                               adam_s=adam_s, head_tail_s=head_tail_s, device_adam_s=device_adam_s,
                                recompute_s=min(fwd_s, bwd_s) if work.checkpointing else 0.0)
+
+
+def _head_tail_seconds(cfg, work: Workload, device: torch.device, reps: int) -> float:
+    """Forward + backward of the LM head and the loss at the run's (B, T), seconds: the matmul of
+    (B*T, C) by (C, V) and the cross-entropy, timed on ``device`` in the compute dtype, the weight's
+    gradient taken unless the LM head is frozen (``param_split``). The embedding and final norm
+    are left out (O(B*T*C), against the head's O(B*T*C*V))."""
+    dtype = compute_dtype(work.precision)
+    tokens = work.batch * (work.seq or cfg.seq_len)
+    x = torch.randn(tokens, cfg.hidden, device=device, dtype=dtype, requires_grad=True)  # (B*T, C)
+    w = torch.randn(cfg.padded_vocab_size, cfg.hidden, device=device, dtype=dtype)  # (V, C)
+    w.requires_grad_(not param_split(cfg, work.finetune).lm_head_frozen)
+    y = torch.randint(0, cfg.padded_vocab_size, (tokens,), device=device)
+
+    def step():
+        loss = torch.nn.functional.cross_entropy((x @ w.T).float(), y)
+        torch.autograd.grad(loss, [x, w] if w.requires_grad else [x])
+
+    return _timed(step, device, reps)
 
 
 def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) -> AutoWindow:

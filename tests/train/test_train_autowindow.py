@@ -44,9 +44,11 @@ def test_auto_window_is_the_planners_choice_and_is_logged(tmp_path, caplog):
         assert auto.work.overlap == "forward"  # tiny_config clips
         c = auto.costs
         assert c.fwd_s > 0 and c.bwd_s > 0 and c.load_s > 0 and c.device_adam_s > 0
+        assert c.head_tail_s > 0  # the LM head and the loss, measured: the step's compute holds them
         assert c.recompute_s == min(c.fwd_s, c.bwd_s)  # measured: under load a forward may time longer
         text = caplog.text
         assert f"W={auto.window}" in text and "fwd" in text and "load" in text and "predicted step" in text
+        assert f"LM head + loss fwd+bwd {c.head_tail_s * 1e3:.2f} ms" in text
         assert f"{auto.resident_blocks} blocks resident with device AdamW" in text and "recomputed" in text
         assert f"predicted device peak {auto.predicted_peak_bytes / 2**20:.1f} MiB" in text
         caplog.clear()
