@@ -29,19 +29,20 @@ __all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan
 log = logging.getLogger(__name__)
 
 EXAMPLES = """examples:
-  pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b --batch 4
+  pystronghold plan --gpu a100-40gb --host-memory 256 --model gpt3-6.7b --batch 4 --precision bf16
+  pystronghold plan --gpu auto --model gpt3-1.3b        # this machine's GPU and RAM
   pystronghold plan --gpu rtx4090 --host-memory 128 --nvme 2000 --layers 48 --hidden 6144 --heads 48
   pystronghold plan --gpu-memory 24 --gpu-tflops 100 --host-memory 64 --model gpt3-2.7b --window 4 --json
   pystronghold plan --gpu h100-80gb --host-memory 512 --model gpt3-13b --pp 4 --tp 2 --micro-batches 8
   pystronghold plan --cluster cluster.yaml --model gpt3-350m --global-batch 512 --precision fp32
-  pystronghold plan --gpu h100-80gb --host-memory 125 --nvme 2000 --model hf:bench/models/llama-3-70b --seq 4096 --lora-rank 16
+  pystronghold plan --gpu h100-80gb --host-memory 125 --model hf:bench/models/llama-3-70b --seq 4096 --lora-rank 16 --precision bf16
   pystronghold plan --gpu rtx4090 --host-memory 64 --model gpt3-2.7b --freeze 'head|ln|attn'
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
-PLAN_RUNTIME_DEFAULTS = {"window": "auto", "resident_blocks": "auto", "precision": "bf16", "schedule": "auto"}
+PLAN_RUNTIME_DEFAULTS = {"window": "auto", "resident_blocks": "auto", "schedule": "auto"}
 """Where ``pystronghold plan``'s runtime defaults differ from ``RuntimeConfig``'s: it picks K and W and
-the accumulation schedule, and plans in bf16, unless told otherwise."""
+the accumulation schedule unless told otherwise. The precision is ``train``'s (``RuntimeConfig``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,7 +51,8 @@ class PlanRequest:
 
     gpu: str | None = field(default=None, metadata={"metavar": "NAME"})
     """GPU preset: v100-16gb, v100-32gb, v100-pcie-32gb, p100-16gb, p100-pcie-16gb, a100-40gb,
-    a100-80gb, h100-80gb, rtx3090, rtx4090."""
+    a100-80gb, h100-80gb, h200-141gb, gh200-96gb, b200-180gb, l40s-48gb, rtx3090, rtx4090, rtx5090,
+    rtx-pro-6000; or auto: this machine's CUDA device (its preset, the memory it reports)."""
     gpu_memory: float | None = field(default=None, metadata={"metavar": "GB"})
     """Device memory in GiB of a GPU without a preset (with --gpu-tflops), or overriding the preset's."""
     gpu_tflops: float | None = None
@@ -58,7 +60,7 @@ class PlanRequest:
     link_bandwidth: float | None = field(default=None, metadata={"metavar": "GB/S"})
     """Host<->device bandwidth per direction, GB/s (default: the preset's, else 25, PCIe gen4)."""
     host_memory: float | None = field(default=None, metadata={"metavar": "GB"})
-    """Host memory for the store, GiB (required)."""
+    """Host memory of the machine planned, GiB (default: this machine's RAM)."""
     cpu_adam_rate: float = 2.0
     """Fused CPU AdamW speed of the whole host, billions of parameters per second (measure yours
     with bench/adam.py)."""
@@ -122,18 +124,21 @@ class PlanRequest:
         if self.global_batch is not None and self.global_batch < 1:
             raise ConfigError(self, "global_batch=", "must be a positive number of samples")
         if self.cluster is None:
-            if self.gpu is not None:  # first: a misspelt GPU is the error to report, not a missing option
+            if self.gpu not in (None, "auto"):  # first: a misspelt GPU is the error to report, not a missing option
                 from pystronghold.planner.hardware import gpu_preset
 
                 gpu_preset(self.gpu)
+        missing = []  # every option missing, in one line
+        if self.cluster is None:
             if self.gpu is None and self.gpu_memory is None and self.gpu_tflops is None:
-                raise ValueError("give --gpu NAME, or --gpu-memory GB and --gpu-tflops X")
-            if self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
-                raise ValueError("a GPU without a preset needs both --gpu-memory and --gpu-tflops")
-            if self.host_memory is None:
-                raise ValueError("--host-memory GB is required")
+                missing.append("--gpu NAME (or --gpu-memory GB and --gpu-tflops X)")
+            elif self.gpu is None and (self.gpu_memory is None or self.gpu_tflops is None):
+                missing.append(f"--{'gpu-tflops X' if self.gpu_tflops is None else 'gpu-memory GB'} "
+                               "(a GPU without a preset needs both --gpu-memory and --gpu-tflops)")
         if self.model is None and None in (self.layers, self.hidden, self.heads):
-            raise ValueError("give --model PRESET, or --layers, --hidden and --heads")
+            missing.append("--model PRESET (or --layers, --hidden and --heads)")
+        if missing:
+            raise ValueError("give " + " and ".join(missing))
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
                      "nvme_bandwidth", "efficiency", "layers", "hidden", "heads", "vocab", "seq",
                      "batch"):
@@ -191,10 +196,11 @@ class PlanRequest:
         """(GPTConfig, Workload, Hardware, window or None, widths or None, resident blocks or None);
         ValueError on bad values."""
         from pystronghold.planner.cost import Workload
-        from pystronghold.planner.hardware import GB, GPU, PCIE_GEN4, GiB, TFLOPS, Hardware, gpu_preset
+        from pystronghold.planner.hardware import (GB, GPU, PCIE_GEN4, GiB, TFLOPS, Hardware, gpu_preset,
+                                                   local_gpu, local_host_memory_bytes)
 
         if self.gpu is not None:
-            gpu = gpu_preset(self.gpu)
+            gpu = local_gpu(self.gpu_tflops) if self.gpu == "auto" else gpu_preset(self.gpu)
             if self.gpu_memory is not None:
                 gpu.memory_bytes = int(self.gpu_memory * GiB)
             if self.gpu_tflops is not None:
@@ -207,7 +213,8 @@ class PlanRequest:
                       h2d_bytes_per_s=PCIE_GEN4, d2h_bytes_per_s=PCIE_GEN4)
         if self.link_bandwidth is not None:
             gpu.h2d_bytes_per_s = gpu.d2h_bytes_per_s = self.link_bandwidth * GB
-        hw = Hardware(gpu=gpu, host_memory_bytes=int(self.host_memory * GiB),
+        host = local_host_memory_bytes() if self.host_memory is None else int(self.host_memory * GiB)
+        hw = Hardware(gpu=gpu, host_memory_bytes=host,
                       cpu_adam_params_per_s=self.cpu_adam_rate * 1e9, nvme_bytes=int(self.nvme * GiB),
                       nvme_bytes_per_s=self.nvme_bandwidth * GB)
         config = self.model_config()
@@ -231,6 +238,7 @@ class PlanRequest:
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``pystronghold plan``: 0 when the model fits, 1 when it does not, 2 on bad input."""
     from pystronghold.planner.finetune import check_freeze
+    from pystronghold.planner.hardware import format_bytes
     from pystronghold.planner.plan import largest_models, make_plan
     from pystronghold.planner.relay import schedule_report
     from pystronghold.planner.report import format_plan, plan_to_dict
@@ -259,6 +267,10 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"pystronghold plan: error: {message}", file=sys.stderr)
         return 2
     record, text = plan_to_dict(plan), format_plan(plan)
+    record["hardware"]["host_memory_from"] = "this machine" if request.host_memory is None else "--host-memory"
+    if request.host_memory is None:
+        text = (f"host memory: {format_bytes(hw.host_memory_bytes)} (this machine; --host-memory GB plans "
+                "another)\n" + text)
     if pipeline is not None:
         record["pipeline"] = pipeline.to_dict()
         text += "\n" + "\n".join(pipeline.lines() + [

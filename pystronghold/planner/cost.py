@@ -250,6 +250,11 @@ class BlockCosts:
     """Elements of the frozen part of a block's flat buffer (laid out after the trainable part):
     the store's upload state holds them, its other states only the first
     ``block_numel - block_frozen_numel`` elements."""
+    head_tail_fp32_grad_bytes: int = 0
+    """Of ``head_tail_bytes``, the fp32 gradient copies the device AdamW makes in bf16/fp16 (4 bytes
+    per trainable parameter; 0 in fp32): they exist in the optimizer step only."""
+    resident_fp32_grad_bytes: int = 0
+    """Of ``resident_block_bytes``, the fp32 gradient copies (as ``head_tail_fp32_grad_bytes``)."""
 
 
 def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_per_param: float = 0.0
@@ -285,6 +290,7 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     # params, grads, fp32 moments (+ fp32 masters and their grads): head, tail and resident blocks alike
     dtype = compute_dtype(work.precision)
     per_param = layout.device_bytes_per_param(dtype)
+    fp32_grad = per_param - layout.device_bytes_per_param(dtype, master_grads=False)  # 4 in bf16/fp16, else 0
     return BlockCosts(
         block_params=p_b,
         block_numel=numel,
@@ -305,6 +311,8 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
         device_adam_s=p_t * DEVICE_ADAM_BYTES[work.precision] / hw.gpu.memory_bytes_per_s,
         block_frozen_params=p_b - p_t,
         block_frozen_numel=numel - train_numel,
+        head_tail_fp32_grad_bytes=split.head_tail_trainable * fp32_grad,
+        resident_fp32_grad_bytes=p_t * fp32_grad,
     )
 
 

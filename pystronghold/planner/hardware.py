@@ -8,10 +8,12 @@ signalling rate), the same in each direction: H2D and D2H are two independent li
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
-__all__ = ["GiB", "GB", "TFLOPS", "GPU", "Hardware", "GPUS", "PCIE_GEN3", "PCIE_GEN4", "PCIE_GEN5",
-           "DEFAULT_CPU_ADAM_RATE", "DEFAULT_NVME_BANDWIDTH", "DEFAULT_DEVICE_MEMORY_BANDWIDTH", "gpu_preset"]
+__all__ = ["GiB", "GB", "TFLOPS", "format_bytes", "GPU", "Hardware", "GPUS", "PCIE_GEN3", "PCIE_GEN4", "PCIE_GEN5",
+           "DEFAULT_CPU_ADAM_RATE", "DEFAULT_NVME_BANDWIDTH", "DEFAULT_DEVICE_MEMORY_BANDWIDTH", "gpu_preset",
+           "local_host_memory_bytes", "local_gpu"]
 
 GiB = 2**30
 """Bytes in a GiB."""
@@ -19,6 +21,15 @@ GB = 1e9
 """Bytes in a (decimal) GB, the unit of bandwidths."""
 TFLOPS = 1e12
 """FLOP/s in a TFLOP/s."""
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit it reaches (B, KiB, MiB, GiB), one decimal: what the
+    plan and the training log print (a small model's 3.2 MiB is not 0.0 GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{int(n)} B"
 
 # Practical per-direction bandwidth of a PCIe x16 link with pinned host memory, bytes/s:
 # ~80% of the signalling rate (15.75 / 31.5 / 63 GB/s), what bandwidthTest-style measurements show.
@@ -128,8 +139,69 @@ GPUS: dict[str, GPU] = {g.name: g for g in [
     # NVIDIA Ada Lovelace whitepaper, GeForce RTX 4090: fp32 82.6, fp16/bf16 tensor with fp32
     # accumulate 165.2 TFLOPS dense; 24 GB GDDR6X; PCIe gen4 x16; no NVLink (peers over PCIe).
     _gpu("rtx4090", 24, 82.6, 165.2, 165.2, PCIE_GEN4, hbm_gb_s=1008),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, fp32 67, bf16/fp16
+    # tensor 989 TFLOPS dense (1979 with sparsity); PCIe gen5; NVLink 4 900 GB/s total. The
+    # memory is what CUDA reports on one (139 GiB, torch.cuda.get_device_properties), not 141.
+    _gpu("h200-141gb", 139, 67, 989, 989, PCIE_GEN5, 450 * GB, hbm_gb_s=4800),
+    # NVIDIA GH200 Grace Hopper Superchip datasheet, 96 GB HBM3 variant: 4 TB/s, fp32 67, bf16/fp16
+    # tensor 989 TFLOPS dense; the host link is NVLink-C2C, 900 GB/s total -> 450 per direction,
+    # 80% of it practical as for PCIe (360 GB/s); NVLink 4 to other GPUs, 450 GB/s per direction.
+    _gpu("gh200-96gb", 96, 67, 989, 989, 0.8 * 450 * GB, 450 * GB, hbm_gb_s=4000),
+    # NVIDIA DGX/HGX B200 datasheets, per GPU: 180 GB HBM3e (the 192 GB part has 8 TB/s too),
+    # 7.7-8 TB/s, fp32 75, bf16/fp16 tensor 2.25 PFLOPS dense (4.5 with sparsity); PCIe gen5 host
+    # link; NVLink 5 1.8 TB/s total -> 900 GB/s per direction.
+    _gpu("b200-180gb", 180, 75, 2250, 2250, PCIE_GEN5, 900 * GB, hbm_gb_s=7700),
+    # NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s, fp32 91.6, bf16/fp16 tensor 362.05 TFLOPS
+    # dense (733 with sparsity); PCIe gen4 x16; no NVLink.
+    _gpu("l40s-48gb", 48, 91.6, 362.05, 362.05, PCIE_GEN4, hbm_gb_s=864),
+    # NVIDIA RTX Blackwell GPU architecture whitepaper, GeForce RTX 5090: fp32 104.8, fp16/bf16
+    # tensor with fp32 accumulate 209.5 TFLOPS dense; 32 GB GDDR7 at 1792 GB/s; PCIe gen5 x16;
+    # no NVLink.
+    _gpu("rtx5090", 32, 104.8, 209.5, 209.5, PCIE_GEN5, hbm_gb_s=1792),
+    # NVIDIA RTX PRO 6000 Blackwell Workstation Edition datasheet: 96 GB GDDR7 at 1792 GB/s, fp32
+    # 125 TFLOPS, 4000 AI TOPS (fp4 with sparsity) -> bf16/fp16 tensor about 500 TFLOPS dense
+    # (fp4 -> fp8 -> fp16 halves twice, sparsity once); PCIe gen5 x16; no NVLink.
+    _gpu("rtx-pro-6000", 96, 125, 500, 500, PCIE_GEN5, hbm_gb_s=1792),
 ]}
 """Built-in GPU presets by name."""
+
+_DEVICE_NAMES = {"v100": ("v100-16gb", "v100-32gb", "v100-pcie-32gb"), "p100": ("p100-16gb", "p100-pcie-16gb"),
+                 "a100": ("a100-40gb", "a100-80gb"), "h100": ("h100-80gb",), "h200": ("h200-141gb",),
+                 "gh200": ("gh200-96gb",), "b200": ("b200-180gb",), "l40s": ("l40s-48gb",),
+                 "rtx 3090": ("rtx3090",), "rtx 4090": ("rtx4090",), "rtx 5090": ("rtx5090",),
+                 "rtx pro 6000": ("rtx-pro-6000",)}
+"""The presets a CUDA device name may be (``local_gpu``), by the words in it: the longest match
+wins (GH200 over H200), then the variant with "pcie" as the name has it, then the closest memory."""
+
+
+def local_gpu(tflops: float | None = None) -> GPU:
+    """The preset of this machine's CUDA device 0 (``--gpu auto``), with the memory CUDA reports;
+    a device without a preset needs ``tflops`` (its dense TFLOP/s, every precision). ValueError,
+    one line, without a CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("--gpu auto: no CUDA device here (torch.cuda.is_available() is False); "
+                         f"name one: --gpu {', '.join(GPUS)}, or --gpu-memory GB and --gpu-tflops X")
+    props = torch.cuda.get_device_properties(0)
+    name = props.name.lower().replace("-", " ")
+    words = [w for w in _DEVICE_NAMES if w in name]
+    if words:
+        candidates = _DEVICE_NAMES[max(words, key=len)]
+        pcie = [c for c in candidates if ("pcie" in c) == ("pcie" in name)] or list(candidates)
+        best = min(pcie, key=lambda c: abs(GPUS[c].memory_bytes - props.total_memory))
+        return replace(GPUS[best], name=f"{best} ({props.name})", memory_bytes=int(props.total_memory))
+    if tflops is None:
+        raise ValueError(f"--gpu auto: {props.name} has no preset; give its dense TFLOP/s with --gpu-tflops X")
+    flops = tflops * TFLOPS
+    return GPU(name=props.name, memory_bytes=int(props.total_memory), fp32_flops=flops, bf16_flops=flops,
+               fp16_flops=flops, h2d_bytes_per_s=PCIE_GEN4, d2h_bytes_per_s=PCIE_GEN4)
+
+
+def local_host_memory_bytes() -> int:
+    """This machine's RAM, bytes (all of it: what ``--host-memory`` means; the planner keeps its
+    own reserve out of it)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def gpu_preset(name: str) -> GPU:

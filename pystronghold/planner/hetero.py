@@ -122,7 +122,8 @@ def _piece(config: GPTConfig, work: Workload, hw: Hardware, blocks: int, last: b
         # every block streamed: the extra in-flight inputs below are checked against that plan's peak
         p = make_plan(dataclasses.replace(config, layers=blocks), work, hw, resident_blocks=0)
         extra = (in_flight - 1) * blocks * p.costs.block_input_bytes
-        if not p.fits or p.step is None or p.device.peak_bytes + extra > p.device.capacity_bytes:
+        peak = max(p.device.backward_bytes + extra, p.device.step_bytes)  # inputs in flight: backward's
+        if not p.fits or p.step is None or peak > p.device.capacity_bytes:
             _PIECES[key] = (math.inf, math.inf, 0)
         else:
             micro = p.step.compute_s + p.step.exposed_transfer_s - (0.0 if last else p.costs.head_tail_s)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.planner.cost import BlockCosts, Workload, analytic_window, block_costs
 from pystronghold.planner.finetune import param_split
-from pystronghold.planner.hardware import Hardware
+from pystronghold.planner.hardware import Hardware, format_bytes
 from pystronghold.planner.params import model_params
 from pystronghold.planner.timeline import StepTime, choose_window, simulate_step
 from pystronghold.runtime.layout import upload_state
@@ -21,18 +21,25 @@ from pystronghold.runtime.placement import plan_placement
 from pystronghold.runtime.precision import compute_dtype
 
 __all__ = ["DeviceMemory", "HostMemory", "Plan", "Split", "LargestModel", "device_memory", "host_memory",
-           "max_window_with", "choose_split", "make_plan", "largest_layers",
+           "max_window_with", "most_resident", "choose_split", "make_plan", "largest_layers",
            "largest_models"]
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
-    """Device bytes at the peak of a step, by use."""
+    """Device bytes by use, in the two phases of a step; the peak is the larger phase.
+
+    Forward/backward: window, head/tail, resident blocks and the activations. Optimizer step: the
+    activations are freed, and the device AdamW makes fp32 copies of the gradients it updates
+    (bf16/fp16): head and tail's, and one resident block's: the resident AdamW
+    (``optim/device_adamw.py``) converts one block's gradients at a time, so the largest resident
+    block's copies are counted, not K blocks'."""
 
     window_bytes: int
     """W slots of parameters + gradients."""
     head_tail_bytes: int
-    """Head and tail parameters, gradients and their AdamW state (they stay on the device)."""
+    """Head and tail parameters, gradients, fp32 masters and AdamW moments (they stay on the
+    device); their fp32 gradient copies are in ``step_grad_bytes``."""
     activation_bytes: int
     """Peak activations: every block's saved input, plus the larger of one block's recompute
     working set (and its input/output gradients) or the loss."""
@@ -41,13 +48,29 @@ class DeviceMemory:
     capacity_bytes: int
     """Device memory of the GPU."""
     resident_bytes: int = 0
-    """K device-resident blocks: parameters, gradients, fp32 masters and AdamW moments."""
+    """K device-resident blocks: parameters, gradients, fp32 masters and AdamW moments (their fp32
+    gradient copies are in ``step_grad_bytes``)."""
+    step_grad_bytes: int = 0
+    """fp32 gradient copies alive at once in the optimizer step: head and tail's plus one resident
+    block's (0 in fp32, where the gradients are fp32 already)."""
+
+    @property
+    def backward_bytes(self) -> int:
+        """Forward/backward phase: window, head/tail, resident blocks, activations, reserve; bytes."""
+        return (self.window_bytes + self.head_tail_bytes + self.resident_bytes + self.activation_bytes
+                + self.reserve_bytes)
+
+    @property
+    def step_bytes(self) -> int:
+        """Optimizer-step phase: window, head/tail, resident blocks, the fp32 gradient copies,
+        reserve (no activations); bytes."""
+        return (self.window_bytes + self.head_tail_bytes + self.resident_bytes + self.step_grad_bytes
+                + self.reserve_bytes)
 
     @property
     def peak_bytes(self) -> int:
-        """Sum of the uses, bytes."""
-        return (self.window_bytes + self.head_tail_bytes + self.activation_bytes + self.reserve_bytes
-                + self.resident_bytes)
+        """The larger phase, bytes."""
+        return max(self.backward_bytes, self.step_bytes)
 
     @property
     def fits(self) -> bool:
@@ -95,7 +118,8 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
     flight (``in_flight``: micro-batches whose forward is done and backward not; a pipeline stage holds
     several, ``planner.pipeline.in_flight_micro_batches``); on top of those the peak holds the loss,
     or one block's recompute working set (its activations and dy, dx), or, when no block recomputes,
-    the last block's gradients beside its activations: that working set is there once."""
+    the last block's gradients beside its activations: that working set is there once. The peak
+    is the larger of that phase and the optimizer step's (``DeviceMemory``)."""
     if not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1:
         raise ValueError(f"in_flight must be a positive int, got {in_flight!r}")
     c = costs
@@ -107,9 +131,10 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
     acts = (in_flight * (recomputed * c.block_input_bytes + kept * c.block_activation_bytes)
             + max(extra, c.tail_activation_bytes))
     return DeviceMemory(window_bytes=min(window, streamed) * c.slot_bytes,
-                        head_tail_bytes=c.head_tail_bytes, activation_bytes=acts,
+                        head_tail_bytes=c.head_tail_bytes - c.head_tail_fp32_grad_bytes, activation_bytes=acts,
                         reserve_bytes=work.device_reserve_bytes, capacity_bytes=capacity_bytes,
-                        resident_bytes=resident * c.resident_block_bytes)
+                        resident_bytes=resident * (c.resident_block_bytes - c.resident_fp32_grad_bytes),
+                        step_grad_bytes=c.head_tail_fp32_grad_bytes + (c.resident_fp32_grad_bytes if resident else 0))
 
 
 def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, ranks: int) -> HostMemory:
@@ -124,9 +149,9 @@ def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, 
     place = functools.partial(plan_placement, numels, dtype, train_numels=train_numels)
     budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
     everything = place(budget_bytes=2**62)
-    budget_words = (f"{budget / 2**30:.1f} GiB of host memory per rank (after the "
-                    f"{work.host_reserve_bytes / 2**30:.1f} GiB reserve)")
-    need_words = f"the store needs {everything.host_bytes / 2**30:.1f} GiB per rank"
+    budget_words = (f"{format_bytes(budget)} of host memory per rank (after the "
+                    f"{format_bytes(work.host_reserve_bytes)} reserve)")
+    need_words = f"the store needs {format_bytes(everything.host_bytes)} per rank"
     try:
         placement = place(budget_bytes=budget, nvme=bool(hw.nvme_bytes), cache_blocks=work.nvme_staging_blocks,
                           streamed_grads=work.overlap == "backward")
@@ -254,6 +279,26 @@ def max_window_with(costs: BlockCosts, work: Workload, n: int, capacity_bytes: i
     return min(n - resident, (capacity_bytes - base.peak_bytes) // costs.slot_bytes)
 
 
+def most_resident(costs: BlockCosts, work: Workload, n: int, capacity_bytes: int, window: int = 1,
+                  in_flight: int = 1) -> int:
+    """Most resident blocks (recomputing when ``work.checkpointing``) that fit the device beside
+    ``window`` slots for the others (none when all N are resident); -1 when not even K = 0 fits.
+    The device bytes grow with K (a resident block holds more than its share of a slot)."""
+    def fits(k: int) -> bool:
+        return device_memory(costs, work, n, 0 if k == n else window, capacity_bytes, k, work.checkpointing,
+                             in_flight=in_flight).fits
+
+    if fits(n):
+        return n
+    if not fits(0):
+        return -1
+    lo, hi = 0, n  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def _resident_candidates(n: int) -> list[int]:
     """K values to try: every one up to 64 blocks, else about 64 evenly spaced (and N)."""
     stride = max(1, -(-n // 64))
@@ -307,6 +352,18 @@ def choose_split(costs: BlockCosts, work: Workload, n: int, capacity_bytes: int,
     return Split(resident=k, resident_recompute=rc, window=w, max_window=max_w, step=st)
 
 
+def _store_streamed(config: GPTConfig, work: Workload, hw: Hardware, costs: BlockCosts, split: Split
+                    ) -> tuple[BlockCosts, HostMemory, Split]:
+    """Costs, host store and split once the host store holds the N - K streamed blocks only (placed,
+    their updates costed, the step simulated again when that changed the costs)."""
+    k, rc = split.resident, split.resident_recompute
+    streamed_costs, host = _costs(config, work, hw, config.layers - k)
+    if streamed_costs != costs and split.step is not None:
+        split = dataclasses.replace(split, step=simulate_step(streamed_costs, config.layers, split.window,
+                                                              work.overlap, resident=k, resident_recompute=rc))
+    return streamed_costs, host, split
+
+
 def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | None = None,
               resident_blocks: int | None = None, *, in_flight: int = 1) -> Plan:
     """Plan ``config`` trained as ``work`` on ``hw`` with ``window`` slots and the first
@@ -321,13 +378,17 @@ def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | Non
     costs, host = _costs(config, work, hw)
     split = choose_split(costs, work, n, hw.gpu.memory_bytes, window=window, resident=resident_blocks,
                          in_flight=in_flight)
+    costs, host, split = _store_streamed(config, work, hw, costs, split)
+    if not host.fits and resident_blocks is None:  # more resident blocks leave fewer in the host store
+        most = most_resident(costs, work, n, hw.gpu.memory_bytes, window or 1, in_flight)
+        if most > split.resident and _costs(config, work, hw, n - most)[1].fits:
+            lo, hi = split.resident, most  # the host store fits with hi resident blocks, not with lo
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if _costs(config, work, hw, n - mid)[1].fits else (mid, hi)
+            more = choose_split(costs, work, n, hw.gpu.memory_bytes, window=window, resident=hi, in_flight=in_flight)
+            costs, host, split = _store_streamed(config, work, hw, costs, more)
     k, rc = split.resident, split.resident_recompute
-    if k and host.fits:  # the host store holds the streamed blocks only: place them, cost their updates so
-        streamed_costs, host = _costs(config, work, hw, n - k)
-        if streamed_costs != costs and split.step is not None:
-            costs = streamed_costs
-            split = dataclasses.replace(split, step=simulate_step(costs, n, split.window, work.overlap,
-                                                                  resident=k, resident_recompute=rc))
     params = param_split(config, work.finetune)
     n_frozen = n * sum(params.block_frozen) + params.head_tail_frozen
     n_params = model_params(config)
@@ -366,11 +427,14 @@ class LargestModel:
 
 
 def _fits_with(config: GPTConfig, work: Workload, hw: Hardware, layers: int) -> str | None:
-    """None when ``layers`` blocks train with W = 1, else what is short ("device", "host", "disk")."""
+    """None when ``layers`` blocks train with W = 1 (and as many resident blocks as the device holds
+    beside it, relieving the host store), else what is short ("device", "host", "disk")."""
     cfg = dataclasses.replace(config, layers=layers)
-    costs, host = _costs(cfg, work, hw)
-    if not device_memory(costs, work, layers, 1, hw.gpu.memory_bytes).fits:
+    costs = block_costs(cfg, work, hw)
+    most = most_resident(costs, work, layers, hw.gpu.memory_bytes)
+    if most < 0:
         return "device"
+    _, host = _costs(cfg, work, hw, layers - most)
     if host.host_bytes > host.host_capacity_bytes:
         return "host"
     if host.disk_bytes > host.disk_capacity_bytes:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from pystronghold.planner.hardware import format_bytes
+from pystronghold.planner.report import format_seconds
 from pystronghold.planner.timeline import simulate_step
 
 __all__ = ["ScheduleEstimate", "schedule_estimates", "choose_schedule", "schedule_report"]
@@ -55,8 +57,8 @@ def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
     grad = (c.block_numel - c.block_frozen_numel) * plan.work.dtype_bytes  # what one copy-out moves
     loads = n + max(0, n - w)
     resident_held = k * (c.block_input_bytes if rc else c.block_activation_bytes)  # per micro-batch
-    # the device bytes the saved inputs may use: capacity minus everything else at the peak
-    others = plan.device.peak_bytes - n * c.block_input_bytes - resident_held
+    # the device bytes the saved inputs may use: capacity minus everything else of the phase that holds them
+    others = plan.device.backward_bytes - n * c.block_input_bytes - resident_held
     budget = max(0, plan.device.capacity_bytes - others - m * resident_held)
     overlap = plan.work.overlap
     out = {}
@@ -102,10 +104,15 @@ def schedule_report(plan, micro_batches: int, schedule: str) -> tuple[dict, str]
         chosen = schedule
     record = dict(requested=schedule, chosen=chosen, micro_batches=micro_batches,
                   estimates={name: asdict(e) for name, e in estimates.items()})
-    lines = [f"schedule ({micro_batches} micro-batches per step): {chosen}"
-             + (" (--schedule auto: the faster predicted)" if schedule == "auto" else "")]
-    for name, e in estimates.items():
-        lines.append(f"  {name:<8} step {e.step_s:.3f} s, link H2D {e.h2d_bytes / 2**30:.2f} GiB, "
-                     f"D2H {e.d2h_bytes / 2**30:.2f} GiB per step, saved block inputs "
-                     f"{e.saved_input_bytes / 2**30:.2f} GiB on the {e.activations}")
+    if micro_batches == 1:  # NOTE: one micro-batch: both schedules are the same step, one row says it
+        lines = [f"schedule (1 micro-batch per step): {chosen} (the relay is the same with one micro-batch)"]
+        shown = {chosen: estimates[chosen]}
+    else:
+        lines = [f"schedule ({micro_batches} micro-batches per step): {chosen}"
+                 + (" (--schedule auto: the faster predicted)" if schedule == "auto" else "")]
+        shown = estimates
+    for name, e in shown.items():
+        lines.append(f"  {name:<8} step {format_seconds(e.step_s)}, link H2D {format_bytes(e.h2d_bytes)}, "
+                     f"D2H {format_bytes(e.d2h_bytes)} per step, saved block inputs "
+                     f"{format_bytes(e.saved_input_bytes)} on the {e.activations}")
     return record, "\n".join(lines)

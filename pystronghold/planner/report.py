@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pystronghold.planner.finetune import lora_targets
-from pystronghold.planner.hardware import GiB
+from pystronghold.planner.hardware import format_bytes
 from pystronghold.planner.plan import Plan
 
 __all__ = ["plan_to_dict", "finetune_to_dict", "split_to_dict", "format_plan", "format_finetune", "format_split",
-           "format_table"]
+           "format_table", "format_seconds"]
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -39,7 +39,8 @@ def plan_to_dict(plan: Plan) -> dict:
                       "resident_bytes": c.resident_block_bytes, "device_adam_s": c.device_adam_s},
         "device": {"window_bytes": dev.window_bytes, "head_tail_bytes": dev.head_tail_bytes,
                    "activation_bytes": dev.activation_bytes, "reserve_bytes": dev.reserve_bytes,
-                   "resident_bytes": dev.resident_bytes,
+                   "resident_bytes": dev.resident_bytes, "step_grad_bytes": dev.step_grad_bytes,
+                   "backward_bytes": dev.backward_bytes, "step_bytes": dev.step_bytes,
                    "peak_bytes": dev.peak_bytes, "capacity_bytes": dev.capacity_bytes, "fits": dev.fits},
         "host": {"tier": host.tier, "host_bytes": host.host_bytes,
                  "host_capacity_bytes": host.host_capacity_bytes, "disk_bytes": host.disk_bytes,
@@ -88,15 +89,16 @@ def format_split(plan: Plan) -> list[str]:
     how = "as asked" if plan.resident_asked is not None else "chosen"
     host = "host store" if plan.host.tier == "host" else "host store incl. NVMe staging"
     keep = "recomputed" if plan.resident_recompute else "activations kept"
-    streamed = (f"streamed  {d['streamed_blocks']} blocks through W={plan.window} slots: {_gib(d['window_bytes'])} "
-                f"on the device, {_gib(d['streamed_host_bytes'])} {host}, CPU Adam" if d["streamed_blocks"] else
-                "streamed  0 blocks: no window, no host store")
+    streamed = (f"streamed  {d['streamed_blocks']} blocks through W={plan.window} slots: "
+                f"{format_bytes(d['window_bytes'])} on the device, {format_bytes(d['streamed_host_bytes'])} {host}, "
+                "CPU Adam" if d["streamed_blocks"] else "streamed  0 blocks: no window, no host store")
     state = ("params, grads, fp32 masters and moments" if not plan.costs.block_frozen_params else
              "frozen params; trainable ones with grads, fp32 masters and moments")
-    return [f"resident  {k} of {n} blocks ({how}) with device AdamW: {_gib(d['resident_bytes'])} on the device "
-            f"({state}; {keep})",
+    return [f"resident  {k} of {n} blocks ({how}) with device AdamW: {format_bytes(d['resident_bytes'])} on the "
+            f"device ({state}; {keep})",
             streamed,
-            f"recompute {d['recomputed_blocks']} blocks (saves {_gib(d['recomputed_saved_bytes'])} of activations)"]
+            f"recompute {d['recomputed_blocks']} blocks (saves {format_bytes(d['recomputed_saved_bytes'])} of "
+            "activations)"]
 
 
 def _what_trains(plan: Plan) -> str:
@@ -112,13 +114,14 @@ def format_finetune(plan: Plan) -> list[str]:
         return []
     d, c, host = finetune_to_dict(plan), plan.costs, plan.host
     s = plan.work.dtype_bytes
-    disk = (f", NVMe {_gib(d['frozen_disk_bytes'])} (the last {host.frozen_disk_blocks} streamed blocks, read at "
-            "each load)" if host.frozen_disk_blocks else "")
+    disk = (f", NVMe {format_bytes(d['frozen_disk_bytes'])} (the last {host.frozen_disk_blocks} streamed blocks, "
+            "read at each load)" if host.frozen_disk_blocks else "")
     return [f"trains    {_what_trains(plan)}: {_params(d['trainable_params'])} trainable params "
             f"({100 * d['trainable_params'] / max(plan.params, 1):.2g}% of the model), "
             f"{_params(d['frozen_params'])} frozen",
-            f"frozen    {s} B/param ({plan.work.precision}), no optimizer state, no gradient: host store "
-            f"{_gib(d['frozen_host_bytes'])}{disk}, device {_gib(d['frozen_device_bytes'])} (head, tail"
+            f"frozen    {s} B/param ({plan.work.precision}), no optimizer state, no gradient: "
+            f"{format_bytes(d['frozen_host_bytes'])} of the host store{disk}, device "
+            f"{format_bytes(d['frozen_device_bytes'])} (head, tail"
             f"{', resident blocks' if plan.resident_blocks and c.block_frozen_params else ''})"]
 
 
@@ -134,15 +137,14 @@ def format_table(header: list[str], rows: list[list[str]], align: str | None = N
     return "\n".join(lines)
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:,.1f} GiB"
-
-
 def _params(n: float) -> str:
     return f"{n / 1e9:,.2f} B" if n >= 1e8 else f"{n / 1e6:,.1f} M"
 
 
-def _s(t: float) -> str:
+def format_seconds(t: float) -> str:
+    """``t`` seconds in s, ms or us (a small model's 40 us block is not 0.0 ms)."""
+    if 0 < t < 1e-3:
+        return f"{t * 1e6:,.1f} us"
     return f"{t * 1e3:,.1f} ms" if t < 1 else f"{t:,.2f} s"
 
 
@@ -165,11 +167,11 @@ def format_plan(plan: Plan) -> str:
            f"{_params(plan.params)} params ({_params(c.block_params)} per block), seq {seq}, "
            f"batch {work.batch}, {work.precision}, tp {cfg.tp_size} dp {work.dp_size}",
            *format_finetune(plan),
-           f"hardware  {hw.gpu.name}: {_gib(hw.gpu.memory_bytes)}, "
+           f"hardware  {hw.gpu.name}: {format_bytes(hw.gpu.memory_bytes)}, "
            f"{hw.gpu.flops(work.precision) / 1e12:,.1f} TFLOP/s x {work.compute_efficiency:.2f}, "
-           f"H2D {hw.gpu.h2d_bytes_per_s / 1e9:.1f} GB/s; host {_gib(hw.host_memory_bytes)}, "
+           f"H2D {hw.gpu.h2d_bytes_per_s / 1e9:.1f} GB/s; host {format_bytes(hw.host_memory_bytes)}, "
            f"CPU Adam {hw.cpu_adam_params_per_s / 1e9:.2f} G params/s"
-           + (f", NVMe {_gib(hw.nvme_bytes)} at {hw.nvme_bytes_per_s / 1e9:.1f} GB/s" if hw.nvme_bytes else ""),
+           + (f", NVMe {format_bytes(hw.nvme_bytes)} at {hw.nvme_bytes_per_s / 1e9:.1f} GB/s" if hw.nvme_bytes else ""),
            ""]
     host_bpp = (host.host_bytes - work.host_reserve_bytes) / max(plan.streamed_blocks * c.block_params
                                                                  * cfg.tp_size * work.dp_size, 1)
@@ -188,33 +190,41 @@ def format_plan(plan: Plan) -> str:
                    f"{plan.max_window} fit beside the resident blocks; STRONGHOLD formula: {plan.stronghold_window})")
     out += format_split(plan)
     update = "host update (NVMe read + write)" if host.tier == "nvme" else "CPU Adam"
-    out.append(f"per block fwd {_s(c.fwd_s)}, bwd {_s(c.bwd_s)}, load {_s(c.load_s)}, "
-               f"grad out {_s(c.grad_s)}, {update} {_s(c.adam_s)}, device AdamW {_s(c.device_adam_s)}")
+    t = format_seconds
+    out.append(f"per block fwd {t(c.fwd_s)}, bwd {t(c.bwd_s)}, load {t(c.load_s)}, grad out {t(c.grad_s)}, "
+               f"{update} {t(c.adam_s)}, device AdamW {t(c.device_adam_s)}")
     out += ["", format_table(["memory", "bytes", "of"], [
-        ["device: resident blocks", _gib(dev.resident_bytes), f"{plan.resident_blocks} x {_gib(c.resident_block_bytes)}"],
-        ["device: window", _gib(dev.window_bytes), f"{plan.window} x {_gib(c.slot_bytes)}" if plan.window else "-"],
-        ["device: head + tail", _gib(dev.head_tail_bytes),
+        ["device: resident blocks", format_bytes(dev.resident_bytes),
+         f"{plan.resident_blocks} x {format_bytes(c.resident_block_bytes - c.resident_fp32_grad_bytes)}"],
+        ["device: window", format_bytes(dev.window_bytes),
+         f"{plan.window} x {format_bytes(c.slot_bytes)}" if plan.window else "-"],
+        ["device: head + tail", format_bytes(dev.head_tail_bytes),
          "params, grads, AdamW" if plan.work.finetune.full else "trainable: params, grads, AdamW; frozen: params"],
-        ["device: activations", _gib(dev.activation_bytes),
-         f"{plan.recomputed_blocks} blocks checkpointed, {cfg.layers - plan.recomputed_blocks} kept"],
-        ["device: reserve", _gib(dev.reserve_bytes), ""],
-        ["device: peak", _gib(dev.peak_bytes), f"{_gib(dev.capacity_bytes)}{'' if dev.fits else '  TOO BIG'}"],
-        ["host", _gib(host.host_bytes),
+        ["device: activations", format_bytes(dev.activation_bytes),
+         f"{plan.recomputed_blocks} blocks checkpointed, {cfg.layers - plan.recomputed_blocks} kept "
+         "(forward/backward only)"],
+        ["device: fp32 grads", format_bytes(dev.step_grad_bytes),
+         "optimizer step only: head/tail's and one resident block's" if dev.step_grad_bytes else "-"],
+        ["device: reserve", format_bytes(dev.reserve_bytes), ""],
+        ["device: peak", format_bytes(dev.peak_bytes),
+         f"of {format_bytes(dev.capacity_bytes)}: the larger of forward/backward {format_bytes(dev.backward_bytes)} "
+         f"and step {format_bytes(dev.step_bytes)}{'' if dev.fits else '  TOO BIG'}"],
+        ["host", format_bytes(host.host_bytes),
          f"{host_bpp:.1f} B/param{' incl. staging' if host.tier == 'nvme' else ''} + "
-         f"{_gib(work.host_reserve_bytes)} reserve, of {_gib(host.host_capacity_bytes)}"
+         f"{format_bytes(work.host_reserve_bytes)} reserve, of {format_bytes(host.host_capacity_bytes)}"
          f"{'' if host.host_bytes <= host.host_capacity_bytes else '  TOO BIG'}"],
-        ["disk (NVMe)", _gib(host.disk_bytes),
-         (", ".join(host.disk_states) + f" of {_gib(host.disk_capacity_bytes)}; "
-          f"{_gib(host.disk_step_bytes)} read+written per step") if host.disk_states else "-"],
+        ["disk (NVMe)", format_bytes(host.disk_bytes),
+         (", ".join(host.disk_states) + f" of {format_bytes(host.disk_capacity_bytes)}; "
+          f"{format_bytes(host.disk_step_bytes)} read+written per step") if host.disk_states else "-"],
     ], align="lrl")]
     if host.disk_reason:
         out.append(f"NVMe tier {host.disk_reason}")
     if plan.step is not None:
         st = plan.step
-        rows = [["compute", _s(st.compute_s), _share(st.compute_s, st.total_s)],
-                ["exposed transfer", _s(st.exposed_transfer_s), _share(st.exposed_transfer_s, st.total_s)],
-                ["exposed optimizer", _s(st.exposed_optimizer_s), _share(st.exposed_optimizer_s, st.total_s)],
-                ["step", _s(st.total_s), f"{plan.tokens_per_s:,.0f} tokens/s"]]
+        rows = [["compute", t(st.compute_s), _share(st.compute_s, st.total_s)],
+                ["exposed transfer", t(st.exposed_transfer_s), _share(st.exposed_transfer_s, st.total_s)],
+                ["exposed optimizer", t(st.exposed_optimizer_s), _share(st.exposed_optimizer_s, st.total_s)],
+                ["step", t(st.total_s), f"{plan.tokens_per_s:,.0f} tokens/s"]]
         out += ["", format_table(["step time", "seconds", "share"], rows, align="lrl")]
     else:
         host_short = "host memory" + ("" if hw.nvme_bytes else " (--nvme GB puts optimizer states on NVMe)")
@@ -225,10 +235,11 @@ def format_plan(plan: Plan) -> str:
             if not ok)]
     if plan.largest:
         rows = [[str(r.hidden), str(r.heads), str(r.layers), _params(r.params), r.bound, str(r.window or "none"),
-                 _s(r.step_s)] if r.layers else [str(r.hidden), str(r.heads), "0", "-", r.bound, "-", "-"]
+                 format_seconds(r.step_s)] if r.layers else [str(r.hidden), str(r.heads), "0", "-", r.bound, "-", "-"]
                 for r in plan.largest]
         none = "; W none: every block resident" if any(r.layers and not r.window for r in plan.largest) else ""
         how = "" if work.finetune.full else f", {_what_trains(plan)}"
-        out += ["", f"largest trainable model (same seq, batch, precision{how}; W = 1 must fit{none}):",
+        out += ["", f"largest trainable model (same seq, batch, precision{how}; W = 1 must fit beside the "
+                f"most resident blocks the device holds{none}):",
                 format_table(["hidden", "heads", "layers", "params", "bound by", "W", "step"], rows)]
     return "\n".join(out)

@@ -26,6 +26,7 @@ from pystronghold.optim.functional import adam_step_
 from pystronghold.options import ConfigError
 from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
+from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GPU, GiB, Hardware
 from pystronghold.planner.plan import choose_split, device_memory
 from pystronghold.planner.timeline import StepTime
@@ -92,7 +93,11 @@ class AutoWindow:
     reserve_bytes: int = 0
     """Of the free memory, kept out of the budget (``device_reserve_bytes``; 0 when not read)."""
     predicted_peak_bytes: int = 0
-    """The planner's device peak of this split: window, head/tail, resident blocks, activations."""
+    """The planner's device peak of this split: window, head/tail, resident blocks, and activations
+    or the optimizer step's fp32 gradient copies (``planner.plan.DeviceMemory``)."""
+    predicted_step_bytes: int = 0
+    """The planner's device bytes of the optimizer step (no activations): what the CPU arena's
+    measured peak is compared with."""
 
     def wrap_options(self) -> dict:
         """The split as ``wrap``'s options: W (K = N: ``"all"``), K and their recompute."""
@@ -101,12 +106,14 @@ class AutoWindow:
 
     def peak_line(self, measured_bytes: int, steps: int, cuda: bool = True) -> str:
         """The measured device peak after ``steps`` steps (``train.metrics.device_peak_bytes``) beside
-        the planner's; ``cuda`` False: the measured one leaves out the activations (CPU arena)."""
+        the planner's; ``cuda`` False: the measured one leaves out the activations (CPU arena), and
+        so does the planner's figure it is compared with (its optimizer step's)."""
         mib = 2**20
-        ratio = measured_bytes / max(self.predicted_peak_bytes, 1)
+        predicted = self.predicted_peak_bytes if cuda else self.predicted_step_bytes
+        ratio = measured_bytes / max(predicted, 1)
         what = "" if cuda else " (CPU arena: no activations)"
         return (f"window=auto: measured device peak{what} {measured_bytes / mib:.1f} MiB after {steps} steps, "
-                f"predicted {self.predicted_peak_bytes / mib:.1f} MiB ({ratio:.2f}x), "
+                f"predicted {predicted / mib:.1f} MiB ({ratio:.2f}x), "
                 f"budget {self.budget_bytes / mib:.1f} MiB")
 
     def line(self) -> str:
@@ -123,7 +130,7 @@ class AutoWindow:
                 f"(saving {recomputed * (c.block_activation_bytes - c.block_input_bytes) / mib:.1f} MiB); "
                 f"per block measured fwd {c.fwd_s * 1e3:.2f} ms, bwd+recompute {c.bwd_s * 1e3:.2f} ms, "
                 f"load {c.load_s * 1e3:.3f} ms, grad copy {c.grad_s * 1e3:.3f} ms, host Adam {c.adam_s * 1e3:.2f} ms, "
-                f"device AdamW {c.device_adam_s * 1e3:.2f} ms; "
+                f"device AdamW {c.device_adam_s * 1e3:.2f} ms, LM head + loss fwd+bwd {c.head_tail_s * 1e3:.2f} ms; "
                 f"predicted device peak {self.predicted_peak_bytes / mib:.1f} MiB, "
                 f"predicted step {s.total_s * 1e3:.1f} ms (compute {s.compute_s * 1e3:.1f}, exposed transfer "
                 f"{s.exposed_transfer_s * 1e3:.1f}, exposed optimizer {s.exposed_optimizer_s * 1e3:.1f})")
@@ -230,28 +237,52 @@ def measure_costs(model, work: Workload, device: torch.device, budget_bytes: int
         torch.autograd.grad(output(xg), [xg, *block.parameters()], dy, allow_unused=True)
 
     fwd_s, bwd_s = _timed(fwd, device, reps), _timed(bwd, device, reps)
+    head_tail_s = _head_tail_seconds(cfg, work, device, reps)
     numel = sum(p.numel() for p in block.parameters())
+    # what trains (work.finetune: LoRA adapters, unfrozen parameters) is what a gradient copy-out
+    # and both Adams move; a load moves the whole block
+    train_numel = max(1, sum(param_split(cfg, work.finetune).block_trainable))
     host = torch.zeros(numel, dtype=dtype, pin_memory=device.type == "cuda")
     dev = torch.zeros(numel, dtype=dtype, device=device)
     load_s = _timed(lambda: dev.copy_(host, non_blocking=True), device, reps)
-    grad_s = _timed(lambda: host.copy_(dev, non_blocking=True), device, reps)
-    p, g, m, v = (torch.zeros(numel) for _ in range(4))
+    grad_s = _timed(lambda: host[:train_numel].copy_(dev[:train_numel], non_blocking=True), device, reps)
+    p, g, m, v = (torch.zeros(train_numel) for _ in range(4))
     hyper = AdamWHyper(step=1, lr=1e-3, weight_decay=0.0)
     adam_s = _timed(lambda: adam_step_(p, g, m, v, hyper), torch.device("cpu"), reps)
     # the resident blocks' device AdamW (optim/device_adamw.DeviceAdamW: torch's, fused on CUDA)
-    master = torch.zeros(numel, device=device, requires_grad=True)
+    master = torch.zeros(train_numel, device=device, requires_grad=True)
     master.grad = torch.zeros_like(master)
     device_opt = torch.optim.AdamW([master], lr=1e-3, fused=device.type == "cuda")
     device_adam_s = _timed(device_opt.step, device, reps)
     nbytes = numel * dtype.itemsize
     gpu = GPU(name=f"{device.type} (measured)", memory_bytes=budget_bytes, fp32_flops=1e12, bf16_flops=1e12,
-              fp16_flops=1e12, h2d_bytes_per_s=nbytes / max(load_s, 1e-9), d2h_bytes_per_s=nbytes / max(grad_s, 1e-9))
+              fp16_flops=1e12, h2d_bytes_per_s=nbytes / max(load_s, 1e-9),
+              d2h_bytes_per_s=train_numel * dtype.itemsize / max(grad_s, 1e-9))
     hw = Hardware(gpu=gpu, host_memory_bytes=available_host_bytes(),
-                  cpu_adam_params_per_s=numel / max(adam_s, 1e-9))
+                  cpu_adam_params_per_s=train_numel / max(adam_s, 1e-9))
     planned = block_costs(cfg, work, hw)  # bytes from the planner; seconds replaced by measurements
     return dataclasses.replace(planned, fwd_s=fwd_s, bwd_s=bwd_s, load_s=load_s, grad_s=grad_s,
-                               adam_s=adam_s, head_tail_s=0.0, device_adam_s=device_adam_s,
+                               adam_s=adam_s, head_tail_s=head_tail_s, device_adam_s=device_adam_s,
                                recompute_s=min(fwd_s, bwd_s) if work.checkpointing else 0.0)
+
+
+def _head_tail_seconds(cfg, work: Workload, device: torch.device, reps: int) -> float:
+    """Forward + backward of the LM head and the loss at the run's (B, T), seconds: the matmul of
+    (B*T, C) by (C, V) and the cross-entropy, timed on ``device`` in the compute dtype, the weight's
+    gradient taken unless the LM head is frozen (``param_split``). The embedding and final norm
+    are left out (O(B*T*C), against the head's O(B*T*C*V))."""
+    dtype = compute_dtype(work.precision)
+    tokens = work.batch * (work.seq or cfg.seq_len)
+    x = torch.randn(tokens, cfg.hidden, device=device, dtype=dtype, requires_grad=True)  # (B*T, C)
+    w = torch.randn(cfg.padded_vocab_size, cfg.hidden, device=device, dtype=dtype)  # (V, C)
+    w.requires_grad_(not param_split(cfg, work.finetune).lm_head_frozen)
+    y = torch.randint(0, cfg.padded_vocab_size, (tokens,), device=device)
+
+    def step():
+        loss = torch.nn.functional.cross_entropy((x @ w.T).float(), y)
+        torch.autograd.grad(loss, [x, w] if w.requires_grad else [x])
+
+    return _timed(step, device, reps)
 
 
 def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) -> AutoWindow:
@@ -268,7 +299,7 @@ def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) ->
     # planner's peak, so that the predicted peak is what the allocator's peak counter should see
     work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
                     overlap="forward" if rt.needs_global_grad else "backward",
-                    device_reserve_bytes=0, host_reserve_bytes=0)
+                    device_reserve_bytes=0, host_reserve_bytes=0, finetune=config.finetune)
     n = len(model.blocks)
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
@@ -295,6 +326,7 @@ def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) ->
     decision = AutoWindow(window=split.window, max_window=split.max_window, budget_bytes=budget, costs=probe,
                           step=split.step, resident_blocks=split.resident,
                           resident_recompute=split.resident_recompute, blocks=n, work=work,
-                          free_bytes=free, reserve_bytes=reserve, predicted_peak_bytes=peak.peak_bytes)
+                          free_bytes=free, reserve_bytes=reserve, predicted_peak_bytes=peak.peak_bytes,
+                          predicted_step_bytes=peak.step_bytes)
     log.info("%s", decision.line())
     return decision

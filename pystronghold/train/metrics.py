@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pystronghold.planner.hardware import format_bytes
 from pystronghold.runtime.host_time import HOST_KINDS
 from pystronghold.runtime.layout import device_bytes_per_param
 from pystronghold.runtime.trace import Tracer
@@ -24,14 +25,6 @@ __all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport
 
 METRIC_FIELDS = ("step", "loss", "ms/step", "tok/s", "h2d", "d2h", "dev peak", "host", "overlap")
 """Fields of a metrics line, in order."""
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in binary units (B, KiB, MiB, GiB)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def format_rate(per_s: float) -> str:

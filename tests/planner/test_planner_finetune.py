@@ -3,6 +3,7 @@ largest LoRA model, the Llama-70B-on-one-H100 plan, and one-line errors."""
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -187,7 +188,7 @@ def test_the_largest_lora_model_is_larger_than_the_largest_full_fine_tune():
 def test_llama_70b_lora_on_one_h100_is_planned(capsys):
     pytest.importorskip("transformers")
     base = ["plan", "--gpu", "h100-80gb", "--host-memory", "125", "--nvme", "2000", "--model", f"hf:{LLAMA_70B}",
-            "--seq", "4096"]
+            "--seq", "4096", "--precision", "bf16"]
     assert main(base + ["--lora-rank", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     ft = out["finetune"]
@@ -202,6 +203,25 @@ def test_llama_70b_lora_on_one_h100_is_planned(capsys):
     assert main(base + ["--json"]) == 0  # the full fine-tune fits with the NVMe tier, far slower
     full = json.loads(capsys.readouterr().out)
     assert full["step"]["total_s"] > 20 * out["step"]["total_s"]
+
+
+def test_llama_70b_lora_fits_one_h100_and_125_gib_without_nvme(capsys):
+    """The host store holds the N - K streamed blocks only, so the verdict is theirs: 80 blocks in
+    bf16 (128 GiB) would not fit 125 GiB, the 50 streamed beside 30 resident (80 GiB) do. The
+    report names one host store, and the frozen bytes as a part of it."""
+    pytest.importorskip("transformers")
+    rc = main(["plan", "--gpu", "h100-80gb", "--host-memory", "125", "--model", f"hf:{LLAMA_70B}", "--seq", "4096",
+               "--precision", "bf16", "--lora-rank", "16"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "DOES NOT FIT" not in text and "TOO BIG" not in text
+    streamed = re.search(r"streamed  (\d+) blocks through W=\d+ slots: [\d.]+ GiB on the device, ([\d.]+) GiB host "
+                         r"store", text)
+    frozen = re.search(r"no gradient: ([\d.]+) GiB of the host store", text)
+    host = re.search(r"\nhost +([\d.]+) GiB .* \+ 8.0 GiB reserve, of 125.0 GiB\n", text)
+    assert streamed and frozen and host, text
+    blocks, store = int(streamed[1]), float(streamed[2])
+    assert 0 < blocks < 80 and float(frozen[1]) <= store == pytest.approx(float(host[1]) - 8.0, abs=0.1)
+    assert text.count("host store") == 2  # the streamed blocks' store, and the frozen part of it
 
 
 def test_resident_blocks_leave_no_disk_cost_on_a_store_that_then_fits_the_host():

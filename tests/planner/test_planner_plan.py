@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,10 @@ from pystronghold.cli import main
 from pystronghold.models import PRESETS, param_count
 from pystronghold.planner import Hardware, Workload, gpu_preset, largest_layers, largest_models, make_plan
 from pystronghold.options import add_options, field_docs, from_args
-from pystronghold.planner.hardware import GiB
+from pystronghold.planner.hardware import GiB, local_host_memory_bytes
+from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.planner.command import PLAN_RUNTIME_DEFAULTS
+from pystronghold.train.config import TRAIN_RUNTIME_DEFAULTS
 from pystronghold.planner.report import format_plan, plan_to_dict
 
 CFG = PRESETS["gpt3-1.3b"]
@@ -23,19 +27,37 @@ def hw(gpu="rtx4090", host_gib=128, nvme_gib=0):
     return Hardware(gpu=gpu_preset(gpu), host_memory_bytes=host_gib * GiB, nvme_bytes=nvme_gib * GiB)
 
 
-def test_device_peak_is_the_sum_and_max_window_is_tight():
+def test_device_peak_is_the_larger_phase_and_max_window_is_tight():
     cfg = dataclasses.replace(CFG, layers=128)  # more slots than a 24 GB device holds
     plan = make_plan(cfg, WORK, hw(host_gib=4096))
-    d = plan.device
-    assert d.peak_bytes == (d.window_bytes + d.head_tail_bytes + d.activation_bytes + d.reserve_bytes
-                            + d.resident_bytes)
-    assert d.resident_bytes == plan.resident_blocks * plan.costs.resident_block_bytes
+    d, c = plan.device, plan.costs
+    held = d.window_bytes + d.head_tail_bytes + d.resident_bytes + d.reserve_bytes
+    assert d.backward_bytes == held + d.activation_bytes and d.step_bytes == held + d.step_grad_bytes
+    assert d.peak_bytes == max(d.backward_bytes, d.step_bytes)
+    # the fp32 gradient copies are out of the phase that holds the activations: head/tail's and
+    # one resident block's are in the step's, not K blocks'
+    assert plan.resident_blocks > 1 and c.resident_fp32_grad_bytes == 4 * c.block_params > 0
+    assert d.resident_bytes == plan.resident_blocks * (c.resident_block_bytes - c.resident_fp32_grad_bytes)
+    assert d.head_tail_bytes == c.head_tail_bytes - c.head_tail_fp32_grad_bytes
+    assert d.step_grad_bytes == c.head_tail_fp32_grad_bytes + c.resident_fp32_grad_bytes
     assert 1 <= plan.max_window < cfg.layers
     k = plan.resident_blocks
     assert make_plan(cfg, WORK, hw(host_gib=4096), window=plan.max_window, resident_blocks=k).fits
     too_many = make_plan(cfg, WORK, hw(host_gib=4096), window=plan.max_window + 1, resident_blocks=k)
     assert not too_many.fits and too_many.step is None
     assert plan.window <= plan.max_window and plan.step is not None
+
+
+def test_either_phase_can_be_the_peak():
+    """Long sequences: the activations make forward/backward the peak; short ones with every block
+    resident: the step's fp32 gradient copies do. In fp32 there are no copies."""
+    small = dataclasses.replace(CFG, layers=4)
+    long = make_plan(CFG, WORK, hw(host_gib=512), resident_blocks=0).device
+    short = make_plan(small, Workload(batch=1, seq=16), hw(gpu="h100-80gb"), resident_blocks=4).device
+    assert long.peak_bytes == long.backward_bytes > long.step_bytes
+    assert short.peak_bytes == short.step_bytes > short.backward_bytes
+    fp32 = make_plan(small, Workload(batch=1, seq=16, precision="fp32"), hw(gpu="h100-80gb"), resident_blocks=4)
+    assert fp32.device.step_grad_bytes == 0 and fp32.device.peak_bytes == fp32.device.backward_bytes
 
 
 def test_checkpointing_saves_device_memory():
@@ -116,16 +138,17 @@ def test_cli_does_not_fit_exits_1(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--gpu", "b200", "--host-memory", "64", "--model", "tiny"], "unknown GPU 'b200'"),
+    (["--gpu", "b300", "--host-memory", "64", "--model", "tiny"], "unknown GPU 'b300'"),
     (["--gpu", "rtx3090", "--host-memory", "64", "--model", "gpt5"], "unknown model preset 'gpt5'"),
     (["--gpu", "rtx3090", "--host-memory", "-1", "--model", "tiny"], "--host-memory must be a positive"),
-    (["--gpu", "rtx3090", "--model", "tiny"], "--host-memory GB is required"),
     (["--host-memory", "8", "--model", "tiny"], "give --gpu NAME"),
+    (["--host-memory", "8"], "give --gpu NAME (or --gpu-memory GB and --gpu-tflops X) and --model PRESET (or "
+                             "--layers, --hidden and --heads)"),
     (["--gpu-memory", "8", "--host-memory", "8", "--model", "tiny"], "needs both"),
     (["--gpu", "rtx3090", "--host-memory", "8", "--layers", "4"], "--layers, --hidden and --heads"),
     (["--gpu", "rtx3090", "--host-memory", "8", "--model", "tiny", "--window", "0"], "--window must be"),
     (["--gpu", "rtx3090", "--host-memory", "8", "--model", "tiny", "--batch", "0"], "--batch must be"),
-    (["--gpu", "v100-16gb", "--host-memory", "8", "--model", "tiny"], "no bf16"),
+    (["--gpu", "v100-16gb", "--host-memory", "8", "--model", "tiny", "--precision", "bf16"], "no bf16"),
     (["--gpu", "rtx3090", "--host-memory", "8", "--layers", "x"], "invalid int value"),
 ])
 def test_cli_bad_inputs_give_one_line(args, message, capsys):
@@ -145,7 +168,8 @@ def test_cli_bad_input_in_a_real_process():
     assert proc.stderr.strip().splitlines() == ["pystronghold plan: error: unknown GPU 'nope'; known: "
                                                 "v100-16gb, v100-32gb, v100-pcie-32gb, p100-16gb, "
                                                 "p100-pcie-16gb, a100-40gb, a100-80gb, h100-80gb, "
-                                                "rtx3090, rtx4090"]
+                                                "rtx3090, rtx4090, h200-141gb, gh200-96gb, b200-180gb, "
+                                                "l40s-48gb, rtx5090, rtx-pro-6000"]
 
 
 def test_help_has_examples(capsys):
@@ -170,7 +194,11 @@ def test_every_request_field_is_a_documented_option():
     assert request.runtime.checkpointing is False and request.runtime.window == 4  # RuntimeConfig's fields
     default = from_args(PlanRequest, parser.parse_args(base))
     assert default.runtime.checkpointing is True and default.json is False
-    assert default.runtime.window == "auto" and default.runtime.precision == "bf16"  # the plan's defaults
+    assert default.runtime.window == "auto"  # the plan's default
+    # the precision is train's: one default, RuntimeConfig's, which neither command overrides
+    assert default.runtime.precision == RuntimeConfig().precision
+    assert "precision" not in PLAN_RUNTIME_DEFAULTS and "precision" not in TRAIN_RUNTIME_DEFAULTS
+    assert from_args(PlanRequest, parser.parse_args(base[:2] + base[4:])).host_memory is None  # this machine's
 
 
 def test_json_of_a_model_that_does_not_fit(capsys):
@@ -190,3 +218,27 @@ def test_plan_reuses_the_runtime_window_and_its_validation(capsys):
     assert '"chosen": 24' in capsys.readouterr().out
 
 
+
+
+def test_host_memory_defaults_to_this_machine(capsys):
+    """Without --host-memory the plan is of this machine's RAM, and says so."""
+    from pystronghold.planner.hardware import format_bytes
+
+    args = ["plan", "--gpu", "h100-80gb", "--model", "mini", "--widths", "128"]
+    assert main(args) == 0
+    ram = local_host_memory_bytes()
+    assert capsys.readouterr().out.startswith(f"host memory: {format_bytes(ram)} (this machine")
+    assert main([*args, "--json"]) == 0
+    hardware = json.loads(capsys.readouterr().out)["hardware"]
+    assert (hardware["host_memory_bytes"], hardware["host_memory_from"]) == (ram, "this machine")
+    assert main([*args, "--host-memory", "64", "--json"]) == 0
+    hardware = json.loads(capsys.readouterr().out)["hardware"]
+    assert (hardware["host_memory_bytes"], hardware["host_memory_from"]) == (64 * GiB, "--host-memory")
+
+
+def test_small_models_print_small_units(capsys):
+    """A 1.9 M-parameter model's bytes and seconds read in MiB/KiB and us, not 0.0 GiB and 0.0 ms."""
+    assert main(["plan", "--gpu", "h100-80gb", "--host-memory", "64", "--model", "mini", "--widths", "128"]) == 0
+    text = capsys.readouterr().out
+    assert not re.search(r"(?<![\d,])0\.0+ GiB", text) and "fwd 0.0 ms" not in text, text
+    assert "device: resident blocks  24.2 MiB  8 x 3.0 MiB" in text and " us, bwd " in text

@@ -79,7 +79,7 @@ def test_cli_plan_reports_the_schedule_choice(capsys):
     from pystronghold.cli import main
 
     args = ["plan", "--gpu", "rtx4090", "--host-memory", "512", "--model", "gpt3-1.3b", "--batch", "1",
-            "--resident-blocks", "0", "--json"]
+            "--precision", "bf16", "--resident-blocks", "0", "--json"]
     assert main([*args, "--accumulation", "8"]) == 0
     out = json.loads(capsys.readouterr().out)["schedule"]
     plan = make_plan(PRESETS["gpt3-1.3b"], Workload(batch=1, precision="bf16"), hw(host_gib=512),
@@ -92,4 +92,16 @@ def test_cli_plan_reports_the_schedule_choice(capsys):
     assert main(args) == 0  # one micro-batch: the two schedules are the same step
     assert json.loads(capsys.readouterr().out)["schedule"]["chosen"] == "default"
     assert main(args[:-1] + ["--accumulation", "8"]) == 0
-    assert "schedule (8 micro-batches per step): relay" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "schedule (8 micro-batches per step): relay" in text
+    assert "\n  default  step" in text and "\n  relay    step" in text
+
+
+def test_one_micro_batch_prints_one_schedule_row(capsys):
+    """With one micro-batch the default and relay schedules are the same step: one row, and why."""
+    from pystronghold.cli import main
+
+    assert main(["plan", "--gpu", "rtx4090", "--host-memory", "512", "--model", "gpt3-1.3b", "--widths", "2048"]) == 0
+    text = capsys.readouterr().out
+    assert "schedule (1 micro-batch per step): default (the relay is the same with one micro-batch)" in text
+    assert text.count("\n  default  step") == 1 and "\n  relay    step" not in text

@@ -44,9 +44,11 @@ def test_auto_window_is_the_planners_choice_and_is_logged(tmp_path, caplog):
         assert auto.work.overlap == "forward"  # tiny_config clips
         c = auto.costs
         assert c.fwd_s > 0 and c.bwd_s > 0 and c.load_s > 0 and c.device_adam_s > 0
+        assert c.head_tail_s > 0  # the LM head and the loss, measured: the step's compute holds them
         assert c.recompute_s == min(c.fwd_s, c.bwd_s)  # measured: under load a forward may time longer
         text = caplog.text
         assert f"W={auto.window}" in text and "fwd" in text and "load" in text and "predicted step" in text
+        assert f"LM head + loss fwd+bwd {c.head_tail_s * 1e3:.2f} ms" in text
         assert f"{auto.resident_blocks} blocks resident with device AdamW" in text and "recomputed" in text
         assert f"predicted device peak {auto.predicted_peak_bytes / 2**20:.1f} MiB" in text
         caplog.clear()
@@ -164,13 +166,16 @@ def test_planner_matches_the_runtime_on_cpu():
     assert abs(measured - planned) <= 0.1 * planned, (measured, planned)
     # host-bound largest model: on CPU the device (W slots, head and tail) is host memory too, so
     # the planner is given the host budget minus those; that is halfway between its needs at 5 and
-    # 6 blocks
+    # 6 blocks. Its device holds one slot and no resident block (which would relieve the host
+    # store; the runtime below streams every block)
     def planner_host(layers):
         return make_plan(dataclasses.replace(cfg, layers=layers), work, hw, window=2,
                          resident_blocks=0).host.host_bytes
     device = 2 * plan.costs.slot_bytes + plan.device.head_tail_bytes
     budget = (planner_host(5) + planner_host(6)) // 2 + device
-    hw_small = dataclasses.replace(hw, host_memory_bytes=budget - device)
+    one_slot = device_memory(plan.costs, work, 7, 1, 0).peak_bytes
+    hw_small = dataclasses.replace(hw, host_memory_bytes=budget - device,
+                                   gpu=dataclasses.replace(hw.gpu, memory_bytes=one_slot))
     largest, bound = largest_layers(cfg, work, hw_small)
     assert (largest, bound) == (5, "host")
     for layers, fits in ((largest, True), (largest + 1, False)):
@@ -206,3 +211,27 @@ def test_planner_matches_the_runtime_with_resident_blocks(resident):
     assert stats["resident_bytes"] == plan.device.resident_bytes
     planned = plan.device.window_bytes + plan.device.head_tail_bytes + plan.device.resident_bytes
     assert abs(measured - planned) <= 0.1 * planned, (measured, planned)
+
+
+@pytest.mark.parametrize("finetune", [dict(lora_rank=4), dict(freeze="attn")], ids=["lora", "freeze"])
+def test_auto_window_plans_what_trains(tmp_path, finetune, caplog):
+    """Under --lora-rank / --freeze the planner is given what trains: slots, head/tail and resident
+    blocks hold gradients and optimizer state for the trainable parameters only. The predicted
+    bytes of the optimizer step (the CPU arena holds no activations) are the measured peak's within
+    1.05x either way (1.01x here; a full fine-tune's plan was 3.2x the measured under LoRA, 1.13x
+    under --freeze attn)."""
+    from pystronghold.models.finetune import FinetuneOptions
+
+    config = dataclasses.replace(tiny_config(tmp_path, steps=1, window="auto", model=MODEL),
+                                 finetune=FinetuneOptions(**finetune))
+    trainer = Trainer(config)
+    try:
+        auto = trainer.auto_window
+        assert auto.work.finetune == config.finetune and auto.costs.block_frozen_params > 0
+        with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
+            trainer.train()
+        measured = trainer.result.intervals[0].device_peak_bytes
+    finally:
+        trainer.close()
+    assert measured / 1.05 <= auto.predicted_step_bytes <= 1.05 * measured, (auto.predicted_step_bytes, measured)
+    assert f"predicted {auto.predicted_step_bytes / 2**20:.1f} MiB" in caplog.text
