@@ -9,7 +9,7 @@ import os
 import sys
 
 from pystronghold.interrupts import catch_start_up_signals, exit_status, start_up_message
-from pystronghold.options import one_line_error
+from pystronghold.options import Parser, one_line_error
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -26,7 +26,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pystronghold",
         description="Train models larger than accelerator memory.",
         epilog="example: pystronghold info --json",

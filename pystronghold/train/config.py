@@ -9,6 +9,7 @@ the run is the embedded demo (``DEMO_MODEL``) on the Python standard library's s
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,14 +116,14 @@ class OptimOptions:
     """Adam second-moment decay (beta1 is 0.9)."""
 
     def __post_init__(self) -> None:
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.lr is not None and not 0 < self.lr < math.inf:
+            raise ValueError(f"--lr must be > 0 and finite, got {self.lr}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.weight_decay < 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"--weight-decay must be >= 0 and finite, got {self.weight_decay}")
         if not 0 <= self.beta2 < 1:
             raise ValueError(f"--beta2 must be in [0, 1), got {self.beta2}")
 
@@ -136,8 +137,8 @@ class AutoWindowOptions:
     (``train.autowindow.device_reserve_bytes``), on the CPU head/tail, activations and 4 slots."""
 
     def __post_init__(self) -> None:
-        if self.device_budget_mb < 0:
-            raise ValueError(f"--device-budget-mb must be >= 0, got {self.device_budget_mb}")
+        if not 0 <= self.device_budget_mb < math.inf:
+            raise ValueError(f"--device-budget-mb must be >= 0 and finite, got {self.device_budget_mb}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -213,6 +214,8 @@ class CheckpointOptions:
             raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.keep < 1:
             raise ValueError(f"--keep must be >= 1, got {self.keep}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir (there is nowhere to write checkpoints)")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
         if self.overwrite and not self.checkpoint_dir:

@@ -88,6 +88,13 @@ def _bad(capsys, argv):
     (["--overwrite", "--resume", "--checkpoint-dir", "ck"], "--overwrite starts a fresh run, --resume continues one"),
     (["--bogus"], "unrecognized arguments"),
     (["--model", "gpt3-175b"], "GiB of host memory"),
+    (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--lr", "inf"], "--lr must be > 0 and finite, got inf"),
+    (["--lr", "nan"], "--lr must be > 0 and finite, got nan"),
+    (["--lr", "-1e-3"], "--lr must be > 0 and finite, got -0.001"),  # a value, not an option
+    (["--lr", "-.5"], "--lr must be > 0 and finite, got -0.5"),
+    (["--weight-decay", "inf"], "--weight-decay must be >= 0 and finite, got inf"),
+    (["--seed", "-1e3"], "argument --seed: invalid int value: '-1e3'"),
 ])
 def test_bad_input_is_one_line(capsys, argv, words):
     code, err = _bad(capsys, argv)
