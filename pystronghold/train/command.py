@@ -200,6 +200,14 @@ def run_export(args: argparse.Namespace) -> int:
     if not args.hf and (args.tokenizer is not None or args.no_tokenizer or args.merge):
         print("pystronghold export: error: --tokenizer, --no-tokenizer and --merge need --hf", file=sys.stderr)
         return 2
+    if args.hf and args.overwrite:
+        print("pystronghold export: error: --overwrite replaces an output file; --hf writes a new or empty "
+              "directory", file=sys.stderr)
+        return 2
+    if not args.hf and os.path.lexists(args.output) and (os.path.isdir(args.output) or not args.overwrite):
+        what = "is a directory" if os.path.isdir(args.output) else "exists (give --overwrite to replace it)"
+        print(f"pystronghold export: error: {args.output} {what}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="pystronghold export: %(message)s", stream=sys.stderr)
     path = Path(args.checkpoint)
     if checkpoint_steps(path):  # a --checkpoint-dir: its newest valid checkpoint, damaged newer ones named
@@ -253,6 +261,8 @@ def add_export_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
     parser.add_argument("output", help="output file: .safetensors, or .pt for torch.save; with --hf a new "
                                        "(or empty) directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output file (refused without it)")
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face directory (config.json, safetensors shards, index, "
                              "tokenizer) of a run trained with --model hf:DIR")

@@ -222,3 +222,19 @@ def test_a_rank_of_a_multi_process_run_leaves_without_finalizing_and_flushed(wor
         assert p.returncode == status, p.stderr[-2000:]
         assert (p.stdout + p.stderr).strip()  # what it printed reached the pipe
         assert ("finalized" in p.stdout) is (world_size is None)
+
+
+def test_export_refuses_to_replace_a_file_without_overwrite(tmp_path, capsys):
+    ck, out = tmp_path / "ck", tmp_path / "model.safetensors"
+    run_training(tiny_config(tmp_path, steps=1, ckpt=str(ck)))
+    out.write_bytes(b"a user's own file")
+    assert main(["export", str(ck), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"pystronghold export: error: {out} exists (give --overwrite to replace it)", err
+    assert out.read_bytes() == b"a user's own file"
+    assert main(["export", str(ck), str(tmp_path), "--overwrite"]) == 2  # a directory is never replaced
+    assert capsys.readouterr().err.strip() == f"pystronghold export: error: {tmp_path} is a directory"
+    assert main(["export", str(ck), str(tmp_path / "hf"), "--hf", "--overwrite"]) == 2
+    assert "--overwrite replaces an output file" in capsys.readouterr().err
+    assert main(["export", str(ck), str(out), "--overwrite"]) == 0
+    assert out.read_bytes()[:8] != b"a user's"
