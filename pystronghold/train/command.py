@@ -61,6 +61,7 @@ def run_train(args: argparse.Namespace) -> int:
     from pystronghold.runtime.divergence import DivergenceError
     from pystronghold.train.checkpoint import CheckpointError, CheckpointWriteError
     from pystronghold.train.loop import Trainer, close_parallel
+    from pystronghold.train.metrics import OutputWriteError
 
     # Under torchrun every rank runs this; only rank 0 logs, draws the bar and prints errors (every
     # rank fails alike on bad input, so the others exit with the same status, silently).
@@ -105,7 +106,9 @@ def run_train(args: argparse.Namespace) -> int:
         # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
         # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
         # a failed save names its own step (the one just trained), others the step in progress
-        failure = str(e) if isinstance(e, CheckpointWriteError) else f"at step {trainer.step + 1}: {e}"
+        # (an output's names its option and path: the trace is written after the last step)
+        named = isinstance(e, (CheckpointWriteError, OutputWriteError))
+        failure = str(e) if named else f"at step {trainer.step + 1}: {e}"
     finally:
         if progress is not None:
             progress.close()

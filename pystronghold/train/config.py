@@ -9,8 +9,10 @@ the run is the embedded demo (``DEMO_MODEL``) on the Python standard library's s
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,19 +30,40 @@ __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "
            "CheckpointOptions", "ParallelOptions", "TrainConfig", "TRAIN_RUNTIME_DEFAULTS"]
 
 
-def _writable_dir(path: str) -> bool:
-    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+def _probe_dir(directory: str) -> None:
+    """Create and remove a file in ``directory`` (OSError when that fails): a permission test alone
+    misses a read-only file system, ACLs, root squash. The name is unique: every torchrun rank
+    checks the same paths at once."""
+    fd, name = tempfile.mkstemp(prefix=".pystronghold-check-", dir=directory)
+    os.close(fd)
+    os.unlink(name)
 
 
 def _check_creatable_dir(flag: str, path: str) -> None:
     """ValueError naming ``flag`` and ``path`` unless ``path`` is a writable directory or can be made
-    one (its nearest existing ancestor is a writable directory). Checked when the option is parsed,
-    so a bad output path is refused before the run rather than after it; nothing is created."""
+    one (a file can be made in its nearest existing ancestor). Checked when the option is parsed,
+    so a bad output path is refused before the run rather than after it; nothing is left behind."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not _writable_dir(probe):
-        raise ValueError(f"{flag} {path}: {probe} is not a writable directory")
+    try:
+        _probe_dir(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {probe} is not a writable directory ({e.strerror or e})") from None
+
+
+def _check_creatable_file(flag: str, path: str) -> None:
+    """ValueError naming ``flag`` and ``path`` unless ``path`` can be opened for writing: an existing
+    file is opened for appending (its content kept), else a file is made and removed in its directory."""
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        if os.path.exists(path):
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        else:
+            _probe_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: not a writable file ({e.strerror or e})") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -180,10 +203,7 @@ class RunOptions:
                 raise ValueError(str(e)) from None
             _check_creatable_dir("--trace", self.trace)
         if self.metrics_file is not None:
-            parent = os.path.dirname(os.path.abspath(self.metrics_file))
-            if (os.path.isdir(self.metrics_file) or not _writable_dir(parent)
-                    or (os.path.exists(self.metrics_file) and not os.access(self.metrics_file, os.W_OK))):
-                raise ValueError(f"--metrics-file {self.metrics_file}: not a writable file in a writable directory")
+            _check_creatable_file("--metrics-file", self.metrics_file)
         if self.tensorboard is not None:
             import importlib.util
 

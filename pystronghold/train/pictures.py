@@ -7,6 +7,7 @@ import bisect
 from pathlib import Path
 
 from pystronghold.runtime.trace import Tracer
+from pystronghold.train.metrics import OutputWriteError
 
 __all__ = ["write_outputs", "write_loss_png", "step_starts", "timeline_title"]
 
@@ -64,7 +65,15 @@ def write_loss_png(path: Path, losses: list[tuple[int, float]], val_losses: list
 
 def write_outputs(out: Path, events, result, max_png_steps: int = 3) -> list[Path]:
     """Write trace.json of every event, timeline.png of the last ``max_png_steps`` steps' events
-    (a whole run is too dense to read) and loss.png. Returns the paths."""
+    (a whole run is too dense to read) and loss.png. Returns the paths; ``OutputWriteError``
+    naming --trace and ``out`` when a write fails."""
+    try:
+        return _write_outputs(out, events, result, max_png_steps)
+    except OSError as e:
+        raise OutputWriteError("--trace", out, "writing the trace and pictures", e) from None
+
+
+def _write_outputs(out: Path, events, result, max_png_steps: int) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     full = Tracer(enabled=True)
     for e in events:

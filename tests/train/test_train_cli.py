@@ -238,3 +238,60 @@ def test_export_refuses_to_replace_a_file_without_overwrite(tmp_path, capsys):
     assert "--overwrite replaces an output file" in capsys.readouterr().err
     assert main(["export", str(ck), str(out), "--overwrite"]) == 0
     assert out.read_bytes()[:8] != b"a user's"
+
+
+def _filled(root, what: str):
+    """Fill the tmpfs ``root``: with files until none can be made (``what="inodes"``), or with one
+    file until no byte can be written (``"bytes"``)."""
+    import errno
+
+    try:
+        if what == "inodes":
+            for i in range(10_000):
+                (root / f"f{i}").touch()
+        else:
+            with open(root / "big", "wb") as f:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+        return root
+    pytest.fail(f"{root} did not fill")
+
+
+TINY_RUN = ["--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--max-bytes", "65536",
+            "--eval-batches", "1", "--log-every", "1", "--quiet"]
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--trace", "--metrics-file", "--tensorboard"])
+def test_an_output_path_where_no_file_can_be_made_is_refused_at_start(capsys, tmp_path, flag):
+    """Permissions allow it, but no file can be made there (no inode left): refused in one line
+    before the run (it failed at step 1, or after the last step)."""
+    from tmpfs import small_tmpfs
+
+    if flag == "--tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        pytest.skip("tensorboard is not installed (the option is refused for that first)")
+    with small_tmpfs(1 << 20, inodes=8) as root:
+        if root is None:
+            pytest.skip("needs root to mount a tmpfs")
+        out = _filled(root, "inodes") / "out"
+        code, err = _bad(capsys, [flag, str(out), *TINY_RUN, "--data", str(text_dir(tmp_path))])
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"pystronghold train: error: {flag} {out}: ") and "No space left on device" in err, err
+
+
+@pytest.mark.parametrize("flag, words", [("--metrics-file", "writing step 1"),
+                                         ("--trace", "writing the trace and pictures")])
+def test_a_full_disk_under_an_output_names_the_option_and_the_path(capsys, tmp_path, flag, words):
+    """The disk fills after start-up: the one line names the option and its path (it named neither,
+    and the trace, written after the last step, a step that never ran)."""
+    from tmpfs import small_tmpfs
+
+    with small_tmpfs(1 << 20) as root:
+        if root is None:
+            pytest.skip("needs root to mount a tmpfs")
+        out = _filled(root, "bytes") / "out"
+        code, err = _bad(capsys, [flag, str(out), *TINY_RUN, "--data", str(text_dir(tmp_path))])
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err == f"pystronghold train: error: {flag} {out}: {words}: No space left on device", err
