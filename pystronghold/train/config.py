@@ -325,6 +325,29 @@ class TrainConfig:
             raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} "
                              "(each replica takes an equal slice of every batch)")
 
+    def check_batch_memory(self) -> None:
+        """MemoryError unless this process's batches fit the host's available memory (and on the
+        CPU device its activations: the loss's logits and one block's working set, as the planner
+        counts them): refused in one line before anything is allocated, not a MemoryError
+        traceback (or the OOM killer) at step 1. A lower bound: the store is checked apart (first:
+        ``Trainer``), as is the device's memory."""
+        from pystronghold.planner.cost import Workload, block_activation_bytes, tail_activation_bytes
+        from pystronghold.runtime.placement import available_host_bytes
+
+        cfg, seq, par = self.gpt, self.seq, self.parallel
+        batch = max(par.dp_split) if par.dp_split is not None else self.data.batch // par.dp_size
+        # (x, y) int64 (B, T) each: the validation batches are held for the run, one step's made at a time
+        need = 16 * batch * seq * (self.run.eval_batches + self.runtime.accumulation_steps)
+        if self.runtime.device == "cpu" and isinstance(cfg, GPTConfig):
+            work = Workload(batch=batch, seq=seq, precision=self.runtime.precision)
+            need += tail_activation_bytes(cfg, work, seq) + block_activation_bytes(cfg, work, seq)
+        avail = available_host_bytes()
+        if need > avail:
+            raise MemoryError(f"--batch {self.data.batch} x --seq {seq} (with --eval-batches {self.run.eval_batches}): "
+                              f"the batches and activations need at "
+                              f"least {need:,} bytes ({need / 2**30:,.1f} GiB) of host memory, {avail:,} bytes "
+                              f"({avail / 2**30:,.1f} GiB) available")
+
     def _check_finetune(self, cfg) -> None:
         """--lora-rank and --freeze on this model and layout (the options themselves are checked by
         ``FinetuneOptions``); a GPT's LoRA targets as ``pystronghold plan`` checks them."""

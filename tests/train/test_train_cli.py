@@ -95,6 +95,9 @@ def _bad(capsys, argv):
     (["--lr", "-.5"], "--lr must be > 0 and finite, got -0.5"),
     (["--weight-decay", "inf"], "--weight-decay must be >= 0 and finite, got inf"),
     (["--seed", "-1e3"], "argument --seed: invalid int value: '-1e3'"),
+    (["--batch", "1000000000000"], "--batch 1000000000000 x --seq 128 (with --eval-batches 4): the batches "
+                                   "and activations need at least "),  # it grew memory until killed
+    (["--eval-batches", "100000000000"], "(with --eval-batches 100000000000): the batches"),
 ])
 def test_bad_input_is_one_line(capsys, argv, words):
     code, err = _bad(capsys, argv)
