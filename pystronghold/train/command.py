@@ -7,11 +7,12 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import time
 
-from pystronghold.options import one_line_error
+from pystronghold.options import first_line, one_line_error
 
 __all__ = ["add_train_command", "add_export_command", "config_from_args"]
 
@@ -93,7 +94,7 @@ def run_train(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.update(step, loss)
 
-    failure, result = None, None
+    failure, result, every_rank = None, None, False
     stopper = StopOnSignal(trainer)
     try:
         with stopper:
@@ -103,12 +104,15 @@ def run_train(args: argparse.Namespace) -> int:
     except DivergenceError as e:  # inf/NaN: its one line names the step already
         failure = str(e)
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
-        # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
-        # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
         # a failed save names its own step (the one just trained), others the step in progress
         # (an output's names its option and path: the trace is written after the last step)
         named = isinstance(e, (CheckpointWriteError, OutputWriteError))
         failure = str(e) if named else f"at step {trainer.step + 1}: {e}"
+    except RuntimeError as e:  # NOTE: a peer that died fails this rank's collective; anything else is a crash
+        failure = _peer_failure(e, trainer)
+        if failure is None:
+            raise
+        every_rank = True  # whichever rank survived says it (rank 0 may be the one that died)
     finally:
         if progress is not None:
             progress.close()
@@ -119,7 +123,10 @@ def run_train(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     if failure is not None:
-        error(failure)
+        if every_rank:
+            print(f"pystronghold train: error: {failure}", file=sys.stderr)
+        else:
+            error(failure)
         return stopper.exit_status or 1
     if result.stopped_by is not None:
         where = f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else ""
@@ -130,6 +137,22 @@ def run_train(args: argparse.Namespace) -> int:
     for line in result.summary_lines():
         log.info("%s", line)
     return 0
+
+
+def _peer_failure(e: RuntimeError, trainer) -> str | None:
+    """The one line of a collective that failed because another process of a torchrun run stopped or
+    was killed (gloo: the connection to it reset or closed; NCCL, or a timeout: a DistError); None
+    for any other RuntimeError, or with one process."""
+    import torch.distributed as dist
+
+    text = first_line(e)
+    if trainer.groups is None or not (isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text):
+        return None
+    # "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:20370: Connection reset by peer.
+    # This is typically caused by ..."
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". This is typically")[0].rstrip(".")
+    return (f"rank {trainer.rank}: a collective with the other processes failed in step {trainer.step + 1}: "
+            f"{text} (another process of the run stopped or was killed: see its output)")
 
 
 class StopOnSignal:
