@@ -6,10 +6,10 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 
-from pystronghold.options import one_line_error
+from pystronghold.interrupts import catch_start_up_signals, exit_status, start_up_message
+from pystronghold.options import Parser, one_line_error
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -26,7 +26,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pystronghold",
         description="Train models larger than accelerator memory.",
         epilog="example: pystronghold info --json",
@@ -55,15 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
-    command = "pystronghold"
+    words = sys.argv[1:] if argv is None else argv
+    command = "pystronghold" + (f" {words[0]}" if words and not words[0].startswith("-") else "")
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank gets the Ctrl-C
     try:
-        args = build_parser().parse_args(argv)
-        command = f"pystronghold {args.command}"
-        return args.run(args)
-    except KeyboardInterrupt:  # NOTE: Ctrl-C while starting (imports, building); a run handles its own
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets the Ctrl-C
-            print(f"{command}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+        # NOTE: first, before torch is imported: a Ctrl-C while torch loaded numpy was lost
+        with catch_start_up_signals(command, speak=rank0):
+            args = build_parser().parse_args(argv)
+            return args.run(args)
+    except KeyboardInterrupt as e:  # start-up (imports, building); a run handles its own signals
+        if rank0:
+            print(f"{command}: {start_up_message(e)}", file=sys.stderr)
+        return exit_status(e)
 
 
 def run() -> None:

@@ -20,7 +20,7 @@ import sys
 import textwrap
 
 __all__ = ["option", "component", "ConfigError", "field_docs", "flag_of", "add_options", "from_args", "given_options",
-           "parse_bytes", "one_line_error", "first_line"]
+           "parse_bytes", "one_line_error", "first_line", "Parser"]
 
 _TYPES = {"str": str, "int": int, "float": float}
 _METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
@@ -167,6 +167,16 @@ def add_options(parser: argparse.ArgumentParser, job_cls) -> None:
         elif f.metadata.get("cli", True):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             _add_option(parser, f, default, f.name, docs.get(f.name, ""))
+
+
+class Parser(argparse.ArgumentParser):
+    """The command line's ArgumentParser (its subcommands' too): a negative number such as -1e-3
+    is a value, as in argparse of Python 3.13 (before, only -1 and -0.5 were: ``--lr -1e-3`` failed
+    with "expected one argument" instead of saying what is wrong with the value)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-\.?\d")  # 3.13's; no option here starts so
 
 
 def one_line_error(prog: str, hint: str = ""):

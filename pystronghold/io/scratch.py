@@ -43,7 +43,9 @@ PROBE_BYTES = 4096
 def check_io_directory(path: str | os.PathLike, *, flag: str) -> bool:
     """Make sure the file tier can work in directory ``path``: create it when missing (logged), then
     write a ``PROBE_BYTES`` probe file (O_DIRECT where the file system supports it, as the tier
-    does), fsync it, read it back, compare and remove it. Returns whether O_DIRECT works.
+    does), fsync it, read it back, compare and remove it, on every path out (a process killed
+    with SIGKILL cannot: the next check removes the probe files of dead processes of this host).
+    Returns whether O_DIRECT works.
 
     Raises ValueError naming ``flag`` (the option that gave ``path``) and the reason.
     """
@@ -56,7 +58,8 @@ def check_io_directory(path: str | os.PathLike, *, flag: str) -> bool:
         logger.warning("%s %s did not exist: created it", flag, path)
     elif not p.is_dir():
         raise ValueError(f"{flag} {path}: exists and is not a directory")
-    probe = p / f".pystronghold-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    _remove_stale_probes(p)
+    probe = p / f"{PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     data = secrets.token_bytes(PROBE_BYTES)
     try:
         try:
@@ -74,6 +77,26 @@ def check_io_directory(path: str | os.PathLike, *, flag: str) -> bool:
             probe.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+PROBE_PREFIX = ".pystronghold-probe-"
+"""Start of a probe file's name; then the hostname, the pid and 8 hex digits."""
+
+
+def _remove_stale_probes(directory: Path) -> None:
+    """Remove the probe files in ``directory`` of processes of this host that no longer exist."""
+    pattern = re.compile(re.escape(PROBE_PREFIX + socket.gethostname()) + r"-(\d+)-[0-9a-f]{8}")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return  # the probe itself then says what is wrong with the directory
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+            try:
+                os.unlink(directory / name)
+            except OSError:
+                pass  # removed by another process meanwhile, or not ours to remove
 
 
 def _probe(path: Path, data: bytes, *, direct: bool) -> bool:

@@ -7,11 +7,12 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import time
 
-from pystronghold.options import one_line_error
+from pystronghold.options import first_line, one_line_error
 
 __all__ = ["add_train_command", "add_export_command", "config_from_args"]
 
@@ -64,6 +65,7 @@ def run_train(args: argparse.Namespace) -> int:
     from pystronghold.runtime.divergence import DivergenceError
     from pystronghold.train.checkpoint import CheckpointError, CheckpointWriteError, SaveInterrupted
     from pystronghold.train.loop import Trainer, close_parallel
+    from pystronghold.train.metrics import OutputWriteError
 
     # Under torchrun every rank runs this; only rank 0 logs, draws the bar and prints errors (every
     # rank fails alike on bad input, so the others exit with the same status, silently).
@@ -95,7 +97,7 @@ def run_train(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.update(step, loss)
 
-    failure, result = None, None
+    failure, result, every_rank = None, None, False
     stopper = StopOnSignal(trainer)
     try:
         with stopper:
@@ -107,10 +109,15 @@ def run_train(args: argparse.Namespace) -> int:
     except DivergenceError as e:  # inf/NaN: its one line names the step already
         failure = str(e)
     except (OSError, CheckpointError, FloatingPointError) as e:  # disk full, non-finite gradients
-        # NOTE: a collective that timed out (a peer died) surfaces as a RuntimeError subclass
-        # (DistBackendError) and keeps its traceback: that is a crash, not bad input.
         # a failed save names its own step (the one just trained), others the step in progress
-        failure = str(e) if isinstance(e, CheckpointWriteError) else f"at step {trainer.step + 1}: {e}"
+        # (an output's names its option and path: the trace is written after the last step)
+        named = isinstance(e, (CheckpointWriteError, OutputWriteError))
+        failure = str(e) if named else f"at step {trainer.step + 1}: {e}"
+    except RuntimeError as e:  # NOTE: a peer that died fails this rank's collective; anything else is a crash
+        failure = _peer_failure(e, trainer)
+        if failure is None:
+            raise
+        every_rank = True  # whichever rank survived says it (rank 0 may be the one that died)
     finally:
         if progress is not None:
             progress.close()
@@ -121,7 +128,10 @@ def run_train(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     if failure is not None:
-        error(failure)
+        if every_rank:
+            print(f"pystronghold train: error: {failure}", file=sys.stderr)
+        else:
+            error(failure)
         return stopper.exit_status or 1
     if result.stopped_by is not None:
         where = f"; checkpoint {result.checkpoints[-1]}" if result.checkpoints else ""
@@ -132,6 +142,22 @@ def run_train(args: argparse.Namespace) -> int:
     for line in result.summary_lines():
         log.info("%s", line)
     return 0
+
+
+def _peer_failure(e: RuntimeError, trainer) -> str | None:
+    """The one line of a collective that failed because another process of a torchrun run stopped or
+    was killed (gloo: the connection to it reset or closed; NCCL, or a timeout: a DistError); None
+    for any other RuntimeError, or with one process."""
+    import torch.distributed as dist
+
+    text = first_line(e)
+    if trainer.groups is None or not (isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text):
+        return None
+    # "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:20370: Connection reset by peer.
+    # This is typically caused by ..."
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". This is typically")[0].rstrip(".")
+    return (f"rank {trainer.rank}: a collective with the other processes failed in step {trainer.step + 1}: "
+            f"{text} (another process of the run stopped or was killed: see its output)")
 
 
 class StopOnSignal:
@@ -205,6 +231,14 @@ def run_export(args: argparse.Namespace) -> int:
     if not args.hf and (args.tokenizer is not None or args.no_tokenizer or args.merge):
         print("pystronghold export: error: --tokenizer, --no-tokenizer and --merge need --hf", file=sys.stderr)
         return 2
+    if args.hf and args.overwrite:
+        print("pystronghold export: error: --overwrite replaces an output file; --hf writes a new or empty "
+              "directory", file=sys.stderr)
+        return 2
+    if not args.hf and os.path.lexists(args.output) and (os.path.isdir(args.output) or not args.overwrite):
+        what = "is a directory" if os.path.isdir(args.output) else "exists (give --overwrite to replace it)"
+        print(f"pystronghold export: error: {args.output} {what}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="pystronghold export: %(message)s", stream=sys.stderr)
     path = Path(args.checkpoint)
     if checkpoint_steps(path):  # a --checkpoint-dir: its newest valid checkpoint, damaged newer ones named
@@ -258,6 +292,8 @@ def add_export_command(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
     parser.add_argument("output", help="output file: .safetensors, or .pt for torch.save; with --hf a new "
                                        "(or empty) directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output file (refused without it)")
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face directory (config.json, safetensors shards, index, "
                              "tokenizer) of a run trained with --model hf:DIR")

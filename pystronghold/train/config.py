@@ -9,7 +9,10 @@ the run is the embedded demo (``DEMO_MODEL``) on the Python standard library's s
 from __future__ import annotations
 
 import dataclasses
+import errno
+import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,19 +30,40 @@ __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "
            "CheckpointOptions", "ParallelOptions", "TrainConfig", "TRAIN_RUNTIME_DEFAULTS"]
 
 
-def _writable_dir(path: str) -> bool:
-    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+def _probe_dir(directory: str) -> None:
+    """Create and remove a file in ``directory`` (OSError when that fails): a permission test alone
+    misses a read-only file system, ACLs, root squash. The name is unique: every torchrun rank
+    checks the same paths at once."""
+    fd, name = tempfile.mkstemp(prefix=".pystronghold-check-", dir=directory)
+    os.close(fd)
+    os.unlink(name)
 
 
 def _check_creatable_dir(flag: str, path: str) -> None:
     """ValueError naming ``flag`` and ``path`` unless ``path`` is a writable directory or can be made
-    one (its nearest existing ancestor is a writable directory). Checked when the option is parsed,
-    so a bad output path is refused before the run rather than after it; nothing is created."""
+    one (a file can be made in its nearest existing ancestor). Checked when the option is parsed,
+    so a bad output path is refused before the run rather than after it; nothing is left behind."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not _writable_dir(probe):
-        raise ValueError(f"{flag} {path}: {probe} is not a writable directory")
+    try:
+        _probe_dir(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {probe} is not a writable directory ({e.strerror or e})") from None
+
+
+def _check_creatable_file(flag: str, path: str) -> None:
+    """ValueError naming ``flag`` and ``path`` unless ``path`` can be opened for writing: an existing
+    file is opened for appending (its content kept), else a file is made and removed in its directory."""
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        if os.path.exists(path):
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        else:
+            _probe_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: not a writable file ({e.strerror or e})") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,14 +141,14 @@ class OptimOptions:
     """Adam second-moment decay (beta1 is 0.9)."""
 
     def __post_init__(self) -> None:
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.lr is not None and not 0 < self.lr < math.inf:
+            raise ValueError(f"--lr must be > 0 and finite, got {self.lr}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.weight_decay < 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"--weight-decay must be >= 0 and finite, got {self.weight_decay}")
         if not 0 <= self.beta2 < 1:
             raise ValueError(f"--beta2 must be in [0, 1), got {self.beta2}")
 
@@ -138,8 +162,8 @@ class AutoWindowOptions:
     (``train.autowindow.device_reserve_bytes``), on the CPU head/tail, activations and 4 slots."""
 
     def __post_init__(self) -> None:
-        if self.device_budget_mb < 0:
-            raise ValueError(f"--device-budget-mb must be >= 0, got {self.device_budget_mb}")
+        if not 0 <= self.device_budget_mb < math.inf:
+            raise ValueError(f"--device-budget-mb must be >= 0 and finite, got {self.device_budget_mb}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -181,10 +205,7 @@ class RunOptions:
                 raise ValueError(str(e)) from None
             _check_creatable_dir("--trace", self.trace)
         if self.metrics_file is not None:
-            parent = os.path.dirname(os.path.abspath(self.metrics_file))
-            if (os.path.isdir(self.metrics_file) or not _writable_dir(parent)
-                    or (os.path.exists(self.metrics_file) and not os.access(self.metrics_file, os.W_OK))):
-                raise ValueError(f"--metrics-file {self.metrics_file}: not a writable file in a writable directory")
+            _check_creatable_file("--metrics-file", self.metrics_file)
         if self.tensorboard is not None:
             import importlib.util
 
@@ -215,6 +236,8 @@ class CheckpointOptions:
             raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if self.keep < 1:
             raise ValueError(f"--keep must be >= 1, got {self.keep}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir (there is nowhere to write checkpoints)")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
         if self.overwrite and not self.checkpoint_dir:
@@ -312,6 +335,29 @@ class TrainConfig:
         elif self.data.batch % dp:
             raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} "
                              "(each replica takes an equal slice of every batch)")
+
+    def check_batch_memory(self) -> None:
+        """MemoryError unless this process's batches fit the host's available memory (and on the
+        CPU device its activations: the loss's logits and one block's working set, as the planner
+        counts them): refused in one line before anything is allocated, not a MemoryError
+        traceback (or the OOM killer) at step 1. A lower bound: the store is checked apart (first:
+        ``Trainer``), as is the device's memory."""
+        from pystronghold.planner.cost import Workload, block_activation_bytes, tail_activation_bytes
+        from pystronghold.runtime.placement import available_host_bytes
+
+        cfg, seq, par = self.gpt, self.seq, self.parallel
+        batch = max(par.dp_split) if par.dp_split is not None else self.data.batch // par.dp_size
+        # (x, y) int64 (B, T) each: the validation batches are held for the run, one step's made at a time
+        need = 16 * batch * seq * (self.run.eval_batches + self.runtime.accumulation_steps)
+        if self.runtime.device == "cpu" and isinstance(cfg, GPTConfig):
+            work = Workload(batch=batch, seq=seq, precision=self.runtime.precision)
+            need += tail_activation_bytes(cfg, work, seq) + block_activation_bytes(cfg, work, seq)
+        avail = available_host_bytes()
+        if need > avail:
+            raise MemoryError(f"--batch {self.data.batch} x --seq {seq} (with --eval-batches {self.run.eval_batches}): "
+                              f"the batches and activations need at "
+                              f"least {need:,} bytes ({need / 2**30:,.1f} GiB) of host memory, {avail:,} bytes "
+                              f"({avail / 2**30:,.1f} GiB) available")
 
     def _check_finetune(self, cfg) -> None:
         """--lora-rank and --freeze on this model and layout (the options themselves are checked by

@@ -67,6 +67,7 @@ class Trainer:
                               f"{need / 2**30:.1f} GiB of host memory (the host store: fp32 weights and "
                               f"Adam moments, gradients), {avail / 2**30:.1f} GiB available; give --nvme "
                               "DIR to keep states on disk")
+        config.check_batch_memory()
         # Several processes (torchrun): the TP x DP groups first (sizes were checked by TrainConfig on
         # every rank). Every rank seeds alike, so all draw the same global batches and build the
         # single-process weights (each TP rank keeps its shard); DP rank r trains on slice r.

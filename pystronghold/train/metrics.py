@@ -21,7 +21,7 @@ from pystronghold.runtime.layout import device_bytes_per_param
 from pystronghold.runtime.trace import Tracer
 
 __all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport", "memory_report",
-           "TimeReport", "format_bytes", "MetricsWriter", "TrainResult"]
+           "TimeReport", "format_bytes", "MetricsWriter", "OutputWriteError", "TrainResult"]
 
 METRIC_FIELDS = ("step", "loss", "ms/step", "tok/s", "h2d", "d2h", "dev peak", "host", "overlap")
 """Fields of a metrics line, in order."""
@@ -86,6 +86,17 @@ class IntervalMetrics:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
+class OutputWriteError(OSError):
+    """Writing an output of the run failed; the message names its option and path
+    (``--metrics-file FILE: ...``), so the CLI prints it as it is."""
+
+    def __init__(self, flag: str, path, what: str, e: OSError) -> None:
+        super().__init__(e.errno, f"{flag} {path}: {what}: {e.strerror or e}")
+
+    def __str__(self) -> str:
+        return self.strerror  # the message alone, without "[Errno N]"
+
+
 class MetricsWriter:
     """Metrics lines also as JSONL (``--metrics-file``) and TensorBoard scalars (``--tensorboard``).
 
@@ -95,22 +106,42 @@ class MetricsWriter:
     a new run (the file is overwritten)."""
 
     def __init__(self, jsonl: str | None, tensorboard: str | None, *, resumed_step: int = 0) -> None:
+        self._jsonl, self._tensorboard = jsonl, tensorboard
         self._file = None
         if jsonl:
-            if resumed_step > 0:
-                _keep_records_up_to(Path(jsonl), resumed_step)
-            self._file = open(jsonl, "a" if resumed_step > 0 else "w", encoding="utf-8")
+            try:
+                if resumed_step > 0:
+                    _keep_records_up_to(Path(jsonl), resumed_step)
+                self._file = open(jsonl, "a" if resumed_step > 0 else "w", encoding="utf-8")
+            except OSError as e:
+                raise OutputWriteError("--metrics-file", jsonl, "cannot open it", e) from None
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(tensorboard, purge_step=resumed_step + 1 if resumed_step > 0 else None)
+            try:
+                self._tb = SummaryWriter(tensorboard, purge_step=resumed_step + 1 if resumed_step > 0 else None)
+            except OSError as e:
+                self.close()
+                raise OutputWriteError("--tensorboard", tensorboard, "cannot write there", e) from None
+
+    def _write_line(self, record: dict) -> None:
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:
+            file, self._file = self._file, None  # NOTE: closing flushes the same bytes again: ignore that
+            try:
+                file.close()
+            except OSError:
+                pass
+            raise OutputWriteError("--metrics-file", self._jsonl, f"writing step {record['step']}", e) from None
 
     def interval(self, m: IntervalMetrics) -> None:
-        """Write one metrics line's figures (a JSON object; TensorBoard scalars under ``train/``)."""
+        """Write one metrics line's figures (a JSON object; TensorBoard scalars under ``train/``).
+        ``OutputWriteError`` when a write fails."""
         if self._file is not None:
-            self._file.write(json.dumps(m.as_dict()) + "\n")
-            self._file.flush()
+            self._write_line(m.as_dict())
         if self._tb is not None:
             for name, value in m.as_dict().items():
                 if name != "step" and value is not None:
@@ -119,16 +150,25 @@ class MetricsWriter:
     def validation(self, step: int, loss: float) -> None:
         """A validation loss (TensorBoard ``val/loss``; a ``{"step", "val_loss"}`` JSON object)."""
         if self._file is not None:
-            self._file.write(json.dumps({"step": step, "val_loss": loss}) + "\n")
-            self._file.flush()
+            self._write_line({"step": step, "val_loss": loss})
         if self._tb is not None:
             self._tb.add_scalar("val/loss", loss, step)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        file, self._file = self._file, None
+        tb, self._tb = self._tb, None
+        try:
+            if file is not None:
+                try:
+                    file.close()
+                except OSError as e:
+                    raise OutputWriteError("--metrics-file", self._jsonl, "closing it", e) from None
+        finally:
+            if tb is not None:
+                try:
+                    tb.close()
+                except OSError as e:
+                    raise OutputWriteError("--tensorboard", self._tensorboard, "closing it", e) from None
 
 
 def _keep_records_up_to(path: Path, step: int) -> None:

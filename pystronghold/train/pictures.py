@@ -7,6 +7,7 @@ import bisect
 from pathlib import Path
 
 from pystronghold.runtime.trace import Tracer
+from pystronghold.train.metrics import OutputWriteError
 
 __all__ = ["write_outputs", "write_loss_png", "loss_axis_label", "step_starts", "timeline_title"]
 
@@ -72,7 +73,15 @@ def write_loss_png(path: Path, losses: list[tuple[int, float]], val_losses: list
 
 def write_outputs(out: Path, events, result, max_png_steps: int = 3, unit: str = "byte") -> list[Path]:
     """Write trace.json of every event, timeline.png of the last ``max_png_steps`` steps' events
-    (a whole run is too dense to read) and loss.png (losses in nats per ``unit``). Returns the paths."""
+    (a whole run is too dense to read) and loss.png (losses in nats per ``unit``). Returns the paths;
+    ``OutputWriteError`` naming --trace and ``out`` when a write fails."""
+    try:
+        return _write_outputs(out, events, result, max_png_steps, unit)
+    except OSError as e:
+        raise OutputWriteError("--trace", out, "writing the trace and pictures", e) from None
+
+
+def _write_outputs(out: Path, events, result, max_png_steps: int, unit: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     full = Tracer(enabled=True)
     for e in events:

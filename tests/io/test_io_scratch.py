@@ -209,3 +209,26 @@ def test_huge_need_fails_on_the_real_file_system(tmp_path):
         check_free_space(tmp_path, 1000 * 2**50, what="a test")
     with pytest.raises(ValueError, match="need_bytes"):
         check_free_space(tmp_path, -1, what="a test")
+
+
+def test_the_nvme_probe_leaves_no_file_and_removes_those_of_dead_processes(tmp_path, monkeypatch):
+    """The probe file is removed when the probe fails, and a probe file a killed process left (it
+    could not remove it) is removed by the next check; a live process's and another host's stay."""
+    from pystronghold.io.scratch import PROBE_PREFIX, check_io_directory
+
+    host = socket.gethostname()
+    dead = tmp_path / f"{PROBE_PREFIX}{host}-{dead_pid()}-deadbeef"
+    live = tmp_path / f"{PROBE_PREFIX}{host}-1-deadbeef"
+    other = tmp_path / f"{PROBE_PREFIX}not-{host}-{dead_pid()}-deadbeef"
+    for p in (dead, live, other):
+        p.write_bytes(b"")
+    assert check_io_directory(tmp_path, flag="--nvme") in (True, False)
+    assert sorted(tmp_path.iterdir()) == sorted([live, other])
+
+    def full(fd, *args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(scratch_mod.os, "pwrite", full)
+    with pytest.raises(ValueError, match="No space left on device"):
+        check_io_directory(tmp_path, flag="--nvme")
+    assert sorted(tmp_path.iterdir()) == sorted([live, other])

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pystronghold"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_C", "_ext", "extras", "options", "kernels"),  # leaves: extension, optional deps, settings, Triton
+    ("_C", "_ext", "extras", "options", "interrupts", "kernels"),  # leaves: extension, optional deps, settings, signals, Triton
     ("ops", "io", "data", "token_files", "records", "tokenized", "lr_schedule"),  # native ops, file I/O, data
     ("optim", "nn", "parallel"),  # optimizers, fused ops, TP/DP primitives
     ("models", "strategy"),  # GPT and Hugging Face models; Whale's scopes and their layout

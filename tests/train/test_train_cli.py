@@ -88,6 +88,16 @@ def _bad(capsys, argv):
     (["--overwrite", "--resume", "--checkpoint-dir", "ck"], "--overwrite starts a fresh run, --resume continues one"),
     (["--bogus"], "unrecognized arguments"),
     (["--model", "gpt3-175b"], "GiB of host memory"),
+    (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--lr", "inf"], "--lr must be > 0 and finite, got inf"),
+    (["--lr", "nan"], "--lr must be > 0 and finite, got nan"),
+    (["--lr", "-1e-3"], "--lr must be > 0 and finite, got -0.001"),  # a value, not an option
+    (["--lr", "-.5"], "--lr must be > 0 and finite, got -0.5"),
+    (["--weight-decay", "inf"], "--weight-decay must be >= 0 and finite, got inf"),
+    (["--seed", "-1e3"], "argument --seed: invalid int value: '-1e3'"),
+    (["--batch", "1000000000000"], "--batch 1000000000000 x --seq 128 (with --eval-batches 4): the batches "
+                                   "and activations need at least "),  # it grew memory until killed
+    (["--eval-batches", "100000000000"], "(with --eval-batches 100000000000): the batches"),
 ])
 def test_bad_input_is_one_line(capsys, argv, words):
     code, err = _bad(capsys, argv)
@@ -215,3 +225,76 @@ def test_a_rank_of_a_multi_process_run_leaves_without_finalizing_and_flushed(wor
         assert p.returncode == status, p.stderr[-2000:]
         assert (p.stdout + p.stderr).strip()  # what it printed reached the pipe
         assert ("finalized" in p.stdout) is (world_size is None)
+
+
+def test_export_refuses_to_replace_a_file_without_overwrite(tmp_path, capsys):
+    ck, out = tmp_path / "ck", tmp_path / "model.safetensors"
+    run_training(tiny_config(tmp_path, steps=1, ckpt=str(ck)))
+    out.write_bytes(b"a user's own file")
+    assert main(["export", str(ck), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"pystronghold export: error: {out} exists (give --overwrite to replace it)", err
+    assert out.read_bytes() == b"a user's own file"
+    assert main(["export", str(ck), str(tmp_path), "--overwrite"]) == 2  # a directory is never replaced
+    assert capsys.readouterr().err.strip() == f"pystronghold export: error: {tmp_path} is a directory"
+    assert main(["export", str(ck), str(tmp_path / "hf"), "--hf", "--overwrite"]) == 2
+    assert "--overwrite replaces an output file" in capsys.readouterr().err
+    assert main(["export", str(ck), str(out), "--overwrite"]) == 0
+    assert out.read_bytes()[:8] != b"a user's"
+
+
+def _filled(root, what: str):
+    """Fill the tmpfs ``root``: with files until none can be made (``what="inodes"``), or with one
+    file until no byte can be written (``"bytes"``)."""
+    import errno
+
+    try:
+        if what == "inodes":
+            for i in range(10_000):
+                (root / f"f{i}").touch()
+        else:
+            with open(root / "big", "wb") as f:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+        return root
+    pytest.fail(f"{root} did not fill")
+
+
+TINY_RUN = ["--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--max-bytes", "65536",
+            "--eval-batches", "1", "--log-every", "1", "--quiet"]
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--trace", "--metrics-file", "--tensorboard"])
+def test_an_output_path_where_no_file_can_be_made_is_refused_at_start(capsys, tmp_path, flag):
+    """Permissions allow it, but no file can be made there (no inode left): refused in one line
+    before the run (it failed at step 1, or after the last step)."""
+    from tmpfs import small_tmpfs
+
+    if flag == "--tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        pytest.skip("tensorboard is not installed (the option is refused for that first)")
+    with small_tmpfs(1 << 20, inodes=8) as root:
+        if root is None:
+            pytest.skip("needs root to mount a tmpfs")
+        out = _filled(root, "inodes") / "out"
+        code, err = _bad(capsys, [flag, str(out), *TINY_RUN, "--data", str(text_dir(tmp_path))])
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"pystronghold train: error: {flag} {out}: ") and "No space left on device" in err, err
+
+
+@pytest.mark.parametrize("flag, words", [("--metrics-file", "writing step 1"),
+                                         ("--trace", "writing the trace and pictures")])
+def test_a_full_disk_under_an_output_names_the_option_and_the_path(capsys, tmp_path, flag, words):
+    """The disk fills after start-up: the one line names the option and its path (it named neither,
+    and the trace, written after the last step, a step that never ran)."""
+    from tmpfs import small_tmpfs
+
+    with small_tmpfs(1 << 20) as root:
+        if root is None:
+            pytest.skip("needs root to mount a tmpfs")
+        out = _filled(root, "bytes") / "out"
+        code, err = _bad(capsys, [flag, str(out), *TINY_RUN, "--data", str(text_dir(tmp_path))])
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err == f"pystronghold train: error: {flag} {out}: {words}: No space left on device", err

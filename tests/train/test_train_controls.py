@@ -93,7 +93,63 @@ def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path, hook):
     status = kill_when_marked(script, marker, f"start-up ({hook})", sig=signal.SIGINT, stderr=err)
     text = err.read_text()
     assert status == 130 and "Traceback" not in text, text[-2000:]
-    assert text.strip().splitlines() == ["pystronghold train: interrupted"], text
+    assert text.strip().splitlines() == ["pystronghold train: interrupted during start-up"], text
+
+
+# NOTE: the signal is sent by the child itself at a chosen point of start-up (a finder that sees the
+# import of a module, or the --nvme probe file's creation): deterministic, no waiting.
+SELF_SIGNAL_SCRIPT = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # see START_UP_SCRIPT
+at, sig = sys.argv[1], getattr(signal, sys.argv[2])
+
+
+def kick():
+    os.kill(os.getpid(), sig)
+
+
+class Kick:
+    def find_spec(self, name, path=None, target=None):
+        if name == at:
+            sys.meta_path.remove(self)
+            kick()
+
+
+if at == "probe":
+    import pystronghold.io.scratch as scratch
+    original = scratch.os.open
+
+    def open_then_signal(path, *args, **kwargs):
+        fd = original(path, *args, **kwargs)
+        if ".pystronghold-probe-" in str(path):
+            kick()
+        return fd
+
+    scratch.os.open = open_then_signal
+else:
+    sys.meta_path.insert(0, Kick())
+sys.argv = ["pystronghold", *sys.argv[3:]]
+from pystronghold.cli import run
+run()
+"""
+
+
+@pytest.mark.parametrize("at", ["numpy", "pystronghold.train.loop", "probe"])
+@pytest.mark.parametrize("sig,status,line", [
+    (signal.SIGINT, 130, "pystronghold train: interrupted during start-up"),
+    (signal.SIGTERM, 143, "pystronghold train: terminated during start-up (SIGTERM)")], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_anywhere_in_start_up_is_one_line_and_leaves_nothing(tmp_path, at, sig, status, line):
+    """While torch loads numpy (a Ctrl-C there was lost: the run went on), while the loop's module
+    is imported, and in the --nvme probe (its file was left behind): one line, 128 + the signal,
+    no probe file."""
+    nvme = tmp_path / "nvme"
+    argv = _cli(tmp_path, "--steps", "2", "--nvme", str(nvme), "--quiet")[3:]
+    p = subprocess.run([sys.executable, "-c", SELF_SIGNAL_SCRIPT, at, signal.Signals(sig).name, *argv],
+                       capture_output=True, text=True, timeout=180, env=ENV)
+    assert p.returncode == status, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [line], p.stderr[-2000:]
+    assert "| loss" not in p.stdout  # no step ran
+    assert not nvme.exists() or list(nvme.iterdir()) == []
 
 
 def test_a_second_signal_stops_at_once():

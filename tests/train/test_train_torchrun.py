@@ -116,3 +116,50 @@ def test_tp_checkpoint_resumed_by_one_process(reference, tmp_path):
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(1, "--checkpoint-dir", ck, "--resume")
     assert_logs_reference(p, reference, from_step=3)
+
+
+# NOTE: rank 1 leaves at the start of a step, as if killed, before that step's collectives; rank 0
+# then meets a closed connection in its first one (no launcher: nothing else ends rank 0).
+DYING_RANK = """
+import os, sys
+import pystronghold.train.loop as loop
+step = loop.Trainer.train_step
+
+def train_step(self):
+    if self.rank == 1 and self.step + 1 == 2:
+        os._exit(9)
+    return step(self)
+
+loop.Trainer.train_step = train_step
+sys.argv = ["pystronghold", *sys.argv[1:]]
+from pystronghold.cli import run
+run()
+"""
+
+
+def test_the_rank_that_survives_a_killed_peer_says_so_in_one_line():
+    """The two processes of a --dp 2 run as torchrun starts them; one dies in step 2: the other
+    exits 1 with one line naming its failed collective and the step (it printed a traceback)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2")
+    cmd = [sys.executable, "-c", DYING_RANK, "train", *ARGS, "--dp", "2", "--steps", "4"]
+    ranks = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        err = ranks[0].communicate(timeout=TIMEOUT_S)[1]
+        assert ranks[1].wait(timeout=TIMEOUT_S) == 9
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert ranks[0].returncode == 1, err[-2000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert err.startswith("pystronghold train: error: rank 0: a collective with the other processes failed in "
+                          "step 2: "), err
+    assert err.strip().endswith("(another process of the run stopped or was killed: see its output)"), err
