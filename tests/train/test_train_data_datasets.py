@@ -87,7 +87,7 @@ def test_resume_gives_the_uninterrupted_batches(tiny, tmp_path):
             optim=OptimOptions(lr=3e-3, warmup=2),
             runtime=RuntimeConfig(window=2, clip_grad_norm=1.0),
             run=RunOptions(steps=4, log_every=2, eval_every=2, eval_batches=2, quiet=True),
-            checkpoint=CheckpointOptions(checkpoint_dir=str(tmp_path / "ck") if ckpt else None, checkpoint_every=2,
+            checkpoint=CheckpointOptions(checkpoint_dir=str(tmp_path / "ck") if ckpt else None, checkpoint_every=2 if ckpt else 0,
                                          resume=resume))
 
     straight = run_training(config(False))
