@@ -18,6 +18,7 @@ from torch import nn
 
 import pystronghold.nn.functional as PF
 from pystronghold.nn import LayerNorm as PLayerNorm
+from pystronghold.nn.chunked_loss import chunked_head_loss
 
 from pystronghold.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    gather_from_tp_region, group_size, init_normal_)
@@ -234,9 +235,26 @@ class Tail(nn.Module):
         # vocabulary-parallel LM head: each rank computes the logits of its vocabulary shard
         self.lm_head = ColumnParallelLinear(config.hidden, config.padded_vocab_size, bias=False,
                                             group=tp_group)
+        self.loss_chunk_tokens = 0
+        """Tokens per chunk of the loss (``nn.chunked_loss``): 0 computes every token's logits at
+        once; n > 0 never holds more than n tokens' logits (a training setting, not the model's
+        shape: ``train --loss-chunk`` sets it)."""
+
+    def _logits_shard(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (n, V_padded / tp)
+
+    def _loss_sum(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return PF.vocab_parallel_cross_entropy(logits_shard, targets, group=self.tp_group, ignore_index=-100,
+                                               reduction="sum", vocab_size=self.vocab_size,
+                                               loss_dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits_shard = self.lm_head(self.ln_f(x))  # (B, T, V_padded / tp)
+        if targets is not None and self.loss_chunk_tokens > 0:
+            # NOTE: the mean over the counted targets (count clamped to 1: 0, not NaN, when none counts)
+            count = (targets != -100).sum().clamp(min=1)
+            return chunked_head_loss(x, targets, self._logits_shard, self._loss_sum, list(self.parameters()),
+                                     self.loss_chunk_tokens, divisor=count)
+        logits_shard = self._logits_shard(x)  # (B, T, V_padded / tp)
         if targets is None:
             return gather_logits(logits_shard, self.vocab_size, self.tp_group)  # (B, T, V)
         return lm_loss(logits_shard, targets, self.vocab_size, self.tp_group)

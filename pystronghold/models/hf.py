@@ -23,13 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pystronghold.data import IGNORE_INDEX
 from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, hub_layout
 from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
 from pystronghold.options import first_line
 
 __all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "meta_model",
-           "block_stack", "hub_weights", "causal_lm_loss", "HF_PREFIX", "read_weights", "weights_fingerprint",
+           "block_stack", "hub_weights", "HF_PREFIX", "read_weights", "weights_fingerprint",
            "HASH_CHUNK", "FINGERPRINT_IDENTITY"]
 
 log = logging.getLogger(__name__)
@@ -388,15 +387,3 @@ def load_lazy(directory: str | os.PathLike) -> LazyHFModel:
     log.info("%s: %s, %d blocks at %s, head and tail loaded; blocks load one at a time",
              spec.source, spec.architecture, len(blocks), blocks_name)
     return LazyHFModel(model=model, blocks=blocks, blocks_name=blocks_name, shards=shards, spec=spec, plan=plan)
-
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T), which are
-    already shifted (``targets[:, t]`` follows ``inputs[:, t]``), over the targets that are not -100
-    (0, with no gradient, when every one is). Computed in fp32."""
-    flat = targets.flatten()
-    # NOTE: a sum over a count clamped to 1, not reduction="mean": that is 0/0 = NaN (and NaN
-    # gradients) for a window of prompt tokens only; no host synchronization either way.
-    total = nn.functional.cross_entropy(logits.float().flatten(0, 1), flat, ignore_index=IGNORE_INDEX,
-                                        reduction="sum")
-    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
+from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GiB, Hardware
 from pystronghold.planner.params import active_matmul_numel, block_param_shapes, head_tail_param_shapes, numel
@@ -68,6 +69,9 @@ class Workload:
     nvme_staging_blocks: int = 4
     """Blocks whose NVMe-resident states are staged in host memory at once (read-ahead and
     write-behind of the updates)."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the loss (``nn.chunked_loss``); None: the runtime's default for the
+    vocabulary (``loss_chunk_tokens``, 256 MiB of fp32 logits), 0: the full logits at once."""
     finetune: FinetuneOptions = FinetuneOptions()
     """Which parameters train: all (the default), LoRA adapters on a frozen base, or all but the
     ``--freeze`` ones."""
@@ -77,6 +81,9 @@ class Workload:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Workload.{name} must be a positive int, got {value!r}")
+        if self.loss_chunk_tokens is not None and (not isinstance(self.loss_chunk_tokens, int)
+                                                   or self.loss_chunk_tokens < 0):
+            raise ValueError(f"Workload.loss_chunk_tokens must be an int >= 0 or None, got {self.loss_chunk_tokens!r}")
         if self.seq is not None and (not isinstance(self.seq, int) or self.seq < 1):
             raise ValueError(f"Workload.seq must be a positive int or None, got {self.seq!r}")
         if self.precision not in PRECISION_BYTES:
@@ -170,16 +177,24 @@ def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
 
 
 def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
-    """Peak bytes of the loss on one rank: three B*T*V/t*s logits-sized shards of the vocab-parallel
-    cross-entropy plus the final norm's input and output (2*B*T*C*s); V is the padded vocabulary.
+    """Peak bytes of the loss on one rank, V the padded vocabulary (/t: its shard), n = B*T tokens.
 
-    A Hugging Face model's gathered loss (``models.hf.causal_lm_loss``) counts B*T*V*(s + 12). NOTE:
-    the torch path of the cross-entropy (no triton, or pinned by ``PYSTRONGHOLD_KERNELS``) holds up
-    to B*T*V/t*(s + 12) and is not budgeted here.
+    Full logits (``loss_chunk_tokens`` 0, or n tokens at most): our GPT's vocab-parallel
+    cross-entropy holds three n*V/t*s logits-sized shards, a Hugging Face model's
+    (``models.hf_loss.causal_lm_loss``) n*V*(s + 12) (its logits, their fp32 copy and softmax and
+    the gradient). Over chunks of c tokens (``nn.chunked_loss``): c*V/t*(s + 12) for one chunk,
+    plus the stored gradients: the hidden states' n*C*s and the head's fp32 V/t*C. Both add the final
+    norm's input and output (2*n*C*s). NOTE: the torch path of the GPT's cross-entropy (no triton,
+    or pinned by ``PYSTRONGHOLD_KERNELS``) holds up to n*V/t*(s + 12) and is not budgeted here.
     """
     B, V, C, s, t = work.batch, config.padded_vocab_size, config.hidden, work.dtype_bytes, config.tp_size
-    logits = 3 * B * seq * (V // t) * s if isinstance(config, GPTConfig) else B * seq * V * (s + 12)
-    return logits + 2 * B * seq * C * s
+    tokens, shard = B * seq, V // t
+    chunk = loss_chunk_tokens(shard) if work.loss_chunk_tokens is None else work.loss_chunk_tokens
+    if 0 < chunk < tokens:
+        logits = chunk * shard * (s + 12) + tokens * C * s + 4 * shard * C
+    else:
+        logits = 3 * tokens * shard * s if isinstance(config, GPTConfig) else tokens * V * (s + 12)
+    return logits + 2 * tokens * C * s
 
 
 def host_bytes_per_param(precision: str) -> int:

@@ -113,11 +113,17 @@ class Engine:
         """Run the model's own forward, with host tensors among the arguments moved to the device
         (``pystronghold.runtime.inputs.move_inputs``; a tensor on another device: ValueError)."""
         args, kwargs = move_inputs(args, kwargs, self.device, self._forward_signature)
+        return self.call(self.model, *args, **kwargs)
+
+    def call(self, fn, *args, **kwargs):
+        """Run ``fn`` (the model's own code: a submodule of the wrapped model, such as a Hugging Face
+        model's base without its LM head, or a loss over its outputs) as the model's time in the
+        trace's host spans. Arguments must already be on the device."""
         if not self.trace.enabled:
-            return self.model(*args, **kwargs)
+            return fn(*args, **kwargs)
         self.host_spans.model_resumes()
         try:
-            return self.model(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             self.host_spans.model_pauses()
 

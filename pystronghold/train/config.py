@@ -19,6 +19,7 @@ from pathlib import Path
 from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX, HFModelConfig
+from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.options import ConfigError, component, option
 from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
@@ -66,6 +67,11 @@ def _check_creatable_file(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path}: not a writable file ({e.strerror or e})") from None
 
 
+def _loss_chunk_from_text(text: str, flag: str) -> int | str:
+    """``--loss-chunk``: a number as an int; 'auto' (and anything else, refused) as it is."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelOptions:
     """Which GPT is trained."""
@@ -97,6 +103,10 @@ class DataOptions:
     seq: int = 0
     """Tokens per sequence (T); 0: the model's seq_len, for --model hf:DIR its positions but at most
     512 (``models.hf.HF_DEFAULT_SEQ``); given, at most the model's seq_len or positions."""
+    loss_chunk: int | str = option("auto", parse=_loss_chunk_from_text, metavar="TOKENS|auto")
+    """Tokens whose logits the loss holds at once: the LM head and cross-entropy run chunk by chunk,
+    so a long sequence never holds its full (T, V) logits; auto: as many as 256 MiB of fp32 logits
+    take (``nn.chunked_loss.loss_chunk_tokens``), 0: every token at once."""
     token_dtype: str = field(default="auto", metadata={"choices": TOKEN_DTYPES})
     """Id type of a .bin token file: uint16, uint32, or auto: uint16 when the model's vocabulary has at
     most 65536 entries, else uint32 (a .npy file's header gives its own)."""
@@ -115,6 +125,12 @@ class DataOptions:
             raise ValueError(f"--batch must be >= 1, got {self.batch}")
         if self.seq < 0:
             raise ValueError(f"--seq must be >= 0, got {self.seq}")
+        if self.loss_chunk != "auto" and (not isinstance(self.loss_chunk, int) or self.loss_chunk < 0):
+            raise ConfigError(self, "loss_chunk=", "must be a number of tokens >= 0 or 'auto'")
+
+    def loss_chunk_tokens(self, vocab_size: int) -> int:
+        """Tokens per loss chunk for a model of ``vocab_size`` (0: one chunk, every token at once)."""
+        return loss_chunk_tokens(vocab_size) if self.loss_chunk == "auto" else self.loss_chunk
 
 
 @dataclass(kw_only=True, slots=True)
@@ -350,7 +366,8 @@ class TrainConfig:
         # (x, y) int64 (B, T) each: the validation batches are held for the run, one step's made at a time
         need = 16 * batch * seq * (self.run.eval_batches + self.runtime.accumulation_steps)
         if self.runtime.device == "cpu" and isinstance(cfg, GPTConfig):
-            work = Workload(batch=batch, seq=seq, precision=self.runtime.precision)
+            work = Workload(batch=batch, seq=seq, precision=self.runtime.precision,
+                            loss_chunk_tokens=None if self.data.loss_chunk == "auto" else self.data.loss_chunk)
             need += tail_activation_bytes(cfg, work, seq) + block_activation_bytes(cfg, work, seq)
         avail = available_host_bytes()
         if need > avail:

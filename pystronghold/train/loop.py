@@ -21,6 +21,7 @@ from pystronghold.data import IGNORE_INDEX, BatchSampler, validation_batches
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
+from pystronghold.models.hf_loss import chunked_causal_lm_loss
 from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.api import wrap
 from pystronghold.tokenized import training_corpus
@@ -123,11 +124,14 @@ class Trainer:
 
             self.uneven = UnevenBatch(sizes=par.dp_split, dp_rank=self.dp_rank)
         materialize = None
+        self.loss_chunk = data.loss_chunk_tokens(cfg.vocab_size if self.hf else cfg.padded_vocab_size // cfg.tp_size)
+        """Tokens per chunk of the loss (``--loss-chunk``; 0: the full logits at once)."""
         if self.hf:  # blocks always built one at a time from the shards (a model larger than the host)
             self.model, blocks, materialize = hf_model.model, hf_model.blocks, hf_model.materialize
         else:
             self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
                              materialize_blocks=False)
+            self.model.tail.loss_chunk_tokens = self.loss_chunk
             blocks = self.model.blocks
         self.lora = None
         """The LoRA adapters of a --lora-rank run (``models.lora.LoraSpec``, targets as PEFT resolved them)."""
@@ -191,9 +195,7 @@ class Trainer:
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of inputs ``x`` against shifted targets ``y`` (B, T) through the engine."""
         if self.hf:
-            from pystronghold.models.hf import causal_lm_loss
-
-            return causal_lm_loss(self.engine(input_ids=x).logits, y)
+            return chunked_causal_lm_loss(self.engine.call, self.model, x, y, self.loss_chunk)
         return self.engine(x, y)
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:

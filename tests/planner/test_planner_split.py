@@ -153,13 +153,16 @@ def test_phase_aware_peak_keeps_more_blocks_resident_at_6_7b_b16():
     """GPT 6.7B, b16 x 2048, bf16, clipping (forward overlap) on an H100: counting the fp32
     gradient copies of all K resident blocks beside the activations (the old rule: the costs with
     those copies in the persistent bytes) keeps 14 blocks; with the step phase apart, 18. The
-    H100 measured a peak of the step phase alone (50.6 GiB at K = 12, docs/BENCHMARKS.md)."""
+    H100 measured a peak of the step phase alone (50.6 GiB at K = 12, docs/BENCHMARKS.md). Both
+    with the full logits; the loss over chunks (the default) frees room for 2 more."""
     hw = Hardware(gpu=gpu_preset("h100-80gb"), host_memory_bytes=512 * GiB)
-    plan = make_plan(PRESETS["gpt3-6.7b"], Workload(batch=16, seq=2048, overlap="forward"), hw)
+    plan = make_plan(PRESETS["gpt3-6.7b"], Workload(batch=16, seq=2048, overlap="forward", loss_chunk_tokens=0), hw)
     c = plan.costs
     old_rule = replace(c, head_tail_fp32_grad_bytes=0, resident_fp32_grad_bytes=0)
     before = choose_split(old_rule, plan.work, 32, hw.gpu.memory_bytes)
     assert (before.resident, plan.resident_blocks) == (14, 18) and plan.device.fits
+    chunked = make_plan(PRESETS["gpt3-6.7b"], Workload(batch=16, seq=2048, overlap="forward"), hw)
+    assert chunked.resident_blocks == 20 and chunked.device.fits
 
 
 def test_resident_blocks_as_asked_and_host_store_of_the_streamed_ones():

@@ -9,7 +9,7 @@ import torch
 
 from pystronghold.data import IGNORE_INDEX, BatchSampler
 from pystronghold.lr_schedule import warmup_cosine
-from pystronghold.models.hf import causal_lm_loss
+from pystronghold.models.hf_loss import causal_lm_loss
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train import Trainer
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
