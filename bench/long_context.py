@@ -61,7 +61,8 @@ def run(model: Path, tokens: Path, seq: int, chunk: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, nargs=2, default=[4096, 16384])
-    parser.add_argument("--rounds", type=int, default=4, help="paired rounds of the step-time comparison")
+    parser.add_argument("--rounds", type=int, default=2, help="paired rounds of the step-time comparison "
+                        "(each a process of 7 steps per configuration, the first step dropped)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,9 +84,9 @@ def main() -> None:
               f"chunked {growth['auto'] / 2**30:.2f} GiB")
         watch = LoadWatch()
         full, chunked = [], []
-        for _ in range(args.rounds):  # taking turns, each a fresh process of 3 steps (first one dropped)
-            full += run(model, tokens, args.seqs[0], "0", steps=3)["step_s"]
-            chunked += run(model, tokens, args.seqs[0], "auto", steps=3)["step_s"]
+        for _ in range(args.rounds):  # taking turns, each a fresh process
+            full += run(model, tokens, args.seqs[0], "0", steps=7)["step_s"]
+            chunked += run(model, tokens, args.seqs[0], "auto", steps=7)["step_s"]
         load = watch.stop()
         r = paired_ratio(full, chunked)
         print(f"step time at {args.seqs[0]}: chunked / full = {1 / r.median:.3f} "

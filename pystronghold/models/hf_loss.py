@@ -112,12 +112,16 @@ def chunked_causal_lm_loss(run: Callable, model: nn.Module, input_ids: torch.Ten
                            chunk_tokens: int) -> torch.Tensor:
     """``causal_lm_loss`` of ``model`` on ``input_ids`` (B, T) against ``targets`` (B, T), its
     LM head and loss run ``chunk_tokens`` tokens at a time (0: the full logits, as the model's own
-    forward makes them). ``run(fn, *args, **kwargs)`` calls the model's code (``Engine.call``,
+    forward makes them). ``run(fn)`` calls the model's code, the loss included (``Engine.call``,
     or a plain call)."""
     parts = lm_head_of(model) if chunk_tokens > 0 else None
     if parts is None:
-        return causal_lm_loss(run(model, input_ids=input_ids).logits, targets)
+        return run(lambda: causal_lm_loss(model(input_ids=input_ids).logits, targets))
     base, head, params = parts
-    hidden = run(base, input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, C)
-    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    return chunked_head_loss(hidden, targets, head, _ce_sum, params, chunk_tokens, divisor=count)
+
+    def loss() -> torch.Tensor:
+        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, C)
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        return chunked_head_loss(hidden, targets, head, _ce_sum, params, chunk_tokens, divisor=count)
+
+    return run(loss)
