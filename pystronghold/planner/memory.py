@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from pystronghold.planner.cost import BlockCosts, Workload
+from pystronghold.planner.cost import INPUTS_IN_FLIGHT, BlockCosts, Workload
 from pystronghold.planner.hardware import Hardware, format_bytes
 from pystronghold.runtime.layout import upload_state
 from pystronghold.runtime.placement import plan_placement
@@ -94,6 +94,14 @@ class HostMemory:
     """Why the NVMe tier is or is not used, in words ("" without --nvme)."""
     frozen_disk_blocks: int = 0
     """Blocks whose frozen parameters (the store's upload state) are on disk, per rank."""
+    input_host_bytes: int = 0
+    """Offloaded block inputs in host memory (``Workload.offload_block_inputs``), all ranks; in
+    ``host_bytes``."""
+    input_disk_bytes: int = 0
+    """Offloaded block inputs on the NVMe tier (what the host memory left by the store cannot
+    hold), all ranks; in ``disk_bytes``."""
+    head_tail_host_bytes: int = 0
+    """Head and tail's host store (``Workload.head_tail_on_host``), all ranks; in ``host_bytes``."""
 
     @property
     def fits(self) -> bool:
@@ -113,7 +121,9 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
     several, ``planner.pipeline.in_flight_micro_batches``); on top of those the peak holds the loss,
     or one block's recompute working set (its activations and dy, dx), or, when no block recomputes,
     the last block's gradients beside its activations: that working set is there once. The peak
-    is the larger of that phase and the optimizer step's (``DeviceMemory``)."""
+    is the larger of that phase and the optimizer step's (``DeviceMemory``). With
+    ``work.offload_block_inputs`` the device holds ``INPUTS_IN_FLIGHT`` recomputed blocks' inputs
+    per micro-batch, the others wait on the host (``host_memory``)."""
     if not isinstance(in_flight, int) or isinstance(in_flight, bool) or in_flight < 1:
         raise ValueError(f"in_flight must be a positive int, got {in_flight!r}")
     c = costs
@@ -122,6 +132,8 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
     kept = n_blocks - recomputed
     working = c.block_activation_bytes + 2 * c.block_input_bytes  # recompute + dy, dx of one block
     extra = working if recomputed else working - c.block_activation_bytes
+    if work.offload_block_inputs:  # the others' inputs wait on the host
+        recomputed = min(recomputed, INPUTS_IN_FLIGHT)
     acts = (in_flight * (recomputed * c.block_input_bytes + kept * c.block_activation_bytes)
             + max(extra, c.tail_activation_bytes))
     return DeviceMemory(window_bytes=min(window, streamed) * c.slot_bytes,
@@ -136,12 +148,16 @@ def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, 
     (``pystronghold.runtime.placement.plan_placement``, frozen parameters included): everything in
     host memory when it fits the host (less the reserve, shared by the ranks), else, with NVMe, the
     states that do not fit go to disk and ``nvme_staging_blocks`` blocks of them are staged in host
-    memory."""
+    memory.
+
+    Head and tail on the host (``work.head_tail_on_host``) come off the budget first; offloaded
+    block inputs (``work.offload_block_inputs``: the ``n_blocks`` streamed blocks' inputs) take the
+    host memory the store leaves, the rest goes to the NVMe tier."""
     dtype = compute_dtype(work.precision)
     numels = [costs.block_numel] * n_blocks  # padded, as the runtime's HostStore sizes its buffers
     train_numels = [costs.block_numel - costs.block_frozen_numel] * n_blocks
     place = functools.partial(plan_placement, numels, dtype, train_numels=train_numels)
-    budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks, 0)
+    budget = max((hw.host_memory_bytes - work.host_reserve_bytes) // ranks - costs.head_tail_host_bytes, 0)
     everything = place(budget_bytes=2**62)
     budget_words = (f"{format_bytes(budget)} of host memory per rank (after the "
                     f"{format_bytes(work.host_reserve_bytes)} reserve)")
@@ -155,10 +171,18 @@ def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, 
         placement = everything
         reason = (f"not enough: {need_words}, more than the {budget_words}, and even with every state on "
                   f"disk its staging buffers ({work.nvme_staging_blocks} blocks) and the rest do not fit")
+    inputs = n_blocks * costs.block_input_bytes if work.offload_block_inputs and work.checkpointing else 0
+    inputs_host = min(inputs, max(budget - placement.host_bytes, 0)) if hw.nvme_bytes else inputs
+    inputs_disk = inputs - inputs_host
+    if inputs_disk:
+        reason += f"; {format_bytes(ranks * inputs_disk)} of offloaded block inputs go to disk"
     frozen_on_disk = placement.disk_blocks.get(upload_state(dtype), ()) if costs.block_frozen_numel else ()
     return HostMemory(disk_reason=reason if hw.nvme_bytes else "",tier="nvme" if placement.spilled else "host",
-                      host_bytes=ranks * placement.host_bytes + work.host_reserve_bytes,
-                      host_capacity_bytes=hw.host_memory_bytes, disk_bytes=ranks * placement.disk_bytes,
+                      host_bytes=ranks * (placement.host_bytes + inputs_host + costs.head_tail_host_bytes)
+                      + work.host_reserve_bytes,
+                      host_capacity_bytes=hw.host_memory_bytes,
+                      disk_bytes=ranks * (placement.disk_bytes + inputs_disk),
                       disk_capacity_bytes=hw.nvme_bytes, disk_states=placement.disk_states,
                       disk_step_bytes=ranks * placement.step_io_bytes(numels, train_numels),
-                      frozen_disk_blocks=len(frozen_on_disk))
+                      frozen_disk_blocks=len(frozen_on_disk), input_host_bytes=ranks * inputs_host,
+                      input_disk_bytes=ranks * inputs_disk, head_tail_host_bytes=ranks * costs.head_tail_host_bytes)

@@ -15,7 +15,7 @@ from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.memory import DeviceMemory, HostMemory, device_memory, host_memory
 from pystronghold.planner.params import model_params
-from pystronghold.planner.timeline import StepTime, choose_window, simulate_step
+from pystronghold.planner.timeline import StepTime, choose_window, simulate_step, with_sequence_costs
 
 __all__ = ["Plan", "Split", "LargestModel", "max_window_with", "most_resident", "choose_split", "make_plan",
            "largest_layers", "largest_models"]
@@ -240,6 +240,11 @@ def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | Non
             more = choose_split(costs, work, n, hw.gpu.memory_bytes, window=window, resident=hi, in_flight=in_flight)
             costs, host, split = _store_streamed(config, work, hw, costs, more)
     k, rc = split.resident, split.resident_recompute
+    step = split.step
+    if step is not None and (work.offload_block_inputs or work.head_tail_on_host):
+        offloaded = (n - k) if work.offload_block_inputs and work.checkpointing else 0
+        step = with_sequence_costs(step, costs, offloaded, input_disk_bytes=host.input_disk_bytes,
+                                   disk_step_bytes=host.disk_step_bytes, nvme_bytes_per_s=hw.nvme_bytes_per_s)
     params = param_split(config, work.finetune)
     n_frozen = n * sum(params.block_frozen) + params.head_tail_frozen
     n_params = model_params(config)
@@ -248,7 +253,7 @@ def make_plan(config: GPTConfig, work: Workload, hw: Hardware, window: int | Non
                 stronghold_window=analytic_window(costs),
                 device=device_memory(costs, work, n, split.window, hw.gpu.memory_bytes, k, rc,
                                              in_flight=in_flight), host=host,
-                step=split.step if host.fits else None, resident_blocks=k, resident_asked=resident_blocks,
+                step=step if host.fits else None, resident_blocks=k, resident_asked=resident_blocks,
                 resident_recompute=rc, frozen_params=n_frozen,
                 trainable_params=n_params if work.finetune.full
                 else n * sum(params.block_trainable) + params.head_tail_trainable)
