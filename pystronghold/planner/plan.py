@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.planner.cost import BlockCosts, Workload, analytic_window, block_costs
@@ -16,6 +17,9 @@ from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.memory import DeviceMemory, HostMemory, device_memory, host_memory
 from pystronghold.planner.params import model_params
 from pystronghold.planner.timeline import StepTime, choose_window, simulate_step, with_sequence_costs
+
+if TYPE_CHECKING:
+    from pystronghold.planner.sequence import LongestContext
 
 __all__ = ["Plan", "Split", "LargestModel", "max_window_with", "most_resident", "choose_split", "make_plan",
            "largest_layers", "largest_models"]
@@ -62,6 +66,8 @@ class Plan:
     all but the frozen ones."""
     frozen_params: int = 0
     """Parameters that do not train (all ranks)."""
+    longest: "LongestContext | None" = None
+    """The longest context that fits this model and machine (filled by ``sequence.longest_context``)."""
 
     @property
     def streamed_blocks(self) -> int:

@@ -25,13 +25,14 @@ import itertools
 from dataclasses import dataclass
 
 from pystronghold.models.gpt import GPTConfig
+from pystronghold.models.hf import HF_DEFAULT_SEQ
 from pystronghold.planner.cost import Workload, block_activation_bytes
 from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.plan import Plan, make_plan
 
 __all__ = ["SequenceSettings", "LongestContext", "SETTINGS", "LOSS_CHUNK_BYTES", "MLP_TILE_TOKENS",
            "loss_chunk_for", "mlp_tile_for", "activation_bytes_per_token", "offload_link_bytes",
-           "plan_sequence", "choose_sequence_settings", "longest_context"]
+           "plan_sequence", "choose_sequence_settings", "longest_context", "default_context"]
 
 SETTINGS = ("loss_chunk", "mlp_tile", "head_tail_host", "offload_inputs")
 """The settings, cheapest first: the order ties are broken in."""
@@ -187,3 +188,21 @@ def longest_context(config: GPTConfig, work: Workload, hw: Hardware, *, limit: i
     seq = lo * granule
     settings = choose_sequence_settings(config, work, hw, seq)
     return LongestContext(seq=seq, settings=settings, plan=plan_sequence(config, work, hw, settings))
+
+
+def default_context(shape: GPTConfig, work: Workload, hw: Hardware, positions: int | None) -> tuple[int, str]:
+    """The context ``train --model hf:DIR`` takes without --seq, and why, in words: the model's
+    ``positions`` when they fit ``hw`` (with the fewest settings, ``choose_sequence_settings``),
+    else the longest context that fits (``longest_context``, at most ``positions``);
+    ``models.hf.HF_DEFAULT_SEQ`` tokens for a model that names none (``positions`` None: ALiBi
+    runs any length and implies none), at most what fits."""
+    limit = positions or HF_DEFAULT_SEQ
+    what = "the model's positions" if positions else (f"{HF_DEFAULT_SEQ}: the model names no "
+                                                      "positions")
+    if choose_sequence_settings(shape, work, hw, limit).fits:
+        return limit, f"{what}; fits"
+    got = longest_context(shape, work, hw, limit=limit, granule=min(1024, limit))
+    if not got.seq:
+        short = min(limit, HF_DEFAULT_SEQ)
+        return short, f"{what} ({limit}) do not fit, nor does any context the planner tries; {short} on"
+    return got.seq, f"{what} ({limit}) do not fit; the longest context that fits"
