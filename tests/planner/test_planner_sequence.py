@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,23 @@ def test_8b_full_fine_tune_longest_context_meets_the_goal(llama8b, gpu, goal):
 def test_70b_lora_longest_context(llama70b, gpu, goal):
     got = longest_context(llama70b, Workload(finetune=FinetuneOptions(lora_rank=16)), _hw(gpu))
     assert got.seq >= goal and got.plan.fits and got.plan.step.total_s > 0
+
+
+def test_plan_says_the_settings_and_the_longest_context(capsys):
+    """`plan` at 128K for the 8B shape on an H100: it fits (exit 0) with the chunked loss, says so,
+    and reports the longest context with its step time; --json carries the same."""
+    pytest.importorskip("transformers")
+    from pystronghold.cli import main
+
+    args = ["plan", "--gpu", "h100-80gb", "--host-memory", "125", "--nvme", "2000", "--precision", "bf16",
+            "--model", f"hf:{MODELS / 'llama-3-8b'}", "--seq", "131072"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "sequence  131072 tokens need: loss in chunks of 523 tokens" in out
+    line = next(x for x in out.splitlines() if x.startswith("longest context: "))
+    assert "block inputs offloaded" in line and "tokens/s" in line
+    assert main([*args, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    longest = record["sequence"]["longest"]
+    assert longest["seq"] >= 512 * K and longest["step_s"] > 0
+    assert record["sequence"]["settings"]["loss_chunk_tokens"] == 523
