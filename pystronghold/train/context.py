@@ -30,13 +30,18 @@ def this_machine():
 def _default(source: str, positions: int | None, batch: int, precision: str,
              finetune: FinetuneOptions) -> tuple[int, str]:
     from pystronghold.planner.cost import Workload
+    from pystronghold.planner.hardware import format_bytes
     from pystronghold.planner.hf_shape import read_hf_shape
     from pystronghold.planner.sequence import default_context
 
     hw = this_machine()
     work = Workload(batch=batch, precision=precision, finetune=finetune)
     seq, why = default_context(read_hf_shape(source), work, hw, positions)
-    return seq, f"{why} {hw.gpu.name} beside {hw.host_memory_bytes / 2**30:.0f} GiB host"
+    if hw.gpu.name == "cpu":
+        where = f"this CPU, {format_bytes(hw.gpu.memory_bytes + hw.host_memory_bytes)} of RAM, half of it as the device"
+    else:
+        where = f"{hw.gpu.name} with {format_bytes(hw.host_memory_bytes)} of host memory"
+    return seq, f"{why} {where}"
 
 
 def hf_default_seq(cfg: HFModelConfig, batch: int, precision: str, finetune: FinetuneOptions) -> tuple[int, str]:

@@ -4,6 +4,7 @@ blocks is measured, the planner costs the model from its config.json; `--seq` up
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def _train_config(directory, data, seq: int = 0, **runtime) -> TrainConfig:
                        run=RunOptions(steps=2, log_every=1, eval_every=0, eval_batches=1, quiet=True))
 
 
-def test_auto_window_and_resident_blocks_for_an_hf_model(tmp_path):
+def test_auto_window_and_resident_blocks_for_an_hf_model(tmp_path, caplog):
     """llama from its directory: block 0 of the lazily loaded model (blocks on meta) runs at the run's
     (B, T); the bytes are the planner's for the model's config.json; the engine obeys the split."""
     from hf_models import TEXT, save_tiny
@@ -66,8 +67,10 @@ def test_auto_window_and_resident_blocks_for_an_hf_model(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT * 4))
     config = _train_config(directory, data, window="auto", resident_blocks="auto")
-    assert config.seq == 64  # the model's 64 positions (under the 512 default cap)
-    trainer = Trainer(config)
+    assert config.seq == 64  # the model's 64 positions: they fit
+    with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
+        trainer = Trainer(config)
+    assert "seq: 64 tokens (the model's positions; fits " in caplog.text  # said at start-up, one line
     try:
         auto = trainer.auto_window
         assert auto.blocks == 3 and auto.work.seq == 64 and auto.work.batch == 2
