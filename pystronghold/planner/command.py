@@ -81,7 +81,8 @@ class PlanRequest:
     vocab: int = 50257
     """Vocabulary of a model given by --layers/--hidden/--heads (padded to a multiple of 128)."""
     seq: int | None = None
-    """Tokens per sample (default: the model's context, 2048 without a preset)."""
+    """Tokens per sample (default: the model's context, 2048 without a preset; hf:DIR: its positions
+    capped by what fits, as train takes them)."""
     batch: int = 1
     """Micro-batch per rank, samples."""
     efficiency: float = 0.5
