@@ -37,10 +37,9 @@ HF_PREFIX = "hf:"
 """``--model hf:DIR`` names a Hugging Face model directory."""
 
 HF_DEFAULT_SEQ = 512
-"""Tokens per sequence of a ``--model hf:DIR`` run (and plan) without --seq, at most the model's
-positions; --seq goes up to them. NOTE: a safe default at every size: the loss holds
-B*T*V*(s + 12) bytes (``planner.cost.tail_activation_bytes``), 7 GB at batch 8 and a 128k
-vocabulary already."""
+"""Tokens per sequence of a ``--model hf:DIR`` run (and plan) without --seq when the model names no
+positions (ALiBi), at most what fits; a model with positions defaults to them, capped by what fits
+(``planner.sequence.default_context``)."""
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length")
 """config.json's names for the longest sequence a model takes."""

@@ -7,8 +7,8 @@ train at a few widths. ``pystronghold plan`` prints both.
 
 from pystronghold.planner.cost import BlockCosts, Workload, block_costs
 from pystronghold.planner.hardware import GPU, GPUS, Hardware, gpu_preset
-from pystronghold.planner.plan import (DeviceMemory, HostMemory, LargestModel, Plan, largest_layers,
-                                       largest_models, make_plan)
+from pystronghold.planner.memory import DeviceMemory, HostMemory
+from pystronghold.planner.plan import LargestModel, Plan, largest_layers, largest_models, make_plan
 from pystronghold.planner.report import format_plan, plan_to_dict
 from pystronghold.planner.timeline import StepTime, choose_window, simulate_step
 

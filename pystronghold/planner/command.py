@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 
 from pystronghold.models.finetune import FinetuneOptions
-from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX
+from pystronghold.models.hf import HF_PREFIX, NO_POSITION_LIMIT
 from pystronghold.options import ConfigError, add_options, component, from_args, one_line_error, option
 from pystronghold.planner.pipeline import ParallelOptions
 from pystronghold.runtime.config import RuntimeConfig
@@ -81,7 +81,8 @@ class PlanRequest:
     vocab: int = 50257
     """Vocabulary of a model given by --layers/--hidden/--heads (padded to a multiple of 128)."""
     seq: int | None = None
-    """Tokens per sample (default: the model's context, 2048 without a preset)."""
+    """Tokens per sample (default: the model's context, 2048 without a preset; hf:DIR: its positions
+    capped by what fits, as train takes them)."""
     batch: int = 1
     """Micro-batch per rank, samples."""
     efficiency: float = 0.5
@@ -220,11 +221,14 @@ class PlanRequest:
         config = self.model_config()
         rt = self.runtime
         seq = self.seq
-        if seq is None and self.model is not None and self.model.startswith(HF_PREFIX):  # as train runs it
-            seq = min(config.seq_len, HF_DEFAULT_SEQ)
         work = Workload(batch=self.batch, seq=seq, precision=rt.precision,
                         checkpointing=rt.checkpointing, dp_size=self.parallel.dp_size, overlap=self.overlap,
                         compute_efficiency=self.efficiency, finetune=self.finetune)
+        if seq is None and self.model is not None and self.model.startswith(HF_PREFIX):  # as train runs it
+            from pystronghold.planner.sequence import default_context
+
+            positions = None if config.seq_len == NO_POSITION_LIMIT else config.seq_len
+            work = dataclasses.replace(work, seq=default_context(config, work, hw, positions)[0])
         hw.gpu.flops(rt.precision)  # refuses bf16 on a GPU without it
         window = {"auto": None, "all": config.layers}.get(rt.window, rt.window)
         widths = None if self.widths is None else [int(w) for w in self.widths.split(",")]
@@ -242,6 +246,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from pystronghold.planner.plan import largest_models, make_plan
     from pystronghold.planner.relay import schedule_report
     from pystronghold.planner.report import format_plan, plan_to_dict
+    from pystronghold.planner.sequence import choose_sequence_settings, longest_context
 
     try:
         request = from_args(PlanRequest, args)
@@ -261,6 +266,13 @@ def run_plan(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, layers=max(pipeline.stage_blocks(s) for s in range(par.pp)))
         in_flight = max(pipeline.stage_in_flight(s) for s in range(par.pp)) if pipeline else 1
         plan = make_plan(config, work, hw, window, resident, in_flight=in_flight)
+        if pipeline is None:  # the long-context settings train would apply, and the longest context
+            if not plan.fits:
+                settings = choose_sequence_settings(config, work, hw, work.seq or config.seq_len)
+                if settings.fits:
+                    work = settings.workload(work)
+                    plan = make_plan(config, work, hw, window, resident)
+            plan.longest = longest_context(config, work, hw)
         plan.largest = largest_models(config, work, hw, widths)
     except ValueError as e:
         message = e.on_command_line() if isinstance(e, ConfigError) else str(e)

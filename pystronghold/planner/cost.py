@@ -23,9 +23,9 @@ from pystronghold.runtime import layout
 from pystronghold.runtime.precision import DTYPES, compute_dtype
 
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
-           "block_forward_flops", "block_activation_bytes", "tail_activation_bytes",
+           "block_forward_flops", "mlp_matmul_numel", "block_activation_bytes", "tail_activation_bytes",
            "host_bytes_per_param", "ring_allreduce_s", "block_costs", "PRECISION_BYTES",
-           "OVERLAP_MODES", "DEVICE_ADAM_BYTES", "analytic_window", "block_param_numels", "block_buffer_numel",
+           "OVERLAP_MODES", "INPUTS_IN_FLIGHT", "DEVICE_ADAM_BYTES", "analytic_window", "block_param_numels", "block_buffer_numel",
            "slot_bytes"]
 
 PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -34,6 +34,9 @@ DEVICE_ADAM_BYTES = {"fp32": 28, "bf16": 40, "fp16": 40}
 """Device memory traffic of the fused AdamW per parameter, bytes: read master, grad, exp_avg,
 exp_avg_sq and write master, exp_avg, exp_avg_sq (7 x 4); in bf16/fp16 also the fp32 copy of the
 gradient (read 2, write 4) and the compute copy of the master (read 4, write 2)."""
+INPUTS_IN_FLIGHT = 2
+"""Saved block inputs the device holds with ``offload_block_inputs``: the one being copied out
+(forward) or restored ahead of its recompute (backward) and the one in use."""
 OVERLAP_MODES = ("backward", "forward")
 """When the host updates run: during backward, or after it, ahead of the next forward's loads."""
 
@@ -75,6 +78,15 @@ class Workload:
     finetune: FinetuneOptions = FinetuneOptions()
     """Which parameters train: all (the default), LoRA adapters on a frozen base, or all but the
     ``--freeze`` ones."""
+    offload_block_inputs: bool = False
+    """Recomputed blocks' saved inputs go to the host (the NVMe tier when the host is short); the
+    device keeps ``sequence.INPUTS_IN_FLIGHT`` of them."""
+    mlp_tile_tokens: int = 0
+    """The position-wise MLP runs over tiles of this many tokens, its working set bounded by one
+    tile (0: untiled)."""
+    head_tail_on_host: bool = False
+    """Head and tail keep fp32 masters and AdamW moments in host memory, updated by the CPU Adam;
+    the device holds their compute-precision weights and gradients only."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "dp_size", "nvme_staging_blocks"):
@@ -93,6 +105,10 @@ class Workload:
             raise ValueError(f"Workload.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"Workload.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+        for name in ("mlp_tile_tokens",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Workload.{name} must be an int >= 0, got {value!r}")
         for name in ("device_reserve_bytes", "host_reserve_bytes"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Workload.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -151,24 +167,37 @@ def block_forward_flops(config: GPTConfig, batch: int, seq: int) -> float:
     return 2.0 * batch * seq * matrices + 4.0 * batch * seq * seq * attention / config.tp_size
 
 
+def mlp_matmul_numel(config: GPTConfig) -> int:
+    """Elements of the MLP matrices one token multiplies by on one rank: 2*C*F/t for the GPT,
+    (3 gated, else 2)*C*F at the active width for a Hugging Face block (``HFShape``)."""
+    if isinstance(config, GPTConfig):
+        return 2 * config.hidden * config.ffn_hidden // config.tp_size
+    width = config.active_mlp_width or config.mlp_width
+    return (3 if config.gated_mlp else 2) * config.hidden * width
+
+
 def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
-    """Bytes one block keeps for its backward (Korthikanti et al. 2022, generalised).
+    """Bytes one block keeps for its backward (Korthikanti et al. 2022, generalised); the one home of
+    the per-block activation bytes.
 
     GPT, in elements of s bytes: 4*B*T*C replicated plus (4 + 2*F/C)*B*T*C / t; without a fused
     attention kernel also 2*a*T^2*B / t; with dropout, 1-byte masks. A Hugging Face block
     (``HFShape``, t = 1): 4*B*T*C + B*T*(2*a*d + 2*g*d) plus the MLP's 4*B*T*F (gated) or 2*B*T*F,
-    at its active width for a MoE (plus router and gathered-token terms). LoRA intermediates are not
-    counted.
+    at its active width for a MoE (plus router and gathered-token terms). With
+    ``work.mlp_tile_tokens`` the MLP's terms count min(T, tile) tokens of one sample: the tiled MLP
+    keeps only its input. LoRA intermediates are not counted.
     """
     B, T, C, t, s = work.batch, seq, config.hidden, config.tp_size, work.dtype_bytes
     btc = B * T * C
+    tile = B * min(T, work.mlp_tile_tokens) if work.mlp_tile_tokens else B * T  # MLP tokens held at once
     if isinstance(config, GPTConfig):
-        elems = 4 * btc + (4 + 2 * config.ffn_hidden // C) * btc // t
+        mlp = 2 * tile * config.ffn_hidden if work.mlp_tile_tokens else 2 * (config.ffn_hidden // C) * btc
+        elems = 4 * btc + (4 * btc + mlp) // t
     else:
         attention, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
         mlp = (4 if config.gated_mlp else 2) * (config.active_mlp_width or config.mlp_width)
         routing = 2 * config.experts_per_token * C + 2 * config.experts
-        elems = 4 * btc + B * T * (2 * attention + 2 * kv + mlp + routing)
+        elems = 4 * btc + B * T * (2 * attention + 2 * kv) + tile * (mlp + routing)
     scores = config.heads * T * T * B // t
     if not work.flash_attention:
         elems += 2 * scores
@@ -270,6 +299,15 @@ class BlockCosts:
     per trainable parameter; 0 in fp32): they exist in the optimizer step only."""
     resident_fp32_grad_bytes: int = 0
     """Of ``resident_block_bytes``, the fp32 gradient copies (as ``head_tail_fp32_grad_bytes``)."""
+    input_copy_s: float = 0.0
+    """One block's saved input over the link, one direction, seconds (B*T*C*s / D2H bandwidth): what
+    ``work.offload_block_inputs`` moves out in forward and back in backward."""
+    head_tail_host_bytes: int = 0
+    """Host bytes of head and tail with ``work.head_tail_on_host``: the trainable parameters' store
+    (``host_bytes_per_param`` each); 0 when they stay on the device."""
+    head_tail_update_s: float = 0.0
+    """With ``work.head_tail_on_host``: head and tail's gradients out, their CPU Adam and new
+    weights in, between backward and the next forward, seconds (counted exposed); else 0."""
 
 
 def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_per_param: float = 0.0
@@ -298,6 +336,8 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     recompute = fwd if work.checkpointing else 0.0
     frozen_weight_grads = 2.0 * work.batch * seq * split.block_frozen_matmul / flops
     bwd = 2 * (fwd - 2 * tp_ar) - frozen_weight_grads + 2 * tp_ar + recompute
+    if work.mlp_tile_tokens and work.mlp_tile_tokens < work.batch * seq:  # tiles run forward again in backward
+        bwd += 2.0 * work.batch * seq * mlp_matmul_numel(config) / flops
     lm_flops = 2.0 * work.batch * seq * config.hidden * config.padded_vocab_size / config.tp_size
     adam = p_t / (hw.cpu_adam_params_per_s / ranks)
     if nvme_bytes_per_param:
@@ -306,11 +346,18 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
     dtype = compute_dtype(work.precision)
     per_param = layout.device_bytes_per_param(dtype)
     fp32_grad = per_param - layout.device_bytes_per_param(dtype, master_grads=False)  # 4 in bf16/fp16, else 0
+    ht_train = split.head_tail_trainable
+    if work.head_tail_on_host:  # the device keeps weights and gradients in compute precision only
+        ht_device, ht_fp32_grad = ht_train * 2 * s + split.head_tail_frozen * s, 0
+        ht_update = (ht_train / (hw.cpu_adam_params_per_s / ranks)
+                     + ht_train * s * (1 / hw.gpu.d2h_bytes_per_s + 1 / hw.gpu.h2d_bytes_per_s))
+    else:
+        ht_device, ht_fp32_grad, ht_update = ht_train * per_param + split.head_tail_frozen * s, ht_train * fp32_grad, 0.0
     return BlockCosts(
         block_params=p_b,
         block_numel=numel,
         slot_bytes=layout.slot_bytes(numel, dtype, grad_numel=train_numel),
-        head_tail_bytes=split.head_tail_trainable * per_param + split.head_tail_frozen * s,
+        head_tail_bytes=ht_device,
         block_input_bytes=btc_bytes,
         block_activation_bytes=block_activation_bytes(config, work, seq),
         tail_activation_bytes=tail_activation_bytes(config, work, seq),
@@ -326,8 +373,11 @@ def block_costs(config: GPTConfig, work: Workload, hw: Hardware, *, nvme_bytes_p
         device_adam_s=p_t * DEVICE_ADAM_BYTES[work.precision] / hw.gpu.memory_bytes_per_s,
         block_frozen_params=p_b - p_t,
         block_frozen_numel=numel - train_numel,
-        head_tail_fp32_grad_bytes=split.head_tail_trainable * fp32_grad,
+        head_tail_fp32_grad_bytes=ht_fp32_grad,
         resident_fp32_grad_bytes=p_t * fp32_grad,
+        input_copy_s=btc_bytes / hw.gpu.d2h_bytes_per_s,
+        head_tail_host_bytes=ht_train * host_bytes_per_param(work.precision) if work.head_tail_on_host else 0,
+        head_tail_update_s=ht_update,
     )
 
 

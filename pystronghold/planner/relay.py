@@ -68,10 +68,13 @@ def schedule_estimates(plan, micro_batches: int) -> dict[str, ScheduleEstimate]:
     first = simulate_step(free, n_all, w, overlap, **split).total_s
     later = simulate_step(replace(free, load_s=c.load_s + c.grad_s), n_all, w, overlap, **split).total_s
     default_s = first + (m - 1) * later + plan.step.exposed_optimizer_s
+    # the long-context settings' exposed time (timeline.with_sequence_costs), once per micro-batch
+    default_s += m * (plan.step.total_s - simulate_step(c, n_all, w, overlap, **split).total_s)
+    offloaded = m * n * c.block_input_bytes if plan.work.offload_block_inputs and plan.work.checkpointing else 0
     out["default"] = ScheduleEstimate(
-        schedule="default", micro_batches=m, h2d_bytes=m * loads * block + (m - 1) * n * grad,
-        d2h_bytes=m * n * grad, saved_input_bytes=n * c.block_input_bytes, activations="device",
-        device_budget_bytes=budget, step_s=default_s)
+        schedule="default", micro_batches=m, h2d_bytes=m * loads * block + (m - 1) * n * grad + offloaded,
+        d2h_bytes=m * n * grad + offloaded, saved_input_bytes=n * c.block_input_bytes,
+        activations="host" if offloaded else "device", device_budget_bytes=budget, step_s=default_s)
     saved = m * n * c.block_input_bytes
     staged = saved > budget
     relay_costs = replace(c, fwd_s=m * c.fwd_s, bwd_s=m * c.bwd_s, head_tail_s=m * c.head_tail_s)

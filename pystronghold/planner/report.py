@@ -5,8 +5,9 @@ from __future__ import annotations
 from pystronghold.planner.finetune import lora_targets
 from pystronghold.planner.hardware import format_bytes
 from pystronghold.planner.plan import Plan
+from pystronghold.planner.sequence import loss_chunk_for
 
-__all__ = ["plan_to_dict", "finetune_to_dict", "split_to_dict", "format_plan", "format_finetune", "format_split",
+__all__ = ["plan_to_dict", "finetune_to_dict", "sequence_to_dict", "format_sequence", "split_to_dict", "format_plan", "format_finetune", "format_split",
            "format_table", "format_seconds"]
 
 
@@ -51,9 +52,58 @@ def plan_to_dict(plan: Plan) -> dict:
             "exposed_transfer_s": step.exposed_transfer_s,
             "exposed_optimizer_s": step.exposed_optimizer_s, "tokens_per_s": plan.tokens_per_s},
         "finetune": finetune_to_dict(plan),
+        "sequence": sequence_to_dict(plan),
         "largest": [{"hidden": r.hidden, "heads": r.heads, "layers": r.layers, "params": r.params,
                      "bound": r.bound, "window": r.window, "step_s": r.step_s} for r in plan.largest],
     }
+
+
+def _settings_dict(plan: Plan) -> dict:
+    work, seq = plan.work, plan.work.seq or plan.config.seq_len
+    chunk = work.loss_chunk_tokens
+    return {"loss_chunk_tokens": loss_chunk_for(plan.config, work, seq) if chunk is None else chunk,
+            "mlp_tile_tokens": work.mlp_tile_tokens,
+            "head_tail_on_host": work.head_tail_on_host, "offload_block_inputs": work.offload_block_inputs}
+
+
+def sequence_to_dict(plan: Plan) -> dict:
+    """The long-context settings of the plan, the offloaded inputs' bytes, and the longest context
+    that fits (tokens, its settings, step seconds, tokens/s; None when not searched)."""
+    longest = plan.longest
+    return {"settings": _settings_dict(plan), "input_host_bytes": plan.host.input_host_bytes,
+            "input_disk_bytes": plan.host.input_disk_bytes,
+            "longest": None if longest is None else {
+                "seq": longest.seq, "settings": None if longest.plan is None else _settings_dict(longest.plan),
+                "step_s": longest.plan.step.total_s if longest.plan and longest.plan.step else None,
+                "tokens_per_s": longest.plan.tokens_per_s if longest.plan else 0.0,
+                "peak_device_bytes": longest.plan.device.peak_bytes if longest.plan else None}}
+
+
+def _settings_words(work) -> str:
+    words = [f"loss in chunks of {work.loss_chunk_tokens} tokens" if work.loss_chunk_tokens else "",
+             f"MLP tiled by {work.mlp_tile_tokens} tokens" if work.mlp_tile_tokens else "",
+             "head/tail on the host" if work.head_tail_on_host else "",
+             "block inputs offloaded" if work.offload_block_inputs else ""]
+    return ", ".join(w for w in words if w) or "none needed"
+
+
+def format_sequence(plan: Plan) -> list[str]:
+    """The long-context lines: the settings this plan needs (when any), the longest context."""
+    work, host, out = plan.work, plan.host, []
+    if _settings_words(work) != "none needed":
+        where = (f"; inputs: {format_bytes(host.input_host_bytes)} host, {format_bytes(host.input_disk_bytes)} NVMe"
+                 if work.offload_block_inputs else "")
+        out.append(f"sequence  {work.seq or plan.config.seq_len} tokens need: {_settings_words(work)}{where}")
+    longest = plan.longest
+    if longest is not None:
+        if longest.plan is None:
+            out.append("longest context: none fits (not even 1024 tokens)")
+        else:
+            lp = longest.plan
+            step = f"step {format_seconds(lp.step.total_s)}, {lp.tokens_per_s:,.0f} tokens/s" if lp.step else ""
+            out.append(f"longest context: {longest.seq:,} tokens at batch {lp.work.batch} "
+                       f"({_settings_words(lp.work)}; device peak {format_bytes(lp.device.peak_bytes)}; {step})")
+    return out
 
 
 def finetune_to_dict(plan: Plan) -> dict:
@@ -173,7 +223,8 @@ def format_plan(plan: Plan) -> str:
            f"CPU Adam {hw.cpu_adam_params_per_s / 1e9:.2f} G params/s"
            + (f", NVMe {format_bytes(hw.nvme_bytes)} at {hw.nvme_bytes_per_s / 1e9:.1f} GB/s" if hw.nvme_bytes else ""),
            ""]
-    host_bpp = (host.host_bytes - work.host_reserve_bytes) / max(plan.streamed_blocks * c.block_params
+    store_host = host.host_bytes - work.host_reserve_bytes - host.input_host_bytes - host.head_tail_host_bytes
+    host_bpp = store_host / max(plan.streamed_blocks * c.block_params
                                                                  * cfg.tp_size * work.dp_size, 1)
     if plan.window_asked is not None:
         how = "as asked" if plan.window_asked == plan.window else \
@@ -211,11 +262,14 @@ def format_plan(plan: Plan) -> str:
          f"and step {format_bytes(dev.step_bytes)}{'' if dev.fits else '  TOO BIG'}"],
         ["host", format_bytes(host.host_bytes),
          f"{host_bpp:.1f} B/param{' incl. staging' if host.tier == 'nvme' else ''} + "
+         + (f"{format_bytes(host.input_host_bytes)} block inputs + " if host.input_host_bytes else "")
+         + (f"{format_bytes(host.head_tail_host_bytes)} head/tail + " if host.head_tail_host_bytes else "") + 
          f"{format_bytes(work.host_reserve_bytes)} reserve, of {format_bytes(host.host_capacity_bytes)}"
          f"{'' if host.host_bytes <= host.host_capacity_bytes else '  TOO BIG'}"],
         ["disk (NVMe)", format_bytes(host.disk_bytes),
-         (", ".join(host.disk_states) + f" of {format_bytes(host.disk_capacity_bytes)}; "
-          f"{format_bytes(host.disk_step_bytes)} read+written per step") if host.disk_states else "-"],
+         (", ".join(host.disk_states + (("offloaded block inputs",) if host.input_disk_bytes else ()))
+          + f" of {format_bytes(host.disk_capacity_bytes)}; {format_bytes(host.disk_step_bytes)} read+written "
+          "per step") if host.disk_states or host.input_disk_bytes else "-"],
     ], align="lrl")]
     if host.disk_reason:
         out.append(f"NVMe tier {host.disk_reason}")
@@ -233,6 +287,9 @@ def format_plan(plan: Plan) -> str:
                                   (host_short, host.host_bytes <= host.host_capacity_bytes),
                                   ("disk (more than the --nvme space)", host.disk_bytes <= host.disk_capacity_bytes)]
             if not ok)]
+    seq_lines = format_sequence(plan)
+    if seq_lines:
+        out += ["", *seq_lines]
     if plan.largest:
         rows = [[str(r.hidden), str(r.heads), str(r.layers), _params(r.params), r.bound, str(r.window or "none"),
                  format_seconds(r.step_s)] if r.layers else [str(r.hidden), str(r.heads), "0", "-", r.bound, "-", "-"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from pystronghold.planner.cost import BlockCosts
 
-__all__ = ["StepTime", "simulate_step", "choose_window", "resident_bwd_s"]
+__all__ = ["StepTime", "simulate_step", "choose_window", "resident_bwd_s", "with_sequence_costs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,3 +140,30 @@ def choose_window(costs: BlockCosts, n_blocks: int, max_window: int, overlap: st
         else:
             lo = mid + 1
     return found
+
+
+def with_sequence_costs(step: StepTime, costs: BlockCosts, offloaded: int, *, input_disk_bytes: int = 0,
+                        disk_step_bytes: int = 0, nvme_bytes_per_s: float = 0.0) -> StepTime:
+    """``step`` plus what the sequence settings expose, outside the simulated lanes (an estimate
+    per block, not a simulation):
+
+    - ``offloaded`` blocks' inputs go out on the D2H lane during their forward (exposed where one
+      copy outlasts a block's forward) and come back on the H2D lane behind the block's weight load
+      during backward (exposed where load + input outlast a block's backward, beyond what the load
+      alone exposes); with inputs on the NVMe tier, their disk reads and writes beside the store's
+      (``disk_step_bytes``) beyond the step's compute;
+    - head and tail on the host: their update between backward and the next forward
+      (``costs.head_tail_update_s``), all of it exposed.
+    """
+    c = costs
+    exposed = 0.0
+    if offloaded:
+        exposed += offloaded * max(0.0, c.input_copy_s - c.fwd_s)
+        exposed += offloaded * (max(0.0, c.load_s + c.input_copy_s - c.bwd_s) - max(0.0, c.load_s - c.bwd_s))
+    if input_disk_bytes and nvme_bytes_per_s:
+        disk = disk_step_bytes / nvme_bytes_per_s
+        exposed += (max(0.0, disk + 2 * input_disk_bytes / nvme_bytes_per_s - step.compute_s)
+                    - max(0.0, disk - step.compute_s))
+    return replace(step, total_s=step.total_s + exposed + c.head_tail_update_s,
+                   exposed_transfer_s=step.exposed_transfer_s + exposed,
+                   exposed_optimizer_s=step.exposed_optimizer_s + c.head_tail_update_s)

@@ -28,7 +28,8 @@ from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
 from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GPU, GiB, Hardware
-from pystronghold.planner.plan import choose_split, device_memory
+from pystronghold.planner.memory import device_memory
+from pystronghold.planner.plan import choose_split
 from pystronghold.planner.timeline import StepTime
 from pystronghold.runtime.precision import compute_dtype
 from pystronghold.runtime.placement import available_host_bytes
@@ -94,7 +95,7 @@ class AutoWindow:
     """Of the free memory, kept out of the budget (``device_reserve_bytes``; 0 when not read)."""
     predicted_peak_bytes: int = 0
     """The planner's device peak of this split: window, head/tail, resident blocks, and activations
-    or the optimizer step's fp32 gradient copies (``planner.plan.DeviceMemory``)."""
+    or the optimizer step's fp32 gradient copies (``planner.memory.DeviceMemory``)."""
     predicted_step_bytes: int = 0
     """The planner's device bytes of the optimizer step (no activations): what the CPU arena's
     measured peak is compared with."""

@@ -18,13 +18,14 @@ from pathlib import Path
 
 from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
-from pystronghold.models.hf import HF_DEFAULT_SEQ, HF_PREFIX, HFModelConfig
+from pystronghold.models.hf import HF_PREFIX, HFModelConfig
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.options import ConfigError, component, option
 from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.token_files import TOKEN_DTYPES
+from pystronghold.train.context import hf_default_seq
 from pystronghold.train.model_spec import model_lr, resolve_model
 
 __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
@@ -101,8 +102,9 @@ class DataOptions:
     batch: int = 8
     """Sequences per micro-batch (B)."""
     seq: int = 0
-    """Tokens per sequence (T); 0: the model's seq_len, for --model hf:DIR its positions but at most
-    512 (``models.hf.HF_DEFAULT_SEQ``); given, at most the model's seq_len or positions."""
+    """Tokens per sequence (T); 0: the model's seq_len, for --model hf:DIR its positions capped by
+    what fits this machine (512 when it names none), said at start-up; given, at most the model's
+    seq_len or positions."""
     loss_chunk: int | str = option("auto", parse=_loss_chunk_from_text, metavar="TOKENS|auto")
     """Tokens whose logits the loss holds at once: the LM head and cross-entropy run chunk by chunk,
     so a long sequence never holds its full (T, V) logits; auto: as many as 256 MiB of fp32 logits
@@ -444,6 +446,12 @@ class TrainConfig:
         """Tokens per sequence in effect."""
         cfg = self.gpt
         if isinstance(cfg, HFModelConfig):
-            return self.data.seq or min(cfg.seq_len, HF_DEFAULT_SEQ)
+            return self.data.seq or self.seq_default[0]
         return self.data.seq or cfg.seq_len
+
+    @property
+    def seq_default(self) -> tuple[int, str]:
+        """(tokens, why in words) of a Hugging Face model's default context: its positions, capped by
+        what fits this machine (``train.context.hf_default_seq``)."""
+        return hf_default_seq(self.gpt, self.data.batch, self.runtime.precision, self.finetune)
 

@@ -112,6 +112,8 @@ class Trainer:
                                       val_fraction=data.val_fraction, token_dtype=data.token_dtype,
                                       tokenizer_dir=cfg.source if self.hf else None)
         self.seq, self.batch = config.seq, data.batch
+        if self.hf and not data.seq:
+            log.info("seq: %d tokens (%s)", self.seq, config.seq_default[1])
         self.sampler = BatchSampler(self.corpus.train, self.batch, self.seq, seed=run.seed,
                                     labels=self.corpus.train_labels)
         self.val = validation_batches(self.corpus.val, self.batch, self.seq, run.eval_batches,

@@ -15,7 +15,8 @@ from pystronghold.models import PRESETS
 from pystronghold.planner import Hardware, Workload, gpu_preset, make_plan
 from pystronghold.planner.cost import BlockCosts
 from pystronghold.planner.hardware import GiB
-from pystronghold.planner.plan import choose_split, device_memory, max_window_with
+from pystronghold.planner.memory import device_memory
+from pystronghold.planner.plan import choose_split, max_window_with
 from pystronghold.planner.report import format_plan
 from pystronghold.planner.timeline import simulate_step
 

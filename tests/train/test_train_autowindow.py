@@ -13,7 +13,8 @@ from pystronghold.models import GPT, GPTConfig
 from pystronghold.planner.cost import Workload
 from pystronghold.planner.hardware import GPU, Hardware
 from pystronghold.planner.hardware import GiB
-from pystronghold.planner.plan import choose_split, device_memory, largest_layers, make_plan
+from pystronghold.planner.memory import device_memory
+from pystronghold.planner.plan import choose_split, largest_layers, make_plan
 from pystronghold.train import Trainer
 from pystronghold.train import autowindow
 from pystronghold.train.autowindow import choose_runtime_window, device_reserve_bytes, measure_costs

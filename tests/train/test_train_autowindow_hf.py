@@ -4,6 +4,7 @@ blocks is measured, the planner costs the model from its config.json; `--seq` up
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def _train_config(directory, data, seq: int = 0, **runtime) -> TrainConfig:
                        run=RunOptions(steps=2, log_every=1, eval_every=0, eval_batches=1, quiet=True))
 
 
-def test_auto_window_and_resident_blocks_for_an_hf_model(tmp_path):
+def test_auto_window_and_resident_blocks_for_an_hf_model(tmp_path, caplog):
     """llama from its directory: block 0 of the lazily loaded model (blocks on meta) runs at the run's
     (B, T); the bytes are the planner's for the model's config.json; the engine obeys the split."""
     from hf_models import TEXT, save_tiny
@@ -66,8 +67,10 @@ def test_auto_window_and_resident_blocks_for_an_hf_model(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT * 4))
     config = _train_config(directory, data, window="auto", resident_blocks="auto")
-    assert config.seq == 64  # the model's 64 positions (under the 512 default cap)
-    trainer = Trainer(config)
+    assert config.seq == 64  # the model's 64 positions: they fit
+    with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
+        trainer = Trainer(config)
+    assert "seq: 64 tokens (the model's positions; fits " in caplog.text  # said at start-up, one line
     try:
         auto = trainer.auto_window
         assert auto.blocks == 3 and auto.work.seq == 64 and auto.work.batch == 2
@@ -108,18 +111,40 @@ def test_measured_block_is_the_hf_models_and_the_bytes_the_planners(family):
     assert costs.fwd_s > 0 and costs.bwd_s > 0 and costs.device_adam_s > 0
 
 
-def test_seq_defaults_to_at_most_512_and_goes_up_to_the_models_positions(tmp_path, capsys):
-    """A model of 1024 positions: 512 by default, 1024 when asked, 1025 refused in one line."""
+def test_seq_defaults_to_the_models_positions_when_they_fit(tmp_path, capsys):
+    """A model of 1024 positions: 1024 by default (it fits this machine), said why; 1025 refused
+    in one line."""
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
                                       num_attention_heads=4, vocab_size=97, max_position_embeddings=1024)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(tmp_path)  # config.json only: nothing else is read before the data
     data = tmp_path / "t.txt"
     data.write_text("x")
-    assert _train_config(tmp_path, data).seq == 512
-    assert _train_config(tmp_path, data, seq=1024).seq == 1024
+    train = _train_config(tmp_path, data)
+    assert train.seq == 1024 and train.seq_default[1].startswith("the model's positions; fits")
+    assert _train_config(tmp_path, data, seq=512).seq == 512
     err = cli_error(capsys, ["train", "--model", f"hf:{tmp_path}", "--data", str(data), "--seq", "1025"])
     assert "--seq 1025 is longer than the model's 1024 positions" in err
+
+
+def test_seq_default_is_capped_by_what_fits(tmp_path, monkeypatch):
+    """Positions that do not fit the machine: the default is the longest context that does, through
+    the planner (a 4 GiB device here), and says so."""
+    from pystronghold.planner.hardware import GPU, GiB, Hardware
+    from pystronghold.train import context
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                                      num_attention_heads=4, vocab_size=32000, max_position_embeddings=1 << 19)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(tmp_path)
+    data = tmp_path / "t.txt"
+    data.write_text("x")
+    small = GPU(name="small", memory_bytes=4 * GiB, fp32_flops=1e12, bf16_flops=1e12, fp16_flops=1e12,
+                h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10)
+    # NOTE: the default is cached per model directory: this tmp_path's is computed on the small machine
+    monkeypatch.setattr(context, "this_machine", lambda: Hardware(gpu=small, host_memory_bytes=16 * GiB))
+    seq, why = _train_config(tmp_path, data).seq_default
+    assert 0 < seq < 1 << 19 and "do not fit; the longest context that fits" in why
 
 
 def test_a_model_without_positions_trains_at_512_by_default_and_longer_when_asked(tmp_path):

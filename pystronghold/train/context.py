@@ -1,0 +1,51 @@
+"""The context ``train --model hf:DIR`` takes without --seq: the model's positions, capped by what
+fits this machine (``planner.sequence.default_context``), said in one line at start-up."""
+
+from __future__ import annotations
+
+import functools
+
+from pystronghold.models.finetune import FinetuneOptions
+from pystronghold.models.hf import NO_POSITION_LIMIT, HFModelConfig
+
+__all__ = ["hf_default_seq", "this_machine"]
+
+
+def this_machine():
+    """The planner's ``Hardware`` of this machine: its CUDA device 0 and RAM; on the CPU, half the
+    RAM as the "device" (activations, window) and half as the host store, since both share it."""
+    import torch
+
+    from pystronghold.planner.hardware import GPU, PCIE_GEN4, TFLOPS, Hardware, local_gpu, local_host_memory_bytes
+
+    host = local_host_memory_bytes()
+    if torch.cuda.is_available():
+        return Hardware(gpu=local_gpu(tflops=100.0), host_memory_bytes=host)
+    cpu = GPU(name="cpu", memory_bytes=host // 2, fp32_flops=TFLOPS, bf16_flops=TFLOPS, fp16_flops=TFLOPS,
+              h2d_bytes_per_s=PCIE_GEN4, d2h_bytes_per_s=PCIE_GEN4)
+    return Hardware(gpu=cpu, host_memory_bytes=host - host // 2)
+
+
+@functools.lru_cache(maxsize=16)
+def _default(source: str, positions: int | None, batch: int, precision: str,
+             finetune: FinetuneOptions) -> tuple[int, str]:
+    from pystronghold.planner.cost import Workload
+    from pystronghold.planner.hardware import format_bytes
+    from pystronghold.planner.hf_shape import read_hf_shape
+    from pystronghold.planner.sequence import default_context
+
+    hw = this_machine()
+    work = Workload(batch=batch, precision=precision, finetune=finetune)
+    seq, why = default_context(read_hf_shape(source), work, hw, positions)
+    if hw.gpu.name == "cpu":
+        where = f"this CPU, {format_bytes(hw.gpu.memory_bytes + hw.host_memory_bytes)} of RAM, half of it as the device"
+    else:
+        where = f"{hw.gpu.name} with {format_bytes(hw.host_memory_bytes)} of host memory"
+    return seq, f"{why} {where}"
+
+
+def hf_default_seq(cfg: HFModelConfig, batch: int, precision: str, finetune: FinetuneOptions) -> tuple[int, str]:
+    """(tokens, why in words) of the default context of the Hugging Face model ``cfg`` trained at
+    ``batch`` samples in ``precision`` with ``finetune`` on this machine (cached per arguments)."""
+    positions = None if cfg.seq_len == NO_POSITION_LIMIT else cfg.seq_len
+    return _default(cfg.source, positions, batch, precision, finetune)
