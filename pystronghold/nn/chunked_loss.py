@@ -47,12 +47,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         # NOTE: parameter gradients summed over the chunks in fp32 and rounded once at the end, as
         # one full matmul would round them once
         sums: list[torch.Tensor | None] = [None] * len(wrt)
+        # NOTE: fp16 gradients of a mean over many tokens underflow before the loss scale reaches
+        # them (it comes with grad_output): there the divisor is applied in backward instead
+        late = hidden.dtype == torch.float16
         total = None
         for start in range(0, rows.shape[0], chunk):
             part = rows[start:start + chunk]
             with torch.enable_grad():
                 x = part.detach().requires_grad_(grad_rows is not None)
-                loss = loss_sum(head(x), labels[start:start + chunk]) / divisor
+                loss = loss_sum(head(x), labels[start:start + chunk])
+                loss = loss if late else loss / divisor
                 inputs = ([x] if grad_rows is not None else []) + wrt
                 grads = torch.autograd.grad(loss, inputs, allow_unused=True) if inputs else ()
             if grad_rows is not None:
@@ -63,11 +67,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     sums[k] = g.float() if sums[k] is None else sums[k].add_(g)
             loss = loss.detach()
             total = loss if total is None else total + loss
+        if late:
+            total = total / divisor
         if want_grad:
             by_param = {id(p): s for p, s in zip(wrt, sums)}
             ctx.param_grads = [None if id(p) not in by_param or by_param[id(p)] is None
                                else by_param[id(p)].to(p.dtype) for p in params]
             ctx.grad_hidden = None if grad_rows is None else grad_rows.view_as(hidden)
+            ctx.late_divisor = divisor if late else None
         return total
 
     @staticmethod
@@ -75,7 +82,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         if ctx.param_grads is None:
             raise RuntimeError("chunked_head_loss: a second backward through the same loss (its stored "
                                "gradients are scaled in place and given away once)")
-        scale = grad_total.reshape(())
+        scale = grad_total.reshape(()).float()
+        if ctx.late_divisor is not None:
+            scale = scale / ctx.late_divisor
         grad_hidden = None if ctx.grad_hidden is None else ctx.grad_hidden.mul_(scale.to(ctx.grad_hidden.dtype))
         param_grads = [None if g is None else g.mul_(scale.to(g.dtype)) for g in ctx.param_grads]
         ctx.grad_hidden, ctx.param_grads = None, None
