@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from pystronghold.models.finetune import FinetuneOptions
-from pystronghold.models.hf import NO_POSITION_LIMIT, HFModelConfig
+from pystronghold.models.hf import HF_DEFAULT_SEQ, NO_POSITION_LIMIT, HFModelConfig
 
 __all__ = ["hf_default_seq", "this_machine"]
 
@@ -36,7 +36,12 @@ def _default(source: str, positions: int | None, batch: int, precision: str,
 
     hw = this_machine()
     work = Workload(batch=batch, precision=precision, finetune=finetune)
-    seq, why = default_context(read_hf_shape(source), work, hw, positions)
+    try:
+        shape = read_hf_shape(source)
+    except (ValueError, KeyError, ImportError):
+        # NOTE: a model that cannot be trained at all is refused, in one line, when it is loaded
+        return positions or HF_DEFAULT_SEQ, "the model's positions (its shape is not one the planner reads)"
+    seq, why = default_context(shape, work, hw, positions)
     if hw.gpu.name == "cpu":
         where = f"this CPU, {format_bytes(hw.gpu.memory_bytes + hw.host_memory_bytes)} of RAM, half of it as the device"
     else:
