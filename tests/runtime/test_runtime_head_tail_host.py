@@ -80,10 +80,11 @@ def both(make_model, batches, **options):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_gpt_trains_bit_identically_with_head_and_tail_on_the_host(precision, tied):
-    """Clipping and two micro-batches per step; the tied embedding (one parameter in head and
-    tail) has one master and one pair of moments."""
+    """Clipping and two micro-batches per step (fp16: the loss scale's unscale folded into the same
+    host pass); the tied embedding (one parameter in head and tail) has one master and one pair of
+    moments."""
     device, host = both(lambda: small_gpt(tied), gpt_batches(8), precision=precision, clip_grad_norm=0.05)
     assert_identical(device, host)
     if tied:  # the LM head is the embedding: saved once
@@ -303,3 +304,34 @@ def test_a_checkpoint_resumes_across_the_option_to_the_same_losses(tmp_path, mon
     resumed = run_training(config(not saved_on_host, ckpt=str(ck), resume=True))
     assert resumed.start_step == 3
     assert resumed.losses == straight.losses[3:]
+
+
+# ---- under torchrun
+
+
+def test_tp_pp_and_dp_with_head_and_tail_on_the_host_log_the_single_process_losses(tmp_path):
+    """A tied model (the pipeline's last stage holds a copy of the embedding, its gradient summed
+    over the stages): TP, PP and DP runs with head and tail on the host log the losses of one
+    process with them on the device, and a TP checkpoint written so resumes in one process on the
+    device (its split head and tail gathered from the host)."""
+    import json
+    import os
+
+    from torchrun_cli import assert_logs_reference, logged_losses, run_train
+    from train_helpers import listing
+
+    model = tmp_path / "tied.json"
+    model.write_text(json.dumps(dict(vocab_size=256, seq_len=64, layers=4, hidden=64, heads=4, tie_embeddings=True)))
+    tied = ("--model", str(model))
+    p = run_train(1, *tied, "--head-tail", "device")
+    assert p.returncode == 0, p.stderr
+    reference = logged_losses(p.stdout)
+    for layout in (("--tp", "2"), ("--pp", "2"), ("--dp", "2")):
+        assert_logs_reference(run_train(2, *tied, *layout, "--head-tail", "host"), reference)
+    ck = str(tmp_path / "ck")
+    p = run_train(2, *tied, "--tp", "2", "--head-tail", "host", "--checkpoint-dir", ck, "--checkpoint-every", "2")
+    assert p.returncode == 0, p.stderr
+    assert listing(ck) == ["step-00000002", "step-00000003"]
+    shutil.rmtree(os.path.join(ck, "step-00000003"))
+    assert_logs_reference(run_train(1, *tied, "--head-tail", "device", "--checkpoint-dir", ck, "--resume"),
+                          reference, from_step=3)
