@@ -133,15 +133,17 @@ class HostHeadTail:
         if not with_grad:
             return
         backend = self._backend
-        after = [backend.compute_marker()]  # the backward that made the gradients
-        copies = [backend.d2h(self._host[i]["grad"], _contiguous(self.params[i].grad), after) for i in with_grad]
+        grads = [_contiguous(self.params[i].grad) for i in with_grad]
+        after = [backend.compute_marker()]  # the backward that made the gradients (and any copy above)
+        copies = [backend.d2h(self._host[i]["grad"], g, after) for i, g in zip(with_grad, grads)]
         for handle in copies:
             handle.wait()
         calls: dict[tuple[int, int], list[int]] = {}  # (param group, AdamW step) -> parameters
         for i in with_grad:
             calls.setdefault((self._groups[i], self._steps[i] + 1), []).append(i)
         nbytes = sum(self._host[i]["master"].nbytes for i in with_grad)
-        with self._tracer.span("optimizer", None, nbytes=nbytes) if self._tracer else contextlib.nullcontext():
+        with (self._tracer.span("optimizer", None, nbytes=nbytes) if self._tracer is not None
+              else contextlib.nullcontext()):
             # NOTE: every gradient checked before any write, so an inf/NaN leaves all of them as they were
             if len(calls) > 1 and not all(math.isfinite(grad_sq_norm(self._host[i]["grad"], hyper[0].grad_scale))
                                           for i in with_grad):
