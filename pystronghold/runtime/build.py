@@ -19,6 +19,7 @@ from pystronghold.runtime.backend import make_backend
 from pystronghold.runtime.config import ResolvedModes, RuntimeConfig
 from pystronghold.runtime.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.grad_norms import BlockGradNorms
+from pystronghold.runtime.head_tail import HostHeadTail
 from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
 from pystronghold.runtime.placement import Placement, default_host_budget_bytes, plan_placement
 from pystronghold.runtime.precision import DynamicLossScaler
@@ -57,8 +58,11 @@ class EngineParts:
     head_tail_names: list[str]
     """Full model names of ``head_tail_params``."""
     head_tail_masters: list[torch.Tensor]
-    """fp32 masters of the trainable ``head_tail_params`` on the device, from the values before any
-    cast (a frozen parameter has none: it is stored once, in the compute dtype)."""
+    """fp32 masters of the trainable ``head_tail_params`` on the device (on the host with
+    ``head_tail_on_host``), from the values before any cast (a frozen parameter has none: it is
+    stored once, in the compute dtype)."""
+    head_tail_on_host: bool
+    """Head and tail train from host memory (``RuntimeConfig.head_tail_on_host``, "auto" resolved)."""
     saved_dtypes: dict[str, torch.dtype]
     """Each parameter's dtype before ``wrap``, by full model name: ``model.state_dict()`` gives the
     fp32 masters in it, as the model would under plain autocast."""
@@ -100,8 +104,9 @@ class EngineParts:
 class OptimizerParts:
     """The update side of an engine, as ``build_optimizers`` made it."""
 
-    device_optimizer: DeviceAdamW
-    """AdamW of head and tail on the device (fused on CUDA, as the resident blocks')."""
+    device_optimizer: DeviceAdamW | HostHeadTail
+    """AdamW of head and tail: on the device (fused on CUDA, as the resident blocks'), or over
+    masters in host memory with ``head_tail_on_host``."""
     resident: ResidentBlocks
     """Device-resident blocks with their device AdamW."""
     updates: HostUpdates
@@ -138,7 +143,8 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
         budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
                       else int(config.host_memory_bytes)),
         # on the CPU backend the "device" (window arena, head and tail) is host memory too
-        fixed_bytes=(planned_arena_bytes + split.device_bytes if config.device == "cpu" else 0),
+        fixed_bytes=(planned_arena_bytes + split.device_bytes if config.device == "cpu" else 0)
+        + split.host_head_tail_bytes,
         nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
         streamed_grads=modes.overlap == "backward" and config.accumulation_steps == 1,
         force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
@@ -168,7 +174,8 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
             scratch.close()
         raise
     # fp32 masters of head and tail from the values before any cast (as the store does for blocks)
-    head_tail_masters = [p.detach().to(backend.device, torch.float32) for p in head_tail_params if p.requires_grad]
+    masters_at = "cpu" if split.head_tail_on_host else backend.device
+    head_tail_masters = [p.detach().to(masters_at, torch.float32) for p in head_tail_params if p.requires_grad]
     move_to_device(model, blocks, backend.device, dtype)
     names = {id(p): name for name, p in model.named_parameters()}
     return EngineParts(
@@ -178,7 +185,7 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
                      for p, span in zip(ps, lay.spans)},  # block parameters are placeholders now
         block_names=[[names[id(p)] for p in ps] for ps in resident_params + block_params],
         head_tail_params=head_tail_params, head_tail_names=[names[id(p)] for p in head_tail_params],
-        head_tail_masters=head_tail_masters, saved_dtypes=saved_dtypes, window_size=window, dtype=dtype, modes=modes,
+        head_tail_masters=head_tail_masters, head_tail_on_host=split.head_tail_on_host, saved_dtypes=saved_dtypes, window_size=window, dtype=dtype, modes=modes,
         planned_arena_bytes=planned_arena_bytes, placement=placement, scratch=scratch, backend=backend,
         store=store, fill_times=fill_times, window=Window(backend, layouts, block_params, window, dtype),
         plans={train: build_plan(n, window, train) for train in (True, False)} if n else {},
@@ -197,9 +204,15 @@ def build_optimizers(parts: EngineParts, config: RuntimeConfig, group_of: dict[i
                                         for b in range(len(parts.block_params))])
     head_tail = [p for p in parts.head_tail_params if p.requires_grad]  # frozen ones: no optimizer state
     fused = fused_adamw_for(device)  # head, tail and resident blocks alike
+    groups = [group_of[id(p)] for p in head_tail]
+    if parts.head_tail_on_host:
+        head_tail_optimizer = HostHeadTail(head_tail, parts.head_tail_masters, groups, backend=parts.backend,
+                                           dtype=parts.dtype, bitwise_torch=config.optimizer.bitwise_torch,
+                                           tracer=parts.trace)
+    else:
+        head_tail_optimizer = DeviceAdamW(head_tail, config.optimizer, parts.head_tail_masters, groups, fused=fused)
     return OptimizerParts(
-        device_optimizer=DeviceAdamW(head_tail, config.optimizer, parts.head_tail_masters,
-                                     [group_of[id(p)] for p in head_tail], fused=fused),
+        device_optimizer=head_tail_optimizer,
         resident=ResidentBlocks(parts.resident_blocks, parts.resident_params, config.optimizer, device,
                                 parts.dtype, recompute=config.resident_recompute, group_of=group_of,
                                 fused=fused),

@@ -36,6 +36,18 @@ def _norm_from_text(text: str, flag: str) -> float | None:
     return None if value == 0 else value
 
 
+HEAD_TAIL_PLACES = {"host": True, "device": False, "auto": "auto"}
+"""``--head-tail`` values and the ``head_tail_on_host`` value of each."""
+
+
+def _head_tail_from_text(text: str, flag: str) -> bool | str:
+    """``--head-tail host|device|auto`` as ``head_tail_on_host`` True, False or "auto"."""
+    try:
+        return HEAD_TAIL_PLACES[text.strip()]
+    except KeyError:
+        raise ValueError(f"{flag} must be one of {', '.join(HEAD_TAIL_PLACES)}, got {text!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class ResolvedModes:
     """The modes of a ``RuntimeConfig`` with "auto" resolved, taken once when an engine is built."""
@@ -87,6 +99,16 @@ class RuntimeConfig:
     resident_recompute: bool = False
     """Recompute the resident blocks in backward too (torch.utils.checkpoint); False (default): they
     keep their activations, as plain PyTorch does."""
+    head_tail_on_host: bool | str = option(False, flag="--head-tail", parse=_head_tail_from_text,
+                                           metavar="host|device|auto", help=(
+        "Where the head and tail (embedding, final norm, LM head) keep their fp32 masters and AdamW moments: "
+        "'host' (updated by the host Adam; the device keeps their compute-precision values and gradients), "
+        "'device', or 'auto': host when on the device they would take over 1/8 of a CUDA device's memory."))
+    """True: the head and tail's fp32 masters and AdamW moments live in host memory (pinned on
+    CUDA) and the fused CPU Adam updates them at ``step()``; the device keeps only their values and
+    gradients in the compute dtype (``runtime/head_tail.py``). False: on the device, updated by a
+    device AdamW. "auto": ``head_tail.head_tail_on_host``'s rule (host when they would take more
+    than 1/8 of a CUDA device; the CPU backend: device). The same results either way."""
     overlap: str = option("auto", choices=OVERLAP_MODES)
     """When host updates run: "backward" (block i as soon as its gradient is on the host),
     "forward" (after backward, block 0, 1, ... ahead of the next forward's loads), "none" (inside
@@ -183,6 +205,8 @@ class RuntimeConfig:
                               f"must be > 0 (`clip_grad_norm=None`: no clipping), got {self.clip_grad_norm!r}")
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigError(self, "accumulation_steps", f"must be an int >= 1, got {self.accumulation_steps!r}")
+        if self.head_tail_on_host != "auto" and not isinstance(self.head_tail_on_host, bool):
+            raise ConfigError(self, "head_tail_on_host", f"must be True, False or 'auto', got {self.head_tail_on_host!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ConfigError(self, "overlap", f"must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         if self.overlap == "backward" and self.needs_global_grad:

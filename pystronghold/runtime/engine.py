@@ -55,6 +55,8 @@ class Engine:
         self.backend, self.device, self.scratch = parts.backend, parts.backend.device, parts.scratch
         self._store, self._window, self._plans, self.trace = parts.store, parts.window, parts.plans, parts.trace
         self.head_tail_params = parts.head_tail_params
+        self.head_tail_on_host = parts.head_tail_on_host
+        """Head and tail train from host memory (``RuntimeConfig.head_tail_on_host``, "auto" resolved)."""
         self.host_spans = HostSpans(self.trace)  # model / engine / step spans (runtime/host_time.py)
         self.dp_group, self.tp_group, self.parallel = parts.dp_group, parts.tp_group, parts.parallel
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
@@ -102,6 +104,10 @@ class Engine:
                  self.resident.count, self.resident.nbytes, kept[config.resident_recompute], self.n_streamed,
                  self.window_size, self.planned_arena_bytes, self._store.nbytes, kept[config.checkpointing],
                  config.device, config.precision, self.overlap)
+        if self.head_tail_on_host:
+            log.info("head and tail: fp32 masters and AdamW moments in host memory (%d bytes%s), updated by the "
+                     "host Adam at each step", self.device_optimizer.host_bytes,
+                     ", pinned" if self.device_optimizer.pinned else "")
         if parts.modes.schedule == "relay":
             log.info("relay schedule (engine.accumulate): saved block inputs on the device %s",
                      "without limit" if config.relay_activation_bytes is None else
@@ -244,7 +250,8 @@ class Engine:
         resident blocks and head/tail, the host store by tier, the file tier's counters)."""
         return measure_memory(store=self._store, resident=self.resident, backend=self.backend,
                               head_tail_params=self.head_tail_params, dtype=self.dtype,
-                              window_slots=self.window_size, planned_arena_bytes=self.planned_arena_bytes)
+                              window_slots=self.window_size, planned_arena_bytes=self.planned_arena_bytes,
+                              host_head_tail_bytes=self.device_optimizer.host_bytes if self.head_tail_on_host else 0)
 
     def close(self) -> None:
         """Finish everything in flight and stop the worker threads (re-raises a host job's error)."""

@@ -98,9 +98,14 @@ def frozen_bytes_per_param(compute_dtype: torch.dtype) -> int:
     return compute_dtype.itemsize
 
 
-def device_bytes_per_param(compute_dtype: torch.dtype, *, master_grads: bool = True) -> int:
+def device_bytes_per_param(compute_dtype: torch.dtype, *, master_grads: bool = True,
+                           optimizer_on_host: bool = False) -> int:
     """Device bytes per parameter trained on the device: parameter and gradient in the compute dtype,
-    two fp32 moments and, in bf16/fp16, an fp32 master plus (``master_grads``) its fp32 gradient."""
+    two fp32 moments and, in bf16/fp16, an fp32 master plus (``master_grads``) its fp32 gradient.
+    ``optimizer_on_host`` (head and tail with ``head_tail_on_host``): the parameter and its gradient
+    only; the rest is on the host (``host_bytes_per_param``)."""
     s = compute_dtype.itemsize
+    if optimizer_on_host:
+        return 2 * s
     half = compute_dtype != torch.float32
     return 2 * s + 8 + ((4 + (4 if master_grads else 0)) if half else 0)

@@ -33,7 +33,11 @@ class EngineMemory:
     device_resident_blocks_bytes: int
     """The K resident blocks on the device: parameters, gradients, fp32 masters, AdamW moments."""
     device_head_tail_bytes: int
-    """Head and tail on the device: parameters, gradients, fp32 masters (bf16/fp16), AdamW moments."""
+    """Head and tail on the device: parameters, gradients, fp32 masters (bf16/fp16), AdamW moments;
+    with ``head_tail_on_host`` parameters and gradients only."""
+    host_head_tail_bytes: int
+    """The host arena of the head and tail's masters, moments, gradient copies and shadows with
+    ``head_tail_on_host``; 0 otherwise."""
     device_elements: int
     """Parameter elements of the resident blocks, head and tail (what stays on the device)."""
     streamed_block_elements: tuple[int, ...]
@@ -57,14 +61,16 @@ class EngineMemory:
 
 
 def measure_memory(*, store, resident, backend, head_tail_params: list[torch.Tensor], dtype: torch.dtype,
-                   window_slots: int, planned_arena_bytes: int) -> EngineMemory:
-    """The ``EngineMemory`` of an engine's parts (``engine.memory_report()``)."""
+                   window_slots: int, planned_arena_bytes: int, host_head_tail_bytes: int = 0) -> EngineMemory:
+    """The ``EngineMemory`` of an engine's parts (``engine.memory_report()``); ``host_head_tail_bytes``
+    > 0: head and tail train from host memory (their optimizer states are not on the device)."""
     streamed = len(store.layouts)
     return EngineMemory(
         window_slots=window_slots, blocks=resident.count + streamed, resident_blocks=resident.count,
         streamed_blocks=streamed, device_window_bytes=int(planned_arena_bytes),
         device_arena_used_bytes=int(backend.arena_used_bytes), device_resident_blocks_bytes=resident.nbytes,
-        device_head_tail_bytes=head_tail_bytes(head_tail_params, dtype),
+        device_head_tail_bytes=head_tail_bytes(head_tail_params, dtype, on_host=host_head_tail_bytes > 0),
+        host_head_tail_bytes=int(host_head_tail_bytes),
         device_elements=sum(p.numel() for p in [*resident.params, *head_tail_params]),
         streamed_block_elements=tuple(lay.numel for lay in store.layouts),
         host_store_bytes=store.nbytes, host_frozen_bytes=store.frozen_bytes(), host_tier_bytes=store.tier_bytes(),

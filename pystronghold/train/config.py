@@ -270,9 +270,9 @@ def _sizes_text(sizes: tuple[int, ...]) -> str:
     return ",".join(str(b) for b in sizes)
 
 
-TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0}
+TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0, "head_tail_on_host": "auto"}
 """Where ``pystronghold train``'s defaults differ from ``RuntimeConfig``'s: it clips at 1.0 (GPT-3,
-nanoGPT)."""
+nanoGPT) and lets the rule place head and tail (``runtime.head_tail.head_tail_on_host``)."""
 
 TRAIN_RUNTIME_HIDDEN = ("checkpointing", "resident_recompute", "overlap", "strict", "trace", "copy_threads",
                         "init_threads", "initial_loss_scale", "loss_scale_interval")

@@ -23,7 +23,7 @@ TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --loss-c
                "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --overwrite --tp --dp "
                "--dp-split --pp --micro-batches --pp-schedule --pp-chunks "
                "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed "
-               "--max-skipped-steps --lora-rank --lora-alpha --lora-targets --lora-dropout --freeze").split()
+               "--max-skipped-steps --head-tail --lora-rank --lora-alpha --lora-targets --lora-dropout --freeze").split()
 
 
 def _train(*argv):
