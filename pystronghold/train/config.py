@@ -270,7 +270,7 @@ def _sizes_text(sizes: tuple[int, ...]) -> str:
     return ",".join(str(b) for b in sizes)
 
 
-TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0, "head_tail_on_host": "auto"}
+TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0}
 """Where ``pystronghold train``'s defaults differ from ``RuntimeConfig``'s: it clips at 1.0 (GPT-3,
 nanoGPT) and lets the rule place head and tail (``runtime.head_tail.head_tail_on_host``)."""
 
