@@ -9,10 +9,8 @@ the run is the embedded demo (``DEMO_MODEL``) on the Python standard library's s
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,45 +25,10 @@ from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.token_files import TOKEN_DTYPES
 from pystronghold.train.context import hf_default_seq
 from pystronghold.train.model_spec import model_lr, resolve_model
+from pystronghold.train.output_paths import check_creatable_dir, check_creatable_file
 
 __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
            "CheckpointOptions", "ParallelOptions", "TrainConfig", "TRAIN_RUNTIME_DEFAULTS"]
-
-
-def _probe_dir(directory: str) -> None:
-    """Create and remove a file in ``directory`` (OSError when that fails): a permission test alone
-    misses a read-only file system, ACLs, root squash. The name is unique: every torchrun rank
-    checks the same paths at once."""
-    fd, name = tempfile.mkstemp(prefix=".pystronghold-check-", dir=directory)
-    os.close(fd)
-    os.unlink(name)
-
-
-def _check_creatable_dir(flag: str, path: str) -> None:
-    """ValueError naming ``flag`` and ``path`` unless ``path`` is a writable directory or can be made
-    one (a file can be made in its nearest existing ancestor). Checked when the option is parsed,
-    so a bad output path is refused before the run rather than after it; nothing is left behind."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    try:
-        _probe_dir(probe)
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: {probe} is not a writable directory ({e.strerror or e})") from None
-
-
-def _check_creatable_file(flag: str, path: str) -> None:
-    """ValueError naming ``flag`` and ``path`` unless ``path`` can be opened for writing: an existing
-    file is opened for appending (its content kept), else a file is made and removed in its directory."""
-    try:
-        if os.path.isdir(path):
-            raise IsADirectoryError(errno.EISDIR, "is a directory")
-        if os.path.exists(path):
-            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
-        else:
-            _probe_dir(os.path.dirname(os.path.abspath(path)))
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: not a writable file ({e.strerror or e})") from None
 
 
 def _loss_chunk_from_text(text: str, flag: str) -> int | str:
@@ -221,15 +184,15 @@ class RunOptions:
                 require("plots", "--trace (timeline.png, loss.png)")
             except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
                 raise ValueError(str(e)) from None
-            _check_creatable_dir("--trace", self.trace)
+            check_creatable_dir("--trace", self.trace)
         if self.metrics_file is not None:
-            _check_creatable_file("--metrics-file", self.metrics_file)
+            check_creatable_file("--metrics-file", self.metrics_file)
         if self.tensorboard is not None:
             import importlib.util
 
             if importlib.util.find_spec("tensorboard") is None:
                 raise ValueError("--tensorboard needs the 'tensorboard' package (pip install tensorboard)")
-            _check_creatable_dir("--tensorboard", self.tensorboard)
+            check_creatable_dir("--tensorboard", self.tensorboard)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -263,7 +226,7 @@ class CheckpointOptions:
         if self.overwrite and self.resume:
             raise ValueError("--overwrite starts a fresh run, --resume continues one: give one of them")
         if self.checkpoint_dir:
-            _check_creatable_dir("--checkpoint-dir", self.checkpoint_dir)
+            check_creatable_dir("--checkpoint-dir", self.checkpoint_dir)
 
 
 def _sizes_text(sizes: tuple[int, ...]) -> str:
