@@ -341,3 +341,18 @@ def assert_same_mixed_training(ref, got):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=MIXED_LOSS_RTOL, atol=0)
     for name, p in ref_params.items():
         torch.testing.assert_close(params[name], p, rtol=0, atol=MIXED_PARAM_ATOL, msg=name)
+
+
+def saved_activation_bytes(block: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the storages autograd saves for ``block(x)``'s backward, its parameters aside (each
+    storage once): what the planner's ``block_activation_bytes`` predicts."""
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    return sum(n for ptr, n in saved.items() if ptr not in params)

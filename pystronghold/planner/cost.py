@@ -93,9 +93,6 @@ class Workload:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Workload.{name} must be a positive int, got {value!r}")
-        if self.loss_chunk_tokens is not None and (not isinstance(self.loss_chunk_tokens, int)
-                                                   or self.loss_chunk_tokens < 0):
-            raise ValueError(f"Workload.loss_chunk_tokens must be an int >= 0 or None, got {self.loss_chunk_tokens!r}")
         if self.seq is not None and (not isinstance(self.seq, int) or self.seq < 1):
             raise ValueError(f"Workload.seq must be a positive int or None, got {self.seq!r}")
         if self.precision not in PRECISION_BYTES:
@@ -105,10 +102,11 @@ class Workload:
             raise ValueError(f"Workload.overlap must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"Workload.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
-        for name in ("mlp_tile_tokens",):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Workload.{name} must be an int >= 0, got {value!r}")
+        chunk, tile = self.loss_chunk_tokens, self.mlp_tile_tokens
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+            raise ValueError(f"Workload.loss_chunk_tokens must be an int >= 0 or None, got {chunk!r}")
+        if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0:
+            raise ValueError(f"Workload.mlp_tile_tokens must be an int >= 0, got {tile!r}")
         for name in ("device_reserve_bytes", "host_reserve_bytes"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Workload.{name} must be >= 0, got {getattr(self, name)!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pystronghold.planner.finetune import lora_targets
 from pystronghold.planner.hardware import format_bytes
 from pystronghold.planner.plan import Plan
-from pystronghold.planner.sequence import loss_chunk_for
+from pystronghold.planner.sequence import loss_chunk_for, settings_words
 
 __all__ = ["plan_to_dict", "finetune_to_dict", "sequence_to_dict", "format_sequence", "split_to_dict", "format_plan", "format_finetune", "format_split",
            "format_table", "format_seconds"]
@@ -79,21 +79,14 @@ def sequence_to_dict(plan: Plan) -> dict:
                 "peak_device_bytes": longest.plan.device.peak_bytes if longest.plan else None}}
 
 
-def _settings_words(work) -> str:
-    words = [f"loss in chunks of {work.loss_chunk_tokens} tokens" if work.loss_chunk_tokens else "",
-             f"MLP tiled by {work.mlp_tile_tokens} tokens" if work.mlp_tile_tokens else "",
-             "head/tail on the host" if work.head_tail_on_host else "",
-             "block inputs offloaded" if work.offload_block_inputs else ""]
-    return ", ".join(w for w in words if w) or "none needed"
-
-
 def format_sequence(plan: Plan) -> list[str]:
     """The long-context lines: the settings this plan needs (when any), the longest context."""
     work, host, out = plan.work, plan.host, []
-    if _settings_words(work) != "none needed":
+    needed = settings_words(work)
+    if needed:
         where = (f"; inputs: {format_bytes(host.input_host_bytes)} host, {format_bytes(host.input_disk_bytes)} NVMe"
                  if work.offload_block_inputs else "")
-        out.append(f"sequence  {work.seq or plan.config.seq_len} tokens need: {_settings_words(work)}{where}")
+        out.append(f"sequence  {work.seq or plan.config.seq_len} tokens need: {needed}{where}")
     longest = plan.longest
     if longest is not None:
         if longest.plan is None:
@@ -102,7 +95,7 @@ def format_sequence(plan: Plan) -> list[str]:
             lp = longest.plan
             step = f"step {format_seconds(lp.step.total_s)}, {lp.tokens_per_s:,.0f} tokens/s" if lp.step else ""
             out.append(f"longest context: {longest.seq:,} tokens at batch {lp.work.batch} "
-                       f"({_settings_words(lp.work)}; device peak {format_bytes(lp.device.peak_bytes)}; {step})")
+                       f"({settings_words(lp.work) or 'none needed'}; device peak {format_bytes(lp.device.peak_bytes)}; {step})")
     return out
 
 

@@ -32,7 +32,7 @@ from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.plan import Plan, make_plan
 
 __all__ = ["SequenceSettings", "LongestContext", "SETTINGS", "MLP_TILE_TOKENS",
-           "loss_chunk_for", "mlp_tile_for", "activation_bytes_per_token", "offload_link_bytes",
+           "settings_words", "loss_chunk_for", "mlp_tile_for", "activation_bytes_per_token", "offload_link_bytes",
            "plan_sequence", "choose_sequence_settings", "longest_context", "default_context"]
 
 SETTINGS = ("loss_chunk", "mlp_tile", "head_tail_host", "offload_inputs")
@@ -73,16 +73,17 @@ class SequenceSettings:
 
     def describe(self) -> str:
         """The settings in words, one line ("none" when nothing is needed)."""
-        words = []
-        if self.loss_chunk_tokens:
-            words.append(f"loss in chunks of {self.loss_chunk_tokens} tokens")
-        if self.mlp_tile_tokens:
-            words.append(f"MLP tiled by {self.mlp_tile_tokens} tokens")
-        if self.head_tail_on_host:
-            words.append("head/tail on the host")
-        if self.offload_block_inputs:
-            words.append("block inputs offloaded")
-        return ", ".join(words) or "none"
+        return settings_words(self.workload(Workload())) or "none"
+
+
+def settings_words(work: Workload) -> str:
+    """The long-context settings ``work`` asks for, in words ("" for none; a loss chunk left to the
+    runtime's default, None, is not named)."""
+    words = [f"loss in chunks of {work.loss_chunk_tokens} tokens" if work.loss_chunk_tokens else "",
+             f"MLP tiled by {work.mlp_tile_tokens} tokens" if work.mlp_tile_tokens else "",
+             "head/tail on the host" if work.head_tail_on_host else "",
+             "block inputs offloaded" if work.offload_block_inputs else ""]
+    return ", ".join(w for w in words if w)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from pystronghold.planner.cost import (Workload, analytic_window, block_activati
 from pystronghold.planner.hardware import GPU, GPUS, GiB, Hardware, gpu_preset
 from pystronghold.runtime.prepare import slot_bytes as prepare_slot_bytes
 from pystronghold.runtime.store import BlockLayout
+from runtime_models import saved_activation_bytes
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "gpt3-1.3b", "gpt3-175b"])
@@ -140,16 +141,7 @@ def test_activation_formula_matches_what_autograd_saves():
     cfg = GPTConfig(vocab_size=256, seq_len=128, layers=1, hidden=64, heads=4)
     block = GPT(cfg).blocks[0]
     x = torch.randn(4, 128, 64, requires_grad=True)
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    measured = sum(n for ptr, n in saved.items() if ptr not in params)
+    measured = saved_activation_bytes(block, x)
     predicted = block_activation_bytes(cfg, Workload(batch=4, precision="fp32"), 128)
     assert predicted <= measured <= 1.02 * predicted
 

@@ -21,6 +21,7 @@ from pystronghold.planner.memory import device_memory
 from pystronghold.planner.sequence import (SETTINGS, SequenceSettings, activation_bytes_per_token,
                                            choose_sequence_settings, longest_context, offload_link_bytes,
                                            plan_sequence)
+from runtime_models import saved_activation_bytes
 
 MODELS = Path(__file__).resolve().parents[2] / "bench" / "models"
 K = 1024
@@ -31,20 +32,6 @@ def _hw(gpu: str, host_gib: float = 125, nvme_gib: float = 2000) -> Hardware:
                     nvme_bytes=int(nvme_gib * GiB), nvme_bytes_per_s=3e9)
 
 
-def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the storages autograd saves for ``block``'s backward, parameters aside."""
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    return sum(n for ptr, n in saved.items() if ptr not in params)
-
-
 def test_activation_bytes_per_token_is_the_measured_slope():
     """A GPT block's saved bytes at T = 256 and 1024 (fp32, SDPA on the CPU): their difference per
     token is the formula's slope within 2% (LayerNorm statistics and the attention's log-sum-exp,
@@ -53,7 +40,7 @@ def test_activation_bytes_per_token_is_the_measured_slope():
     cfg = GPTConfig(vocab_size=256, seq_len=1024, layers=1, hidden=64, heads=4)
     block = GPT(cfg).blocks[0]
     batch = 2
-    low, high = (_saved_bytes(block, torch.randn(batch, t, 64, requires_grad=True)) for t in (256, 1024))
+    low, high = (saved_activation_bytes(block, torch.randn(batch, t, 64, requires_grad=True)) for t in (256, 1024))
     slope = activation_bytes_per_token(cfg, Workload(precision="fp32"))
     assert slope == 16 * 64 * 4  # 16 (B, T, C)-sized tensors of 4 bytes per token
     assert slope <= (high - low) / (batch * (1024 - 256)) <= 1.02 * slope
