@@ -30,7 +30,13 @@ def _window_from_text(text: str, flag: str) -> int | str:
 def _offload_from_text(text: str, flag: str) -> bool | int:
     """``--offload-activations``: 'on' (True), 'off' (False) or a size in bytes (``parse_bytes``)."""
     words = {"on": True, "off": False}
-    return words[text.strip().lower()] if text.strip().lower() in words else parse_bytes(text, flag)
+    if text.strip().lower() in words:
+        return words[text.strip().lower()]
+    try:
+        return parse_bytes(text, flag)
+    except ValueError:
+        raise ValueError(f"{flag} must be 'on', 'off' or a size in bytes like 12e9, 8G or 8GiB, "
+                         f"got {text!r}") from None
 
 
 def _norm_from_text(text: str, flag: str) -> float | None:

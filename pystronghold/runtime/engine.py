@@ -107,9 +107,9 @@ class Engine:
                 log.warning("offload_block_inputs: every block is resident (no recompute through the window): "
                             "no block input is offloaded")
             else:
-                log.info("input offload: saved block inputs offloaded to host memory %s",
+                log.info("input offload: %s saved block inputs go to host memory",
                          "all" if config.offload_block_inputs is True else
-                         f"beyond {config.offload_block_inputs} device bytes per pass")
+                         f"beyond {config.offload_block_inputs} device bytes per pass,")
         if parts.modes.schedule == "relay":
             log.info("relay schedule (engine.accumulate): saved block inputs on the device %s",
                      "without limit" if config.relay_activation_bytes is None else
