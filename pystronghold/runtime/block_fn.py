@@ -174,7 +174,7 @@ class BlockFunction(torch.autograd.Function):
                     key = offload.next_key()
                     staged = offload.keep_or_stage(key, block, saved)
                     ctx.save_for_backward(*[None if s else t for t, s in zip(saved, staged)])
-                    ctx.staged = (offload, key) if any(staged) else None
+                    ctx.staged = (offload, key)  # also when none is: its backward prefetches the next
                 else:
                     ctx.save_for_backward(*saved)
         if keep:

@@ -182,13 +182,14 @@ class SavedInputs:
         return list(self._calls)
 
     def previous(self, key: Hashable) -> Hashable | None:
-        """The call staged last before ``key`` and not brought back yet: the next one backward."""
+        """The call staged last before ``key`` and not brought back yet: the next one backward (for
+        a ``key`` that staged nothing, the last call not brought back)."""
         before = None
         for k in self._calls:
             if k == key:
                 return before
             before = k
-        return None
+        return before
 
     def issue_restore(self, key: Hashable) -> None:
         """Start bringing back the staged inputs of block call ``key`` (nothing if none, or issued)."""
