@@ -165,9 +165,18 @@ class BlockFunction(torch.autograd.Function):
                                  else None)
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
                 saved = [x for x in flat if isinstance(x, torch.Tensor)]
-                ctx.save_for_backward(*saved)
-                if runner.executor.relay is not None:  # the relay: the m inputs of a block may go to the host
-                    runner.executor.relay.keep_or_stage(saved)
+                relay, offload = runner.executor.relay, runner.executor.saved_inputs
+                ctx.staged = None
+                if relay is not None:  # the relay: the m inputs of a block may go to the host
+                    ctx.save_for_backward(*saved)
+                    relay.keep_or_stage(block, saved)
+                elif offload is not None:  # input offload: a staged input is not kept by the graph
+                    key = offload.next_key()
+                    staged = offload.keep_or_stage(key, block, saved)
+                    ctx.save_for_backward(*[None if s else t for t, s in zip(saved, staged)])
+                    ctx.staged = (offload, key)  # also when none is: its backward prefetches the next
+                else:
+                    ctx.save_for_backward(*saved)
         if keep:
             tensors = [t.detach() for t in tensors]
         return tuple(tensors) + tuple(s.tensor.detach() for s in sides)
@@ -176,12 +185,26 @@ class BlockFunction(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         runner, block = ctx.runner, ctx.block
         engine = runner.engine
+        staged = None if ctx.keep else ctx.staged
+        if staged is not None:
+            # this block's inputs come back, and those of the one before it (the next backward)
+            # while this one recomputes, as the weights are prefetched
+            offload, key = staged
+            offload.issue_restore(key)
+            ahead = offload.previous(key)
+            if ahead is not None:
+                offload.issue_restore(ahead)
         engine.enter(block, "bwd", True)
         if ctx.keep:
             outs, inputs = ctx.graph
             del ctx.graph
         else:
-            saved = iter(ctx.saved_tensors)
+            saved = ctx.saved_tensors
+            if staged is not None:
+                back = offload.restored(key)
+                saved = [back.get(i, t) for i, t in enumerate(saved)]
+                ctx.staged = None
+            saved = iter(saved)
             needs = ctx.needs_input_grad[6:]  # one flag per flat argument
             inputs = [next(saved).detach().requires_grad_(need) if t else x
                       for t, x, need in zip(ctx.is_input_tensor, ctx.non_tensor, needs)]

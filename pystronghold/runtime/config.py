@@ -27,6 +27,18 @@ def _window_from_text(text: str, flag: str) -> int | str:
     return int(text) if text.strip().lstrip("-").isdigit() else text
 
 
+def _offload_from_text(text: str, flag: str) -> bool | int:
+    """``--offload-activations``: 'on' (True), 'off' (False) or a size in bytes (``parse_bytes``)."""
+    words = {"on": True, "off": False}
+    if text.strip().lower() in words:
+        return words[text.strip().lower()]
+    try:
+        return parse_bytes(text, flag)
+    except ValueError:
+        raise ValueError(f"{flag} must be 'on', 'off' or a size in bytes like 12e9, 8G or 8GiB, "
+                         f"got {text!r}") from None
+
+
 def _norm_from_text(text: str, flag: str) -> float | None:
     """``--clip``: a float, 0 meaning no clipping (None)."""
     try:
@@ -130,6 +142,19 @@ class RuntimeConfig:
     """schedule="relay": device bytes the saved block inputs of a pass (every block's input for
     every micro-batch, m times the default schedule's) may use; those beyond are staged through
     (pinned) host memory and brought back before their block's backward. None: all on the device."""
+    offload_block_inputs: bool | int = option(False, flag="--offload-activations", metavar="on|off|BYTES",
+                                              parse=_offload_from_text, help=(
+        "Copy each recomputed block's saved input to host memory while the next block computes, and back "
+        "ahead of its backward (the same results): 'on' for every block, BYTES to keep that many on the "
+        "device and offload the rest, 'off'. Not with --schedule relay (see --relay-activations)."))
+    """The default schedule's input offload (``runtime/saved_inputs.py``): each recomputed block's
+    saved input (what this forward made, never a user's tensor, a parameter or a tensor made
+    without a graph) is copied to (pinned) host memory by the copy engine after the block's compute
+    and its device memory given up once the copy is done; in backward it is brought back one block
+    ahead of its recompute. False: all stay on the device; True: all offloaded; an int: device
+    bytes they may hold in a pass (the first blocks' stay), the rest offloaded. Bit-identical to
+    False. Needs ``checkpointing``; the relay schedule stages by ``relay_activation_bytes`` instead.
+    The staged bytes use host memory beyond ``host_memory_bytes``."""
     layer_drop: float = option(0.0, help=(
         "Probability that a streamed block is skipped in a training step (LayerDrop; the block is the "
         "identity, neither loaded nor updated that step). 0: every block runs."))
@@ -248,6 +273,16 @@ class RuntimeConfig:
                                                         or self.relay_activation_bytes < 0):
             raise ConfigError(self, "relay_activation_bytes", f"must be an int >= 0 (bytes) or None, "
                               f"got {self.relay_activation_bytes!r}")
+        offload = self.offload_block_inputs
+        if not isinstance(offload, bool) and (type(offload) is not int or offload < 0):
+            raise ConfigError(self, "offload_block_inputs", f"must be True, False or an int >= 0 (device bytes), "
+                              f"got {offload!r}")
+        if offload is not False and not self.checkpointing:
+            raise ConfigError(self, "offload_block_inputs", "needs `checkpointing` (without recompute a block "
+                              "keeps all its activations, not just its input)")
+        if offload is not False and self.schedule_mode == "relay":
+            raise ConfigError(self, "offload_block_inputs", "applies to the default schedule; the relay "
+                              "schedule stages saved block inputs beyond `relay_activation_bytes` bytes")
         if isinstance(self.layer_drop, bool) or not isinstance(self.layer_drop, (int, float)) \
                 or not 0 <= self.layer_drop < 1:
             raise ConfigError(self, "layer_drop", f"must be a probability in [0, 1), got {self.layer_drop!r}")

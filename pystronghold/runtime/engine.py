@@ -108,6 +108,14 @@ class Engine:
             log.info("head and tail: fp32 masters and AdamW moments in host memory (%d bytes%s), updated by the "
                      "host Adam at each step", self.device_optimizer.host_bytes,
                      ", pinned" if self.device_optimizer.pinned else "")
+        if config.offload_block_inputs is not False:
+            if not self.n_streamed:
+                log.warning("offload_block_inputs: every block is resident (no recompute through the window): "
+                            "no block input is offloaded")
+            else:
+                log.info("input offload: %s saved block inputs go to host memory",
+                         "all" if config.offload_block_inputs is True else
+                         f"beyond {config.offload_block_inputs} device bytes per pass,")
         if parts.modes.schedule == "relay":
             log.info("relay schedule (engine.accumulate): saved block inputs on the device %s",
                      "without limit" if config.relay_activation_bytes is None else
@@ -233,8 +241,11 @@ class Engine:
         ``store_bytes`` is the host store's allocation (the file tier's cache included),
         ``store_frozen_bytes`` the part of it that holds frozen block parameters (their padded
         elements in the compute dtype: ``layout.frozen_bytes_per_param`` each). The byte counts
-        are ``memory_report()``'s."""
+        are ``memory_report()``'s. ``saved_inputs``: the last training pass's saved block inputs
+        under ``offload_block_inputs`` or the relay's staging (``device_bytes`` kept,
+        ``staged_bytes`` copied to host memory), None before such a pass."""
         memory = self.memory_report()
+        executor = self._executor
         return dict(window=self.window_size, blocks=self.n_blocks, resident_blocks=self.resident.count,
                     resident_bytes=memory.device_resident_blocks_bytes, streamed_blocks=self.n_streamed,
                     peak_resident=self._window.peak_resident,
@@ -243,7 +254,9 @@ class Engine:
                     trainable_params=self._param_counts[True], frozen_params=self._param_counts[False],
                     steps=self.steps, skipped_steps=self.skipped_steps,
                     loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm,
-                    disk=memory.disk)
+                    disk=memory.disk,
+                    saved_inputs=executor.relay_activations if self.config.schedule_mode == "relay"
+                    else executor.input_offload)
 
     def memory_report(self) -> EngineMemory:
         """Where the engine's bytes are now (``memory_report.EngineMemory``: the device window,

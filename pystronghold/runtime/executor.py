@@ -15,6 +15,7 @@ import logging
 
 from pystronghold.parallel.data import average_
 from pystronghold.runtime.layer_drop import LayerDrop
+from pystronghold.runtime.saved_inputs import SavedInputs
 from pystronghold.runtime.schedule import Load, Release, Use, build_plan
 from pystronghold.runtime.timing import copy_marks
 
@@ -66,11 +67,17 @@ class PassExecutor:
         self.micro_batches = 0
         """Backward passes since the last step."""
         self.test_skip_waits: set[str] = set()
-        """Test hook: {"load"} removes the compute-waits-for-load (strict mode must then catch it)."""
+        """Test hook: {"load"} removes the compute-waits-for-load, {"restore"} the wait for offloaded
+        block inputs (strict mode must then catch it)."""
         self.relay = None
         """The ``relay.Relay`` pass in progress (set by ``relay.accumulate``), or None."""
         self.relay_activations: dict | None = None
         """The last relay pass's saved block inputs: ``device_bytes`` kept, ``staged_bytes`` staged."""
+        self.saved_inputs: SavedInputs | None = None
+        """The saved block inputs of the training pass in progress under ``offload_block_inputs``
+        (``saved_inputs.py``; the relay has its own), or None."""
+        self.input_offload: dict | None = None
+        """The last such pass's saved block inputs: ``device_bytes`` kept, ``staged_bytes`` offloaded."""
         self.layer_drop = LayerDrop(self.n_streamed, config.layer_drop, config.layer_drop_seed)
         """Which streamed blocks run this step (``layer_drop.py``)."""
 
@@ -93,6 +100,11 @@ class PassExecutor:
         if updates:  # the file tier's I/O: the host updates' reads and write-backs among it
             self.store.synchronize()
         self.flush_copies(calibrate=True)
+
+    def track_copy(self, kind: str, block: int, handle) -> None:
+        """A copy issued outside the executor (``kind`` "act_d2h"/"act_h2d": saved block inputs):
+        ``synchronize`` and ``in_flight`` count it, the trace records it once done."""
+        self._copies.append((kind, block, handle))
 
     def span(self, kind: str, block: int | None, *, host: bool = False):
         """Trace ``kind``: timed by the backend's clock (CUDA: events on the compute stream), or by
@@ -165,6 +177,7 @@ class PassExecutor:
         self._pos += 1
         if self._pos == len(self._plan.uses):
             self._plan = None
+            self._end_input_offload()
             self.flush_copies()  # finished copies go to the trace and are dropped
 
     def use_step_plan(self, plan, train: bool = True) -> None:
@@ -195,6 +208,11 @@ class PassExecutor:
             raise RuntimeError(f"a training forward after {self.micro_batches} backward passes without "
                                f"step() (accumulation_steps={self.config.accumulation_steps})")
         self._plan, self._pos = self._plan_for(train), 0
+        offload = self.config.offload_block_inputs
+        if train and offload is not False and self.relay is None:
+            self.saved_inputs = SavedInputs(self.backend, 0 if offload is True else offload, strict=self.config.strict,
+                                            track=self.track_copy, timed=self.trace.enabled)
+            self.saved_inputs.skip_restore_wait = "restore" in self.test_skip_waits
         for action in self._plan.prologue:
             self._load(action)
 
@@ -252,6 +270,17 @@ class PassExecutor:
         for block in list(self.window.resident):
             self.window.vacate(block)
         self._plan = None
+        if self.saved_inputs is not None:
+            self.saved_inputs.discard()
+            self.saved_inputs = None
+
+    def _end_input_offload(self) -> None:
+        """A pass ended: its saved block inputs are all back (its figures kept in ``input_offload``)."""
+        inputs, self.saved_inputs = self.saved_inputs, None
+        if inputs is None:
+            return
+        self.input_offload = dict(device_bytes=inputs.device_bytes, staged_bytes=inputs.staged_bytes)
+        inputs.discard()  # nothing left when every block's backward ran
 
     def _load(self, action: Load) -> None:
         self.window.occupy(action.block, action.slot)

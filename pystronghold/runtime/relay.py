@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pystronghold.runtime import autocast_state
+from pystronghold.runtime.saved_inputs import SavedInputs
 
 __all__ = ["Relay", "RelayAborted", "accumulate"]
 
@@ -29,39 +30,20 @@ class RelayAborted(RuntimeError):
     """Raised in a micro-batch thread when another micro-batch failed."""
 
 
-class _Staged:
-    """One storage of a saved block input staged to host memory (its device bytes freed)."""
-
-    __slots__ = ("storage", "host", "handle", "freed", "back")
-
-    def __init__(self, storage, host: torch.Tensor, handle) -> None:
-        self.storage, self.host, self.handle, self.freed = storage, host, handle, False
-        self.back = None  # the copy bringing it back, once issued
-
-
-def _bytes_of(storage, device: torch.device) -> torch.Tensor:
-    """A flat uint8 tensor over the whole of ``storage``."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
 class Relay:
     """One relay pass in progress: the baton of the micro-batch threads, the cut block outputs and
     the block inputs staged to host memory."""
 
     def __init__(self, micro_batches: int, backend=None, device_budget_bytes: int | None = None,
-                 strict: bool = False) -> None:
+                 strict: bool = False, track=None, timed: bool = False) -> None:
         """``device_budget_bytes``: device bytes the saved block inputs of the pass may hold; those
         beyond are staged through host memory (``backend``'s copies). None: all stay on the device.
         ``strict``: a restored storage is filled with NaN bytes before its copy back, so a missing
-        copy or wait shows up as wrong numbers."""
+        copy or wait shows up as wrong numbers. ``track``, ``timed``: ``saved_inputs.SavedInputs``'s."""
         self.micro_batches = micro_batches
-        self._strict = strict
-        self._backend = backend
-        self._budget = device_budget_bytes
-        self.device_bytes = 0  # saved block inputs kept on the device
-        self.staged_bytes = 0  # ... and staged to host memory
-        self._staged: list[dict[int, list[_Staged]]] = [{} for _ in range(micro_batches)]  # j -> call -> stages
-        self._seen: dict[int, object] = {}  # data_ptr -> the storage counted there
+        # NOTE: shrunk in place: the cuts keep the block outputs, which are the next blocks' inputs
+        self._inputs = SavedInputs(backend, device_budget_bytes, strict=strict, shrink=True, track=track,
+                                   timed=timed)
         self._cond = threading.Condition()
         self._holder = 0
         self._finished = [False] * micro_batches
@@ -179,67 +161,25 @@ class Relay:
             raise first
         return losses
 
-    def keep_or_stage(self, saved: list[torch.Tensor]) -> None:
-        """The tensors a block call saves for its recompute: kept on the device while the budget
-        allows, else copied to host memory and their device storage freed (restored before the
-        block's backward stage). Only storages made by this forward are staged (a cut leaf, an op's
-        output or a view of one): a user's input tensor or a parameter view is never touched."""
+    def keep_or_stage(self, block: int, saved: list[torch.Tensor]) -> None:
+        """The tensors a call of ``block`` saves for its recompute: kept on the device while the
+        budget allows, else copied to host memory and their device storage freed (restored before
+        the block's backward stage). Only storages made by this forward are staged (a cut leaf, an
+        op's output or a view of one): a user's input tensor or a parameter view is never touched."""
         j = self._index()
         call = len(self.cuts[j])  # the call being made: its cut is appended after the forward
         leaves = {id(leaf) for c in self.cuts[j] if c is not None for leaf in c[2]}
-        for t in saved:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if storage.nbytes() == 0 or self._still_there(ptr):
-                continue
-            self._seen[ptr] = storage
-            root = t._base if t._base is not None else t  # a view's storage belongs to its base
-            own = id(t) in leaves or root.grad_fn is not None
-            nbytes = storage.nbytes()
-            if not own or self._budget is None or self.device_bytes + nbytes <= self._budget:
-                self.device_bytes += nbytes
-                continue
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.device.type == "cuda")
-            handle = self._backend.d2h(host, _bytes_of(storage, t.device),
-                                       after=[self._backend.compute_marker()])
-            self._staged[j].setdefault(call, []).append(_Staged(storage, host, handle))
-            self.staged_bytes += nbytes
-        self._free_copied(wait=False)
+        self._inputs.keep_or_stage((j, call), block, saved, owned=leaves)
 
-    def _still_there(self, ptr: int) -> bool:
-        """Whether the storage counted at address ``ptr`` still holds it. NOTE: a staged storage's
-        freed memory may be reused by the next allocation (its storage object lives on, 0 bytes,
-        held by the saved tensors), so an address alone does not name a storage."""
-        seen = self._seen.get(ptr)
-        return seen is not None and seen.nbytes() > 0 and seen.data_ptr() == ptr
+    @property
+    def device_bytes(self) -> int:
+        """Saved block inputs of the pass kept on the device."""
+        return self._inputs.device_bytes
 
-    def _free_copied(self, wait: bool) -> None:
-        """Free the device storage of staged inputs whose copy-out finished (all of them: ``wait``)."""
-        for per_call in self._staged:
-            for stages in per_call.values():
-                for st in stages:
-                    if not st.freed and (wait or st.handle.done()):
-                        st.handle.wait()
-                        st.storage.resize_(0)
-                        st.freed = True
-
-    def _issue_restores(self, call: int) -> None:
-        """Start bringing back the staged inputs of block call ``call`` of every micro-batch."""
-        for per_call in self._staged:
-            for st in per_call.get(call, []):
-                if st.back is None:
-                    st.storage.resize_(st.host.numel())
-                    if self._strict:
-                        _bytes_of(st.storage, self._backend.device).fill_(255)  # NaN in every float type
-                    # NOTE: after the compute issued so far: on CUDA the re-allocated memory may
-                    # still be read by kernels queued on the compute stream
-                    st.back = self._backend.h2d(_bytes_of(st.storage, self._backend.device), st.host,
-                                                after=[self._backend.compute_marker()])
-
-    def _restored(self, j: int, call: int) -> None:
-        """Compute waits for micro-batch j's staged inputs of block call ``call``."""
-        for st in self._staged[j].pop(call, []):
-            self._backend.compute_wait(st.back)
+    @property
+    def staged_bytes(self) -> int:
+        """... and staged to host memory."""
+        return self._inputs.staged_bytes
 
     # ---- backward
 
@@ -248,7 +188,7 @@ class Relay:
         """Back-propagate ``sum(losses) (/ m when mean)`` in stages: the tails, then each block's m
         micro-batches from the last block to the first (see the module docstring)."""
         m = self.micro_batches
-        self._free_copied(wait=True)
+        self._inputs.free_copied(wait=True)
         calls = {len(c) for c in self.cuts}
         if len(calls) != 1:
             raise RuntimeError(f"relay: the micro-batches called different numbers of blocks {sorted(calls)}")
@@ -258,13 +198,13 @@ class Relay:
             losses[j] = None
         for pos in reversed(range(calls.pop())):
             # staged inputs of this stage, and of the next one while this one computes
-            self._issue_restores(pos)
-            if pos > 0:
-                self._issue_restores(pos - 1)
+            for later in (pos, pos - 1) if pos > 0 else (pos,):
+                for j in range(m):
+                    self._inputs.issue_restore((j, later))
             for j in range(m):
                 block, reals, leaves = self.cuts[j][pos]
                 self.cuts[j][pos] = None  # the stage's graph goes once the backward has run
-                self._restored(j, pos)
+                self._inputs.restored((j, pos))  # compute waits for its staged inputs
                 pairs = [(r, leaf.grad) for r, leaf in zip(reals, leaves) if leaf.grad is not None]
                 if not pairs:
                     raise RuntimeError(f"relay: block {block}'s outputs got no gradient in micro-batch {j}: "
@@ -293,7 +233,8 @@ def accumulate(engine, executor, micro_batches: Sequence, loss_fn: Callable[[Any
         return torch.stack(losses)
     if executor.in_pass():
         raise RuntimeError("accumulate: a forward/backward pass is already in progress")
-    relay = Relay(m, engine.backend, config.relay_activation_bytes, strict=config.strict)
+    relay = Relay(m, engine.backend, config.relay_activation_bytes, strict=config.strict,
+                  track=executor.track_copy, timed=engine.trace.enabled)
     executor.relay = relay
     try:
         losses = relay.forward(micro_batches, loss_fn, engine.device)

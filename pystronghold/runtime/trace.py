@@ -27,13 +27,14 @@ __all__ = ["Tracer", "TraceEvent", "TraceSummary", "COMPUTE_KINDS", "BACKGROUND_
 
 COMPUTE_KINDS = frozenset({"compute_fwd", "compute_bwd", "recompute"})
 """Kinds that are accelerator compute."""
-TRANSFER_KINDS = frozenset({"h2d", "d2h", "file_read", "file_write"})
-"""Kinds that move bytes; each gets a bandwidth in the summary."""
+TRANSFER_KINDS = frozenset({"h2d", "d2h", "act_d2h", "act_h2d", "file_read", "file_write"})
+"""Kinds that move bytes; each gets a bandwidth in the summary. ``act_d2h``/``act_h2d``: saved block
+inputs offloaded to host memory and brought back (``saved_inputs.py``)."""
 BACKGROUND_KINDS = TRANSFER_KINDS | {"optimizer", "norm"}
 """Kinds the runtime tries to hide behind compute (the numerator set of the overlap fraction)."""
 LANE_OF_KIND = {
     "compute_fwd": "compute", "compute_bwd": "compute", "recompute": "compute",
-    "h2d": "h2d", "d2h": "d2h", "optimizer": "optimizer", "norm": "optimizer",
+    "h2d": "h2d", "d2h": "d2h", "act_h2d": "h2d", "act_d2h": "d2h", "optimizer": "optimizer", "norm": "optimizer",
     "file_read": "file_io", "file_write": "file_io", "wait": "stall",
     "model": "host", "engine": "host", "step": "host",
 }
@@ -78,14 +79,14 @@ class TraceSummary:
     """Per kind: sum of event durations (concurrent events each counted)."""
     overlap_fraction: float | None = None
     """Fraction of background time that ran while compute ran: with X the union of the intervals of
-    the background kinds (h2d, d2h, optimizer, norm, file_read, file_write) and K the union of the
+    the background kinds (TRANSFER_KINDS, optimizer, norm) and K the union of the
     compute intervals (compute_fwd, compute_bwd, recompute), overlap = |X intersect K| / |X|. 1.0 means
     every transfer and host update was hidden behind compute. None when there is no background
     time (nothing to hide)."""
     stall_s: float = 0.0
     """Sum of the durations of "wait" events: time compute sat waiting for data."""
     bytes: dict[str, int] = field(default_factory=dict)
-    """Per transfer kind present (h2d, d2h, file_read, file_write): total bytes moved."""
+    """Per transfer kind present (``TRANSFER_KINDS``): total bytes moved."""
     gbps: dict[str, float] = field(default_factory=dict)
     """Per transfer kind: bytes / (union of that kind's intervals) / 1e9, i.e. the achieved
     bandwidth while that kind of copy was in flight (concurrent copies share the time)."""

@@ -218,6 +218,9 @@ class MemoryReport:
     tier's staging cache)."""
     disk: str | None = None
     """Where the NVMe tier is and what it holds (None without one)."""
+    saved_inputs: dict | None = None
+    """The last training pass's saved block inputs under input offload or the relay's staging
+    (``device_bytes`` kept, ``staged_bytes`` copied to host memory; ``Engine.stats``), or None."""
 
     def lines(self) -> list[str]:
         planned = self.window_bytes + self.resident_blocks_bytes + self.head_tail_bytes
@@ -230,6 +233,9 @@ class MemoryReport:
                f"({self.resident_bytes / max(1, planned):.1f}x this run's)",
                "host store: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_tiers.items())
                + f" (total {format_bytes(sum(self.host_tiers.values()))})"]
+        if self.saved_inputs is not None:
+            out.append(f"saved block inputs per pass: {format_bytes(self.saved_inputs['device_bytes'])} on the "
+                       f"device, {format_bytes(self.saved_inputs['staged_bytes'])} offloaded to host memory")
         if self.disk is not None:
             out.append(f"NVMe tier: {self.disk}")
         return out
@@ -260,7 +266,8 @@ def memory_report(engine) -> MemoryReport:
                         resident_blocks_bytes=memory.device_resident_blocks_bytes,
                         device_peak_bytes=device_peak_bytes(engine, memory),
                         resident_bytes=(sum(memory.streamed_block_elements) + memory.device_elements) * per,
-                        host_tiers=dict(memory.host_tier_bytes), disk=disk)
+                        host_tiers=dict(memory.host_tier_bytes), disk=disk,
+                        saved_inputs=engine.stats()["saved_inputs"])
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --loss-c
                "--nvme-sparse --steps --seed --log-every --eval-every --eval-batches --trace --quiet "
                "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --overwrite --tp --dp "
                "--dp-split --pp --micro-batches --pp-schedule --pp-chunks "
-               "--dist-timeout --schedule --relay-activations --layer-drop --layer-drop-seed "
+               "--dist-timeout --schedule --relay-activations --offload-activations --layer-drop --layer-drop-seed "
                "--max-skipped-steps --head-tail --lora-rank --lora-alpha --lora-targets --lora-dropout --freeze").split()
 
 
@@ -75,7 +75,19 @@ def test_help_of_a_runtime_option_is_its_field_metadata(capsys):
     assert "--accumulation N Micro-batches per optimizer step. (default: 1)" in out
 
 
+def test_offload_activations_is_on_off_or_a_device_byte_budget():
+    assert _train().runtime.offload_block_inputs is False
+    assert _train("--offload-activations", "on").runtime.offload_block_inputs is True
+    assert _train("--offload-activations", "off").runtime.offload_block_inputs is False
+    assert _train("--offload-activations", "2GiB").runtime.offload_block_inputs == 2 * 2**30
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--offload-activations", "yes"],
+     "--offload-activations must be 'on', 'off' or a size in bytes like 12e9, 8G or 8GiB, got 'yes'"),
+    (["--offload-activations", "on", "--accumulation", "2", "--schedule", "relay"],
+     "--offload-activations applies to the default schedule; the relay schedule stages saved block inputs "
+     "beyond --relay-activations bytes"),
     (["--clip", "-1"], "--clip must be > 0 (--clip 0: no clipping), got -1.0"),
     (["--clip", "much"], "--clip must be a number, got 'much'"),
     (["--accumulation", "0"], "--accumulation must be an int >= 1, got 0"),
