@@ -16,6 +16,7 @@ from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError
 from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.train.checkpoint import read_manifest
 from pystronghold.train.command import config_from_args
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import save_tiny
@@ -79,3 +80,20 @@ def test_the_command_line_takes_tokens_auto_and_off():
     assert bad.value.on_command_line() == "--mlp-tile some must be a number of tokens >= 0, 'auto' or 'off'"
     with pytest.raises(ConfigError, match="mlp_tile=-3 must be a number of tokens"):
         DataOptions(mlp_tile=-3)
+
+
+def test_the_tile_is_no_part_of_a_checkpoints_model(tmp_path):
+    """Checkpoints keep the model record they had before tiling existed (so old ones resume), and a
+    run resumes with another --mlp-tile; a model file cannot set it."""
+    config = tiny_config(tmp_path, steps=2, ckpt=str(tmp_path / "ck"))
+    run_training(dataclasses.replace(config, data=dataclasses.replace(config.data, mlp_tile=8)))
+    (saved,) = (tmp_path / "ck").glob("step-*")
+    assert "mlp_tile_tokens" not in read_manifest(saved)["model"]
+    more = tiny_config(tmp_path, steps=3, ckpt=str(tmp_path / "ck"), resume=True)
+    result = run_training(dataclasses.replace(more, data=dataclasses.replace(more.data, mlp_tile=0)))
+    assert result.start_step == 2 and len(result.losses) == 1
+    model = tmp_path / "tiled.json"
+    model.write_text(json.dumps({"vocab_size": 256, "seq_len": 32, "layers": 1, "hidden": 32, "heads": 2,
+                                 "mlp_tile_tokens": 8}))
+    with pytest.raises(ValueError, match="mlp_tile_tokens is a setting of the run, not of the model: give --mlp-tile"):
+        ModelOptions(model=str(model))
