@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pystronghold.nn.functional as PF
+from pystronghold.nn.tiled import tiled
 from pystronghold.nn import LayerNorm as PLayerNorm
 from pystronghold.nn.chunked_loss import chunked_head_loss
 
@@ -62,6 +63,11 @@ class GPTConfig:
     init_std / sqrt(2 * layers) (GPT-2)."""
     tp_size: int = 1
     """Tensor-parallel ranks the heads, MLP columns and vocabulary are split across."""
+    mlp_tile_tokens: int = 0
+    """Positions per tile of the MLP (``nn.tiled``): each block's MLP runs over tiles of this many
+    positions of every sample, forward and backward, so its (B, T, F) intermediate never exists
+    whole; 0, or at least T: untiled. A setting of the run, not of the weights (checkpoints leave it
+    out)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "layers", "hidden", "heads", "mlp_ratio",
@@ -77,6 +83,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.norm_eps must be > 0, got {self.norm_eps!r}")
         if not self.init_std > 0:
             raise ValueError(f"GPTConfig.init_std must be > 0, got {self.init_std!r}")
+        if isinstance(self.mlp_tile_tokens, bool) or not isinstance(self.mlp_tile_tokens, int) \
+                or self.mlp_tile_tokens < 0:
+            raise ValueError(f"GPTConfig.mlp_tile_tokens must be an int >= 0, got {self.mlp_tile_tokens!r}")
         if self.heads % self.tp_size:
             raise ValueError(f"GPTConfig.tp_size={self.tp_size} must divide heads={self.heads}")
         if self.padded_vocab_size % self.tp_size:
@@ -175,7 +184,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Two-layer GeLU MLP, C -> F -> C (fc1 split by columns, fc2 by rows under TP)."""
+    """Two-layer GeLU MLP, C -> F -> C (fc1 split by columns, fc2 by rows under TP); over tiles of
+    ``GPTConfig.mlp_tile_tokens`` positions when it is > 0."""
 
     def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -184,10 +194,19 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(Fw, C, bias=config.bias, group=tp_group)
         self.fc2.residual_out = True  # scaled init (GPT-2)
         self.drop = nn.Dropout(config.dropout)
+        self.tile_tokens = config.mlp_tile_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < self.tile_tokens < x.shape[1]:
+            y = tiled(self._widen_and_back, x, list(self.parameters()), self.tile_tokens)  # (B, T, C)
+        else:
+            y = self._widen_and_back(x)  # (B, T, C)
+        # NOTE: dropout outside the tiles: one mask for the whole output, drawn as without tiles
+        return self.drop(y)
+
+    def _widen_and_back(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.fc1(x))  # (B, T, F)
-        return self.drop(self.fc2(h))  # (B, T, C)
+        return self.fc2(h)  # (B, T, C)
 
 
 class Block(nn.Module):

@@ -226,12 +226,30 @@ def meta_model(spec: HFModelConfig) -> nn.Module:
         raise ValueError(f"{where}: {spec.architecture} is an encoder-decoder model; only causal LMs (one stack of "
                          "decoder blocks) load")
     config.use_cache = False  # NOTE: a training forward must not append to a KV cache
+    attention = _attention_implementation(config, where)
     try:
         with _parameters_on_meta():
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention)
     except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
         raise ValueError(f"{where}: transformers {transformers.__version__} builds no causal LM for model_type "
                          f"{config.model_type!r} ({first_line(e)})") from None
+
+
+def _attention_implementation(config, where: str) -> dict:
+    """``from_config``'s keyword for attention: SDPA (flash / memory-efficient kernels, no T x T
+    scores; no T x T mask for an unpadded causal batch in transformers 5) whatever config.json
+    asks, unless the family has none (Gemma 2's soft-capped scores, GPT-J, BLOOM's ALiBi): then
+    its own, said once."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    kind = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+    if kind is None:
+        return {}  # NOTE: refused in one line by from_config's caller
+    if getattr(kind, "_supports_sdpa", False):
+        return {"attn_implementation": "sdpa"}
+    log.info("%s: %s has no SDPA attention in transformers: its own attention holds T x T scores per head",
+             where, kind.__name__)
+    return {}
 
 
 def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:

@@ -301,7 +301,8 @@ def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) ->
     work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
                     overlap="forward" if rt.needs_global_grad else "backward",
                     device_reserve_bytes=0, host_reserve_bytes=0, finetune=config.finetune,
-                    loss_chunk_tokens=None if config.data.loss_chunk == "auto" else config.data.loss_chunk)
+                    loss_chunk_tokens=None if config.data.loss_chunk == "auto" else config.data.loss_chunk,
+                    mlp_tile_tokens=config.mlp_tile_tokens)
     n = len(model.blocks)
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot

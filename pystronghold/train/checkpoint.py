@@ -107,8 +107,11 @@ def _pipeline(trainer):
 
 
 def _model_dict(config) -> dict:
-    """The model config as the manifest keeps it: ``tp_size`` 1 (the format holds whole tensors)."""
-    return dataclasses.asdict(dataclasses.replace(config, tp_size=1))
+    """The model config as the manifest keeps it: ``tp_size`` 1 (the format holds whole tensors),
+    without the run's ``mlp_tile_tokens`` (how the MLP runs, not what the weights are)."""
+    model = dataclasses.asdict(dataclasses.replace(config, tp_size=1))
+    model.pop("mlp_tile_tokens", None)
+    return model
 
 
 # ---- save

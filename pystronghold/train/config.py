@@ -18,10 +18,12 @@ from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
+from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError, component, option
 from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.precision import compute_dtype
 from pystronghold.token_files import TOKEN_DTYPES
 from pystronghold.train.context import hf_default_seq
 from pystronghold.train.model_spec import model_lr, resolve_model
@@ -34,6 +36,11 @@ __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "
 def _loss_chunk_from_text(text: str, flag: str) -> int | str:
     """``--loss-chunk``: a number as an int; 'auto' (and anything else, refused) as it is."""
     return int(text) if text.strip().lstrip("-").isdigit() else text
+
+
+def _mlp_tile_from_text(text: str, flag: str) -> int | str:
+    """``--mlp-tile``: a number as an int, 'off' as 0; 'auto' (and anything else, refused) as it is."""
+    return 0 if text.strip() == "off" else _loss_chunk_from_text(text, flag)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,6 +79,12 @@ class DataOptions:
     """Tokens whose logits the loss holds at once: the LM head and cross-entropy run chunk by chunk,
     so a long sequence never holds its full (T, V) logits; auto: as many as 256 MiB of fp32 logits
     take (``nn.chunked_loss.loss_chunk_tokens``), 0: every token at once."""
+    mlp_tile: int | str = option("auto", parse=_mlp_tile_from_text, metavar="TOKENS|auto|off")
+    """Positions of every sample whose MLP intermediate a block holds at once: the MLPs run over
+    tiles of the sequence, forward and backward (one more MLP forward per block), so a long
+    sequence never holds its full (B, T, F) intermediate; auto: tiles when that intermediate would
+    take more than 256 MiB at the compute precision, as many positions as fit it
+    (``nn.tiled.mlp_tile_tokens``); off (0): untiled."""
     token_dtype: str = field(default="auto", metadata={"choices": TOKEN_DTYPES})
     """Id type of a .bin token file: uint16, uint32, or auto: uint16 when the model's vocabulary has at
     most 65536 entries, else uint32 (a .npy file's header gives its own)."""
@@ -92,6 +105,11 @@ class DataOptions:
             raise ValueError(f"--seq must be >= 0, got {self.seq}")
         if self.loss_chunk != "auto" and (not isinstance(self.loss_chunk, int) or self.loss_chunk < 0):
             raise ConfigError(self, "loss_chunk=", "must be a number of tokens >= 0 or 'auto'")
+        if self.mlp_tile == "off":
+            self.mlp_tile = 0
+        if self.mlp_tile != "auto" and (isinstance(self.mlp_tile, bool) or not isinstance(self.mlp_tile, int)
+                                        or self.mlp_tile < 0):
+            raise ConfigError(self, "mlp_tile=", "must be a number of tokens >= 0, 'auto' or 'off'")
 
     def loss_chunk_tokens(self, vocab_size: int) -> int:
         """Tokens per loss chunk for a model of ``vocab_size`` (0: one chunk, every token at once)."""
@@ -326,13 +344,13 @@ class TrainConfig:
         from pystronghold.planner.cost import Workload, block_activation_bytes, tail_activation_bytes
         from pystronghold.runtime.placement import available_host_bytes
 
-        cfg, seq, par = self.gpt, self.seq, self.parallel
-        batch = max(par.dp_split) if par.dp_split is not None else self.data.batch // par.dp_size
+        cfg, seq, batch = self.gpt, self.seq, self.local_batch
         # (x, y) int64 (B, T) each: the validation batches are held for the run, one step's made at a time
         need = 16 * batch * seq * (self.run.eval_batches + self.runtime.accumulation_steps)
         if self.runtime.device == "cpu" and isinstance(cfg, GPTConfig):
             work = Workload(batch=batch, seq=seq, precision=self.runtime.precision,
-                            loss_chunk_tokens=None if self.data.loss_chunk == "auto" else self.data.loss_chunk)
+                            loss_chunk_tokens=None if self.data.loss_chunk == "auto" else self.data.loss_chunk,
+                            mlp_tile_tokens=self.mlp_tile_tokens)
             need += tail_activation_bytes(cfg, work, seq) + block_activation_bytes(cfg, work, seq)
         avail = available_host_bytes()
         if need > avail:
@@ -411,6 +429,32 @@ class TrainConfig:
         if isinstance(cfg, HFModelConfig):
             return self.data.seq or self.seq_default[0]
         return self.data.seq or cfg.seq_len
+
+    @property
+    def local_batch(self) -> int:
+        """Samples of one micro-batch on this process (its share of --batch under --dp)."""
+        par = self.parallel
+        return max(par.dp_split) if par.dp_split is not None else self.data.batch // par.dp_size
+
+    @property
+    def mlp_tile_tokens(self) -> int:
+        """Positions per MLP tile in effect (0: untiled): --mlp-tile, or for auto
+        ``nn.tiled.mlp_tile_tokens`` of this process's micro-batch, the model's MLP width (this
+        rank's columns) and the compute precision (untiled for a model whose shape the planner
+        cannot read)."""
+        if self.data.mlp_tile != "auto":
+            return self.data.mlp_tile
+        cfg = self.gpt
+        if isinstance(cfg, HFModelConfig):
+            from pystronghold.planner.hf_shape import read_hf_shape
+
+            try:
+                width = read_hf_shape(cfg.source).mlp_width
+            except (ValueError, KeyError, ImportError):
+                return 0
+        else:
+            width = cfg.ffn_hidden // cfg.tp_size
+        return mlp_tile_tokens(self.local_batch, self.seq, width, compute_dtype(self.runtime.precision).itemsize)
 
     @property
     def seq_default(self) -> tuple[int, str]:

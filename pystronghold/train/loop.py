@@ -22,6 +22,7 @@ from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT
 from pystronghold.models.hf import HFModelConfig
 from pystronghold.models.hf_loss import chunked_causal_lm_loss
+from pystronghold.models.hf_tiling import tile_mlps
 from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.api import wrap
 from pystronghold.tokenized import training_corpus
@@ -128,10 +129,17 @@ class Trainer:
         materialize = None
         self.loss_chunk = data.loss_chunk_tokens(cfg.vocab_size if self.hf else cfg.padded_vocab_size // cfg.tp_size)
         """Tokens per chunk of the loss (``--loss-chunk``; 0: the full logits at once)."""
+        tile = config.mlp_tile_tokens  # positions per MLP tile (--mlp-tile; 0: untiled)
         if self.hf:  # blocks always built one at a time from the shards (a model larger than the host)
             self.model, blocks, materialize = hf_model.model, hf_model.blocks, hf_model.materialize
+            if tile:
+                log.info("MLP: %d of %d blocks run over tiles of %d positions", tile_mlps(self.model, tile),
+                         len(blocks), tile)
         else:
-            self.model = GPT(cfg, seed=run.seed, tp_group=self.groups.tp_group if self.groups is not None else None,
+            if tile:
+                log.info("MLP: every block runs over tiles of %d positions", tile)
+            self.model = GPT(dataclasses.replace(cfg, mlp_tile_tokens=tile), seed=run.seed,
+                             tp_group=self.groups.tp_group if self.groups is not None else None,
                              materialize_blocks=False)
             self.model.tail.loss_chunk_tokens = self.loss_chunk
             blocks = self.model.blocks

@@ -73,6 +73,9 @@ def resolve_model(name: str) -> GPTConfig | HFModelConfig:
         spec.pop("lr", None)
         known = {f.name for f in fields(GPTConfig)}
         unknown = sorted(set(spec) - known)
+        if "mlp_tile_tokens" in spec:  # NOTE: how the MLP runs, not what the model is
+            raise ValueError(f"--model: {name}: mlp_tile_tokens is a setting of the run, not of the model: "
+                             "give --mlp-tile instead")
         if unknown:
             raise ValueError(f"--model: {name} has unknown GPTConfig fields {unknown}")
         try:
