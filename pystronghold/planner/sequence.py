@@ -15,7 +15,8 @@ costed in ``planner/cost.py``, ``planner/memory.py`` and ``timeline.with_sequenc
   outlast the compute.
 
 ``choose_sequence_settings`` picks the fewest of them that make a context fit (among as few, the
-fastest predicted step); ``longest_context`` searches the longest T at batch 1.
+fastest predicted step), those the caller fixed kept as they are; ``longest_context`` searches the
+longest T at batch 1.
 """
 
 from __future__ import annotations
@@ -27,18 +28,17 @@ from dataclasses import dataclass
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.models.hf import HF_DEFAULT_SEQ
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
+from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.planner.cost import Workload, block_activation_bytes
 from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.plan import Plan, make_plan
 
-__all__ = ["SequenceSettings", "LongestContext", "SETTINGS", "MLP_TILE_TOKENS",
+__all__ = ["SequenceSettings", "LongestContext", "SETTINGS",
            "settings_words", "loss_chunk_for", "mlp_tile_for", "activation_bytes_per_token", "offload_link_bytes",
            "plan_sequence", "choose_sequence_settings", "longest_context", "default_context"]
 
 SETTINGS = ("loss_chunk", "mlp_tile", "head_tail_host", "offload_inputs")
 """The settings, cheapest first: the order ties are broken in."""
-MLP_TILE_TOKENS = 8192
-"""Tokens per tile of the tiled MLP (fewer when T is short, so that tiling bounds something)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,9 +104,11 @@ def loss_chunk_for(config: GPTConfig, work: Workload, seq: int) -> int:
     return min(work.batch * seq, loss_chunk_tokens(config.padded_vocab_size // config.tp_size))
 
 
-def mlp_tile_for(seq: int) -> int:
-    """Tokens per MLP tile at context ``seq``: ``MLP_TILE_TOKENS``, or a quarter of a shorter T."""
-    return MLP_TILE_TOKENS if seq > MLP_TILE_TOKENS else max(1, seq // 4)
+def mlp_tile_for(config: GPTConfig, work: Workload, seq: int) -> int:
+    """Tokens per MLP tile (of each sample) as ``--mlp-tile auto`` takes them: ``nn.tiled``'s rule on
+    this rank's MLP width at the compute precision; 0 (untiled) when the whole (B, T, F)
+    intermediate is within its budget, so tiling would bound nothing worth a recompute."""
+    return mlp_tile_tokens(work.batch, seq, config.ffn_hidden // config.tp_size, work.dtype_bytes)
 
 
 def activation_bytes_per_token(config: GPTConfig, work: Workload) -> int:
@@ -130,10 +132,27 @@ def offload_link_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
     return 2 * config.layers * work.batch * seq * config.hidden * work.dtype_bytes
 
 
-def _settings(config: GPTConfig, work: Workload, seq: int, on: tuple[str, ...]) -> SequenceSettings:
-    return SequenceSettings(seq=seq, loss_chunk_tokens=loss_chunk_for(config, work, seq) if "loss_chunk" in on else 0,
-                            mlp_tile_tokens=mlp_tile_for(seq) if "mlp_tile" in on else 0,
-                            head_tail_on_host="head_tail_host" in on, offload_block_inputs="offload_inputs" in on)
+def _given(work: Workload, name: str, config: GPTConfig, seq: int) -> int | bool:
+    """The value ``work`` holds for setting ``name`` (a loss chunk left to the runtime, None, as
+    ``--loss-chunk auto`` takes it)."""
+    if name == "loss_chunk":
+        chunk = work.loss_chunk_tokens
+        return loss_chunk_for(config, work, seq) if chunk is None else chunk
+    return {"mlp_tile": work.mlp_tile_tokens, "head_tail_host": work.head_tail_on_host,
+            "offload_inputs": work.offload_block_inputs}[name]
+
+
+def _settings(config: GPTConfig, work: Workload, seq: int, on: tuple[str, ...],
+              free: tuple[str, ...] = SETTINGS) -> SequenceSettings:
+    """The settings at ``seq`` with those of ``free`` in ``on`` turned on and the rest of ``free``
+    off; a setting not in ``free`` keeps its value in ``work``."""
+    chosen = {"loss_chunk": loss_chunk_for(config, work, seq), "mlp_tile": mlp_tile_for(config, work, seq),
+              "head_tail_host": True, "offload_inputs": True}
+    value = {name: (chosen[name] if name in on else type(chosen[name])(0)) if name in free
+             else _given(work, name, config, seq) for name in SETTINGS}
+    return SequenceSettings(seq=seq, loss_chunk_tokens=value["loss_chunk"], mlp_tile_tokens=value["mlp_tile"],
+                            head_tail_on_host=bool(value["head_tail_host"]),
+                            offload_block_inputs=bool(value["offload_inputs"]))
 
 
 def plan_sequence(config: GPTConfig, work: Workload, hw: Hardware, settings: SequenceSettings) -> Plan:
@@ -144,27 +163,32 @@ def plan_sequence(config: GPTConfig, work: Workload, hw: Hardware, settings: Seq
     return make_plan(config, settings.workload(work), hw)
 
 
-def choose_sequence_settings(config: GPTConfig, work: Workload, hw: Hardware, seq: int) -> SequenceSettings:
+def choose_sequence_settings(config: GPTConfig, work: Workload, hw: Hardware, seq: int, *,
+                             free: tuple[str, ...] = SETTINGS) -> SequenceSettings:
     """The fewest long-context settings with which ``config`` trains at ``seq`` tokens per sample
     (``work.batch`` samples) on ``hw``, each of which costs step time or host memory.
 
-    Every subset of ``SETTINGS`` is planned (``make_plan``, K and W chosen); the smallest subsets
-    that fit win, among them the fastest predicted step, then the cheapest settings (``SETTINGS``
-    order). No proper subset of the result fits. When nothing fits, all four settings with
-    ``fits=False``. ``train`` applies the result as --loss-chunk, --mlp-tile, --head-tail and
-    --offload-activations."""
+    Every subset of the settings named in ``free`` (of ``SETTINGS``) is planned (``make_plan``, K
+    and W chosen); the others keep their values in ``work``. The smallest subsets that fit win,
+    among them the fastest predicted step, then the cheapest settings (``SETTINGS`` order). No
+    proper subset of the result fits. When nothing fits, every free setting on, ``fits=False``.
+    ``train`` applies it to its "auto" --head-tail and --offload-activations (``train/long_context.py``)."""
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
         raise ValueError(f"seq must be a positive int, got {seq!r}")
-    for size in range(len(SETTINGS) + 1):
+    unknown = set(free) - set(SETTINGS)
+    if unknown:
+        raise ValueError(f"choose_sequence_settings: free settings {sorted(unknown)} are not among {SETTINGS}")
+    free = tuple(name for name in SETTINGS if name in free)
+    for size in range(len(free) + 1):
         fitting = []
-        for rank, on in enumerate(itertools.combinations(SETTINGS, size)):
-            settings = _settings(config, work, seq, on)
+        for rank, on in enumerate(itertools.combinations(free, size)):
+            settings = _settings(config, work, seq, on, free)
             plan = plan_sequence(config, work, hw, settings)
             if plan.fits:
                 fitting.append((plan.step.total_s, rank, settings))
         if fitting:
             return min(fitting, key=lambda f: f[:2])[2]
-    return dataclasses.replace(_settings(config, work, seq, SETTINGS), fits=False)
+    return dataclasses.replace(_settings(config, work, seq, free, free), fits=False)
 
 
 def longest_context(config: GPTConfig, work: Workload, hw: Hardware, *, limit: int = 1 << 24,

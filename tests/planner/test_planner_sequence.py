@@ -19,8 +19,8 @@ from pystronghold.planner.cost import INPUTS_IN_FLIGHT, block_activation_bytes, 
 from pystronghold.planner.hardware import GiB
 from pystronghold.planner.memory import device_memory
 from pystronghold.planner.sequence import (SETTINGS, SequenceSettings, activation_bytes_per_token,
-                                           choose_sequence_settings, longest_context, offload_link_bytes,
-                                           plan_sequence)
+                                           choose_sequence_settings, loss_chunk_for, longest_context,
+                                           mlp_tile_for, offload_link_bytes, plan_sequence)
 from runtime_models import saved_activation_bytes
 
 MODELS = Path(__file__).resolve().parents[2] / "bench" / "models"
@@ -129,6 +129,29 @@ def test_chosen_settings_fit_and_no_fewer_do(seq):
     assert len(names) == {32768: 0, 65536: 1, 131072: 2, 196608: 3}[seq]
 
 
+def test_settings_not_free_keep_their_values_and_the_free_ones_are_chosen():
+    """``free`` names what may change: the chunked loss the caller left off stays off, and the
+    fewest of the free settings that fit beside it are chosen (here it takes more of them than
+    the free choice of all four, which turns the chunked loss on)."""
+    seq = 131072
+    cfg = GPTConfig(vocab_size=50257, vocab_pad_multiple=128, seq_len=seq, layers=24, hidden=2048, heads=16)
+    hw = _hw("rtx4090", host_gib=128, nvme_gib=0)
+    work = Workload(loss_chunk_tokens=0)
+    anything = choose_sequence_settings(cfg, work, hw, seq)
+    fixed = choose_sequence_settings(cfg, work, hw, seq, free=("head_tail_host", "offload_inputs"))
+    assert "loss_chunk" in anything.chosen and anything.fits
+    assert fixed.loss_chunk_tokens == 0 and fixed.mlp_tile_tokens == 0
+    assert set(fixed.chosen) <= {"head_tail_host", "offload_inputs"}
+    assert fixed.fits == plan_sequence(cfg, work, hw, fixed).fits
+    if fixed.fits:  # nothing fewer of the free ones fits
+        for on in itertools.combinations(fixed.chosen, len(fixed.chosen) - 1):
+            fewer = dataclasses.replace(fixed, head_tail_on_host="head_tail_host" in on,
+                                        offload_block_inputs="offload_inputs" in on)
+            assert not plan_sequence(cfg, work, hw, fewer).fits
+    with pytest.raises(ValueError, match="not among"):
+        choose_sequence_settings(cfg, work, hw, seq, free=("loss",))
+
+
 def test_nothing_fits_reports_every_setting_and_fits_false():
     cfg = GPTConfig(vocab_size=256, seq_len=1 << 20, layers=4, hidden=4096, heads=32)
     got = choose_sequence_settings(cfg, Workload(), _hw("rtx4090", host_gib=64, nvme_gib=0), 1 << 20)
@@ -146,7 +169,9 @@ def test_longest_context_grows_with_device_memory_and_is_the_edge():
         got = longest_context(cfg, work, hw)
         assert got.seq >= previous and got.plan.fits
         previous = got.seq
-        everything = SequenceSettings(seq=got.seq + 1024, loss_chunk_tokens=1024, mlp_tile_tokens=8192,
+        longer = got.seq + 1024
+        everything = SequenceSettings(seq=longer, loss_chunk_tokens=loss_chunk_for(cfg, work, longer),
+                                      mlp_tile_tokens=mlp_tile_for(cfg, work, longer),
                                       head_tail_on_host=True, offload_block_inputs=True)
         assert not plan_sequence(cfg, work, hw, everything).fits
     assert previous > 0
