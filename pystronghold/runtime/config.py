@@ -14,7 +14,8 @@ from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.precision import DTYPES
 
-__all__ = ["RuntimeConfig", "ResolvedModes", "OVERLAP_MODES", "NVME_STATES", "SCHEDULES"]
+__all__ = ["RuntimeConfig", "ResolvedModes", "OVERLAP_MODES", "NVME_STATES", "SCHEDULES", "OFFLOAD_AUTO_FRACTION",
+           "offload_in_effect"]
 
 OVERLAP_MODES = ("auto", "backward", "forward", "none")
 NVME_STATES = ("auto", "all")
@@ -27,16 +28,34 @@ def _window_from_text(text: str, flag: str) -> int | str:
     return int(text) if text.strip().lstrip("-").isdigit() else text
 
 
-def _offload_from_text(text: str, flag: str) -> bool | int:
-    """``--offload-activations``: 'on' (True), 'off' (False) or a size in bytes (``parse_bytes``)."""
-    words = {"on": True, "off": False}
+def _offload_from_text(text: str, flag: str) -> bool | int | str:
+    """``--offload-activations``: 'on' (True), 'off' (False), 'auto' or a size in bytes (``parse_bytes``)."""
+    words = {"on": True, "off": False, "auto": "auto"}
     if text.strip().lower() in words:
         return words[text.strip().lower()]
     try:
         return parse_bytes(text, flag)
     except ValueError:
-        raise ValueError(f"{flag} must be 'on', 'off' or a size in bytes like 12e9, 8G or 8GiB, "
+        raise ValueError(f"{flag} must be 'on', 'off', 'auto' or a size in bytes like 12e9, 8G or 8GiB, "
                          f"got {text!r}") from None
+
+
+OFFLOAD_AUTO_FRACTION = 0.25
+"""``offload_block_inputs="auto"`` keeps saved block inputs on a CUDA device up to this fraction of
+its memory per pass and offloads the rest (``pystronghold train`` asks the planner instead when it
+knows the device budget)."""
+
+
+def offload_in_effect(config: "RuntimeConfig", device_total_bytes: int | None) -> bool | int:
+    """``config.offload_block_inputs`` with "auto" resolved: False where offload does not apply
+    (no recompute, the relay schedule, or the CPU backend, ``device_total_bytes`` None: its
+    "device" is host memory), else ``OFFLOAD_AUTO_FRACTION`` of ``device_total_bytes``, in bytes."""
+    offload = config.offload_block_inputs
+    if offload != "auto":
+        return offload
+    if not config.checkpointing or config.schedule_mode == "relay" or device_total_bytes is None:
+        return False
+    return int(OFFLOAD_AUTO_FRACTION * device_total_bytes)
 
 
 def _norm_from_text(text: str, flag: str) -> float | None:
@@ -115,7 +134,8 @@ class RuntimeConfig:
                                            metavar="host|device|auto", help=(
         "Where the head and tail (embedding, final norm, LM head) keep their fp32 masters and AdamW moments: "
         "'host' (updated by the host Adam; the device keeps their compute-precision values and gradients), "
-        "'device', or 'auto': host when on the device they would take over 1/8 of a CUDA device's memory."))
+        "'device', or 'auto': host only when the run would not fit the device without (`train` asks the planner, "
+        "see --device-budget-mb; without a device budget: when they would take over 1/8 of a CUDA device)."))
     """True: the head and tail's fp32 masters and AdamW moments live in host memory (pinned on
     CUDA) and the fused CPU Adam updates them at ``step()``; the device keeps only their values and
     gradients in the compute dtype (``runtime/head_tail.py``). False: on the device, updated by a
@@ -142,18 +162,20 @@ class RuntimeConfig:
     """schedule="relay": device bytes the saved block inputs of a pass (every block's input for
     every micro-batch, m times the default schedule's) may use; those beyond are staged through
     (pinned) host memory and brought back before their block's backward. None: all on the device."""
-    offload_block_inputs: bool | int = option(False, flag="--offload-activations", metavar="on|off|BYTES",
-                                              parse=_offload_from_text, help=(
+    offload_block_inputs: bool | int | str = option(False, flag="--offload-activations", metavar="on|off|auto|BYTES",
+                                                    parse=_offload_from_text, help=(
         "Copy each recomputed block's saved input to host memory while the next block computes, and back "
         "ahead of its backward (the same results): 'on' for every block, BYTES to keep that many on the "
-        "device and offload the rest, 'off'. Not with --schedule relay (see --relay-activations)."))
+        "device and offload the rest, 'off', or 'auto': only when the run would not fit the device without "
+        "(the planner decides; see --device-budget-mb). Not with --schedule relay (see --relay-activations)."))
     """The default schedule's input offload (``runtime/saved_inputs.py``): each recomputed block's
     saved input (what this forward made, never a user's tensor, a parameter or a tensor made
     without a graph) is copied to (pinned) host memory by the copy engine after the block's compute
     and its device memory given up once the copy is done; in backward it is brought back one block
     ahead of its recompute. False: all stay on the device; True: all offloaded; an int: device
-    bytes they may hold in a pass (the first blocks' stay), the rest offloaded. Bit-identical to
-    False. Needs ``checkpointing``; the relay schedule stages by ``relay_activation_bytes`` instead.
+    bytes they may hold in a pass (the first blocks' stay), the rest offloaded; "auto":
+    ``offload_in_effect``'s rule. Bit-identical to False. Needs ``checkpointing``; the relay schedule
+    stages by ``relay_activation_bytes`` instead.
     The staged bytes use host memory beyond ``host_memory_bytes``."""
     layer_drop: float = option(0.0, help=(
         "Probability that a streamed block is skipped in a training step (LayerDrop; the block is the "
@@ -274,13 +296,14 @@ class RuntimeConfig:
             raise ConfigError(self, "relay_activation_bytes", f"must be an int >= 0 (bytes) or None, "
                               f"got {self.relay_activation_bytes!r}")
         offload = self.offload_block_inputs
-        if not isinstance(offload, bool) and (type(offload) is not int or offload < 0):
-            raise ConfigError(self, "offload_block_inputs", f"must be True, False or an int >= 0 (device bytes), "
-                              f"got {offload!r}")
-        if offload is not False and not self.checkpointing:
+        if offload != "auto" and not isinstance(offload, bool) and (type(offload) is not int or offload < 0):
+            raise ConfigError(self, "offload_block_inputs", f"must be True, False, 'auto' or an int >= 0 "
+                              f"(device bytes), got {offload!r}")
+        # "auto" applies only where it can (offload_in_effect)
+        if offload is not False and offload != "auto" and not self.checkpointing:
             raise ConfigError(self, "offload_block_inputs", "needs `checkpointing` (without recompute a block "
                               "keeps all its activations, not just its input)")
-        if offload is not False and self.schedule_mode == "relay":
+        if offload is not False and offload != "auto" and self.schedule_mode == "relay":
             raise ConfigError(self, "offload_block_inputs", "applies to the default schedule; the relay "
                               "schedule stages saved block inputs beyond `relay_activation_bytes` bytes")
         if isinstance(self.layer_drop, bool) or not isinstance(self.layer_drop, (int, float)) \

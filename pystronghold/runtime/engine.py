@@ -9,6 +9,7 @@ docs/DESIGN.md "Window runtime".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -16,13 +17,14 @@ import torch
 
 from pystronghold.runtime import block_fn, relay
 from pystronghold.runtime.build import build_optimizers, build_parts
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig, offload_in_effect
 from pystronghold.runtime.executor import PassExecutor
 from pystronghold.runtime.host_time import HostSpans
 from pystronghold.runtime.schedule import Plan
 from pystronghold.runtime.inputs import forward_signature, move_inputs
 from pystronghold.runtime.memory_report import EngineMemory, measure_memory
 from pystronghold.optim.window_optimizer import WindowOptimizer
+from pystronghold.runtime.prepare import device_total_bytes
 from pystronghold.runtime.optimizer_state import (engine_state_dict, load_engine_state_dict,
                                                   load_optimizer_state_dict, optimizer_state_dict)
 from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
@@ -44,6 +46,9 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, config: RuntimeConfig,
                  materialize=None) -> None:
+        if config.offload_block_inputs == "auto":  # the engine's config says what is in effect
+            config = dataclasses.replace(config, offload_block_inputs=offload_in_effect(
+                config, device_total_bytes(config.device)))
         self.model, self.config = model, config
         parts = build_parts(model, blocks, config, materialize)
         # the parts others read by their public names; the store, window, plans, updates, executor
