@@ -34,7 +34,7 @@ from pystronghold.planner.timeline import StepTime
 from pystronghold.runtime.precision import compute_dtype
 from pystronghold.runtime.placement import available_host_bytes
 
-__all__ = ["AutoWindow", "HFProbe", "measure_costs", "choose_runtime_window", "device_reserve_bytes",
+__all__ = ["AutoWindow", "HFProbe", "measure_costs", "choose_runtime_window", "device_budget", "device_reserve_bytes",
            "DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,20 @@ def device_reserve_bytes(total_bytes: int) -> int:
     not count needs room too: the caching allocator's fragmentation, cuBLAS/cuDNN workspaces, the
     kernels' temporaries (the loss's fp32 copies of the logits), NCCL buffers and the probe's error."""
     return max(DEVICE_RESERVE_MIN_BYTES, int(DEVICE_RESERVE_FRACTION * total_bytes))
+
+
+def device_budget(config) -> tuple[int, int, int] | None:
+    """(budget, free, reserve): the device bytes the planner may fill for ``config`` (a
+    TrainConfig): ``--device-budget-mb`` (free and reserve 0), or a CUDA device's free memory less
+    ``device_reserve_bytes``; None on the CPU backend without ``--device-budget-mb``."""
+    if config.auto_window.device_budget_mb:
+        return int(config.auto_window.device_budget_mb * 2**20), 0, 0
+    device = torch.device(config.runtime.device)
+    if device.type != "cuda":
+        return None
+    free, total = _free_device_bytes(device)
+    reserve = device_reserve_bytes(total)
+    return max(free - reserve, 0), free, reserve
 
 
 def _free_device_bytes(device: torch.device) -> tuple[int, int]:
@@ -286,11 +300,14 @@ def _head_tail_seconds(cfg, work: Workload, device: torch.device, reps: int) -> 
     return _timed(step, device, reps)
 
 
-def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) -> AutoWindow:
+def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None,
+                          settings: dict | None = None) -> AutoWindow:
     """K, the resident recompute and W for ``model`` trained with ``config`` (a TrainConfig) within
     its device budget (K as given when ``--resident-blocks`` is > 0); logs the split and why.
-    ``blocks``: the model's block stack (needed for a Hugging Face model, ``--model hf:DIR``)."""
-    rt = config.runtime
+    ``blocks``: the model's block stack (needed for a Hugging Face model, ``--model hf:DIR``).
+    ``settings``: RuntimeConfig fields decided since (``train.long_context``), over ``config``'s."""
+    rt, settings = config.runtime, settings or {}
+    offload = settings.get("offload_block_inputs", rt.offload_block_inputs)
     device = torch.device(rt.device)
     if isinstance(config.gpt, HFModelConfig):
         from pystronghold.planner.hf_shape import read_hf_shape
@@ -302,19 +319,13 @@ def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None) ->
                     overlap="forward" if rt.needs_global_grad else "backward",
                     device_reserve_bytes=0, host_reserve_bytes=0, finetune=config.finetune,
                     loss_chunk_tokens=None if config.data.loss_chunk == "auto" else config.data.loss_chunk,
-                    mlp_tile_tokens=config.mlp_tile_tokens)
+                    mlp_tile_tokens=config.mlp_tile_tokens, head_tail_on_host=settings.get(
+                        "head_tail_on_host", rt.head_tail_on_host) is True,
+                    offload_block_inputs=offload is not False and offload != "auto")
     n = len(model.blocks)
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
-    free = reserve = 0
-    if config.auto_window.device_budget_mb:
-        budget = int(config.auto_window.device_budget_mb * 2**20)
-    elif device.type == "cuda":
-        free, total = _free_device_bytes(device)
-        reserve = device_reserve_bytes(total)
-        budget = max(free - reserve, 0)
-    else:
-        budget = base + 4 * probe.slot_bytes
+    budget, free, reserve = device_budget(config) or (base + 4 * probe.slot_bytes, 0, 0)
     fixed = None if rt.resident_blocks in ("auto", 0) else rt.resident_blocks  # else K as given
     if fixed is not None and fixed > n:
         raise ConfigError(rt, "resident_blocks", f"({fixed}) is more than the model's {n} blocks")

@@ -157,8 +157,10 @@ class AutoWindowOptions:
     """How --window auto chooses W."""
 
     device_budget_mb: float = 0.0
-    """window=auto only: device bytes the split may use, MiB; 0: on CUDA the free memory less a reserve
-    (``train.autowindow.device_reserve_bytes``), on the CPU head/tail, activations and 4 slots."""
+    """Device bytes the planner may fill, MiB: the split of --window auto and the "auto" --head-tail
+    and --offload-activations (``train/long_context.py``); 0: on CUDA the free memory less a reserve
+    (``train.autowindow.device_reserve_bytes``); on the CPU --window auto takes head/tail,
+    activations and 4 slots, and the two "auto" settings the runtime's rules."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.device_budget_mb < math.inf:
@@ -251,9 +253,10 @@ def _sizes_text(sizes: tuple[int, ...]) -> str:
     return ",".join(str(b) for b in sizes)
 
 
-TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0}
+TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0, "head_tail_on_host": "auto", "offload_block_inputs": "auto"}
 """Where ``pystronghold train``'s defaults differ from ``RuntimeConfig``'s: it clips at 1.0 (GPT-3,
-nanoGPT) and lets the rule place head and tail (``runtime.head_tail.head_tail_on_host``)."""
+nanoGPT), and places head and tail and the saved block inputs by the planner (off the device only
+when the run would not fit without: ``train/long_context.py``)."""
 
 TRAIN_RUNTIME_HIDDEN = ("checkpointing", "resident_recompute", "overlap", "strict", "trace", "copy_threads",
                         "init_threads", "initial_loss_scale", "loss_scale_interval")

@@ -153,19 +153,22 @@ class Trainer:
             from pystronghold.train.finetune import freeze_matching
 
             freeze_matching(self.model, config.finetune.freeze)
+        from pystronghold.train.long_context import choose_long_context_settings
+
+        long_context = choose_long_context_settings(config)  # --head-tail, --offload-activations auto
         self.auto_window = None
         split = {}
         if config.runtime.window == "auto":
             from pystronghold.train.autowindow import choose_runtime_window
 
-            self.auto_window = choose_runtime_window(self.model, config, blocks)
+            self.auto_window = choose_runtime_window(self.model, config, blocks, long_context)
             split = self.auto_window.wrap_options()
         o = config.optim
-        # NOTE: the run's RuntimeConfig as the user gave it, plus what only exists now: W, K and the
-        # resident recompute chosen by --window auto, the process groups, the AdamW of OptimOptions;
-        # the trace feeds the metrics.
+        # NOTE: the run's RuntimeConfig as the user gave it, plus what only exists now: the long-context
+        # settings and W, K and the resident recompute the planner chose, the process groups, the
+        # AdamW of OptimOptions; the trace feeds the metrics.
         runtime = dataclasses.replace(
-            config.runtime, trace=True, parallel=self.groups, **split,
+            config.runtime, trace=True, parallel=self.groups, **long_context, **split,
             optimizer=AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay, decay=o.decay))
         self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.pipelining)
         if par.pp > 1:

@@ -75,8 +75,9 @@ def test_help_of_a_runtime_option_is_its_field_metadata(capsys):
     assert "--accumulation N Micro-batches per optimizer step. (default: 1)" in out
 
 
-def test_offload_activations_is_on_off_or_a_device_byte_budget():
-    assert _train().runtime.offload_block_inputs is False
+def test_offload_activations_is_on_off_auto_or_a_device_byte_budget():
+    assert _train().runtime.offload_block_inputs == "auto" and _train().runtime.head_tail_on_host == "auto"
+    assert _train("--offload-activations", "auto").runtime.offload_block_inputs == "auto"
     assert _train("--offload-activations", "on").runtime.offload_block_inputs is True
     assert _train("--offload-activations", "off").runtime.offload_block_inputs is False
     assert _train("--offload-activations", "2GiB").runtime.offload_block_inputs == 2 * 2**30
@@ -84,7 +85,7 @@ def test_offload_activations_is_on_off_or_a_device_byte_budget():
 
 @pytest.mark.parametrize("argv, message", [
     (["--offload-activations", "yes"],
-     "--offload-activations must be 'on', 'off' or a size in bytes like 12e9, 8G or 8GiB, got 'yes'"),
+     "--offload-activations must be 'on', 'off', 'auto' or a size in bytes like 12e9, 8G or 8GiB, got 'yes'"),
     (["--offload-activations", "on", "--accumulation", "2", "--schedule", "relay"],
      "--offload-activations applies to the default schedule; the relay schedule stages saved block inputs "
      "beyond --relay-activations bytes"),
