@@ -41,7 +41,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_verify_big import big_train, largest_train  # noqa: E402
+from gpu_verify_big import big_train, largest_train, long_context_train  # noqa: E402
 from gpu_verify_extra import extra_stages  # noqa: E402
 from stage_runner import (ROOT, Command, CommandRun, Context, Stage, StageResult, Target,  # noqa: E402
                           read_records, run_suite)
@@ -300,6 +300,8 @@ def suites() -> dict[str, list[Stage]]:
                   "--steps 8 --log-every 4", 110, 80, b16, b16_sum, dry_timeout_s=300),
             Stage("train-6.7b-b16-noclip", "the same with --clip 0 (clipping's cost)", 100, 70, b16n, b16n_sum,
                   dry_timeout_s=300),
+            Stage("train-6.7b-64k", "gpt3-6.7b's shape at 65,536 tokens a sample, batch 1, --window auto --clip 1, "
+                  "train's long-context defaults, 2 steps", 130, 60, *long_context_train(), dry_timeout_s=300),
             Stage("train-largest", "on a device of 139 GiB: the largest full fine-tune (>= 13B) the planner fits "
                   "in the time left", 600, 60, largest, largest_sum, dry_timeout_s=300),
         ],

@@ -4,7 +4,8 @@ reports: the store-fill phases, the split the planner chose and its predicted st
 measured one, step time over a multi-step logging interval and model TFLOP/s, device peak, host
 peak RSS, whether the loss falls, and (the stage without clipping) clipping's cost. Then, on a
 device of 139 GiB, the largest full fine-tune of at least 13B (gpt3-13b's width, more layers when
-they fit) that the planner fits in memory and in the stage's time left."""
+they fit) that the planner fits in memory and in the stage's time left. Between them, gpt3-6.7b's
+shape at 64K tokens a sample with train's long-context defaults."""
 
 from __future__ import annotations
 
@@ -110,6 +111,70 @@ def big_train(batch: int, clip: float) -> tuple[Callable, Callable]:
             return
         if batch == 16 and tflops:
             result.targets.append(Target("6.7B b16: model TFLOP/s", f"{tflops:.0f}", ">= 300", tflops >= 300))
+
+    return commands, summarize
+
+
+LONG_SEQ, LONG_STEPS = 65536, 2
+"""The long-context stage: gpt3-6.7b's shape at 64K tokens a sample, 2 steps, timed over the second."""
+LONG_LINES = re.compile(r"(long context: .*|MLP: .*|seq: .*)")
+
+
+def long_context_train() -> tuple[Callable, Callable]:
+    """(commands, summarize) of the stage that trains gpt3-6.7b's shape (its positions raised to
+    ``LONG_SEQ``) at batch 1 with the defaults of ``train``: the chunked loss and MLP tiles by
+    their rules, head/tail and input offload as the planner chooses (the dry run: the tiny shape
+    at 256 tokens on the CPU)."""
+
+    def commands(ctx: Context) -> list[Command]:
+        nvme = ctx.work / "nvme-long"
+        shutil.rmtree(nvme, ignore_errors=True)
+        nvme.mkdir(parents=True)
+        metrics = ctx.work / "metrics-long.jsonl"
+        metrics.unlink(missing_ok=True)
+        seq = 256 if ctx.dry else LONG_SEQ
+        shape = ({"vocab_size": 256, "layers": 4, "hidden": 64, "heads": 4} if ctx.dry else
+                 {"vocab_size": 50257, "vocab_pad_multiple": 128, "layers": 32, "hidden": 4096, "heads": 32,
+                  "tie_embeddings": True})
+        model = ctx.work / "long-model.json"
+        model.write_text(json.dumps({**shape, "seq_len": seq}))
+        where = (["--device", "cpu", "--precision", "fp32"] if ctx.dry else
+                 ["--device", "cuda", "--precision", "bf16", "--lr", "1.2e-5"])
+        return [Command([ctx.python, "-m", "pystronghold", "train", "--model", str(model), *where, "--seq", str(seq),
+                         "--batch", "1", "--window", "auto", "--clip", "1", "--nvme", str(nvme),
+                         "--steps", str(LONG_STEPS), "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+                         "--val-fraction", "0.2", "--quiet", "--metrics-file", str(metrics),
+                         "--max-bytes", str(8 * seq)], label=f"train 6.7B shape at {seq} tokens")]
+
+    def summarize(ctx: Context, result: StageResult, runs: list[CommandRun]) -> None:
+        if not runs:
+            return
+        out = runs[-1].output
+        result.figures.extend(m.group(0)[:300] for m in LONG_LINES.finditer(out))
+        split = SPLIT_LINE.search(out)
+        if split:
+            result.figures.append(split.group(0)[:400])
+        metrics = ctx.work / "metrics-long.jsonl"
+        intervals = [m for m in (json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip())
+                     if "ms_per_step" in m] if metrics.exists() else []
+        result.data.update(intervals=intervals, host_peak_rss_bytes=runs[-1].max_rss_bytes)
+        if not intervals:
+            result.errors.append("no metrics line: the run made no step")
+            return
+        last, seq = intervals[-1], 256 if ctx.dry else LONG_SEQ
+        peak = max(m["device_peak_bytes"] for m in intervals)
+        result.data.update(step_ms=last["ms_per_step"], device_peak_bytes=peak)
+        result.figures.append(f"{seq} tokens: {last['ms_per_step']:.0f} ms/step at step {last['step']} "
+                              f"({seq / (last['ms_per_step'] / 1e3):.0f} tokens/s), device peak {peak / 2**30:.2f} GiB, "
+                              f"host peak RSS {runs[-1].max_rss_bytes / 2**30:.1f} GiB")
+        predicted = PREDICTED.search(split.group(0)) if split else None
+        if predicted:
+            result.data["predicted_step_ms"] = float(predicted.group(1))
+            result.targets.append(Target(f"6.7B at {seq} tokens: predicted / measured step",
+                                         f"{float(predicted.group(1)) / last['ms_per_step']:.2f}", "0.9-1.1",
+                                         None if ctx.dry else abs(float(predicted.group(1)) / last["ms_per_step"] - 1) <= 0.1))
+        result.targets.append(Target("6.7B trains at >= 64K tokens on one GPU", f"{seq} tokens, {len(intervals)} steps",
+                                     "a step completes", None if ctx.dry else seq >= 65536))
 
     return commands, summarize
 

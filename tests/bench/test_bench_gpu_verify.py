@@ -119,7 +119,8 @@ def test_gpu_verify_big_dry_run_reports_the_training_figures_in_order(tmp_path):
     proc, report, markdown = _make("gpu-verify-big", tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     stages = {s["name"]: s for s in report["stages"]}
-    assert list(stages) == ["env", "build", "train-6.7b-b16", "train-6.7b-b16-noclip", "train-largest"]
+    assert list(stages) == ["env", "build", "train-6.7b-b16", "train-6.7b-b16-noclip", "train-6.7b-64k",
+                            "train-largest"]
     assert all(s["status"] == "pass" for s in stages.values())
     for name in ("train-6.7b-b16", "train-6.7b-b16-noclip"):
         data = stages[name]["data"]
@@ -130,6 +131,9 @@ def test_gpu_verify_big_dry_run_reports_the_training_figures_in_order(tmp_path):
         assert data["predicted_step_ms"] > 0 and data["flops_per_step"] > 0 and data["host_peak_rss_bytes"] > 0
     assert any(t["name"].startswith("6.7B b16: clipping / no clipping") and t["measured"].endswith("x")
                for t in stages["train-6.7b-b16-noclip"]["targets"])
+    long = stages["train-6.7b-64k"]
+    assert len(long["data"]["intervals"]) == 2 and long["data"]["predicted_step_ms"] > 0
+    assert any(f.startswith("256 tokens:") for f in long["figures"])
     largest = stages["train-largest"]["data"]
     assert largest["choice"]["layers"] >= 4 and largest["choice"]["planner_fit_layers"] >= 4  # tiny's 4 at least
     assert len(largest["intervals"]) == 2
