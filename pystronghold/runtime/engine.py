@@ -281,6 +281,8 @@ class Engine:
             self.backend.close()
             if self.scratch is not None:
                 self.scratch.close()
+            if self._executor.input_spill is not None:
+                self._executor.input_spill.close()
 
     def span(self, kind: str, block: int | None, *, host: bool = False):
         """Trace ``kind``: timed by the backend's clock (CUDA: events on the compute stream), or by

@@ -15,6 +15,7 @@ import logging
 
 from pystronghold.parallel.data import average_
 from pystronghold.runtime.layer_drop import LayerDrop
+from pystronghold.runtime.input_spill import InputSpill
 from pystronghold.runtime.saved_inputs import SavedInputs
 from pystronghold.runtime.schedule import Load, Release, Use, build_plan
 from pystronghold.runtime.timing import copy_marks
@@ -77,7 +78,11 @@ class PassExecutor:
         """The saved block inputs of the training pass in progress under ``offload_block_inputs``
         (``saved_inputs.py``; the relay has its own), or None."""
         self.input_offload: dict | None = None
-        """The last such pass's saved block inputs: ``device_bytes`` kept, ``staged_bytes`` offloaded."""
+        """The last such pass's saved block inputs: ``device_bytes`` kept, ``staged_bytes`` offloaded,
+        ``disk_bytes`` of those written on to the NVMe tier."""
+        self.input_spill = (InputSpill(config.nvme_dir) if config.nvme_dir is not None
+                            and config.offload_block_inputs is not False else None)
+        """Where offloaded block inputs past host memory go (``input_spill.py``; with ``nvme_dir``), or None."""
         self.layer_drop = LayerDrop(self.n_streamed, config.layer_drop, config.layer_drop_seed)
         """Which streamed blocks run this step (``layer_drop.py``)."""
 
@@ -211,7 +216,7 @@ class PassExecutor:
         offload = self.config.offload_block_inputs
         if train and offload is not False and self.relay is None:
             self.saved_inputs = SavedInputs(self.backend, 0 if offload is True else offload, strict=self.config.strict,
-                                            track=self.track_copy, timed=self.trace.enabled)
+                                            track=self.track_copy, timed=self.trace.enabled, spill=self.input_spill)
             self.saved_inputs.skip_restore_wait = "restore" in self.test_skip_waits
         for action in self._plan.prologue:
             self._load(action)
@@ -279,7 +284,8 @@ class PassExecutor:
         inputs, self.saved_inputs = self.saved_inputs, None
         if inputs is None:
             return
-        self.input_offload = dict(device_bytes=inputs.device_bytes, staged_bytes=inputs.staged_bytes)
+        self.input_offload = dict(device_bytes=inputs.device_bytes, staged_bytes=inputs.staged_bytes,
+                                  disk_bytes=inputs.disk_bytes)
         inputs.discard()  # nothing left when every block's backward ran
 
     def _load(self, action: Load) -> None:

@@ -42,12 +42,16 @@ def _bytes_of(storage, device: torch.device) -> torch.Tensor:
 class _Staged:
     """One storage of saved block inputs staged to host memory."""
 
-    __slots__ = ("storage", "nbytes", "host", "handle", "freed", "back", "source", "version")
+    __slots__ = ("storage", "nbytes", "host", "handle", "freed", "back", "source", "version", "to_disk",
+                 "offset", "written", "reading")
 
-    def __init__(self, storage, nbytes: int, host: torch.Tensor, handle, source: torch.Tensor | None) -> None:
+    def __init__(self, storage, nbytes: int, host: torch.Tensor, handle, source: torch.Tensor | None,
+                 to_disk: bool = False) -> None:
         self.storage, self.nbytes, self.host, self.handle = storage, nbytes, host, handle
         self.freed = False  # the device bytes given up (the copy-out is done)
         self.back = None  # the copy bringing it back, once issued
+        # the NVMe tier (input_spill.py): written once the copy-out is done, then the host buffer dropped
+        self.to_disk, self.offset, self.written, self.reading = to_disk, None, None, None
         # release: the tensor whose in-place change before the copy-out is done would tear the copy
         self.source, self.version = source, None if source is None else source._version
 
@@ -70,14 +74,22 @@ class SavedInputs:
 
     ``strict``: a restored storage is NaN-filled before its copy back. ``shrink``: staged storages
     are shrunk in place and grown back (the relay); else released (see the module docstring).
+    ``spill``: an ``input_spill.InputSpill``: staged bytes beyond its host budget go on to disk.
     ``track(kind, block, handle)``: told of each copy ("act_d2h" out, "act_h2d" back; the
     executor's trace and ``synchronize`` follow them); ``timed``: copies carry device marks.
     """
 
     def __init__(self, backend, budget_bytes: int | None = None, *, strict: bool = False, shrink: bool = False,
-                 track: Callable[[str, int, object], None] | None = None, timed: bool = False) -> None:
+                 track: Callable[[str, int, object], None] | None = None, timed: bool = False,
+                 spill=None) -> None:
         self._backend, self._budget, self._strict, self._shrink = backend, budget_bytes, strict, shrink
-        self._track, self._timed = track, timed
+        self._track, self._timed, self._spill = track, timed, spill
+        if spill is not None:
+            spill.new_pass()
+        self.host_bytes = 0
+        """Bytes of staged inputs held in host memory now."""
+        self.disk_bytes = 0
+        """Bytes of staged inputs written on to disk (the NVMe tier) in this pass."""
         self.device_bytes = 0
         """Bytes of saved block inputs kept on the device."""
         self.staged_bytes = 0
@@ -126,12 +138,14 @@ class SavedInputs:
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
             handle = self._backend.d2h(host, _bytes_of(storage, device), after=[self._backend.compute_marker()],
                                        timed=self._timed)
+            to_disk = self._spill is not None and self.host_bytes + nbytes > self._spill.host_budget_bytes
+            self.host_bytes += nbytes
             if self._shrink:
                 self._seen[ptr] = storage
-                call.stages.append(_Staged(storage, nbytes, host, handle, None))
+                call.stages.append(_Staged(storage, nbytes, host, handle, None, to_disk))
             else:
                 local[ptr] = len(call.stages)
-                call.stages.append(_Staged(storage, nbytes, host, handle, t))
+                call.stages.append(_Staged(storage, nbytes, host, handle, t, to_disk))
                 self._add_view(call, i, local[ptr], t)
                 staged[i] = True
             self.staged_bytes += nbytes
@@ -156,11 +170,16 @@ class SavedInputs:
         return seen is not None and seen.nbytes() > 0 and seen.data_ptr() == ptr
 
     def free_copied(self, wait: bool) -> None:
-        """Give up the device memory of staged storages whose copy-out finished (all: ``wait``)."""
+        """Give up the device memory of staged storages whose copy-out finished (all: ``wait``),
+        and the host memory of those whose write to disk finished."""
         for call in self._calls.values():
             for st in call.stages:
                 if not st.freed and (wait or st.handle.done()):
                     self._free(st, call.block)
+                if st.written is not None and st.host is not None and st.back is None and st.written.done():
+                    st.written.result()  # an I/O error surfaces here
+                    st.host = None
+                    self.host_bytes -= st.nbytes
 
     def _free(self, st: _Staged, block: int) -> None:
         st.handle.wait()
@@ -174,6 +193,9 @@ class SavedInputs:
                     "the block, or train without offload_block_inputs")
             st.storage = st.source = None  # the model's own reference, if any, keeps the memory
         st.freed = True
+        if st.to_disk:  # its bytes are on the host now: on to the file
+            st.offset, st.written = self._spill.write(st.host)
+            self.disk_bytes += st.nbytes
 
     # ---- backward
 
@@ -191,17 +213,40 @@ class SavedInputs:
             before = k
         return before
 
+    READ_AHEAD = 2
+    """Block calls beyond the one restored whose inputs on disk start their read back."""
+
+    def _read(self, call: _Call) -> None:
+        """Start reading back the stages of ``call`` whose host buffer went (written to disk)."""
+        for st in call.stages:
+            if not st.freed:
+                self._free(st, call.block)
+            if st.host is None and st.reading is None:
+                st.reading = self._spill.read(st.offset, st.nbytes, pin=self._backend.device.type == "cuda")
+
     def issue_restore(self, key: Hashable) -> None:
-        """Start bringing back the staged inputs of block call ``key`` (nothing if none, or issued)."""
+        """Start bringing back the staged inputs of block call ``key`` (nothing if none, or issued);
+        inputs on disk: theirs read first, and the next ``READ_AHEAD`` calls' reads started."""
         call = self._calls.get(key)
         if call is None:
             return
         device = self._backend.device
+        if self._spill is not None:
+            ahead = key
+            for _ in range(self.READ_AHEAD):
+                ahead = self.previous(ahead)
+                if ahead is None:
+                    break
+                self._read(self._calls[ahead])
+            self._read(call)
         for st in call.stages:
             if st.back is not None:
                 continue
             if not st.freed:  # its copy-out is still running: the bytes come back through the host all the same
                 self._free(st, call.block)
+            if st.reading is not None:  # from disk
+                st.host = st.reading.result()
+                self.host_bytes += st.nbytes
             if self._shrink:
                 st.storage.resize_(st.nbytes)
                 dst = _bytes_of(st.storage, device)
@@ -226,16 +271,20 @@ class SavedInputs:
         for st in call.stages:
             if not self.skip_restore_wait:
                 self._backend.compute_wait(st.back)
+            self.host_bytes -= st.nbytes  # the host buffer goes with the call (the copy holds it while it runs)
         device = self._backend.device
         return {i: torch.empty(0, dtype=dtype, device=device).set_(call.stages[s].storage, offset, size, stride)
                 for i, s, offset, size, stride, dtype in call.views}
 
     def discard(self) -> None:
-        """An abandoned pass: every copy in flight waited for, every stage dropped."""
+        """An abandoned pass: every copy and file I/O in flight waited for, every stage dropped."""
         for call in self._calls.values():
             for st in call.stages:
                 st.handle.wait()
                 if st.back is not None:
                     st.back.wait()
+                for io in (st.written, st.reading):
+                    if io is not None:
+                        io.exception()  # waits; the pass is abandoned already
         self._calls.clear()
         self._seen.clear()

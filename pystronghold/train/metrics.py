@@ -234,8 +234,10 @@ class MemoryReport:
                "host store: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_tiers.items())
                + f" (total {format_bytes(sum(self.host_tiers.values()))})"]
         if self.saved_inputs is not None:
+            disk = self.saved_inputs.get("disk_bytes", 0)
             out.append(f"saved block inputs per pass: {format_bytes(self.saved_inputs['device_bytes'])} on the "
-                       f"device, {format_bytes(self.saved_inputs['staged_bytes'])} offloaded to host memory")
+                       f"device, {format_bytes(self.saved_inputs['staged_bytes'])} offloaded to host memory"
+                       + (f", {format_bytes(disk)} of them on to the NVMe tier" if disk else ""))
         if self.disk is not None:
             out.append(f"NVMe tier: {self.disk}")
         return out

@@ -90,13 +90,16 @@ def _llama():
 # ---- training
 
 
-def _train(model, batches, *, accumulation=ACCUMULATION, window=2, loss_of=lambda e, b: e(*b), **options):
+def _train(model, batches, *, accumulation=ACCUMULATION, window=2, loss_of=lambda e, b: e(*b), engine_hook=None,
+           **options):
     """STEPS optimizer steps of ``accumulation`` micro-batches. Returns (losses, fp32 parameters,
-    stats()["saved_inputs"], trace events)."""
+    stats()["saved_inputs"], trace events); ``engine_hook(engine)`` runs before the first."""
     if "blocks" not in options:
         options["blocks"] = model.blocks
     engine = ph.wrap(model, optimizer=ph.AdamW(**HYPER, bitwise_torch=True), window=window,
                      accumulation_steps=accumulation, trace=True, **options)
+    if engine_hook is not None:
+        engine_hook(engine)
     try:
         losses = []
         for k, batch in enumerate(batches):
@@ -155,13 +158,54 @@ def test_offloaded_inputs_train_bit_identical_to_kept_ones(kind, precision):
     assert (shared == 0) == (kind == "gpt")
     budget = _train(model, batches, offload_block_inputs=shared + 2 * per_block, **options)
     _assert_bit_identical(budget, kept)
-    assert budget[2] == dict(device_bytes=shared + 2 * per_block, staged_bytes=(BLOCKS - 2) * per_block)
+    assert budget[2] == dict(device_bytes=shared + 2 * per_block, staged_bytes=(BLOCKS - 2) * per_block, disk_bytes=0)
     # one copy out and one back per offloaded input and micro-batch
     for run, n in ((offloaded, BLOCKS), (budget, BLOCKS - 2)):
         for kind_ in ("act_d2h", "act_h2d"):
             copies = [e for e in run[3] if e.kind == kind_]
             assert len(copies) == n * STEPS * ACCUMULATION and {e.nbytes for e in copies} == {per_block}
     assert not [e for e in kept[3] if e.kind.startswith("act_")]
+
+
+@pytest.mark.parametrize("host_blocks", [0, 2])
+def test_inputs_past_host_memory_go_to_disk_and_train_bit_identically(tmp_path, host_blocks):
+    """With ``nvme_dir``, staged inputs beyond the host budget (none, or two blocks' worth) are
+    written to a file under it and read back ahead of their recompute: bit for bit the run that
+    keeps every input on the device (strict mode: a read-back that did not land is NaN); every
+    byte written is read back once; the file goes with the engine."""
+    model, batches = tiny_gpt(BLOCKS), gpt_batches(STEPS * ACCUMULATION)
+    per_block = 2 * 32 * 64 * 4
+    options = dict(clip_grad_norm=0.5, strict=True)
+    kept = _train(copy.deepcopy(model), batches, **options)
+    spills = []
+
+    def host_budget(engine):
+        spill = engine_parts_for_tests(engine)["executor"].input_spill
+        spill.host_budget_bytes = host_blocks * per_block
+        spills.append(spill)
+
+    on_disk = (BLOCKS - host_blocks) * per_block
+    passes = []
+
+    def forward_then_settle(engine, batch):
+        """The forward, then (before backward) its writes waited for and their host buffers given
+        up, so that backward reads every one back from the file."""
+        loss = engine(*batch)
+        passes.append(1)
+        inputs = engine_parts_for_tests(engine)["executor"].saved_inputs
+        inputs.free_copied(wait=True)  # every copy-out done: every write queued
+        deadline = time.monotonic() + 60
+        while spills[0].written_bytes < len(passes) * on_disk and time.monotonic() < deadline:
+            time.sleep(0.001)
+        inputs.free_copied(wait=True)  # the written ones give their host memory up
+        return loss
+
+    spilled = _train(model, batches, offload_block_inputs=True, nvme_dir=str(tmp_path), engine_hook=host_budget,
+                     loss_of=forward_then_settle, **options)
+    _assert_bit_identical(spilled, kept)
+    assert spilled[2] == dict(device_bytes=0, staged_bytes=BLOCKS * per_block, disk_bytes=on_disk)
+    assert spills[0].written_bytes == spills[0].read_bytes == len(passes) * on_disk
+    assert not list(tmp_path.glob("pystronghold-inputs-*"))
 
 
 def test_a_model_that_reads_block_inputs_after_the_block_stays_exact():
@@ -246,15 +290,16 @@ def test_eval_and_no_grad_forwards_stage_nothing():
         assert not [e for e in engine.trace.events() if e.kind.startswith("act_")]
         engine.train()
         engine.backward(engine(x, y))
-        assert engine.stats()["saved_inputs"] == dict(device_bytes=0, staged_bytes=BLOCKS * 2 * 8 * 32 * 4)
+        assert engine.stats()["saved_inputs"] == dict(device_bytes=0, staged_bytes=BLOCKS * 2 * 8 * 32 * 4,
+                                                      disk_bytes=0)
     finally:
         engine.close()
 
 
 def test_bad_offload_settings_are_refused():
-    with pytest.raises(ConfigError, match="RuntimeConfig.offload_block_inputs must be True, False or an int"):
+    with pytest.raises(ConfigError, match="RuntimeConfig.offload_block_inputs must be True, False, 'auto' or an int"):
         RuntimeConfig(offload_block_inputs=-1)
-    with pytest.raises(ConfigError, match="RuntimeConfig.offload_block_inputs must be True, False or an int"):
+    with pytest.raises(ConfigError, match="RuntimeConfig.offload_block_inputs must be True, False, 'auto' or an int"):
         RuntimeConfig(offload_block_inputs="on")
     with pytest.raises(ConfigError, match="offload_block_inputs needs checkpointing"):
         RuntimeConfig(offload_block_inputs=True, checkpointing=False)

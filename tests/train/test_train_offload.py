@@ -27,5 +27,5 @@ def test_offloaded_run_equals_the_kept_one(tmp_path):
     offloaded, staged, report = _run(dataclasses.replace(
         config, runtime=dataclasses.replace(config.runtime, offload_block_inputs=True)))
     assert offloaded.losses == kept.losses and none is None
-    assert staged == dict(device_bytes=0, staged_bytes=TINY["layers"] * 4 * 32 * TINY["hidden"] * 4)
+    assert staged == dict(device_bytes=0, staged_bytes=TINY["layers"] * 4 * 32 * TINY["hidden"] * 4, disk_bytes=0)
     assert "saved block inputs per pass: 0 B on the device, 64.0 KiB offloaded to host memory" in report
