@@ -271,7 +271,7 @@ def test_head_tail_flag_sets_the_field_and_a_bad_value_is_one_line(capsys):
 
     assert runtime("--head-tail", "host").head_tail_on_host is True
     assert runtime("--head-tail", "device").head_tail_on_host is False
-    assert runtime().head_tail_on_host is False  # train's default until the host path has run on CUDA
+    assert runtime().head_tail_on_host == "auto"  # train's default: the planner decides (train/long_context.py)
     assert "--head-tail must be one of host, device, auto, got 'gpu'" in cli_error(capsys, ["train", "--head-tail",
                                                                                              "gpu"])
     with pytest.raises(ValueError, match=r"RuntimeConfig.head_tail_on_host must be True, False or 'auto'"):
