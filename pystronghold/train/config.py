@@ -17,6 +17,7 @@ from pathlib import Path
 from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
+from pystronghold.models.hf_tp import check_hf_tp
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.options import ConfigError, component, option
 from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
@@ -280,8 +281,8 @@ class TrainConfig:
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
         par = self.parallel
         tp, dp, world = par.tp, par.dp_size, par.world_size
-        if isinstance(cfg, HFModelConfig) and tp > 1:
-            raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
+        if isinstance(cfg, HFModelConfig):
+            check_hf_tp(cfg, tp)
         if isinstance(cfg, HFModelConfig) and not self.data.data:
             # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
             # on it by a forgotten option would look like success
