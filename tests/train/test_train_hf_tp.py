@@ -10,7 +10,7 @@ in two parts.
 from __future__ import annotations
 
 import json
-import os
+import shutil
 
 import pytest
 import torch
@@ -27,10 +27,11 @@ from train_helpers import run_training
 
 pytest.importorskip("transformers")
 
-STEPS = 3
+STEPS = 4
 
 
 def _config(directory, data, *, tp: int = 1, ckpt=None, resume: bool = False) -> TrainConfig:
+    """``STEPS`` steps of ``directory``'s model on ``data``; with ``ckpt`` a checkpoint every 2 steps."""
     return TrainConfig(
         model=ModelOptions(model=f"hf:{directory}"),
         data=DataOptions(data=[str(data)], max_bytes=1 << 14, batch=2, seq=16),
@@ -38,7 +39,7 @@ def _config(directory, data, *, tp: int = 1, ckpt=None, resume: bool = False) ->
         runtime=RuntimeConfig(window=2, clip_grad_norm=1.0),
         run=RunOptions(steps=STEPS, log_every=1, eval_every=0, eval_batches=1, quiet=True),
         parallel=ParallelOptions(tp=tp),
-        checkpoint=CheckpointOptions(checkpoint_dir=str(ckpt) if ckpt else None, checkpoint_every=STEPS if ckpt else 0,
+        checkpoint=CheckpointOptions(checkpoint_dir=str(ckpt) if ckpt else None, checkpoint_every=2 if ckpt else 0,
                                      resume=resume))
 
 
@@ -95,6 +96,35 @@ def test_tp2_trains_to_the_one_process_losses(tmp_path, family):
     # every block's projections, the embedding and the LM head are shards (a tied head is the embedding)
     assert len(run["split"]) == len(PROJECTIONS[family]) * FAMILIES[family]["num_hidden_layers"] + SHARDED_ENDS[family]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_tp2_checkpoint_resumes_in_one_process_and_exports_the_one_process_model(tmp_path):
+    """A --tp 2 run's checkpoints hold whole tensors (shards gathered): one process resumes the step-2
+    checkpoint to the one-process losses of steps 3 and 4, and the step-4 checkpoint exports the Hub
+    layout of a one-process run of the same steps (same names and shapes, values within 1e-5)."""
+    from safetensors.torch import load_file
+
+    from pystronghold.train.checkpoint_dir import checkpoint_name
+    from pystronghold.train.export_hf import export_hf
+
+    directory, text = _files(tmp_path, "llama")
+    expected = [loss for _, loss in run_training(_config(directory, text, ckpt=tmp_path / "one")).losses]
+    _tp2_run(tmp_path, directory, text, ckpt=tmp_path / "tp2")
+    shutil.copytree(tmp_path / "tp2", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / checkpoint_name(STEPS))  # as if killed after step 2
+    resumed = [loss for _, loss in run_training(_config(directory, text, ckpt=tmp_path / "resumed", resume=True)).losses]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected[2:]), rtol=1e-5, atol=0)
+
+    def exported(run: str) -> dict[str, torch.Tensor]:
+        out = export_hf(tmp_path / run / checkpoint_name(STEPS), tmp_path / f"{run}-hf", copy_tokenizer=False)
+        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    whole, split = exported("one"), exported("tp2")
+    assert sorted(split) == sorted(whole)
+    for name in whole:
+        # NOTE: atol: Adam's first steps move each weight by about lr whatever the gradient's size,
+        # so a gradient near zero that differs in its last bits moves its weight by a visible amount
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("field, value, message", [
