@@ -348,7 +348,9 @@ class TrainConfig:
         ft, par = self.finetune, self.parallel
         if ft.full:
             return
-        if par.tp > 1 or par.pp > 1:
+        # NOTE: --freeze --tp on hf:DIR: the frozen shards are read from DIR like the others
+        hf_freeze = isinstance(cfg, HFModelConfig) and ft.lora_rank is None
+        if par.pp > 1 or (par.tp > 1 and not hf_freeze):
             raise ValueError(f"{'--lora-rank' if ft.lora_rank is not None else '--freeze'} is not supported "
                              "with --tp or --pp yet")
         if ft.lora_rank is not None:

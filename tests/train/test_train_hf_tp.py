@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 
+from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf_tp import TP_FAMILIES
 from pystronghold.parallel.layers import VocabParallelEmbedding
 from pystronghold.planner.pipeline import ParallelOptions
@@ -30,10 +31,11 @@ pytest.importorskip("transformers")
 STEPS = 4
 
 
-def _config(directory, data, *, tp: int = 1, ckpt=None, resume: bool = False) -> TrainConfig:
+def _config(directory, data, *, tp: int = 1, ckpt=None, resume: bool = False, freeze: str | None = None) -> TrainConfig:
     """``STEPS`` steps of ``directory``'s model on ``data``; with ``ckpt`` a checkpoint every 2 steps."""
     return TrainConfig(
         model=ModelOptions(model=f"hf:{directory}"),
+        finetune=FinetuneOptions(freeze=freeze),
         data=DataOptions(data=[str(data)], max_bytes=1 << 14, batch=2, seq=16),
         optim=OptimOptions(lr=3e-3, warmup=1),
         runtime=RuntimeConfig(window=2, clip_grad_norm=1.0),
@@ -43,9 +45,10 @@ def _config(directory, data, *, tp: int = 1, ckpt=None, resume: bool = False) ->
                                      resume=resume))
 
 
-def _train_on_rank(rank: int, world: int, directory: str, data: str, out: str, ckpt: str | None) -> None:
+def _train_on_rank(rank: int, world: int, directory: str, data: str, out: str, ckpt: str | None,
+                   freeze: str | None) -> None:
     torch.set_num_threads(1)
-    trainer = run_training(_config(directory, data, tp=world, ckpt=ckpt), keep=True)
+    trainer = run_training(_config(directory, data, tp=world, ckpt=ckpt, freeze=freeze), keep=True)
     split = sorted(name for name, p in trainer.model.named_parameters() if hasattr(p, "tp_split"))
     if rank == 0:
         with open(out, "w") as f:
@@ -59,10 +62,10 @@ def _files(tmp_path, family: str):
     return directory, text
 
 
-def _tp2_run(tmp_path, directory, text, ckpt=None) -> dict:
+def _tp2_run(tmp_path, directory, text, ckpt=None, freeze=None) -> dict:
     """``{"losses": [...], "split": names of the parameters rank 0 holds a shard of}``."""
     out = tmp_path / "tp2.json"
-    run_ranks(_train_on_rank, 2, str(directory), str(text), str(out), str(ckpt) if ckpt else None,
+    run_ranks(_train_on_rank, 2, str(directory), str(text), str(out), str(ckpt) if ckpt else None, freeze,
               init=False, timeout_s=300)
     return json.loads(out.read_text())
 
@@ -125,6 +128,32 @@ def test_tp2_checkpoint_resumes_in_one_process_and_exports_the_one_process_model
         # NOTE: atol: Adam's first steps move each weight by about lr whatever the gradient's size,
         # so a gradient near zero that differs in its last bits moves its weight by a visible amount
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_tp2_with_freeze_trains_to_the_one_process_losses(tmp_path):
+    """--freeze on split parameters (q and k projections: column shards) and the vocabulary-parallel
+    embedding: they keep DIR's values on both ranks and the rest trains as in one process; resumed
+    in one process, the frozen ones come back from DIR."""
+    from pystronghold.train.checkpoint_dir import checkpoint_name
+
+    directory, text = _files(tmp_path, "llama")
+    frozen = r"self_attn\.[qk]_proj|embed_tokens"
+    expected = [loss for _, loss in run_training(_config(directory, text, freeze=frozen)).losses]
+    got = _tp2_run(tmp_path, directory, text, ckpt=tmp_path / "tp2", freeze=frozen)["losses"]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    shutil.rmtree(tmp_path / "tp2" / checkpoint_name(STEPS))
+    resumed = [loss for _, loss in run_training(
+        _config(directory, text, ckpt=tmp_path / "tp2", resume=True, freeze=frozen)).losses]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected[2:]), rtol=1e-5, atol=0)
+
+
+def test_lora_with_tp_is_still_one_line(tmp_path, monkeypatch):
+    directory, text = _files(tmp_path, "llama")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = _config(directory, text)
+    with pytest.raises(ValueError, match="^--lora-rank is not supported with --tp or --pp yet$"):
+        TrainConfig(model=config.model, data=config.data, finetune=FinetuneOptions(lora_rank=4),
+                    parallel=ParallelOptions(tp=2))
 
 
 @pytest.mark.parametrize("field, value, message", [
