@@ -48,7 +48,7 @@ def _config(directory, data, *, tp: int = 1, ckpt=None, resume: bool = False, fr
 def _train_on_rank(rank: int, world: int, directory: str, data: str, out: str, ckpt: str | None,
                    freeze: str | None) -> None:
     torch.set_num_threads(1)
-    trainer = run_training(_config(directory, data, tp=world, ckpt=ckpt, freeze=freeze), keep=True)
+    trainer = run_training(_config(directory, data, tp=2, ckpt=ckpt, freeze=freeze), keep=True)
     split = sorted(name for name, p in trainer.model.named_parameters() if hasattr(p, "tp_split"))
     if rank == 0:
         with open(out, "w") as f:
@@ -62,10 +62,11 @@ def _files(tmp_path, family: str):
     return directory, text
 
 
-def _tp2_run(tmp_path, directory, text, ckpt=None, freeze=None) -> dict:
-    """``{"losses": [...], "split": names of the parameters rank 0 holds a shard of}``."""
+def _tp2_run(tmp_path, directory, text, ckpt=None, freeze=None, world: int = 2) -> dict:
+    """``--tp 2`` on ``world`` ranks (4: and --dp 2): ``{"losses": [...], "split": names of the
+    parameters rank 0 holds a shard of}``."""
     out = tmp_path / "tp2.json"
-    run_ranks(_train_on_rank, 2, str(directory), str(text), str(out), str(ckpt) if ckpt else None, freeze,
+    run_ranks(_train_on_rank, world, str(directory), str(text), str(out), str(ckpt) if ckpt else None, freeze,
               init=False, timeout_s=300)
     return json.loads(out.read_text())
 
@@ -98,6 +99,14 @@ def test_tp2_trains_to_the_one_process_losses(tmp_path, family):
     assert len(got) == STEPS
     # every block's projections, the embedding and the LM head are shards (a tied head is the embedding)
     assert len(run["split"]) == len(PROJECTIONS[family]) * FAMILIES[family]["num_hidden_layers"] + SHARDED_ENDS[family]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path):
+    """Four ranks: two replicas, each split in two (each replica takes one of the batch's 2 rows)."""
+    directory, text = _files(tmp_path, "qwen2")
+    expected = _one_process_losses(directory, text)
+    got = _tp2_run(tmp_path, directory, text, world=4)["losses"]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
