@@ -8,12 +8,11 @@ a TP step's time is the slower rank's. Before timing is read, the TP run's losse
 one process's (rtol 1e-5). Bytes per rank per step are counted by ``parallel.Counter`` (the inputs
 of ``all_reduce`` / ``all_gather``), and computed:
 
-    TP: 4 b T C (9 L + 2) + 16 b T + 8
+    TP: 4 b T C (6 L + 2) + 16 b T + 8
         per block 2 all_reduces forward (attention and MLP outputs), 2 again in the recompute, and in
-        backward 5 copy_to_tp_region all_reduces (q, k, v, gate, up each enter the region alone:
-        3 more than a fused q/k/v and gate/up would make); the embedding's all_reduce forward; the
-        LM head input's gradient; the vocabulary-parallel cross-entropy's two fp32 statistics per
-        row; the float64 clipping norm.
+        backward 2 of the input gradients (q, k and v enter the region once, gate and up once); the
+        embedding's all_reduce forward; the LM head input's gradient; the vocabulary-parallel
+        cross-entropy's two fp32 statistics per row; the float64 clipping norm.
 
 NOTE: unpaired (one process, then the two ranks), so the ratio carries the load's drift; the
 record says the load at both ends.
@@ -107,7 +106,7 @@ def main(argv=None) -> int:
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
     tp_times = [max(a, b) for a, b in zip(ranks[0]["times"], ranks[1]["times"])]
     b, T, C, L = args.batch, args.seq, args.hidden, args.layers
-    computed = 4 * b * T * C * (9 * L + 2) + 16 * b * T + 8
+    computed = 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8
     t1, t2 = Timing.of(one["times"]), Timing.of(tp_times)
     load = watch.stop()
     rows = [{"layout": "1 process", "step ms": f"{t1.median_s * 1e3:.0f}", "p20-p80 ms": f"{t1.p20_s * 1e3:.0f}-{t1.p80_s * 1e3:.0f}",

@@ -26,6 +26,7 @@ from torch import nn
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel
 from pystronghold.models.hf_loss import HEAD_TRANSFORMS
 from pystronghold.parallel.groups import group_size
+from pystronghold.parallel.mappings import copy_to_tp_region
 from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                           tp_shard_parameter)
 
@@ -109,12 +110,33 @@ def _style_of(plan: list[tuple[re.Pattern, str]], name: str) -> str | None:
 
 
 def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup) -> nn.Module:
-    """The ``style`` parallel layer of ``linear``'s shape, its (sharded) parameters on meta."""
+    """The ``style`` parallel layer of ``linear``'s shape, its (sharded) parameters on meta. A
+    column-parallel one takes its input in the region its parent entered (``_enter_region``)."""
     if type(linear) is not nn.Linear:
         raise ValueError(f"--tp: expected an nn.Linear to split {style}, found {type(linear).__name__}")
     with torch.device("meta"):
-        cls = ColumnParallelLinear if style == "colwise" else RowParallelLinear
-        return cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group)
+        if style == "colwise":
+            return ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                        group=group, input_in_region=True)
+        return RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group)
+
+
+def _enter_region(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Make ``module`` (an attention or MLP whose column-parallel layers all read its input) enter
+    the TP region once, on its ``hidden_states`` (or first argument): q, k and v (gate and up) then
+    share one all-reduce of their input gradients, as our GPT's fused QKV does, not one each.
+    NOTE: only the column-parallel layers may read that input in the module: the families of
+    ``TP_FAMILIES`` were checked for it (a replicated reader would count its gradient tp times)."""
+    def hook(mod, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"], group)}
+        elif args:
+            args = (copy_to_tp_region(args[0], group), *args[1:])
+        else:
+            raise ValueError(f"--tp: {type(mod).__name__} was called without its input")
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 @torch.no_grad()
@@ -131,11 +153,15 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
     plan = [(_pattern(key), style) for key, style in hf_tp_plan(spec).items()]
     stack = lazy.blocks_name.split(".")[-1]  # the plan names modules from the base model: layers.3.mlp
     for index, block in enumerate(lazy.blocks):
+        entered: set[str] = set()
         for name, module in list(block.named_modules()):
             style = _style_of(plan, f"{stack}.{index}.{name}")
             if style is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group))
+                if style == "colwise" and parent not in entered:
+                    _enter_region(block.get_submodule(parent), group)
+                    entered.add(parent)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     scaled = _is_scaled_embedding(embedding)
     if (type(embedding) is not nn.Embedding and not scaled) or type(head) is not nn.Linear:

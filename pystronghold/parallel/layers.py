@@ -124,25 +124,30 @@ class ColumnParallelLinear(nn.Module):
 
     ``gather_output=True`` all-gathers the output to (..., out). ``skip_bias_add=True`` returns
     ``(y_without_bias, bias_shard)`` so the caller can fuse the bias into its own epilogue (e.g.
-    bias + GeLU); it cannot be combined with ``gather_output``. Init: N(0, init_std), bias zero.
+    bias + GeLU); it cannot be combined with ``gather_output``. ``input_in_region=True``: the caller
+    entered the TP region already (``copy_to_tp_region``, once for several layers that read the same
+    input, whose gradients are then all-reduced once, summed). Init: N(0, init_std), bias zero.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: dist.ProcessGroup | None = None, gather_output: bool = False,
-                 skip_bias_add: bool = False, init_std: float = 0.02, seed: int = 0) -> None:
+                 skip_bias_add: bool = False, init_std: float = 0.02, seed: int = 0,
+                 input_in_region: bool = False) -> None:
         super().__init__()
         if gather_output and skip_bias_add:
             raise ValueError("ColumnParallelLinear: skip_bias_add returns the bias shard, so the "
                              "output cannot also be gathered (gather_output=True)")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.skip_bias_add = group, gather_output, skip_bias_add
+        self.input_in_region = input_in_region
         local_out = _local_size(out_features, group, "out_features")
         self.weight = mark_tp_split(nn.Parameter(torch.empty(local_out, in_features)), 0, group)
         self.bias = mark_tp_split(nn.Parameter(torch.zeros(local_out)), 0, group) if bias else None
         init_normal_(self.weight, init_std, seed, "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        x = copy_to_tp_region(x, self.group)  # (..., in), gradient summed over ranks
+        if not self.input_in_region:
+            x = copy_to_tp_region(x, self.group)  # (..., in), gradient summed over ranks
         y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)  # (..., out/tp)
         if self.skip_bias_add:
             return y, self.bias

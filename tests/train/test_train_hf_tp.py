@@ -113,6 +113,44 @@ def test_tp2_in_bf16_trains_to_the_one_process_losses(tmp_path):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=0)
 
 
+def _tp_bytes_on_rank(rank: int, world: int, directory: str, data: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from pystronghold.train import Trainer
+
+    torch.set_num_threads(1)
+    trainer = Trainer(_config(directory, data, tp=2))
+    counted, all_reduce = [0], dist.all_reduce
+
+    def counting(tensor, *args, group=None, **kwargs):
+        if group is trainer.groups.tp_group:
+            counted[0] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    try:
+        dist.all_reduce = counting
+        trainer.train_step()
+    finally:
+        dist.all_reduce = all_reduce
+        trainer.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(counted[0], f)
+
+
+def test_tp2_step_hands_the_collectives_our_gpts_bytes(tmp_path):
+    """q, k and v enter the tensor-parallel region once (and gate and up once): per block 2
+    all_reduces of (b, T, C) fp32 forward, 2 in the recompute, 2 in backward, not 5 there (one per
+    column-parallel layer); plus the embedding, the LM head's input gradient, the cross-entropy's two
+    statistics per row and the clipping norm: 4 b T C (6 L + 2) + 16 b T + 8 bytes per rank."""
+    directory, text = _files(tmp_path, "llama")
+    out = tmp_path / "bytes.json"
+    run_ranks(_tp_bytes_on_rank, 2, str(directory), str(text), str(out), init=False, timeout_s=300)
+    small = FAMILIES["llama"]
+    b, T, C, L = 2, 16, small["hidden_size"], small["num_hidden_layers"]
+    assert json.loads(out.read_text()) == 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8
+
+
 def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path):
     """Four ranks: two replicas, each split in two (each replica takes one of the batch's 2 rows)."""
     directory, text = _files(tmp_path, "qwen2")
