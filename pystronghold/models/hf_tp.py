@@ -7,7 +7,9 @@ Which projections split is transformers' own ``base_model_tp_plan`` of the famil
 added once after). The embedding becomes a ``VocabParallelEmbedding`` and the LM head a column-parallel
 layer over the vocabulary, whose logits shards go to the vocabulary-parallel cross-entropy
 (``models.hf_loss``). Each rank holds its shard as a plain tensor tagged ``tp_split``, so the window
-store, the host AdamW, checkpoints and the gradient norm treat it as they treat our GPT's.
+store, the host AdamW, checkpoints and the gradient norm treat it as they treat our GPT's. The
+attention (and the MLP) enters the tensor-parallel region once, on its input, so q, k and v (gate and
+up) share one all-reduce of their input gradients, as our GPT's fused QKV does.
 
 Attention needs no head count changed: transformers' attention modules view their projections as
 ``(..., -1, head_dim)`` and keep only the ratio of query to key/value heads, which a split by whole
