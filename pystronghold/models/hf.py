@@ -26,6 +26,7 @@ from torch import nn
 from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, hub_layout
 from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
 from pystronghold.options import first_line
+from pystronghold.parallel.layers import tp_shard_parameter
 
 __all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "meta_model",
            "block_stack", "hub_weights", "HF_PREFIX", "read_weights", "weights_fingerprint",
@@ -57,7 +58,7 @@ class HFModelConfig:
     config: dict = field(default_factory=dict)
     """``config.json`` as read (export writes it back)."""
     tp_size: int = 1
-    """Tensor-parallel ranks; Hugging Face models train with 1 only."""
+    """Tensor-parallel ranks (--tp) the blocks, embedding and LM head are split across (``models.hf_tp``)."""
 
     def _get(self, *names: str) -> int:
         for name in names:
@@ -184,11 +185,20 @@ class LazyHFModel:
                     full = prefix + (f"{mod_name}.{name}" if mod_name else name)
                     stored = full if self.adapters is None else self.adapters.stored_name(full)
                     if stored is not None:
-                        setattr(module, name, nn.Parameter(made[stored], requires_grad=p.requires_grad))
+                        setattr(module, name, _parameter_like(p, made[stored]))
         _load_buffers(block, prefix, made)
         if self.adapters is not None:
             self.adapters.initialize(block, index)
         return block
+
+
+def _parameter_like(meta: nn.Parameter, full: torch.Tensor) -> nn.Parameter:
+    """The parameter that replaces ``meta`` given the stored ``full`` tensor: ``full`` itself, or this
+    rank's slice of it for a tensor-parallel shard (``tp_split``: ``models.hf_tp``)."""
+    split = getattr(meta, "tp_split", None)
+    if split is None:
+        return nn.Parameter(full, requires_grad=meta.requires_grad)
+    return tp_shard_parameter(full, split, meta.requires_grad)
 
 
 def _load_buffers(module: nn.Module, prefix: str, made: dict[str, torch.Tensor]) -> None:

@@ -14,9 +14,12 @@ import logging
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from pystronghold.nn import functional as PF
 from pystronghold.nn.chunked_loss import chunked_head_loss
+from pystronghold.parallel.groups import group_size
 from pystronghold.data import IGNORE_INDEX
 
 __all__ = ["causal_lm_loss", "chunked_causal_lm_loss", "lm_head_of", "HEAD_TRANSFORMS"]
@@ -108,20 +111,35 @@ def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _vocab_parallel_ce_sum(group: dist.ProcessGroup) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def ce_sum(logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return PF.vocab_parallel_cross_entropy(logits_shard, targets, group=group, ignore_index=IGNORE_INDEX,
+                                               reduction="sum", loss_dtype=torch.float32)
+    return ce_sum
+
+
 def chunked_causal_lm_loss(run: Callable, model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
-                           chunk_tokens: int) -> torch.Tensor:
+                           chunk_tokens: int, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``causal_lm_loss`` of ``model`` on ``input_ids`` (B, T) against ``targets`` (B, T), its
     LM head and loss run ``chunk_tokens`` tokens at a time (0: the full logits, as the model's own
     forward makes them). ``run(fn)`` calls the model's code, the loss included (``Engine.call``,
-    or a plain call)."""
-    parts = lm_head_of(model) if chunk_tokens > 0 else None
+    or a plain call). A model split across ``tp_group`` (``models.hf_tp``) has a vocabulary-parallel
+    LM head: its logits shards go to the vocabulary-parallel cross-entropy (all of them in one
+    chunk with ``chunk_tokens`` 0)."""
+    split = group_size(tp_group) > 1
+    parts = lm_head_of(model) if chunk_tokens > 0 or split else None
     if parts is None:
+        if split:  # models.hf_tp.check_hf_tp refuses such a family first
+            raise ValueError(f"{type(_causal_lm(model)).__name__}: its logits' transform is not known here, "
+                             "so its tensor-parallel loss cannot be computed")
         return run(lambda: causal_lm_loss(model(input_ids=input_ids).logits, targets))
     base, head, params = parts
+    ce_sum = _vocab_parallel_ce_sum(tp_group) if split else _ce_sum
+    chunk = chunk_tokens if chunk_tokens > 0 else input_ids.numel()
 
     def loss() -> torch.Tensor:
         hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, C)
         count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        return chunked_head_loss(hidden, targets, head, _ce_sum, params, chunk_tokens, divisor=count)
+        return chunked_head_loss(hidden, targets, head, ce_sum, params, chunk, divisor=count)
 
     return run(loss)

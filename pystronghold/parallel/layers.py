@@ -5,7 +5,7 @@ torch layer (``weight`` (out, in), ``bias``). A split parameter carries ``tp_spl
 size)``: ``init_normal_`` draws the *full* tensor from a seed and keeps the slice, so a run with any
 TP size starts from exactly the single-process weights, and ``gather_tp_param`` rebuilds the full
 tensor (``gather_tp_tensor`` that of any tensor shaped like the slice, e.g. an Adam moment;
-``tp_slice`` cuts a rank's slice out of a full tensor). With ``group=None`` (or a one-rank group)
+``tp_slice`` cuts a rank's slice out of a full tensor, ``tp_shard_parameter`` makes it a parameter). With ``group=None`` (or a one-rank group)
 every layer is its plain torch counterpart.
 """
 
@@ -23,7 +23,8 @@ from pystronghold.parallel.mappings import (copy_to_tp_region, gather_from_tp_re
                                             reduce_from_tp_region, scatter_to_tp_region)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "init_normal_", "gather_tp_param", "gather_tp_tensor", "tp_slice", "mark_tp_split"]
+           "init_normal_", "gather_tp_param", "gather_tp_tensor", "tp_slice", "tp_shard_parameter",
+           "mark_tp_split"]
 
 
 # ---- split parameters: init and gather
@@ -101,6 +102,14 @@ def tp_slice(full: torch.Tensor, split: tuple[int, int, int]) -> torch.Tensor:
     return full.narrow(dim, rank * shard, shard)
 
 
+def tp_shard_parameter(full: torch.Tensor, split: tuple[int, int, int], requires_grad: bool = True) -> nn.Parameter:
+    """A parameter holding this rank's slice of the whole tensor ``full`` for ``split`` (a copy, so
+    ``full`` can be freed), tagged ``tp_split`` for the gathers and the gradient norm."""
+    shard = nn.Parameter(tp_slice(full.detach(), split).clone(), requires_grad=requires_grad)
+    shard.tp_split = split
+    return shard
+
+
 def _local_size(full: int, group: dist.ProcessGroup | None, what: str) -> int:
     size = group_size(group)
     if full % size:
@@ -115,25 +124,30 @@ class ColumnParallelLinear(nn.Module):
 
     ``gather_output=True`` all-gathers the output to (..., out). ``skip_bias_add=True`` returns
     ``(y_without_bias, bias_shard)`` so the caller can fuse the bias into its own epilogue (e.g.
-    bias + GeLU); it cannot be combined with ``gather_output``. Init: N(0, init_std), bias zero.
+    bias + GeLU); it cannot be combined with ``gather_output``. ``input_in_region=True``: the caller
+    entered the TP region already (``copy_to_tp_region``, once for several layers that read the same
+    input, whose gradients are then all-reduced once, summed). Init: N(0, init_std), bias zero.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: dist.ProcessGroup | None = None, gather_output: bool = False,
-                 skip_bias_add: bool = False, init_std: float = 0.02, seed: int = 0) -> None:
+                 skip_bias_add: bool = False, init_std: float = 0.02, seed: int = 0,
+                 input_in_region: bool = False) -> None:
         super().__init__()
         if gather_output and skip_bias_add:
             raise ValueError("ColumnParallelLinear: skip_bias_add returns the bias shard, so the "
                              "output cannot also be gathered (gather_output=True)")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.skip_bias_add = group, gather_output, skip_bias_add
+        self.input_in_region = input_in_region
         local_out = _local_size(out_features, group, "out_features")
         self.weight = mark_tp_split(nn.Parameter(torch.empty(local_out, in_features)), 0, group)
         self.bias = mark_tp_split(nn.Parameter(torch.zeros(local_out)), 0, group) if bias else None
         init_normal_(self.weight, init_std, seed, "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        x = copy_to_tp_region(x, self.group)  # (..., in), gradient summed over ranks
+        if not self.input_in_region:
+            x = copy_to_tp_region(x, self.group)  # (..., in), gradient summed over ranks
         y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)  # (..., out/tp)
         if self.skip_bias_add:
             return y, self.bias
@@ -182,24 +196,31 @@ class VocabParallelEmbedding(nn.Module):
 
     Rank r holds ids [r * n/tp, (r+1) * n/tp); it looks up the ids it holds, writes zeros for the
     others, and the all-reduce sums the one non-zero contribution per token. Init: N(0, init_std).
+    ``padding_idx`` (a global id, as ``nn.Embedding``'s): its row gets no gradient.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
-                 group: dist.ProcessGroup | None = None, init_std: float = 0.02, seed: int = 0) -> None:
+                 group: dist.ProcessGroup | None = None, init_std: float = 0.02, seed: int = 0,
+                 padding_idx: int | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         local = _local_size(num_embeddings, group, "num_embeddings")
         self.vocab_start = group_rank(group) * local
         self.vocab_end = self.vocab_start + local
+        self.padding_idx = padding_idx
+        held = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        self._local_padding_idx = padding_idx - self.vocab_start if held else None
         self.weight = mark_tp_split(nn.Parameter(torch.empty(local, embedding_dim)), 0, group)
         init_normal_(self.weight, init_std, seed, "weight")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:
-            return F.embedding(idx, self.weight)
+            return F.embedding(idx, self.weight, self._local_padding_idx)
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)  # (...)
         local_idx = (idx - self.vocab_start).masked_fill(outside, 0)  # (...)
-        out = F.embedding(local_idx, self.weight)  # (..., dim)
+        # NOTE: an outside id looks up local row 0 and its output is zeroed, so row 0's gradient from
+        # it is zero too: the padding row alone is kept out of the gradient, as nn.Embedding does
+        out = F.embedding(local_idx, self.weight, self._local_padding_idx)  # (..., dim)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # ids held by other ranks
         return reduce_from_tp_region(out, self.group)  # (..., dim)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from pystronghold.models import GPTConfig
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
+from pystronghold.models.hf_tp import check_hf_tp
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError, component, option
@@ -301,8 +302,8 @@ class TrainConfig:
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
         par = self.parallel
         tp, dp, world = par.tp, par.dp_size, par.world_size
-        if isinstance(cfg, HFModelConfig) and tp > 1:
-            raise ValueError(f"--tp {tp}: --model {HF_PREFIX}DIR trains with --tp 1 only")
+        if isinstance(cfg, HFModelConfig):
+            check_hf_tp(cfg, tp)
         if isinstance(cfg, HFModelConfig) and not self.data.data:
             # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
             # on it by a forgotten option would look like success
@@ -368,7 +369,9 @@ class TrainConfig:
         ft, par = self.finetune, self.parallel
         if ft.full:
             return
-        if par.tp > 1 or par.pp > 1:
+        # NOTE: --freeze --tp on hf:DIR: the frozen shards are read from DIR like the others
+        hf_freeze = isinstance(cfg, HFModelConfig) and ft.lora_rank is None
+        if par.pp > 1 or (par.tp > 1 and not hf_freeze):
             raise ValueError(f"{'--lora-rank' if ft.lora_rank is not None else '--freeze'} is not supported "
                              "with --tp or --pp yet")
         if ft.lora_rank is not None:

@@ -108,6 +108,10 @@ class Trainer:
             from pystronghold.models.hf import load_lazy
 
             hf_model = load_lazy(cfg.source)
+            if cfg.tp_size > 1:  # each rank keeps its shard of the head and tail, and of each block as it is read
+                from pystronghold.models.hf_tp import shard_hf_model
+
+                shard_hf_model(hf_model, self.groups.tp_group)
         data = config.data
         self.corpus = training_corpus(list(data.data), vocab_size=cfg.vocab_size, max_bytes=data.max_bytes,
                                       val_fraction=data.val_fraction, token_dtype=data.token_dtype,
@@ -127,7 +131,7 @@ class Trainer:
 
             self.uneven = UnevenBatch(sizes=par.dp_split, dp_rank=self.dp_rank)
         materialize = None
-        self.loss_chunk = data.loss_chunk_tokens(cfg.vocab_size if self.hf else cfg.padded_vocab_size // cfg.tp_size)
+        self.loss_chunk = data.loss_chunk_tokens((cfg.vocab_size if self.hf else cfg.padded_vocab_size) // cfg.tp_size)
         """Tokens per chunk of the loss (``--loss-chunk``; 0: the full logits at once)."""
         tile = config.mlp_tile_tokens  # positions per MLP tile (--mlp-tile; 0: untiled)
         if self.hf:  # blocks always built one at a time from the shards (a model larger than the host)
@@ -208,7 +212,8 @@ class Trainer:
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of inputs ``x`` against shifted targets ``y`` (B, T) through the engine."""
         if self.hf:
-            return chunked_causal_lm_loss(self.engine.call, self.model, x, y, self.loss_chunk)
+            tp_group = self.groups.tp_group if self.groups is not None else None
+            return chunked_causal_lm_loss(self.engine.call, self.model, x, y, self.loss_chunk, tp_group)
         return self.engine(x, y)
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:

@@ -154,10 +154,10 @@ def test_export_hf_refuses_a_gpt_checkpoint_and_a_full_directory(tmp_path, capsy
         capsys, ["export", str(ck), str(tmp_path / "full"), "--hf"])
 
 
-def test_tensor_parallel_is_refused_for_hf_models(tmp_path, capsys):
+def test_tensor_parallel_is_refused_for_hf_families_not_split_yet(tmp_path, capsys):
     directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
     err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--tp", "2"])
-    assert "--tp 2: --model hf:DIR trains with --tp 1 only" in err
+    assert f"--tp 2: --model hf:{directory.resolve()} (gpt2): tensor parallelism splits only llama, " in err
     assert "no such directory" in cli_error(capsys, ["train", "--model", f"hf:{tmp_path / 'nope'}"])
 
 

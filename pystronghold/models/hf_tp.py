@@ -1,0 +1,186 @@
+"""Tensor parallelism for a Hugging Face causal LM loaded by ``models.hf.load_lazy`` (Megatron's split).
+
+Which projections split is transformers' own ``base_model_tp_plan`` of the family's config class
+(``layers.*.self_attn.q_proj: colwise``, ...): a ``colwise`` ``nn.Linear`` becomes a
+``ColumnParallelLinear`` (its output features, so whole attention heads or MLP columns, split), a
+``rowwise`` one a ``RowParallelLinear`` (its input features split, partial sums all-reduced, the bias
+added once after). The embedding becomes a ``VocabParallelEmbedding`` and the LM head a column-parallel
+layer over the vocabulary, whose logits shards go to the vocabulary-parallel cross-entropy
+(``models.hf_loss``). Each rank holds its shard as a plain tensor tagged ``tp_split``, so the window
+store, the host AdamW, checkpoints and the gradient norm treat it as they treat our GPT's. The
+attention (and the MLP) enters the tensor-parallel region once, on its input, so q, k and v (gate and
+up) share one all-reduce of their input gradients, as our GPT's fused QKV does.
+
+Attention needs no head count changed: transformers' attention modules view their projections as
+``(..., -1, head_dim)`` and keep only the ratio of query to key/value heads, which a split by whole
+heads keeps. Families are split only once tested (``TP_FAMILIES``); the others, MoE families among
+them (their plans pack the experts: ``packed_colwise``, ``moe_tp_experts``), are refused in one line.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel
+from pystronghold.models.hf_loss import HEAD_TRANSFORMS
+from pystronghold.parallel.groups import group_size
+from pystronghold.parallel.mappings import copy_to_tp_region
+from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                          tp_shard_parameter)
+
+__all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "shard_hf_model", "ScaledVocabParallelEmbedding"]
+
+TP_STYLES = ("colwise", "rowwise")
+"""The ``base_model_tp_plan`` styles sharded here."""
+
+TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox")
+"""The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
+NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
+(Phi's optional ``q_layernorm``, Qwen3's ``q_norm``) whose gradients would then be partial sums."""
+
+_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+"""config.json's sizes that each rank must hold an equal part of."""
+
+
+def hf_tp_plan(spec: HFModelConfig) -> dict[str, str]:
+    """The family's ``base_model_tp_plan`` (module pattern relative to the base model -> style) as the
+    installed transformers declares it on the config class of ``spec``'s ``model_type`` ({} for none)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    # NOTE: indexed, not .get(): the lazy mapping's get() does not import the family's module
+    config_class = CONFIG_MAPPING[spec.model_type] if spec.model_type in CONFIG_MAPPING else None
+    return dict(getattr(config_class, "base_model_tp_plan", None) or {})
+
+
+def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
+    """ValueError (one line) unless ``--tp tp`` can split the model of ``spec``: its family has a
+    tensor-parallel plan of the styles sharded here (``TP_STYLES``), known logits (``HEAD_TRANSFORMS``:
+    the loss is vocabulary-parallel), and each of its head counts, MLP width and vocabulary divides by
+    ``tp``. Local arithmetic on config.json: every rank raises the same line."""
+    if tp == 1:
+        return
+    where = f"--tp {tp}: --model {HF_PREFIX}{spec.source} ({spec.model_type})"
+    if spec.model_type not in TP_FAMILIES:
+        raise ValueError(f"{where}: tensor parallelism splits only {', '.join(TP_FAMILIES)} models so far; "
+                         "train it with --tp 1 (--dp splits the batch instead)")
+    plan = hf_tp_plan(spec)
+    if not plan:
+        raise ValueError(f"{where}: transformers declares no tensor-parallel plan (base_model_tp_plan) for "
+                         "this family; train it with --tp 1")
+    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in TP_STYLES)
+    if other:
+        raise ValueError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
+                         f"yet (only {' and '.join(TP_STYLES)} linear layers); train it with --tp 1")
+    if spec.model_type not in HEAD_TRANSFORMS:
+        raise ValueError(f"{where}: its logits' transform is not known here, so the loss cannot be "
+                         "vocabulary-parallel; train it with --tp 1")
+    for name in _DIVIDED:
+        value = spec.config.get(name)
+        if value is not None and int(value) % tp:
+            raise ValueError(f"{where}: {name}={value} is not divisible by --tp {tp}")
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """transformers' ``*ScaledWordEmbedding`` (Gemma's: the rows looked up times the buffer
+    ``embed_scale``, in the weights' dtype) split over the vocabulary. The scale multiplies the
+    all-reduced rows: each token's row comes from one rank, so the product is the same."""
+
+    embed_scale: torch.Tensor
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) * self.embed_scale.to(self.weight.dtype)
+
+
+def _is_scaled_embedding(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers scaled word embedding (``ScaledVocabParallelEmbedding``'s
+    original): an ``nn.Embedding`` subclass so named, with an ``embed_scale`` buffer."""
+    return (isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+            and isinstance(getattr(module, "embed_scale", None), torch.Tensor))
+
+
+def _pattern(key: str) -> re.Pattern:
+    """``layers.*.mlp.up_proj`` -> a regex of the module names it covers (``*`` is a block index)."""
+    return re.compile(r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in key.split(".")) + "$")
+
+
+def _style_of(plan: list[tuple[re.Pattern, str]], name: str) -> str | None:
+    return next((style for pattern, style in plan if pattern.search(name)), None)
+
+
+def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup) -> nn.Module:
+    """The ``style`` parallel layer of ``linear``'s shape, its (sharded) parameters on meta. A
+    column-parallel one takes its input in the region its parent entered (``_enter_region``)."""
+    if type(linear) is not nn.Linear:
+        raise ValueError(f"--tp: expected an nn.Linear to split {style}, found {type(linear).__name__}")
+    with torch.device("meta"):
+        if style == "colwise":
+            return ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                        group=group, input_in_region=True)
+        return RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group)
+
+
+def _enter_region(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Make ``module`` (an attention or MLP whose column-parallel layers all read its input) enter
+    the TP region once, on its ``hidden_states`` (or first argument): q, k and v (gate and up) then
+    share one all-reduce of their input gradients, as our GPT's fused QKV does, not one each.
+    NOTE: only the column-parallel layers may read that input in the module: the families of
+    ``TP_FAMILIES`` were checked for it (a replicated reader would count its gradient tp times)."""
+    def hook(mod, args, kwargs):
+        if "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": copy_to_tp_region(kwargs["hidden_states"], group)}
+        elif args:
+            args = (copy_to_tp_region(args[0], group), *args[1:])
+        else:
+            raise ValueError(f"--tp: {type(mod).__name__} was called without its input")
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@torch.no_grad()
+def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
+    """Split ``lazy``'s model in place across the ranks of ``group`` (nothing when it has one rank):
+    its blocks' projections by the family's plan (still on meta: ``LazyHFModel.materialize`` keeps each
+    rank's slice of what it reads), its embedding and LM head over the vocabulary (loaded: sliced
+    here). ``check_hf_tp`` must have accepted the model."""
+    tp = group_size(group)
+    if tp == 1:
+        return
+    spec, model = lazy.spec, lazy.model
+    check_hf_tp(spec, tp)
+    plan = [(_pattern(key), style) for key, style in hf_tp_plan(spec).items()]
+    stack = lazy.blocks_name.split(".")[-1]  # the plan names modules from the base model: layers.3.mlp
+    for index, block in enumerate(lazy.blocks):
+        entered: set[str] = set()
+        for name, module in list(block.named_modules()):
+            style = _style_of(plan, f"{stack}.{index}.{name}")
+            if style is not None:
+                parent, _, attr = name.rpartition(".")
+                setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group))
+                if style == "colwise" and parent not in entered:
+                    _enter_region(block.get_submodule(parent), group)
+                    entered.add(parent)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    scaled = _is_scaled_embedding(embedding)
+    if (type(embedding) is not nn.Embedding and not scaled) or type(head) is not nn.Linear:
+        raise ValueError(f"--tp {tp}: {spec.architecture}'s embedding ({type(embedding).__name__}) or LM head "
+                         f"({type(head).__name__}) is not a plain nn.Embedding / nn.Linear; train it with --tp 1")
+    tied = head.weight is embedding.weight
+    with torch.device("meta"):
+        new_embedding = (ScaledVocabParallelEmbedding if scaled else VocabParallelEmbedding)(
+            embedding.num_embeddings, embedding.embedding_dim, group=group, padding_idx=embedding.padding_idx)
+        new_head = ColumnParallelLinear(head.in_features, head.out_features, bias=head.bias is not None, group=group)
+    if scaled:
+        new_embedding.register_buffer("embed_scale", embedding.embed_scale, persistent=False)
+    new_embedding.weight = tp_shard_parameter(embedding.weight, new_embedding.weight.tp_split,
+                                              embedding.weight.requires_grad)
+    new_head.weight = new_embedding.weight if tied else tp_shard_parameter(
+        head.weight, new_head.weight.tp_split, head.weight.requires_grad)
+    if head.bias is not None:
+        new_head.bias = tp_shard_parameter(head.bias, new_head.bias.tp_split, head.bias.requires_grad)
+    model.set_input_embeddings(new_embedding)
+    model.set_output_embeddings(new_head)
