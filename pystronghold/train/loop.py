@@ -27,6 +27,7 @@ from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.api import wrap
 from pystronghold.tokenized import training_corpus
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
+from pystronghold.train.checkpoint_state import run_record, run_state
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.metrics import (IntervalMetrics, MetricsWriter, TrainResult, device_peak_bytes,
                                         memory_report, summarize_events)
@@ -201,8 +202,6 @@ class Trainer:
     def checkpoint_state(self):
         """What a checkpoint of this run saves and loads: ``(state objects, RunRecord)`` at this step
         (``checkpoint_state.run_state`` and ``run_record``)."""
-        from pystronghold.train.checkpoint_state import run_record, run_state
-
         state = run_state(self.config, engine=self.engine, scheduler=self.scheduler, sampler=self.sampler,
                           groups=self.groups, pipeline=self.pipeline)
         return state, run_record(self.config, step=self.step, lineage=self.lineage, model=self.engine.model,
