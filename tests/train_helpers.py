@@ -45,6 +45,14 @@ def listing(ck: Path) -> list[str]:
     return sorted(p.name for p in Path(ck).iterdir() if p.name != RUN_FILE)
 
 
+def save_trainer(trainer, root, **options):
+    """``save_checkpoint`` of ``trainer``'s state objects at its step, as its loop saves them."""
+    from pystronghold.train.checkpoint import save_checkpoint
+
+    state, record = trainer.checkpoint_state()
+    return save_checkpoint(state, root, record, **options)
+
+
 def run_training(config: TrainConfig, *, keep: bool = False):
     """Train ``config`` to the end and close the trainer. Returns the ``TrainResult``, or with ``keep``
     the (closed) ``Trainer`` itself, for a test that reads its engine afterwards."""

@@ -12,19 +12,26 @@ these names (``planner/finetune.py``), and a block's matmul FLOPs on its matrix 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.models.presets import param_count
 
-if TYPE_CHECKING:
-    from pystronghold.planner.hf_shape import HFShape
-
 __all__ = ["Shapes", "block_param_shapes", "head_tail_param_shapes", "block_prefix", "model_params",
-           "numel", "is_matrix_weight", "is_expert_param", "active_matmul_numel"]
+           "ParamTables", "numel", "is_matrix_weight", "is_expert_param", "active_matmul_numel"]
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 """(name, shape) of each parameter, in ``named_parameters()`` order."""
+
+
+class ParamTables(Protocol):
+    """A model that carries its parameter tables (``planner/hf_shape.py``'s ``HFShape``): named so
+    here rather than imported, as ``hf_shape`` builds on this module."""
+
+    layers: int
+    blocks_name: str
+    block_params: tuple[tuple[str, tuple[int, ...]], ...]
+    head_tail_params: tuple[tuple[str, tuple[int, ...]], ...]
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -44,7 +51,7 @@ def is_expert_param(name: str) -> bool:
     return "experts" in name.split(".")
 
 
-def active_matmul_numel(config: GPTConfig | HFShape, shapes: Shapes) -> int:
+def active_matmul_numel(config: GPTConfig | ParamTables, shapes: Shapes) -> int:
     """Elements of the matrix weights among ``shapes`` (a block's) that one token multiplies by: a
     dense weight's all, the routed experts' ``experts_per_token / experts`` of theirs (a token
     visits top-k of them). A forward costs 2 FLOPs per such element and token."""
@@ -57,7 +64,7 @@ def active_matmul_numel(config: GPTConfig | HFShape, shapes: Shapes) -> int:
     return total - routed + routed * top_k // experts
 
 
-def block_param_shapes(config: GPTConfig | HFShape) -> Shapes:
+def block_param_shapes(config: GPTConfig | ParamTables) -> Shapes:
     """(name, shape) of each parameter of one block on one rank, in ``named_parameters()`` order.
     GPT: ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2 (weight then bias); the QKV/fc1 rows and
     the proj/fc2 columns are split over tp ranks, norms and row-parallel biases replicated."""
@@ -73,7 +80,7 @@ def block_param_shapes(config: GPTConfig | HFShape) -> Shapes:
             + layer("mlp.fc1", (Fw // t, C), Fw // t) + layer("mlp.fc2", (C, Fw // t), C))
 
 
-def head_tail_param_shapes(config: GPTConfig | HFShape) -> Shapes:
+def head_tail_param_shapes(config: GPTConfig | ParamTables) -> Shapes:
     """(full name, shape) of each head and tail parameter on one rank. GPT: token embedding
     (padded vocabulary, split over tp), position embedding, final norm, LM head (absent when tied)."""
     if not isinstance(config, GPTConfig):
@@ -84,12 +91,12 @@ def head_tail_param_shapes(config: GPTConfig | HFShape) -> Shapes:
     return shapes + ([] if config.tie_embeddings else [("tail.lm_head.weight", (V // t, C))])
 
 
-def block_prefix(config: GPTConfig | HFShape, index: int) -> str:
+def block_prefix(config: GPTConfig | ParamTables, index: int) -> str:
     """The full-name prefix of block ``index``'s parameters (``blocks.3.``, ``model.layers.3.``)."""
     return f"{'blocks' if isinstance(config, GPTConfig) else config.blocks_name}.{index}."
 
 
-def model_params(config: GPTConfig | HFShape) -> int:
+def model_params(config: GPTConfig | ParamTables) -> int:
     """Distinct parameters of the whole model, all tp ranks together (a tied LM head once)."""
     if isinstance(config, GPTConfig):
         return param_count(config)

@@ -85,10 +85,6 @@ class Relay:
             self._hand_on(j)
         self._wait(j)
 
-    def micro_batch(self) -> int | None:
-        """The micro-batch of the calling thread (None outside the relay's threads)."""
-        return getattr(self._local, "index", None)
-
     # ---- forward
 
     def cut(self, block: int, outputs: tuple) -> tuple:

@@ -107,10 +107,6 @@ class Window:
         for p in self.params[block]:
             p.data = self._placeholder
 
-    def param_views(self, block: int) -> list[torch.Tensor]:
-        """Views of the resident ``block``'s parameters in its slot."""
-        return list(self._slot_views(self.resident[block], block)[0])
-
     def grad_views(self, block: int) -> list[torch.Tensor]:
         """Views of the resident ``block``'s trainable parameters' gradients in its slot."""
         return list(self._slot_views(self.resident[block], block)[1])

@@ -27,6 +27,7 @@ from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.api import wrap
 from pystronghold.tokenized import training_corpus
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
+from pystronghold.train.checkpoint_state import run_record, run_state
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.metrics import (IntervalMetrics, MetricsWriter, TrainResult, device_peak_bytes,
                                         memory_report, summarize_events)
@@ -201,6 +202,14 @@ class Trainer:
 
             resume(self, resume_from)
         self.result.start_step = self.step
+
+    def checkpoint_state(self):
+        """What a checkpoint of this run saves and loads: ``(state objects, RunRecord)`` at this step
+        (``checkpoint_state.run_state`` and ``run_record``)."""
+        state = run_state(self.config, engine=self.engine, scheduler=self.scheduler, sampler=self.sampler,
+                          groups=self.groups, pipeline=self.pipeline)
+        return state, run_record(self.config, step=self.step, lineage=self.lineage, model=self.engine.model,
+                                 lora=self.lora)
 
     def release_checkpoint_dir(self) -> None:
         """Give up the --checkpoint-dir lock (rank 0; ``close`` does it)."""
@@ -399,7 +408,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 # NOTE: every rank calls it: the TP ranks of DP replica 0 gather the split tensors,
                 # rank 0 writes; all wait so that no rank runs ahead of a checkpoint being written.
-                written = save_checkpoint(self, ck.checkpoint_dir)
+                state, record = self.checkpoint_state()
+                written = save_checkpoint(state, ck.checkpoint_dir, record)
                 if written is not None:
                     res.checkpoints.append(str(written))
                     deleted = prune_checkpoints(ck.checkpoint_dir, keep=ck.keep, lineage=self.lineage,

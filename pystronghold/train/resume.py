@@ -64,7 +64,8 @@ def _load_newest_fitting(trainer, newest: Path) -> Path:
     while path is not None:
         error = None
         try:
-            load_checkpoint(trainer, path)
+            state, record = trainer.checkpoint_state()
+            trainer.step, trainer.lineage = load_checkpoint(state, path, record)
         except UnusableCheckpoint as e:
             error = e
         if not _any_rank(trainer, error is not None):

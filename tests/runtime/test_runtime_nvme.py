@@ -264,15 +264,14 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
         import sys, time
         sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from pathlib import Path
-        from train_helpers import tiny_config
+        from train_helpers import save_trainer, tiny_config
         from pystronghold.train import Trainer
-        from pystronghold.train.checkpoint import save_checkpoint
         from pystronghold.runtime.config import RuntimeConfig
         config = tiny_config(Path({str(tmp_path)!r}), steps=4, clip=None)
         config.runtime = RuntimeConfig(nvme_dir={str(nvme)!r}, nvme_states="all")
         t = Trainer(config)
         t.train_step(); t.train_step()
-        save_checkpoint(t, {str(ck)!r})
+        save_trainer(t, {str(ck)!r})
         engine = t.engine
         from pystronghold.runtime.engine import engine_parts_for_tests
         updates = engine_parts_for_tests(engine)["updates"]

@@ -111,17 +111,16 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
         import sys, time
         sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from pathlib import Path
-        from train_helpers import tiny_config
+        from train_helpers import save_trainer, tiny_config
         from pystronghold.train import Trainer
-        from pystronghold.train.checkpoint import save_checkpoint
         t = Trainer(tiny_config(Path({str(tmp_path)!r}), steps=10))
         t.train_step(); t.train_step()
-        save_checkpoint(t, {str(ck)!r})
+        save_trainer(t, {str(ck)!r})
         t.train_step()
         def slow(name):
             Path({str(marker)!r}).write_text(name)
             time.sleep(60)
-        save_checkpoint(t, {str(ck)!r}, _after_file=slow)
+        save_trainer(t, {str(ck)!r}, _after_file=slow)
     """)
     kill_when_marked(script, marker, "its second save")
     assert any(p.name.startswith(".tmp-step-00000003") for p in ck.iterdir())  # the half-written save
@@ -135,6 +134,12 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
     finally:
         trainer.close()
     assert not any(p.name.startswith(".tmp") for p in ck.iterdir())  # cleaned up by the next save
+
+
+def _loading(trainer, path):
+    """``load_checkpoint``'s arguments to load checkpoint ``path`` into ``trainer``."""
+    state, record = trainer.checkpoint_state()
+    return state, path, record
 
 
 def _saved(tmp_path):
@@ -153,7 +158,7 @@ def test_corrupt_checkpoint_is_refused_before_anything_changes(tmp_path, capsys)
     try:
         before = {k: v.clone() for k, v in trainer.engine.master_parameters().items()}
         with pytest.raises(CheckpointError, match="block-00001.safetensors is corrupt"):
-            load_checkpoint(trainer, path)
+            load_checkpoint(*_loading(trainer, path))
         after = trainer.engine.master_parameters()
         assert all(torch.equal(before[k], after[k]) for k in before)
     finally:
@@ -171,14 +176,14 @@ def test_incompatible_or_incomplete_checkpoint_is_refused(tmp_path):
     trainer = Trainer(tiny_config(tmp_path, steps=2, model=dict(TINY, hidden=64)))
     try:
         with pytest.raises(CheckpointError, match="another model"):
-            load_checkpoint(trainer, path)
+            load_checkpoint(*_loading(trainer, path))
         manifest = json.loads((path / "manifest.json").read_text())
         (path / "manifest.json").write_text(json.dumps(dict(manifest, version=99)))
         with pytest.raises(CheckpointError, match="version 99"):
-            load_checkpoint(trainer, path)
+            load_checkpoint(*_loading(trainer, path))
         (path / "manifest.json").unlink()
         with pytest.raises(CheckpointError, match="no manifest"):
-            load_checkpoint(trainer, path)
+            load_checkpoint(*_loading(trainer, path))
     finally:
         trainer.close()
 
@@ -221,14 +226,14 @@ def wait_for_the_kill():
 
 save = checkpoint.save_checkpoint
 
-def save_or_die_inside(trainer, root, **options):  # the loop looks save_checkpoint up at each save
+def save_or_die_inside(state, root, record, **options):  # the loop looks save_checkpoint up at each save
     written = []
 
     def after_file(name):
-        if trainer.step == kill_step and len(written) == kill_file:
+        if record.step == kill_step and len(written) == kill_file:
             wait_for_the_kill()
         written.append(name)
-    return save(trainer, root, _after_file=after_file, **options)
+    return save(state, root, record, _after_file=after_file, **options)
 
 checkpoint.save_checkpoint = save_or_die_inside
 

@@ -224,14 +224,14 @@ def _interrupt_save_of_step(monkeypatch, step: int, after_files: int) -> None:
 
     save = checkpoint.save_checkpoint
 
-    def interrupted(trainer, root, **kw):
+    def interrupted(state, root, record, **kw):
         written = []
 
         def after_file(name):
             written.append(name)
-            if trainer.step == step and len(written) == after_files:
+            if record.step == step and len(written) == after_files:
                 raise KeyboardInterrupt
-        return save(trainer, root, _after_file=after_file)
+        return save(state, root, record, _after_file=after_file)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", interrupted)  # the loop looks it up at each save
 
@@ -248,7 +248,7 @@ def test_a_second_ctrl_c_inside_a_save_removes_it_and_names_its_step(tmp_path, c
 
 def test_a_partial_save_that_cannot_be_removed_is_named_not_said_removed(tmp_path, capsys, monkeypatch):
     """A read-only file system: the write fails, and so does the removal of what was written."""
-    import pystronghold.train.checkpoint as checkpoint
+    import pystronghold.train.checkpoint_save as checkpoint_save
 
     ck = tmp_path / "ck"
     fsync, rmtree = os.fsync, shutil.rmtree
@@ -263,7 +263,7 @@ def test_a_partial_save_that_cannot_be_removed_is_named_not_said_removed(tmp_pat
             rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "fsync", read_only_while_saving_step_4)
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", keeps_partial_saves)
+    monkeypatch.setattr(checkpoint_save.shutil, "rmtree", keeps_partial_saves)
     code = main(_train_cli(tmp_path, "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--steps", "4"))
     err = _one_line(capsys)
     assert code == 1 and "removed" not in err
@@ -274,17 +274,17 @@ def test_an_overwrite_run_killed_between_marking_the_directory_and_its_first_che
         tmp_path, monkeypatch):
     """The directory is the new run's as soon as it is marked: its first checkpoint not yet renamed
     into place, --resume finds nothing of it and refuses, rather than continuing the old run."""
-    import pystronghold.train.checkpoint as checkpoint
+    import pystronghold.train.checkpoint_save as checkpoint_save
 
     ck = tmp_path / "ck"
     run_training(_config(tmp_path, ck, steps=4, every=2))
-    mark = checkpoint.mark_run
+    mark = checkpoint_save.mark_run
 
     def marked_then_killed(*args, **kwargs):
         mark(*args, **kwargs)
         raise _Killed
 
-    monkeypatch.setattr(checkpoint, "mark_run", marked_then_killed)
+    monkeypatch.setattr(checkpoint_save, "mark_run", marked_then_killed)
     with pytest.raises(_Killed):
         run_training(_config(tmp_path, ck, steps=3, every=1, overwrite=True))
     monkeypatch.undo()

@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.train import Trainer
-from pystronghold.train.checkpoint import CheckpointError, export_weights, read_manifest, save_checkpoint
+from pystronghold.train.checkpoint import CheckpointError, export_weights, read_manifest
 from pystronghold.train.config import CheckpointOptions, ParallelOptions
-from train_helpers import listing, tiny_config
+from train_helpers import listing, save_trainer, tiny_config
 
 STEP3, STEP6 = "step-00000003", "step-00000006"
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -58,7 +58,7 @@ def _tp2_runs(rank: int, world: int, tmp: str, base) -> None:
     dist.barrier()
     # resume, after saving the loaded state again: gather(slice(whole)) must give back the files
     out["resumed"] = _train(tp2(tmp / "tp2", resume=True), close_parallel=False,
-                            before=lambda trainer: save_checkpoint(trainer, tmp / "again"))
+                            before=lambda trainer: save_trainer(trainer, tmp / "again"))
     out["from_single"] = _train(tp2(tmp / "single", resume=True), close_parallel=False)
     # a fresh run into tp2/, which holds checkpoints: rank 0 refuses, and rank 1 with it (no one waits)
     with pytest.raises(CheckpointError) as refused:

@@ -13,9 +13,8 @@ import pytest
 from pystronghold.cli import main
 from pystronghold.runtime.divergence import DivergenceError
 from pystronghold.train import Trainer
-from pystronghold.train.checkpoint import save_checkpoint
 from pystronghold.train.checkpoint_dir import latest_checkpoint
-from train_helpers import run_training, tiny_config
+from train_helpers import run_training, save_trainer, tiny_config
 
 TRAIN = ["train", "--model", "tiny", "--steps", "40", "--batch", "2", "--seq", "16", "--eval-batches", "1",
          "--quiet", "--max-bytes", "16384", "--lr", "1e3"]
@@ -78,7 +77,7 @@ def test_a_checkpoint_with_inf_adam_moments_is_not_written(tmp_path):
         trainer.train_step()
         with pytest.raises(DivergenceError, match=r"^step 1: not writing checkpoint step-00000001 \(blocks/block-00000"
                                                   r"\.safetensors\): \S+\.exp_avg_sq holds inf values;"):
-            save_checkpoint(trainer, ck)
+            save_trainer(trainer, ck)
     finally:
         trainer.close()
     assert latest_checkpoint(ck) is None and not list(ck.glob("step-*"))
@@ -105,7 +104,7 @@ def test_resume_continues_the_count_of_skipped_steps_in_a_row(tmp_path):
     try:
         trainer.train()
         trainer.engine.scaler.overflows_in_a_row = 3  # as if the last three steps had been skipped
-        save_checkpoint(trainer, ck)
+        save_trainer(trainer, ck)
     finally:
         trainer.close()
     resumed = Trainer(tiny_config(tmp_path, steps=3, precision="fp16", ckpt=ck, resume=True))
