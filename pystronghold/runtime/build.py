@@ -146,7 +146,8 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
         fixed_bytes=(planned_arena_bytes + split.device_bytes if config.device == "cpu" else 0)
         + split.host_head_tail_bytes,
         nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
-        streamed_grads=modes.overlap == "backward" and config.accumulation_steps == 1,
+        # a speculative update keeps its gradient for a redo
+        streamed_grads=modes.overlap == "backward" and not config.speculative and config.accumulation_steps == 1,
         force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
     scratch = None
     if placement.spilled:
