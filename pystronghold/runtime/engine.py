@@ -233,7 +233,8 @@ class Engine:
         ``store_bytes`` is the host store's allocation (the file tier's cache included),
         ``store_frozen_bytes`` the part of it that holds frozen block parameters (their padded
         elements in the compute dtype: ``layout.frozen_bytes_per_param`` each). The byte counts
-        are ``memory_report()``'s."""
+        are ``memory_report()``'s; ``undo_bytes`` the host copy speculative clipping holds
+        (``clip_mode="speculative"``; ``updates.undo_bytes``)."""
         memory = self.memory_report()
         return dict(window=self.window_size, blocks=self.n_blocks, resident_blocks=self.resident.count,
                     resident_bytes=memory.device_resident_blocks_bytes, streamed_blocks=self.n_streamed,
@@ -243,7 +244,7 @@ class Engine:
                     trainable_params=self._param_counts[True], frozen_params=self._param_counts[False],
                     steps=self.steps, skipped_steps=self.skipped_steps,
                     loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm,
-                    disk=memory.disk)
+                    disk=memory.disk, undo_bytes=self._updates.held_undo_bytes())
 
     def memory_report(self) -> EngineMemory:
         """Where the engine's bytes are now (``memory_report.EngineMemory``: the device window,

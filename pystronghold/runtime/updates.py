@@ -16,8 +16,9 @@ import torch
 from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm, param_grad_norms
 from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.runtime.divergence import DivergenceError
+from pystronghold.runtime.layout import state_dtype, stored_states
 
-__all__ = ["HostUpdates"]
+__all__ = ["HostUpdates", "undo_bytes"]
 
 
 class HostUpdates:
@@ -161,8 +162,9 @@ class HostUpdates:
                 return False
         return True
 
-    def undo_bytes(self) -> int:
-        """Host bytes held for undoing speculative updates (the saved pre-step states)."""
+    def held_undo_bytes(self) -> int:
+        """Host bytes held now for undoing speculative updates (the saved pre-step states; at most
+        ``undo_bytes`` of the streamed blocks)."""
         return sum(t.nbytes for saved in self._saved.values() for t in saved.values())
 
     def pending(self, block: int) -> Future | None:
@@ -195,6 +197,14 @@ class HostUpdates:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def undo_bytes(train_numels: list[int], compute_dtype: torch.dtype) -> int:
+    """Host bytes that speculative clipping (``clip_mode="speculative"``) keeps to undo a step: the
+    pre-step master, moments and (bf16/fp16) shadow of every streamed block's trainable elements
+    (``train_numels``, one per block): 12 B per element, 14 with a shadow."""
+    states = [s for s in stored_states(compute_dtype) if s in (*HostUpdates.update_states, "shadow")]
+    return sum(n * state_dtype(s, compute_dtype).itemsize for n in train_numels for s in states)
 
 
 def _group_ranges(layout, groups: list[int] | None) -> dict[int, list[tuple[int, int]]] | None:

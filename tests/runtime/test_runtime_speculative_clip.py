@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pystronghold as ph
+from pystronghold.runtime.updates import undo_bytes
 from runtime_models import (HYPER, assert_same_training, gpt_batches, one_torch_thread, run_both, tiny_gpt,
                             train_engine, train_reference)
 
@@ -90,6 +91,16 @@ def test_speculative_is_bit_identical_to_after_norm(setting, tmp_path):
     _assert_bit_identical(after, spec)
     if setting == "fp16-overflow":
         assert spec[2].skipped_steps == after[2].skipped_steps > 0
+
+
+@pytest.mark.parametrize("precision,per_element", [("fp32", 12), ("bf16", 14)])
+def test_the_undo_copy_is_what_undo_bytes_says(precision, per_element):
+    model = tiny_gpt()
+    numels = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    got = train_engine(model, gpt_batches(2), window=2, precision=precision, clip_grad_norm=0.05,
+                       clip_mode="speculative")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    assert got[2].stats()["undo_bytes"] == undo_bytes(numels, dtype) == per_element * sum(numels)
 
 
 def test_two_param_groups_against_torch():
