@@ -17,7 +17,7 @@ from pystronghold.runtime.precision import DTYPES
 __all__ = ["RuntimeConfig", "ResolvedModes", "OVERLAP_MODES", "CLIP_MODES", "NVME_STATES", "SCHEDULES"]
 
 OVERLAP_MODES = ("auto", "backward", "forward", "none")
-CLIP_MODES = ("after-norm", "speculative")
+CLIP_MODES = ("after-norm", "speculative", "auto")
 NVME_STATES = ("auto", "all")
 SCHEDULES = ("default", "relay", "auto")
 
@@ -57,6 +57,9 @@ class ResolvedModes:
     """When host updates run: "backward", "forward" or "none" (``RuntimeConfig.overlap_mode``)."""
     schedule: str
     """How accumulation runs: "default" or "relay" (``RuntimeConfig.schedule_mode``)."""
+    speculative: bool = False
+    """Streamed blocks update during backward before the global gradient norm is known
+    (``RuntimeConfig.clip_mode``; overlap is then "backward")."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,12 +120,15 @@ class RuntimeConfig:
     clip_mode: str = option("after-norm", choices=CLIP_MODES, help=(
         "With --clip or fp16: 'after-norm' (each streamed block's host AdamW waits for the global gradient norm) "
         "or 'speculative' (it runs during backward assuming no clipping; a step that clips or overflows is undone "
-        "from a host copy of the pre-step states and redone exactly; costs 12 B/param plus the compute-dtype copy)."))
+        "from a host copy of the pre-step states and redone exactly; costs 12 B/param plus the compute-dtype copy), "
+        "or 'auto' (speculative when that copy fits in host memory beside the store without moving more to disk)."))
     """How a step that needs the global gradient norm (clipping, fp16) updates streamed blocks:
     "after-norm" (after backward, ahead of the next forward) or "speculative" (during backward with
     clip coefficient 1; a step whose coefficient is below 1, or that overflows, restores the saved
     pre-step master, moments and shadow and redoes the update with the true coefficient, the same
-    arithmetic as "after-norm", so results are bit-identical)."""
+    arithmetic as "after-norm", so results are bit-identical), or "auto": speculative when, with
+    ``overlap="auto"``, its host copy (``updates.undo_bytes``) fits the host budget beside the store
+    without putting more of it on disk (decided at build, ``ResolvedModes.speculative``)."""
     schedule: str = option("default", choices=SCHEDULES, help=(
         "How the --accumulation micro-batches run: 'default' (one after the other: every streamed block is "
         "loaded once per micro-batch), 'relay' (layer-major, L2L's: each block runs every micro-batch while "
@@ -318,4 +324,4 @@ class RuntimeConfig:
 
     def resolved_modes(self) -> ResolvedModes:
         """``overlap_mode`` and ``schedule_mode`` together, as the engine's parts are handed them."""
-        return ResolvedModes(overlap=self.overlap_mode, schedule=self.schedule_mode)
+        return ResolvedModes(overlap=self.overlap_mode, schedule=self.schedule_mode, speculative=self.speculative)

@@ -235,3 +235,23 @@ def test_speculative_needs_the_backward_overlap():
         ph.wrap(model, blocks=model.blocks, window=2, clip_grad_norm=1.0, clip_mode="speculative", overlap="forward")
     with pytest.raises(ValueError, match="clip_mode"):
         ph.wrap(model, blocks=model.blocks, window=2, clip_mode="later")
+
+
+def test_auto_speculates_when_the_undo_copy_fits_the_host_budget():
+    """clip_mode="auto": speculative with room for the undo copy (and exact), after-norm in a budget
+    that holds the store but not the copy."""
+    runs = {}
+    for mode in ("after-norm", "auto"):
+        torch.manual_seed(1234)
+        model = tiny_gpt()
+        torch.manual_seed(1234)
+        runs[mode] = train_engine(model, gpt_batches(4), window=2, clip_grad_norm=0.05, clip_mode=mode)
+    after, auto = runs["after-norm"], runs["auto"]
+    need = after[2].placement.host_bytes + after[2].placement.fixed_bytes
+    assert auto[2].overlap == "backward" and auto[2].stats()["undo_bytes"] > 0
+    _assert_bit_identical(after, auto)
+    tight = ph.wrap(tiny_gpt(), window=2, clip_grad_norm=0.05, clip_mode="auto", host_memory_bytes=need + 4096)
+    try:
+        assert tight.overlap == "forward"
+    finally:
+        tight.close()
