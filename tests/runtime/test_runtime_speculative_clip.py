@@ -131,23 +131,6 @@ def test_two_param_groups_against_torch():
     assert_same_training(ref, (losses, params, engine))
 
 
-def test_an_inf_gradient_stops_the_run_with_nothing_applied():
-    """A stopped step (inf gradient, bf16/fp32) leaves the speculated blocks as they were."""
-    model = tiny_gpt()
-    engine = ph.wrap(model, blocks=model.blocks, window=2, clip_grad_norm=1.0, clip_mode="speculative")
-    x, y = gpt_batches(1)[0]
-    before = {n: p.clone() for n, p in engine.master_parameters().items()}
-    loss = engine(x, y)
-    engine.backward(loss * float("inf"))
-    try:
-        with pytest.raises(ph.DivergenceError):
-            engine.step()
-        for name, p in engine.master_parameters().items():
-            torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
-    finally:
-        engine.close()
-
-
 # ---- the overlap, from the trace's intervals
 
 class _WaitInBackward(torch.autograd.Function):
@@ -161,15 +144,14 @@ class _WaitInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.wait()
-        return grad, None
+        return ctx.wait(grad), None
 
 
 class _Block(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.fc = nn.Linear(d, d)
-        self.wait = lambda: None
+        self.wait = lambda grad: grad  # (gradient in) -> gradient out
 
     def forward(self, x):
         return _WaitInBackward.apply(x + torch.tanh(self.fc(x)), self.wait)
@@ -195,11 +177,12 @@ def _one_clipped_step(mode: str):
     engine = ph.wrap(model, blocks=model.blocks, window=2, clip_grad_norm=1e-3, clip_mode=mode, trace=True)
     last = len(model.blocks) - 1
 
-    def wait_for_last_update():
+    def wait_for_last_update(grad):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(
                 e.kind == "optimizer" and e.block == last for e in engine.trace.events()):
             time.sleep(0.01)
+        return grad
 
     if mode == "speculative":
         model.blocks[0].wait = wait_for_last_update
@@ -255,3 +238,25 @@ def test_auto_speculates_when_the_undo_copy_fits_the_host_budget():
         assert tight.overlap == "forward"
     finally:
         tight.close()
+
+
+def test_a_step_with_inf_gradients_leaves_the_speculated_blocks_as_they_were():
+    """Blocks 2 and 3 get finite gradients and update speculatively; block 1 makes the rest inf:
+    the run stops (DivergenceError) with every master restored."""
+    precision = "fp32"
+    model = _Stack()
+    engine = ph.wrap(model, blocks=model.blocks, window=2, clip_grad_norm=1.0, clip_mode="speculative",
+                     precision=precision)
+    model.blocks[1].wait = lambda grad: grad * float("inf")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 32, generator=g), torch.randn(4, 1, generator=g)
+    before = {n: p.clone() for n, p in engine.master_parameters().items()}
+    try:
+        engine.backward(engine(x, y))
+        with pytest.raises(ph.DivergenceError):
+            engine.step()
+        engine.synchronize()
+        for name, p in engine.master_parameters().items():
+            torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
+    finally:
+        engine.close()
