@@ -240,21 +240,28 @@ def test_auto_speculates_when_the_undo_copy_fits_the_host_budget():
         tight.close()
 
 
-def test_a_step_with_inf_gradients_leaves_the_speculated_blocks_as_they_were():
-    """Blocks 2 and 3 get finite gradients and update speculatively; block 1 makes the rest inf:
-    the run stops (DivergenceError) with every master restored."""
-    precision = "fp32"
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_step_with_inf_gradients_leaves_the_speculated_blocks_as_they_were(precision):
+    """Blocks 2 and 3 get finite gradients and update speculatively; block 1 makes the rest inf.
+    fp32 stops (DivergenceError), fp16 skips the step: either way every master is restored. (fp16
+    starts at loss scale 4 so that blocks 2 and 3 do not overflow on their own.)"""
     model = _Stack()
-    engine = ph.wrap(model, blocks=model.blocks, window=2, clip_grad_norm=1.0, clip_mode="speculative",
-                     precision=precision)
+    half = dict(precision="fp16", initial_loss_scale=4.0) if precision == "fp16" else {}
+    engine = ph.wrap(model, blocks=model.blocks, window=2, clip_grad_norm=1.0, clip_mode="speculative", **half)
     model.blocks[1].wait = lambda grad: grad * float("inf")
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 32, generator=g), torch.randn(4, 1, generator=g)
+    if half:
+        x, y = x.half(), y.half()
     before = {n: p.clone() for n, p in engine.master_parameters().items()}
     try:
         engine.backward(engine(x, y))
-        with pytest.raises(ph.DivergenceError):
+        if half:
             engine.step()
+            assert engine.skipped_steps == 1
+        else:
+            with pytest.raises(ph.DivergenceError):
+                engine.step()
         engine.synchronize()
         for name, p in engine.master_parameters().items():
             torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
