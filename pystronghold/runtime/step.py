@@ -174,7 +174,7 @@ class OptimizerStep:
             if hyper is None or updates.speculated.get(block) != hyper:
                 updates.submit_update(block, None, hyper=hyper, step=self.attempted_steps + 1, redo=True)
             else:
-                del updates.speculated[block]
+                updates.keep(block)
         if grad_scale is None:
             updates.drain()  # nothing of the step is left applied when the caller returns or raises
 
@@ -211,6 +211,9 @@ class OptimizerStep:
 
     def zero_grad(self) -> None:
         """Head/tail and resident gradients forgotten (``.grad`` None); the executor resets blocks'."""
+        if self.updates.unsettled:  # gradients dropped without a step: their speculative updates undone
+            self.updates.drain()
+            self._settle_speculation(sorted(self.updates.unsettled), None)
         self.device_optimizer.zero_grad()
         self.resident.zero_grad()
         if self.scaler is not None:  # the forgotten passes' count goes with them

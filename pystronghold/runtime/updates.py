@@ -50,6 +50,8 @@ class HostUpdates:
         self.speculated: dict[int, list[AdamWHyper] | None] = {}
         """Blocks updated speculatively this step (``submit_update(speculate=True)``) -> the hyper
         their update applied, or None when it was not applied (inf/NaN values, nothing written)."""
+        self.unsettled: set[int] = set()
+        """Blocks whose speculative update was submitted and neither kept (``keep``) nor redone/undone."""
 
     def submit_norm(self, block: int, grad_handle, grad_scale: float) -> None:
         """Per-parameter L2 norms (fp32) of the block's gradient x ``grad_scale``, after its copy-out."""
@@ -89,6 +91,10 @@ class HostUpdates:
         outputs = [*self.update_states, "shadow"] if store.has_shadow else list(self.update_states)
         # NOTE: a shadow that also holds frozen parameters is read first (its frozen part is kept)
         shadow_kept = store.has_shadow and store.layouts[block].frozen > 0
+        if speculate:
+            self.unsettled.add(block)
+        if redo:
+            self.unsettled.discard(block)
         restore = redo and self.speculated.pop(block, None) is not None
         if hyper is None and not restore:
             return  # an undo of a speculative update that did not apply
@@ -161,6 +167,11 @@ class HostUpdates:
                                     check_finite=len(ranges) == 1, bitwise_torch=self.bitwise_torch):
                 return False
         return True
+
+    def keep(self, block: int) -> None:
+        """The block's speculative update stands (its hyper was the true one): forget its undo."""
+        self.speculated.pop(block, None)
+        self.unsettled.discard(block)
 
     def held_undo_bytes(self) -> int:
         """Host bytes held now for undoing speculative updates (the saved pre-step states; at most

@@ -77,6 +77,8 @@ SETTINGS = {
     "fp16-overflow": dict(precision="fp16", clip_grad_norm=0.05, initial_loss_scale=2.0**40),
     "accumulation": dict(clip_grad_norm=ALTERNATE, accumulation=2),
     "resident": dict(clip_grad_norm=0.05, resident_blocks=2),
+    "relay": dict(clip_grad_norm=ALTERNATE, accumulation=2, schedule="relay"),
+    "layer-drop": dict(clip_grad_norm=ALTERNATE, layer_drop=0.3),
     "nvme": dict(clip_grad_norm=ALTERNATE, nvme_states="all", nvme_cache_blocks=2),
     "bf16-nvme-clip-all": dict(precision="bf16", clip_grad_norm=0.05, nvme_states="all", nvme_cache_blocks=2),
 }
@@ -262,6 +264,22 @@ def test_a_step_with_inf_gradients_leaves_the_speculated_blocks_as_they_were(pre
         else:
             with pytest.raises(ph.DivergenceError):
                 engine.step()
+        engine.synchronize()
+        for name, p in engine.master_parameters().items():
+            torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
+    finally:
+        engine.close()
+
+
+def test_gradients_dropped_without_a_step_undo_the_speculative_updates():
+    """backward then zero_grad() (no step): as after-norm, nothing is updated."""
+    model = tiny_gpt()
+    engine = ph.wrap(model, blocks=model.blocks, window=2, clip_grad_norm=1e3, clip_mode="speculative")
+    x, y = gpt_batches(1)[0]
+    before = {n: p.clone() for n, p in engine.master_parameters().items()}
+    try:
+        engine.backward(engine(x, y))
+        engine.zero_grad()
         engine.synchronize()
         for name, p in engine.master_parameters().items():
             torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
