@@ -108,11 +108,12 @@ class OptimizerStep:
         others are not updated."""
         average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
         step = self.next_step
+        # speculative (clip_mode): backward overlap although the step needs the global norm; the
+        # blocks' updates assumed coefficient 1 and are settled below
         speculative = self.overlap == "backward" and self.config.needs_global_grad
-        if speculative:  # the blocks' updates assumed coefficient 1; their errors re-raised here
+        if self.overlap == "backward":
             self.updates.drain()
         if self.overlap == "backward" and not speculative:
-            self.updates.drain()
             hyper = self.hyper(step)
             self.device_optimizer.step(hyper)
             self.resident.step(hyper, self.steps)
