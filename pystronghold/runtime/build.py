@@ -27,7 +27,7 @@ from pystronghold.runtime.prepare import fill_store, move_to_device, split_model
 from pystronghold.runtime.resident import ResidentBlocks
 from pystronghold.runtime.schedule import build_plan
 from pystronghold.runtime.store import HostStore
-from pystronghold.runtime.updates import HostUpdates
+from pystronghold.runtime.updates import HostUpdates, undo_bytes
 from pystronghold.runtime.window import Window
 from pystronghold.runtime.trace import Tracer
 
@@ -138,16 +138,23 @@ def build_parts(model: torch.nn.Module, blocks: torch.nn.ModuleList, config: Run
     streamed, layouts, block_params = list(blocks)[k:], split.layouts, split.block_params
     planned_arena_bytes = split.planned_arena_bytes
     # NOTE: every byte is planned before the first allocation, so a too-small host fails cleanly.
-    placement = plan_placement(
-        [lay.numel for lay in layouts], dtype, train_numels=[lay.train_numel for lay in layouts],
-        budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
-                      else int(config.host_memory_bytes)),
-        # on the CPU backend the "device" (window arena, head and tail) is host memory too
-        fixed_bytes=(planned_arena_bytes + split.device_bytes if config.device == "cpu" else 0)
-        + split.host_head_tail_bytes,
-        nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
-        streamed_grads=modes.overlap == "backward" and config.accumulation_steps == 1,
-        force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
+    def place(modes: ResolvedModes):
+        return plan_placement(
+            [lay.numel for lay in layouts], dtype, train_numels=[lay.train_numel for lay in layouts],
+            budget_bytes=(default_host_budget_bytes() if config.host_memory_bytes is None
+                          else int(config.host_memory_bytes)),
+            # on the CPU backend the "device" (window arena, head and tail) is host memory too
+            fixed_bytes=(planned_arena_bytes + split.device_bytes if config.device == "cpu" else 0)
+            + split.host_head_tail_bytes
+            + (undo_bytes([lay.train_numel for lay in layouts], dtype) if modes.speculative else 0),
+            nvme=config.nvme_dir is not None, cache_blocks=config.nvme_cache_blocks,
+            # a speculative update keeps its gradient for a redo
+            streamed_grads=modes.overlap == "backward" and not modes.speculative and config.accumulation_steps == 1,
+            force_disk=config.nvme_states == "all", budget_is_limit=config.host_memory_bytes is not None)
+
+    placement = place(modes)
+    if config.clip_mode == "auto" and config.needs_global_grad and config.overlap == "auto":
+        modes, placement = _speculate_if_it_fits(modes, placement, place)
     scratch = None
     if placement.spilled:
         scratch = open_scratch(config.nvme_dir, disk_tier_bytes(placement), preallocate=config.nvme_preallocate)
@@ -221,3 +228,16 @@ def build_optimizers(parts: EngineParts, config: RuntimeConfig, group_of: dict[i
         grad_norms=BlockGradNorms(updates, on_device=device.type == "cuda"),
         scaler=(DynamicLossScaler(config.initial_loss_scale, interval=config.loss_scale_interval)
                 if config.precision == "fp16" else None))
+
+
+def _speculate_if_it_fits(modes: ResolvedModes, placement, place):
+    """``clip_mode="auto"``: speculative clipping's modes and placement when its host undo copy fits
+    the budget without more of the store on disk than ``placement`` (after-norm's) has; else those given."""
+    speculative = dataclasses.replace(modes, overlap="backward", speculative=True)
+    try:
+        candidate = place(speculative)
+    except MemoryError:
+        return modes, placement
+    if disk_tier_bytes(candidate) > disk_tier_bytes(placement):
+        return modes, placement
+    return speculative, candidate

@@ -14,10 +14,11 @@ from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.optim.hyper import AdamW
 from pystronghold.runtime.precision import DTYPES
 
-__all__ = ["RuntimeConfig", "ResolvedModes", "OVERLAP_MODES", "NVME_STATES", "SCHEDULES", "OFFLOAD_AUTO_FRACTION",
-           "offload_in_effect"]
+__all__ = ["RuntimeConfig", "ResolvedModes", "OVERLAP_MODES", "CLIP_MODES", "NVME_STATES", "SCHEDULES",
+           "OFFLOAD_AUTO_FRACTION", "offload_in_effect"]
 
 OVERLAP_MODES = ("auto", "backward", "forward", "none")
+CLIP_MODES = ("after-norm", "speculative", "auto")
 NVME_STATES = ("auto", "all")
 SCHEDULES = ("default", "relay", "auto")
 
@@ -87,6 +88,9 @@ class ResolvedModes:
     """When host updates run: "backward", "forward" or "none" (``RuntimeConfig.overlap_mode``)."""
     schedule: str
     """How accumulation runs: "default" or "relay" (``RuntimeConfig.schedule_mode``)."""
+    speculative: bool = False
+    """Streamed blocks update during backward before the global gradient norm is known
+    (``RuntimeConfig.clip_mode``; overlap is then "backward")."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -145,6 +149,18 @@ class RuntimeConfig:
     """When host updates run: "backward" (block i as soon as its gradient is on the host),
     "forward" (after backward, block 0, 1, ... ahead of the next forward's loads), "none" (inside
     ``step()``), or "auto": backward unless clipping or fp16 needs the whole gradient first."""
+    clip_mode: str = option("after-norm", choices=CLIP_MODES, help=(
+        "With --clip or fp16: 'after-norm' (each streamed block's host AdamW waits for the global gradient norm) "
+        "or 'speculative' (it runs during backward assuming no clipping; a step that clips or overflows is undone "
+        "from a host copy of the pre-step states and redone exactly; costs 12 B/param plus the compute-dtype copy), "
+        "or 'auto' (speculative when that copy fits in host memory beside the store without moving more to disk)."))
+    """How a step that needs the global gradient norm (clipping, fp16) updates streamed blocks:
+    "after-norm" (after backward, ahead of the next forward) or "speculative" (during backward with
+    clip coefficient 1; a step whose coefficient is below 1, or that overflows, restores the saved
+    pre-step master, moments and shadow and redoes the update with the true coefficient, the same
+    arithmetic as "after-norm", so results are bit-identical), or "auto": speculative when, with
+    ``overlap="auto"``, its host copy (``updates.undo_bytes``) fits the host budget beside the store
+    without putting more of it on disk (decided at build, ``ResolvedModes.speculative``)."""
     schedule: str = option("default", choices=SCHEDULES, help=(
         "How the --accumulation micro-batches run: 'default' (one after the other: every streamed block is "
         "loaded once per micro-batch), 'relay' (layer-major, L2L's: each block runs every micro-batch while "
@@ -256,9 +272,15 @@ class RuntimeConfig:
             raise ConfigError(self, "head_tail_on_host", f"must be True, False or 'auto', got {self.head_tail_on_host!r}")
         if self.overlap not in OVERLAP_MODES:
             raise ConfigError(self, "overlap", f"must be one of {OVERLAP_MODES}, got {self.overlap!r}")
-        if self.overlap == "backward" and self.needs_global_grad:
+        if self.clip_mode not in CLIP_MODES:
+            raise ConfigError(self, "clip_mode", f"must be one of {CLIP_MODES}, got {self.clip_mode!r}")
+        if self.clip_mode == "speculative" and self.overlap not in ("auto", "backward"):
+            raise ConfigError(self, "clip_mode=",
+                              f"updates during backward; it cannot run with `overlap={self.overlap!r}`")
+        if self.overlap == "backward" and self.needs_global_grad and self.clip_mode != "speculative":
             raise ConfigError(self, "overlap=", "cannot be exact with `clip_grad_norm` or fp16 loss scaling "
-                              "(they need the whole gradient first); use 'forward' or 'auto'")
+                              "(they need the whole gradient first); use 'forward' or 'auto', "
+                              "or `clip_mode='speculative'`")
         self._check_relay_and_layer_drop()
         if self.parallel is not None and not isinstance(self.parallel, ParallelGroups):
             raise ConfigError(self, "parallel", f"must be a ParallelGroups (from init_parallel) or None, "
@@ -342,7 +364,13 @@ class RuntimeConfig:
         """The overlap mode in effect ("backward", "forward" or "none")."""
         if self.overlap != "auto":
             return self.overlap
-        return "forward" if self.needs_global_grad else "backward"
+        return "forward" if self.needs_global_grad and self.clip_mode != "speculative" else "backward"
+
+    @property
+    def speculative(self) -> bool:
+        """True when streamed blocks update during backward before the global gradient norm is known
+        (``clip_mode="speculative"`` with clipping or fp16), undone and redone when the step clips."""
+        return self.needs_global_grad and self.clip_mode == "speculative"
 
     @property
     def schedule_mode(self) -> str:
@@ -354,4 +382,4 @@ class RuntimeConfig:
 
     def resolved_modes(self) -> ResolvedModes:
         """``overlap_mode`` and ``schedule_mode`` together, as the engine's parts are handed them."""
-        return ResolvedModes(overlap=self.overlap_mode, schedule=self.schedule_mode)
+        return ResolvedModes(overlap=self.overlap_mode, schedule=self.schedule_mode, speculative=self.speculative)

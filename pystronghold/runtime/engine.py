@@ -246,9 +246,11 @@ class Engine:
         ``store_bytes`` is the host store's allocation (the file tier's cache included),
         ``store_frozen_bytes`` the part of it that holds frozen block parameters (their padded
         elements in the compute dtype: ``layout.frozen_bytes_per_param`` each). The byte counts
-        are ``memory_report()``'s. ``saved_inputs``: the last training pass's saved block inputs
-        under ``offload_block_inputs`` or the relay's staging (``device_bytes`` kept,
-        ``staged_bytes`` copied to host memory), None before such a pass."""
+        are ``memory_report()``'s; ``undo_bytes`` the host copy speculative clipping holds
+        (``clip_mode="speculative"``; ``updates.undo_bytes``). ``saved_inputs``: the last training
+        pass's saved block inputs under ``offload_block_inputs`` or the relay's staging
+        (``device_bytes`` kept, ``staged_bytes`` copied to host memory, ``disk_bytes`` of those on to
+        the NVMe tier), None before such a pass."""
         memory = self.memory_report()
         executor = self._executor
         return dict(window=self.window_size, blocks=self.n_blocks, resident_blocks=self.resident.count,
@@ -259,7 +261,7 @@ class Engine:
                     trainable_params=self._param_counts[True], frozen_params=self._param_counts[False],
                     steps=self.steps, skipped_steps=self.skipped_steps,
                     loss_scale=self.scaler.scale if self.scaler else None, grad_norm=self.grad_norm,
-                    disk=memory.disk,
+                    disk=memory.disk, undo_bytes=self._updates.held_undo_bytes(),
                     saved_inputs=executor.relay_activations if self.config.schedule_mode == "relay"
                     else executor.input_offload)
 

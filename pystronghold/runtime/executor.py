@@ -365,8 +365,13 @@ class PassExecutor:
         self._copies.append(("d2h", block, handle))
         self._grad_valid[block] = True
         if streamed:
-            self.updates.submit_update(block, handle, hyper=self.stepper.block_hyper(block),
-                                       lease=lease, step=self.stepper.attempted_steps + 1)
+            speculative = self.config.needs_global_grad  # backward overlap with it: clip_mode's speculation
+            if speculative:  # the norms too: the step checks the coefficient 1 assumed here
+                self.grad_norms.after_copy_out(block, handle, self.stepper.grad_unscale())
+            hyper = self.stepper.block_hyper(block, self.stepper.grad_unscale())  # fp16: unscaled, not clipped
+            self.updates.submit_update(block, handle, hyper=hyper,
+                                       lease=lease, step=self.stepper.attempted_steps + 1,
+                                       speculate=speculative)
             if block > 0:
                 self.store.prefetch(block - 1, self.updates.update_states)
             return

@@ -108,8 +108,12 @@ class OptimizerStep:
         others are not updated."""
         average_grads_(self.device_optimizer.params + self.resident.params, self.dp_group)  # one bucket
         step = self.next_step
+        # speculative (clip_mode): backward overlap although the step needs the global norm; the
+        # blocks' updates assumed coefficient 1 and are settled below
+        speculative = self.overlap == "backward" and self.config.needs_global_grad
         if self.overlap == "backward":
             self.updates.drain()
+        if self.overlap == "backward" and not speculative:
             hyper = self.hyper(step)
             self.device_optimizer.step(hyper)
             self.resident.step(hyper, self.steps)
@@ -126,12 +130,16 @@ class OptimizerStep:
                         overflow = any_rank(overflow)
                     self.scaler.update(overflow)
                     if overflow:
+                        if speculative:
+                            self._settle_speculation(blocks, None)
                         log.info("fp16 overflow: step skipped for every block; loss scale now %g",
                                  self.scaler.scale)
                         self.skipped_steps += 1
                         self._stop_if_skipping_for_good()
                         return
                 elif not math.isfinite(total):  # the norm is reduced over the ranks: all stop here
+                    if speculative:
+                        self._settle_speculation(blocks, None)
                     raise DivergenceError(self.attempted_steps + 1, f"the gradient norm is {total}: "
                                           f"{self._nonfinite(params, norms)}; nothing was updated")
                 if self.config.clip_grad_norm is not None:
@@ -139,8 +147,10 @@ class OptimizerStep:
                     coef = float(torch.clamp(self.config.clip_grad_norm / (torch.tensor(total) + 1e-6),
                                              max=1.0))
             hyper = self.hyper(step, grad_scale=scale * coef)
+            if speculative:
+                self._settle_speculation(blocks, scale * coef)
             # 0, 1, 2, ...: the order the next forward loads them (layer drop: the blocks that ran)
-            for block in range(self.n_streamed) if blocks is None else blocks:
+            for block in () if speculative else range(self.n_streamed) if blocks is None else blocks:
                 if self.window.layouts[block].train_numel:  # a wholly frozen block has no update
                     self.updates.submit_update(block, None, hyper=self.block_hyper(block, scale * coef),
                                                step=self.attempted_steps + 1)
@@ -151,6 +161,23 @@ class OptimizerStep:
         self._steps = step
         for block in range(self.n_streamed) if blocks is None else blocks:
             self.block_steps[block] += 1
+
+    def _settle_speculation(self, blocks: list[int] | None, grad_scale: float | None) -> None:
+        """After speculative updates (``clip_mode="speculative"``): each block whose applied hyper
+        differs from the true one at ``grad_scale`` (a clipping coefficient below 1) is restored
+        from its saved pre-step states and updated again, the "after-norm" arithmetic exactly;
+        ``grad_scale`` None (a skipped or stopped step) restores them only, waiting for that."""
+        updates = self.updates
+        for block in range(self.n_streamed) if blocks is None else blocks:
+            if not self.window.layouts[block].train_numel:
+                continue
+            hyper = None if grad_scale is None else self.block_hyper(block, grad_scale)
+            if hyper is None or updates.speculated.get(block) != hyper:
+                updates.submit_update(block, None, hyper=hyper, step=self.attempted_steps + 1, redo=True)
+            else:
+                updates.keep(block)
+        if grad_scale is None:
+            updates.drain()  # nothing of the step is left applied when the caller returns or raises
 
     def _param_grad_norms(self, grad_scale: float) -> tuple[list, list[torch.Tensor]]:
         """Every parameter with a gradient (head, blocks, tail) in model.parameters() order, and its
@@ -185,6 +212,9 @@ class OptimizerStep:
 
     def zero_grad(self) -> None:
         """Head/tail and resident gradients forgotten (``.grad`` None); the executor resets blocks'."""
+        if self.updates.unsettled:  # gradients dropped without a step: their speculative updates undone
+            self.updates.drain()
+            self._settle_speculation(sorted(self.updates.unsettled), None)
         self.device_optimizer.zero_grad()
         self.resident.zero_grad()
         if self.scaler is not None:  # the forgotten passes' count goes with them

@@ -16,8 +16,9 @@ import torch
 from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm, param_grad_norms
 from pystronghold.optim.hyper import AdamWHyper
 from pystronghold.runtime.divergence import DivergenceError
+from pystronghold.runtime.layout import state_dtype, stored_states
 
-__all__ = ["HostUpdates"]
+__all__ = ["HostUpdates", "undo_bytes"]
 
 
 class HostUpdates:
@@ -45,6 +46,12 @@ class HostUpdates:
         self.updates: dict[int, Future] = {}  # block -> its latest update job
         self.norms: dict[int, Future] = {}  # block -> per-parameter gradient norms
         self._queued: deque[int] = deque()  # blocks of update jobs submitted, not started
+        self._saved: dict[int, dict[str, torch.Tensor]] = {}  # block -> pre-step states (speculation), reused
+        self.speculated: dict[int, list[AdamWHyper] | None] = {}
+        """Blocks updated speculatively this step (``submit_update(speculate=True)``) -> the hyper
+        their update applied, or None when it was not applied (inf/NaN values, nothing written)."""
+        self.unsettled: set[int] = set()
+        """Blocks whose speculative update was submitted and neither kept (``keep``) nor redone/undone."""
 
     def submit_norm(self, block: int, grad_handle, grad_scale: float) -> None:
         """Per-parameter L2 norms (fp32) of the block's gradient x ``grad_scale``, after its copy-out."""
@@ -62,8 +69,8 @@ class HostUpdates:
 
         self.norms[block] = self._pool.submit(job)
 
-    def submit_update(self, block: int, grad_handle, *, hyper: list[AdamWHyper], lease=None,
-                      step: int | None = None) -> None:
+    def submit_update(self, block: int, grad_handle, *, hyper: list[AdamWHyper] | None, lease=None,
+                      step: int | None = None, speculate: bool = False, redo: bool = False) -> None:
         """Run AdamW on the block's master buffer (and refresh its shadow) after its copy-out.
 
         hyper: each param group's values at this step, step count and gradient scale included
@@ -72,6 +79,11 @@ class HostUpdates:
         update (backward overlap); it is released, and the cached gradient dropped, afterwards.
         step: the engine's step number, for the ``DivergenceError`` of a gradient with inf/NaN
         values (default: the block's AdamW step).
+        speculate: first copy the pre-step states (master, moments, shadow) aside, and record in
+        ``speculated`` the hyper it applied (None: not applied) instead of raising on inf/NaN values
+        (the step decides once the global norm is known).
+        redo: first restore the states saved by this step's speculative update, if it applied;
+        ``hyper`` None then only restores (a skipped step).
         """
         store = self.store
         ranges = self._group_ranges[block]
@@ -79,6 +91,16 @@ class HostUpdates:
         outputs = [*self.update_states, "shadow"] if store.has_shadow else list(self.update_states)
         # NOTE: a shadow that also holds frozen parameters is read first (its frozen part is kept)
         shadow_kept = store.has_shadow and store.layouts[block].frozen > 0
+        if speculate:
+            self.unsettled.add(block)
+        if redo:
+            self.unsettled.discard(block)
+        restore = redo and self.speculated.pop(block, None) is not None
+        if hyper is None and not restore:
+            return  # an undo of a speculative update that did not apply
+        # NOTE: the shadow is read (not fresh) when its pre-step values are saved or restored
+        fresh = ["shadow"] if store.has_shadow and not shadow_kept and not speculate and not restore else ()
+        modify = [*self.update_states, *(["shadow"] if store.has_shadow and fresh == () else [])]
         self._queued.append(block)
 
         def job() -> None:
@@ -87,9 +109,7 @@ class HostUpdates:
             if grad_handle is not None:
                 grad_handle.wait()
             try:
-                own = store.acquire(block, [*outputs, "grad"],
-                                    fresh=["shadow"] if store.has_shadow and not shadow_kept else (),
-                                    modify=[*self.update_states, *(["shadow"] if shadow_kept else [])])
+                own = store.acquire(block, [*outputs, "grad"], fresh=fresh, modify=modify)
             except BaseException:
                 if lease is not None:
                     store.release(lease)
@@ -100,17 +120,31 @@ class HostUpdates:
                     store.prefetch(nxt, [*self.update_states, "grad"])
                 own.wait()
                 t = {state: flat[:n] for state, flat in own.tensors.items()}
+                if restore:
+                    for state, saved in self._saved[block].items():
+                        t[state].copy_(saved)
+                    if hyper is None:
+                        dirty = outputs
+                        return
+                if speculate:
+                    saved = self._saved.setdefault(block, {s: torch.empty_like(t[s]) for s in outputs})
+                    for state in outputs:
+                        saved[state].copy_(t[state])
                 with self.tracer.span("optimizer", block, nbytes=t["master"].nbytes):
                     ok = self._adam(t, ranges, hyper)
+                if speculate:
+                    self.speculated[block] = hyper if ok else None
+                    if not ok:
+                        return
                 if not ok:
                     raise DivergenceError(hyper[0].step if step is None else step,
                                           f"the gradient of block {block} has inf/NaN values; its update "
                                           "was not applied")
                 dirty = outputs
             finally:
-                store.release(own, dirty=dirty, drop=["grad"] if lease is not None else ())
-                if lease is not None:
-                    store.release(lease)
+                store.release(own, dirty=dirty, drop=["grad"] if lease is not None and not speculate else ())
+                if lease is not None:  # a speculated block's gradient is kept for a redo
+                    store.release(lease, dirty=["grad"] if speculate else ())
 
         self.updates[block] = self._pool.submit(job)
 
@@ -133,6 +167,16 @@ class HostUpdates:
                                     check_finite=len(ranges) == 1, bitwise_torch=self.bitwise_torch):
                 return False
         return True
+
+    def keep(self, block: int) -> None:
+        """The block's speculative update stands (its hyper was the true one): forget its undo."""
+        self.speculated.pop(block, None)
+        self.unsettled.discard(block)
+
+    def held_undo_bytes(self) -> int:
+        """Host bytes held now for undoing speculative updates (the saved pre-step states; at most
+        ``undo_bytes`` of the streamed blocks)."""
+        return sum(t.nbytes for saved in self._saved.values() for t in saved.values())
 
     def pending(self, block: int) -> Future | None:
         """The block's update job if it has not finished yet, else None (re-raising its error)."""
@@ -164,6 +208,14 @@ class HostUpdates:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def undo_bytes(train_numels: list[int], compute_dtype: torch.dtype) -> int:
+    """Host bytes that speculative clipping (``clip_mode="speculative"``) keeps to undo a step: the
+    pre-step master, moments and (bf16/fp16) shadow of every streamed block's trainable elements
+    (``train_numels``, one per block): 12 B per element, 14 with a shadow."""
+    states = [s for s in stored_states(compute_dtype) if s in (*HostUpdates.update_states, "shadow")]
+    return sum(n * state_dtype(s, compute_dtype).itemsize for n in train_numels for s in states)
 
 
 def _group_ranges(layout, groups: list[int] | None) -> dict[int, list[tuple[int, int]]] | None:

@@ -17,7 +17,8 @@ from pystronghold.train.command import config_from_args
 # relay schedule's and layer drop's, the interleaved pipeline's --pp-chunks, and the fine-tuning
 # options.
 TRAIN_FLAGS = ("--model --data --max-bytes --val-fraction --batch --seq --loss-chunk --mlp-tile --token-dtype --lr "
-               "--warmup --min-lr-ratio --weight-decay --decay --beta2 --clip --accumulation --window --device --precision "
+               "--warmup --min-lr-ratio --weight-decay --decay --beta2 --clip --clip-mode --accumulation --window --device "
+               "--precision "
                "--device-budget-mb --resident-blocks --host-memory --nvme --nvme-states --nvme-cache-blocks "
                "--nvme-sparse --steps --seed --log-every --eval-every --eval-batches --trace --quiet "
                "--metrics-file --tensorboard --checkpoint-dir --checkpoint-every --keep --resume --overwrite --tp --dp "
