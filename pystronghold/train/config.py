@@ -19,7 +19,7 @@ from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.options import ConfigError, component, option
-from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
+from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, even_split, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.token_files import TOKEN_DTYPES
@@ -366,8 +366,6 @@ class TrainConfig:
         """--pp layouts (local arithmetic: the same on every rank, before any collective)."""
         par = self.parallel
         pp, tp, dp, world, m = par.pp, par.tp, par.dp_size, par.world_size, par.micro_batch_count
-        if isinstance(cfg, HFModelConfig):
-            raise ConfigError(par, "pp=", f": --model {HF_PREFIX}DIR trains without a pipeline only")
         if pp * tp * dp != world:
             launch = (f"; launch with torchrun --nproc-per-node {pp * tp * dp} -m pystronghold train ..."
                       if world == 1 else "")
@@ -379,8 +377,9 @@ class TrainConfig:
             raise ConfigError(par, "micro_batches=", f": --batch {self.data.batch} must be divisible by {dp} data-parallel "
                               f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
         # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
-        # after the others entered a collective. The split is local arithmetic (gpt_stage's).
-        split = stage_split(self.gpt, self.seq, pp * v)[0]
+        # after the others entered a collective. The split is local arithmetic (gpt_stage's, hf_chunks').
+        split = (even_split(cfg.layers, pp * v) if isinstance(cfg, HFModelConfig)
+                 else stage_split(self.gpt, self.seq, pp * v)[0])
         per_rank = [sum(len(split[s]) for s in rank_stages(r, pp, v)) for r in range(pp)]
         smallest = min(range(pp), key=lambda s: per_rank[s])
         if self.runtime.resident_blocks > per_rank[smallest]:

@@ -1,0 +1,81 @@
+"""``torchrun -m pystronghold train --model hf:DIR --pp 2``: a Hugging Face model's pipeline stages
+(``pipelining.hf``) launched as two gloo processes train to the one-process losses (fp32, every
+step's and the validation loss within 1e-5 relative, read exactly from --metrics-file), for Llama
+(3 blocks: an uneven 1 + 2 split), Qwen2 and Gemma 2 (tied embeddings: the gradient is summed over
+the first and last stage; Gemma 2's soft-capped logits and sliding-window layers), GPT-NeoX, a
+mixture of experts (Qwen2-MoE), the chunked loss, and the interleaved schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_models import save_tiny
+from train_helpers import text_dir
+
+TIMEOUT_S = 240
+
+
+def _run(tmp_path, directory, name: str, nproc: int, *extra: str) -> tuple[subprocess.CompletedProcess, list]:
+    """``train`` on ``directory``: one process or ``nproc`` under torchrun; (process, metrics records)."""
+    metrics = tmp_path / f"{name}.jsonl"
+    args = ["--model", f"hf:{directory}", "--data", str(text_dir(tmp_path)), "--steps", "3", "--log-every", "1",
+            "--batch", "4", "--seq", "24", "--max-bytes", "16384", "--eval-batches", "1", "--quiet",
+            "--window", "1", "--lr", "3e-3", "--metrics-file", str(metrics), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nproc == 1:
+        env.pop("WORLD_SIZE", None)
+        cmd = [sys.executable, "-m", "pystronghold", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "pystronghold", "train", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _losses(records: list) -> list[float]:
+    return [r["loss"] if "loss" in r else r["val_loss"] for r in records]
+
+
+def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
+    assert len(got) == len(want) == 4 and all(abs(a - b) <= rtol * abs(b) for a, b in zip(got, want)), (got, want)
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("llama", ()), ("qwen2", ()), ("gemma2", ()), ("gpt_neox", ()), ("qwen2_moe", ()),
+    ("llama", ("--loss-chunk", "7")),
+], ids=["llama", "qwen2-tied", "gemma2", "gpt_neox", "qwen2_moe", "llama-chunked-loss"])
+def test_pp2_trains_to_the_one_process_losses(tmp_path, family, extra):
+    directory = save_tiny(tmp_path, family)
+    _, one = _run(tmp_path, directory, "one", 1, *extra)
+    p, pp = _run(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", *extra)
+    _close(_losses(pp), _losses(one))
+    assert p.stdout.count("pipeline split over 2 stages: stage 0: embedding + blocks 0-0; "
+                          "stage 1: blocks 1-2 + norm, LM head") == 1
+
+
+def test_pp2_interleaved_trains_to_the_one_process_losses(tmp_path):
+    """Two model chunks per rank over 4 blocks: rank 0 holds blocks 0 and 2, rank 1 blocks 1 and 3."""
+    directory = save_tiny(tmp_path, "llama", num_hidden_layers=4)
+    _, one = _run(tmp_path, directory, "one", 1)
+    p, pp = _run(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", "--pp-schedule", "interleaved",
+                 "--pp-chunks", "2")
+    _close(_losses(pp), _losses(one))
+    assert "rank 0 chunk 1: blocks 2-2" in p.stdout and "rank 1 chunk 1: blocks 3-3 + norm, LM head" in p.stdout
+
+
+def test_hf_pp_layouts_are_checked_before_any_collective(tmp_path, monkeypatch):
+    """The model's block count comes from its config.json: more stages than blocks is one line."""
+    from pystronghold.options import ConfigError
+    from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
+
+    directory = save_tiny(tmp_path, "llama", tokenizer=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="ParallelOptions.pp=4 stages are more than the model's 3 blocks"):
+        TrainConfig(model=ModelOptions(model=f"hf:{directory}"), data=DataOptions(data=[str(tmp_path)], batch=4),
+                    parallel=ParallelOptions(pp=4))
