@@ -49,8 +49,10 @@ class HFStage(PipelineStageModule):
     block, normed on the last stage (the LM head runs in the loss)."""
 
     def __init__(self, base: nn.Module, stack_name: str, lm_head: nn.Module, blocks: Sequence[nn.Module], *,
-                 first: bool, last: bool, first_block: int, materialize,
+                 first: bool, last: bool, first_block: int, materialize, names: dict[str, str],
                  materialize_thread_safe: bool = False) -> None:
+        """``names``: the model's names of the block stack (``blocks``), the embedding (``head``) and
+        each of the base's other children and ``lm_head`` (by their attribute names)."""
         embedding = base.get_input_embeddings()
         tail = None
         if last:
@@ -64,6 +66,18 @@ class HFStage(PipelineStageModule):
         # a tuple is no submodule: the base's parameters outside this stage are not the stage's
         self._base = (base,)
         self._stack_name = stack_name
+        self._names = names
+
+    def model_name(self, name: str) -> str:
+        """The name in the causal LM (as one process names it) of a stage parameter: ``blocks.{g}.*``
+        under the model's block stack, the embedding, norm and LM head under their own names."""
+        part, rest = name.split(".", 1)
+        if part == "blocks":
+            return f"{self._names['blocks']}.{rest}"
+        if part == "head":
+            return f"{self._names['head']}.{rest}"
+        child, rest = rest.split(".", 1)
+        return f"{self._names[child]}.{rest}"
 
     @contextlib.contextmanager
     def _narrowed(self, x: torch.Tensor):
@@ -127,8 +141,11 @@ def hf_chunks(lazy: LazyHFModel, model: nn.Module, groups: ParallelGroups, *, ch
         log.info("pipeline split over %d stages%s: %s", p, f" x {chunks} chunks" if chunks > 1 else "", "; ".join(
             f"{f'stage {s}' if chunks == 1 else f'rank {s % p} chunk {s // p}'}: {'embedding + ' if s == 0 else ''}"
             f"blocks {r.start}-{r.stop - 1}{' + norm, LM head' if s == n - 1 else ''}" for s, r in enumerate(split)))
-    mine = [HFStage(base, stack_name, lm_head, [lazy.blocks[i] for i in split[index]], first=index == 0, last=index == n - 1,
-                    first_block=split[index].start, materialize=lazy.materialize)
+    where = {id(module): name for name, module in model.named_modules()}
+    names = {"blocks": where[id(stack)], "head": where[id(base.get_input_embeddings())], "lm_head": where[id(lm_head)],
+             **{child: where[id(module)] for child, module in base.named_children()}}
+    mine = [HFStage(base, stack_name, lm_head, [lazy.blocks[i] for i in split[index]], first=index == 0,
+                    last=index == n - 1, first_block=split[index].start, materialize=lazy.materialize, names=names)
             for index in rank_stages(groups.pp_rank, p, chunks)]
     tied: list[torch.Tensor] = []
     embedding, lm_head = base.get_input_embeddings().weight, lm_head.weight
@@ -136,7 +153,8 @@ def hf_chunks(lazy: LazyHFModel, model: nn.Module, groups: ParallelGroups, *, ch
         if groups.pp_rank == 0:
             tied = [embedding]
         if groups.pp_rank == p - 1:
-            lm_head.pp_tied_copy = "head.weight"  # parallel.data.is_pipeline_copy / tied_source
+            # parallel.data.is_pipeline_copy / tied_source: saved and resumed as the embedding
+            lm_head.pp_tied_copy = f"{names['head']}.weight"
             tied = [lm_head]
     return mine, tied, parts
 

@@ -219,6 +219,7 @@ def _write_tensors(trainer, tmp: Path | None, after_file) -> dict[str, dict]:
         if is_pipeline_copy(p) or not saved(p):
             continue  # a pipeline's copy of a tied weight (saved under the original's name), or left to the base
         split = _split(p)  # a fp16/bf16 run's master is a copy: p has the split
+        n = rename(n)
         tensors[n] = gather_tp_tensor(m.float(), split, tp_group).cpu()
         if st:
             tensors[n + ".exp_avg"] = gather_tp_tensor(st["exp_avg"].detach(), split, tp_group).cpu()
@@ -378,7 +379,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     for i, (n, p, m, _) in enumerate(states.head_tail()):
         if left and not p.requires_grad:
             continue
-        n = tied_source(p) or n  # a pipeline's copy of a tied weight: the original's values
+        n = tied_source(p) or rename(n)  # a pipeline's copy of a tied weight: the original's values
         state = None
         if n + ".exp_avg" in saved:
             state = {"step": torch.tensor(float(saved[n + ".step"][0])),

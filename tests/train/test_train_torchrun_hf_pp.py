@@ -79,3 +79,39 @@ def test_hf_pp_layouts_are_checked_before_any_collective(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="ParallelOptions.pp=4 stages are more than the model's 3 blocks"):
         TrainConfig(model=ModelOptions(model=f"hf:{directory}"), data=DataOptions(data=[str(tmp_path)], batch=4),
                     parallel=ParallelOptions(pp=4))
+
+
+def _export(tmp_path, checkpoint, name: str) -> dict:
+    """``pystronghold export CHECKPOINT --hf`` of step 3; the exported weights (transformers loads them)."""
+    import torch
+    import transformers
+
+    out = tmp_path / name
+    p = subprocess.run([sys.executable, "-m", "pystronghold", "export", str(checkpoint / "step-00000003"), str(out),
+                        "--hf"], capture_output=True, text=True, timeout=TIMEOUT_S,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_pp2_checkpoint_resumes_in_one_process_and_exports_the_hub_layout(tmp_path):
+    """The PP2 checkpoint names every tensor as one process does (blocks under ``model.layers``, the
+    tied embedding once), so one process resumes it to the losses of resuming its own checkpoint,
+    and its Hub export equals the one-process run's (Qwen2: tied embeddings)."""
+    import torch
+
+    directory = save_tiny(tmp_path, "qwen2")
+    one_dir, pp_dir = tmp_path / "ck-one", tmp_path / "ck-pp2"
+    _run(tmp_path, directory, "one", 1, "--checkpoint-dir", str(one_dir))
+    _run(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", "--checkpoint-dir", str(pp_dir))
+    one_export, pp_export = _export(tmp_path, one_dir, "hub-one"), _export(tmp_path, pp_dir, "hub-pp2")
+    assert one_export.keys() == pp_export.keys()
+    for key, value in one_export.items():
+        torch.testing.assert_close(pp_export[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    resume = ("--steps", "5", "--resume")
+    _, from_one = _run(tmp_path, directory, "resumed-one", 1, "--checkpoint-dir", str(one_dir), *resume)
+    _, from_pp = _run(tmp_path, directory, "resumed-pp2", 1, "--checkpoint-dir", str(pp_dir), *resume)
+    want = _losses(from_one)
+    got = _losses(from_pp)
+    assert len(got) == len(want) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
