@@ -149,7 +149,7 @@ def hf_chunks(lazy: LazyHFModel, model: nn.Module, groups: ParallelGroups, *, ch
             for index in rank_stages(groups.pp_rank, p, chunks)]
     tied: list[torch.Tensor] = []
     embedding, lm_head = base.get_input_embeddings().weight, lm_head.weight
-    if lm_head is embedding and p > 1:
+    if lm_head is embedding and embedding.requires_grad and p > 1:  # (frozen: --freeze, LoRA)
         if groups.pp_rank == 0:
             tied = [embedding]
         if groups.pp_rank == p - 1:

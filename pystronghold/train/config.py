@@ -347,9 +347,9 @@ class TrainConfig:
         ft, par = self.finetune, self.parallel
         if ft.full:
             return
-        if par.tp > 1 or par.pp > 1:
+        if par.tp > 1 or (par.pp > 1 and not isinstance(cfg, HFModelConfig)):
             raise ValueError(f"{'--lora-rank' if ft.lora_rank is not None else '--freeze'} is not supported "
-                             "with --tp or --pp yet")
+                             f"with --tp{'' if isinstance(cfg, HFModelConfig) else ' or --pp'} yet")
         if ft.lora_rank is not None:
             from pystronghold.extras import require
 

@@ -3,7 +3,8 @@
 step's and the validation loss within 1e-5 relative, read exactly from --metrics-file), for Llama
 (3 blocks: an uneven 1 + 2 split), Qwen2 and Gemma 2 (tied embeddings: the gradient is summed over
 the first and last stage; Gemma 2's soft-capped logits and sliding-window layers), GPT-NeoX, a
-mixture of experts (Qwen2-MoE), the chunked loss, and the interleaved schedule."""
+mixture of experts (Qwen2-MoE), the chunked loss, LoRA, --freeze (a frozen tied embedding: no
+gradient to sum), and the interleaved schedule."""
 
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
 
 @pytest.mark.parametrize("family,extra", [
     ("llama", ()), ("qwen2", ()), ("gemma2", ()), ("gpt_neox", ()), ("qwen2_moe", ()),
-    ("llama", ("--loss-chunk", "7")),
-], ids=["llama", "qwen2-tied", "gemma2", "gpt_neox", "qwen2_moe", "llama-chunked-loss"])
+    ("llama", ("--loss-chunk", "7")), ("llama", ("--lora-rank", "4")),
+    ("qwen2", ("--freeze", r"embed|layers\.[02]\.self_attn")),
+], ids=["llama", "qwen2-tied", "gemma2", "gpt_neox", "qwen2_moe", "llama-chunked-loss", "llama-lora",
+        "qwen2-frozen-tied-embedding"])
 def test_pp2_trains_to_the_one_process_losses(tmp_path, family, extra):
     directory = save_tiny(tmp_path, family)
     _, one = _run(tmp_path, directory, "one", 1, *extra)
