@@ -118,3 +118,24 @@ def test_pp2_checkpoint_resumes_in_one_process_and_exports_the_hub_layout(tmp_pa
     want = _losses(from_one)
     got = _losses(from_pp)
     assert len(got) == len(want) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
+
+
+def test_pp2_lora_checkpoint_exports_the_one_process_adapters(tmp_path):
+    """A --lora-rank run's PP2 checkpoint names its adapters under PEFT's names, as one process does:
+    its PEFT export equals the one-process run's."""
+    import torch
+    from safetensors.torch import load_file
+
+    directory = save_tiny(tmp_path, "llama")
+    adapters = {}
+    for name, nproc, extra in (("one", 1, ()), ("pp2", 2, ("--pp", "2", "--micro-batches", "2"))):
+        checkpoint, out = tmp_path / f"ck-{name}", tmp_path / f"adapter-{name}"
+        _run(tmp_path, directory, name, nproc, "--lora-rank", "4", "--checkpoint-dir", str(checkpoint), *extra)
+        p = subprocess.run([sys.executable, "-m", "pystronghold", "export", str(checkpoint), str(out), "--hf"],
+                           capture_output=True, text=True, timeout=TIMEOUT_S, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        adapters[name] = load_file(str(out / "adapter_model.safetensors"))
+    assert adapters["one"].keys() == adapters["pp2"].keys()
+    assert len(adapters["one"]) == 3 * 2 * 2  # blocks x (q, v) x (A, B)
+    for key, value in adapters["one"].items():
+        torch.testing.assert_close(adapters["pp2"][key], value, rtol=1e-5, atol=1e-6, msg=key)
