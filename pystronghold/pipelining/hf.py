@@ -130,8 +130,16 @@ def hf_chunks(lazy: LazyHFModel, model: nn.Module, groups: ParallelGroups, *, ch
                          "transform (models.hf_loss.HEAD_TRANSFORMS), which the last pipeline stage needs")
     base, _, _ = parts
     stack_name, stack = block_stack(base)
-    if stack is not lazy.blocks:
-        raise ValueError(f"--pp: {lazy.spec.architecture}'s block stack is not inside its base model")
+    embedding = base.get_input_embeddings()
+    others = [name for name, child in base.named_children()
+              if child is not embedding and child is not stack and any(True for _ in child.parameters())]
+    # NOTE: a stage trains only what it holds; the base's one other part (its final norm) is the
+    # last stage's. A second part (GPT-2's position table, BLOOM's embedding norm) may run before
+    # the blocks, on the first stage, and would silently not train there: refused, not guessed.
+    if stack is not lazy.blocks or "." in stack_name or len(others) > 1:
+        raise ValueError(f"--pp: {lazy.spec.architecture} is not supported with a pipeline yet: its base model "
+                         f"holds {', '.join(others) or 'nothing'} besides the embedding and the block stack "
+                         f"{stack_name} (one final norm beside them, the stack a direct child, is what --pp splits)")
     lm_head = causal_lm_of(model).get_output_embeddings()
     p, n, layers = groups.pp_size, groups.pp_size * chunks, len(lazy.blocks)
     split = even_split(layers, n) if split is None else list(split)
@@ -142,20 +150,20 @@ def hf_chunks(lazy: LazyHFModel, model: nn.Module, groups: ParallelGroups, *, ch
             f"{f'stage {s}' if chunks == 1 else f'rank {s % p} chunk {s // p}'}: {'embedding + ' if s == 0 else ''}"
             f"blocks {r.start}-{r.stop - 1}{' + norm, LM head' if s == n - 1 else ''}" for s, r in enumerate(split)))
     where = {id(module): name for name, module in model.named_modules()}
-    names = {"blocks": where[id(stack)], "head": where[id(base.get_input_embeddings())], "lm_head": where[id(lm_head)],
+    names = {"blocks": where[id(stack)], "head": where[id(embedding)], "lm_head": where[id(lm_head)],
              **{child: where[id(module)] for child, module in base.named_children()}}
     mine = [HFStage(base, stack_name, lm_head, [lazy.blocks[i] for i in split[index]], first=index == 0,
                     last=index == n - 1, first_block=split[index].start, materialize=lazy.materialize, names=names)
             for index in rank_stages(groups.pp_rank, p, chunks)]
     tied: list[torch.Tensor] = []
-    embedding, lm_head = base.get_input_embeddings().weight, lm_head.weight
-    if lm_head is embedding and embedding.requires_grad and p > 1:  # (frozen: --freeze, LoRA)
+    weight = embedding.weight
+    if lm_head.weight is weight and weight.requires_grad and p > 1:  # (frozen: --freeze, LoRA)
         if groups.pp_rank == 0:
-            tied = [embedding]
+            tied = [weight]
         if groups.pp_rank == p - 1:
             # parallel.data.is_pipeline_copy / tied_source: saved and resumed as the embedding
-            lm_head.pp_tied_copy = f"{names['head']}.weight"
-            tied = [lm_head]
+            weight.pp_tied_copy = f"{names['head']}.weight"
+            tied = [weight]
     return mine, tied, parts
 
 

@@ -139,3 +139,19 @@ def test_pp2_lora_checkpoint_exports_the_one_process_adapters(tmp_path):
     assert len(adapters["one"]) == 3 * 2 * 2  # blocks x (q, v) x (A, B)
     for key, value in adapters["one"].items():
         torch.testing.assert_close(adapters["pp2"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_base_with_a_part_before_the_blocks_is_refused_in_one_line(tmp_path):
+    """GPT-2's position table runs before the blocks but is no embedding of ``get_input_embeddings``:
+    a stage that does not hold it would not train it (wrong numbers, no error). Refused instead."""
+    directory = save_tiny(tmp_path, "gpt2")
+    args = ["--model", f"hf:{directory}", "--data", str(text_dir(tmp_path)), "--steps", "1", "--batch", "4",
+            "--seq", "24", "--max-bytes", "16384", "--quiet", "--window", "1", "--pp", "2", "--micro-batches", "2"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "pystronghold", "train", *args], capture_output=True, text=True, timeout=TIMEOUT_S,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode != 0
+    ours = [line for line in p.stderr.splitlines() if line.startswith("pystronghold train: error:")]
+    assert len(ours) == 1 and ("--pp: GPT2LMHeadModel is not supported with a pipeline yet: its base model holds "
+                               "wpe, ln_f besides the embedding") in ours[0], p.stderr[-3000:]
+    assert "exitcode: 2" in p.stderr  # the CLI's bad-input status on every rank
