@@ -59,12 +59,12 @@ saves and reloads in transformers 5.23 with equal logits)."""
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
-def _config(arch: str):
+def _config(arch: str, **overrides):
     import transformers as tf
 
     if arch not in FAMILIES:
         raise ValueError(arch)
-    config = tf.AutoConfig.for_model(arch, **FAMILIES[arch])
+    config = tf.AutoConfig.for_model(arch, **{**FAMILIES[arch], **overrides})
     return config, tf.AutoModelForCausalLM.from_config
 
 
@@ -85,10 +85,11 @@ def save_tokenizer(directory: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(str(directory))
 
 
-def save_tiny(root: Path, arch: str, *, shard_size: str = "20KB", tokenizer: bool = True, seed: int = 0) -> Path:
+def save_tiny(root: Path, arch: str, *, shard_size: str = "20KB", tokenizer: bool = True, seed: int = 0,
+              **overrides) -> Path:
     """Write a random tiny ``arch`` model (sharded safetensors + index) and a tokenizer to
-    ``root/arch``; returns the directory."""
-    config, cls = _config(arch)
+    ``root/arch``; returns the directory. ``overrides``: config fields instead of ``FAMILIES``'."""
+    config, cls = _config(arch, **overrides)
     torch.manual_seed(seed)
     model = cls(config)
     directory = root / arch

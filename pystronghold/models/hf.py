@@ -83,6 +83,11 @@ class HFModelConfig:
         return self._get("num_attention_heads", "n_head")
 
     @property
+    def layers(self) -> int:
+        """Blocks (``num_hidden_layers``)."""
+        return self._get("num_hidden_layers", "n_layer")
+
+    @property
     def vocab_size(self) -> int:
         """Vocabulary size (rows of the embedding)."""
         return self._get("vocab_size")

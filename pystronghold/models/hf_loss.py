@@ -22,7 +22,8 @@ from pystronghold.nn.chunked_loss import chunked_head_loss
 from pystronghold.parallel.groups import group_size
 from pystronghold.data import IGNORE_INDEX
 
-__all__ = ["causal_lm_loss", "chunked_causal_lm_loss", "lm_head_of", "HEAD_TRANSFORMS"]
+__all__ = ["causal_lm_loss", "chunked_causal_lm_loss", "hidden_states_loss", "lm_head_of", "causal_lm_of",
+           "HEAD_TRANSFORMS"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
+def causal_lm_of(model: nn.Module) -> nn.Module:
     """The ``*ForCausalLM`` inside ``model`` (looked through PEFT's ``get_base_model``)."""
     while callable(getattr(model, "get_base_model", None)) and model.get_base_model() is not model:
         model = model.get_base_model()
@@ -87,7 +88,7 @@ def lm_head_of(model: nn.Module):
     logits are known (``HEAD_TRANSFORMS``): ``base`` returns the final hidden states,
     ``head`` maps (n, C) of them to the (n, V) logits the model's forward returns, ``params`` are
     the parameters ``head`` reads; None for any other model (the caller uses the full logits)."""
-    causal = _causal_lm(model)
+    causal = causal_lm_of(model)
     config = getattr(causal, "config", None)
     family = getattr(config, "model_type", None)
     prefix = getattr(causal, "base_model_prefix", None)
@@ -130,7 +131,7 @@ def chunked_causal_lm_loss(run: Callable, model: nn.Module, input_ids: torch.Ten
     parts = lm_head_of(model) if chunk_tokens > 0 or split else None
     if parts is None:
         if split:  # models.hf_tp.check_hf_tp refuses such a family first
-            raise ValueError(f"{type(_causal_lm(model)).__name__}: its logits' transform is not known here, "
+            raise ValueError(f"{type(causal_lm_of(model)).__name__}: its logits' transform is not known here, "
                              "so its tensor-parallel loss cannot be computed")
         return run(lambda: causal_lm_loss(model(input_ids=input_ids).logits, targets))
     base, head, params = parts
@@ -139,7 +140,17 @@ def chunked_causal_lm_loss(run: Callable, model: nn.Module, input_ids: torch.Ten
 
     def loss() -> torch.Tensor:
         hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, C)
-        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        return chunked_head_loss(hidden, targets, head, ce_sum, params, chunk, divisor=count)
+        return hidden_states_loss(hidden, targets, head, params, chunk, ce_sum=ce_sum)
 
     return run(loss)
+
+
+def hidden_states_loss(hidden: torch.Tensor, targets: torch.Tensor, head: Callable, params, chunk_tokens: int,
+                       *, ce_sum: Callable = _ce_sum) -> torch.Tensor:
+    """``causal_lm_loss`` from the base model's final hidden states ``hidden`` (B, T, C) against
+    ``targets`` (B, T): ``head`` and ``params`` are ``lm_head_of``'s, run ``chunk_tokens`` tokens at
+    a time (0: all at once). What a pipeline's last stage computes as well. ``ce_sum(logits,
+    targets)``: the summed cross-entropy of a chunk (a vocabulary-parallel one under TP)."""
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    chunk = chunk_tokens if chunk_tokens > 0 else max(targets.numel(), 1)
+    return chunked_head_loss(hidden, targets, head, ce_sum, params, chunk, divisor=count)

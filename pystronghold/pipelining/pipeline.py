@@ -203,11 +203,11 @@ class Pipeline:
 
     def global_name(self, name: str) -> str:
         """A parameter's name in the whole model from its name in this stage (``blocks.{i}.*`` gets
-        the global block index; head and tail names are the model's)."""
+        the global block index; then the stage module's ``model_name``)."""
         if name.startswith("blocks."):
             _, index, rest = name.split(".", 2)
-            return f"blocks.{self.block_indices[int(index)]}.{rest}"
-        return name
+            name = f"blocks.{self.block_indices[int(index)]}.{rest}"
+        return self.chunks[0].model_name(name)
 
     def stage_of_block(self, block: int) -> int:
         """The pipeline rank (``pp_rank``) holding global block ``block``."""

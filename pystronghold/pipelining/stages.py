@@ -55,6 +55,12 @@ class PipelineStageModule(nn.Module):
         """The local indices of each chunk's blocks in ``blocks``."""
         return [range(len(self.blocks))]
 
+    def model_name(self, name: str) -> str:
+        """A parameter's name in the whole model from its stage name with the global block index
+        (``blocks.{g}.*``, ``head.*``, ``tail.*``): the same here, where the model's parts carry
+        those names (our GPT's); a stage of a model named otherwise maps them."""
+        return name
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             x = self.head(x)

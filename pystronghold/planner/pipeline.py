@@ -19,7 +19,7 @@ from pystronghold.planner.balance import stage_ranges
 from pystronghold.planner.cost import Workload, block_activation_bytes, block_forward_flops
 
 __all__ = ["SCHEDULES", "ParallelOptions", "check_pipeline", "rank_stages", "stage_passes", "rank_passes",
-           "gpt_stage_costs", "stage_split", "bubble_fraction", "in_flight_micro_batches", "PipelinePlan",
+           "gpt_stage_costs", "stage_split", "even_split", "bubble_fraction", "in_flight_micro_batches", "PipelinePlan",
            "plan_pipeline"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -210,6 +210,12 @@ def stage_split(config, seq: int, virtual_stages: int) -> tuple[list[range], lis
     on ``gpt_stage_costs``), with the costs it balanced: (split, per-block, head, tail)."""
     costs, head, tail = gpt_stage_costs(config, seq)
     return stage_ranges(costs, virtual_stages, head_cost=head, tail_cost=tail), costs, head, tail
+
+
+def even_split(blocks: int, virtual_stages: int) -> list[range]:
+    """The block split of a model whose ``blocks`` blocks cost alike (a Hugging Face model's) over
+    ``virtual_stages``: contiguous, non-empty, the sizes differing by one at most."""
+    return stage_ranges([1.0] * blocks, virtual_stages)
 
 
 # ---- the pipeline's share of the plan

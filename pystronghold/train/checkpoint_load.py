@@ -97,7 +97,7 @@ def _load_tensors(model: StreamedModel, path: Path, manifest: dict) -> None:
     for i, (n, p, m, _) in enumerate(states.head_tail()):
         if left and not p.requires_grad:
             continue
-        n = tied_source(p) or n  # a pipeline's copy of a tied weight: the original's values
+        n = tied_source(p) or model.model_name(n)  # a pipeline's copy of a tied weight: the original's values
         state = None
         if n + ".exp_avg" in saved:
             state = {"step": torch.tensor(float(saved[n + ".step"][0])),

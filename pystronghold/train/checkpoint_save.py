@@ -136,6 +136,7 @@ def _write_tensors(model: StreamedModel, step: int, tmp: Path | None, after_file
         if is_pipeline_copy(p) or not saved(p):
             continue  # a pipeline's copy of a tied weight (saved under the original's name), or left to the base
         split = tp_split(p)  # a fp16/bf16 run's master is a copy: p has the split
+        n = model.model_name(n)
         tensors[n] = gather_tp_tensor(m.float(), split, tp_group).cpu()
         if st:
             tensors[n + ".exp_avg"] = gather_tp_tensor(st["exp_avg"].detach(), split, tp_group).cpu()

@@ -21,7 +21,7 @@ from pystronghold.models.hf_tp import check_hf_tp
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError, component, option
-from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
+from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, even_split, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.precision import compute_dtype
@@ -304,6 +304,9 @@ class TrainConfig:
         tp, dp, world = par.tp, par.dp_size, par.world_size
         if isinstance(cfg, HFModelConfig):
             check_hf_tp(cfg, tp)
+            if tp > 1 and par.pp > 1:
+                raise ValueError(f"--tp {tp} with --pp {par.pp}: --model {HF_PREFIX}DIR takes one of them at a "
+                                 "time yet (--dp goes with either)")
         if isinstance(cfg, HFModelConfig) and not self.data.data:
             # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
             # on it by a forgotten option would look like success
@@ -369,11 +372,13 @@ class TrainConfig:
         ft, par = self.finetune, self.parallel
         if ft.full:
             return
-        # NOTE: --freeze --tp on hf:DIR: the frozen shards are read from DIR like the others
-        hf_freeze = isinstance(cfg, HFModelConfig) and ft.lora_rank is None
-        if par.pp > 1 or (par.tp > 1 and not hf_freeze):
+        # NOTE: --freeze --tp on hf:DIR: the frozen shards are read from DIR like the others; LoRA and
+        # --freeze at --pp on hf:DIR: each stage wraps its own blocks
+        hf = isinstance(cfg, HFModelConfig)
+        hf_freeze = hf and ft.lora_rank is None
+        if (par.tp > 1 and not hf_freeze) or (par.pp > 1 and not hf):
             raise ValueError(f"{'--lora-rank' if ft.lora_rank is not None else '--freeze'} is not supported "
-                             "with --tp or --pp yet")
+                             f"with --tp{'' if isinstance(cfg, HFModelConfig) else ' or --pp'} yet")
         if ft.lora_rank is not None:
             from pystronghold.extras import require
 
@@ -390,8 +395,6 @@ class TrainConfig:
         """--pp layouts (local arithmetic: the same on every rank, before any collective)."""
         par = self.parallel
         pp, tp, dp, world, m = par.pp, par.tp, par.dp_size, par.world_size, par.micro_batch_count
-        if isinstance(cfg, HFModelConfig):
-            raise ConfigError(par, "pp=", f": --model {HF_PREFIX}DIR trains without a pipeline only")
         if pp * tp * dp != world:
             launch = (f"; launch with torchrun --nproc-per-node {pp * tp * dp} -m pystronghold train ..."
                       if world == 1 else "")
@@ -403,8 +406,9 @@ class TrainConfig:
             raise ConfigError(par, "micro_batches=", f": --batch {self.data.batch} must be divisible by {dp} data-parallel "
                               f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
         # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
-        # after the others entered a collective. The split is local arithmetic (gpt_stage's).
-        split = stage_split(self.gpt, self.seq, pp * v)[0]
+        # after the others entered a collective. The split is local arithmetic (gpt_stage's, hf_chunks').
+        split = (even_split(cfg.layers, pp * v) if isinstance(cfg, HFModelConfig)
+                 else stage_split(self.gpt, self.seq, pp * v)[0])
         per_rank = [sum(len(split[s]) for s in rank_stages(r, pp, v)) for r in range(pp)]
         smallest = min(range(pp), key=lambda s: per_rank[s])
         if self.runtime.resident_blocks > per_rank[smallest]:

@@ -176,7 +176,14 @@ class Trainer:
             config.runtime, trace=True, parallel=self.groups, **long_context, **split,
             optimizer=AdamW(lr=config.lr, betas=(0.9, o.beta2), weight_decay=o.weight_decay, decay=o.decay))
         self.pipeline = None  # --pp > 1: this rank's stage (pystronghold.pipelining)
-        if par.pp > 1:
+        if par.pp > 1 and self.hf:
+            from pystronghold.pipelining import hf_pipeline
+
+            self.pipeline = hf_pipeline(hf_model, self.model, self.groups, micro_batches=par.micro_batch_count,
+                                        loss_chunk_tokens=self.loss_chunk, schedule=par.pp_schedule,
+                                        chunks=par.pp_chunks, config=runtime)
+            self.engine = self.pipeline.engine
+        elif par.pp > 1:
             from pystronghold.pipelining import gpt_pipeline
 
             self.pipeline = gpt_pipeline(self.model, self.groups, seq=self.seq, micro_batches=par.micro_batch_count,

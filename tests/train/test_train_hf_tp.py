@@ -209,9 +209,17 @@ def test_lora_with_tp_is_still_one_line(tmp_path, monkeypatch):
     directory, text = _files(tmp_path, "llama")
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = _config(directory, text)
-    with pytest.raises(ValueError, match="^--lora-rank is not supported with --tp or --pp yet$"):
+    with pytest.raises(ValueError, match="^--lora-rank is not supported with --tp yet$"):
         TrainConfig(model=config.model, data=config.data, finetune=FinetuneOptions(lora_rank=4),
                     parallel=ParallelOptions(tp=2))
+
+
+def test_tp_with_pp_is_one_line_for_hf(tmp_path, monkeypatch):
+    directory, text = _files(tmp_path, "llama")
+    config = _config(directory, text)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="^--tp 2 with --pp 2: --model hf:DIR takes one of them at a time yet"):
+        TrainConfig(model=config.model, data=config.data, parallel=ParallelOptions(tp=2, pp=2))
 
 
 @pytest.mark.parametrize("field, value, message", [
