@@ -34,8 +34,8 @@ from pystronghold.planner.timeline import StepTime
 from pystronghold.runtime.precision import compute_dtype
 from pystronghold.runtime.placement import available_host_bytes
 
-__all__ = ["AutoWindow", "HFProbe", "measure_costs", "choose_runtime_window", "device_budget", "device_reserve_bytes",
-           "DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES"]
+__all__ = ["AutoWindow", "HFProbe", "measure_costs", "choose_runtime_window", "run_workload", "device_budget",
+           "device_reserve_bytes", "DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -300,14 +300,30 @@ def _head_tail_seconds(cfg, work: Workload, device: torch.device, reps: int) -> 
     return _timed(step, device, reps)
 
 
+def run_workload(config, settings: dict | None = None) -> Workload:
+    """The planner's ``Workload`` of a train run of ``config`` (a TrainConfig): this process's
+    micro-batch, the sequence, precision, overlap and fine-tune, the chunked loss and MLP tiles in
+    effect, and head/tail on the host and block-input offload as ``settings`` (RuntimeConfig fields
+    decided since, ``train.long_context``) or the config says ("auto", undecided, counts as off).
+    No reserves: the budget it is planned in has them taken off already."""
+    rt, settings = config.runtime, settings or {}
+    offload = settings.get("offload_block_inputs", rt.offload_block_inputs)
+    return Workload(batch=config.local_batch, seq=config.seq, precision=rt.precision,
+                    overlap="forward" if rt.needs_global_grad else "backward",
+                    device_reserve_bytes=0, host_reserve_bytes=0, finetune=config.finetune,
+                    loss_chunk_tokens=None if config.data.loss_chunk == "auto" else config.data.loss_chunk,
+                    mlp_tile_tokens=config.mlp_tile_tokens,
+                    head_tail_on_host=settings.get("head_tail_on_host", rt.head_tail_on_host) is True,
+                    offload_block_inputs=offload is not False and offload != "auto")
+
+
 def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None,
                           settings: dict | None = None) -> AutoWindow:
     """K, the resident recompute and W for ``model`` trained with ``config`` (a TrainConfig) within
     its device budget (K as given when ``--resident-blocks`` is > 0); logs the split and why.
     ``blocks``: the model's block stack (needed for a Hugging Face model, ``--model hf:DIR``).
     ``settings``: RuntimeConfig fields decided since (``train.long_context``), over ``config``'s."""
-    rt, settings = config.runtime, settings or {}
-    offload = settings.get("offload_block_inputs", rt.offload_block_inputs)
+    rt = config.runtime
     device = torch.device(rt.device)
     if isinstance(config.gpt, HFModelConfig):
         from pystronghold.planner.hf_shape import read_hf_shape
@@ -315,13 +331,7 @@ def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None,
         model = HFProbe(shape=read_hf_shape(config.gpt.source), model=model, blocks=blocks)
     # NOTE: the device reserve is taken off the budget below (on CUDA) rather than added to the
     # planner's peak, so that the predicted peak is what the allocator's peak counter should see
-    work = Workload(batch=config.data.batch, seq=config.seq, precision=rt.precision,
-                    overlap="forward" if rt.needs_global_grad else "backward",
-                    device_reserve_bytes=0, host_reserve_bytes=0, finetune=config.finetune,
-                    loss_chunk_tokens=None if config.data.loss_chunk == "auto" else config.data.loss_chunk,
-                    mlp_tile_tokens=config.mlp_tile_tokens, head_tail_on_host=settings.get(
-                        "head_tail_on_host", rt.head_tail_on_host) is True,
-                    offload_block_inputs=offload is not False and offload != "auto")
+    work = run_workload(config, settings)
     n = len(model.blocks)
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot

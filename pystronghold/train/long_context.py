@@ -21,7 +21,7 @@ from pystronghold.planner.cost import Workload
 from pystronghold.planner.hardware import Hardware, format_bytes
 from pystronghold.planner.sequence import choose_sequence_settings, settings_words
 from pystronghold.runtime.placement import available_host_bytes
-from pystronghold.train.autowindow import device_budget
+from pystronghold.train.autowindow import device_budget, run_workload
 from pystronghold.train.context import this_machine
 
 __all__ = ["AUTO_SETTINGS", "choose_long_context_settings"]
@@ -74,13 +74,7 @@ def choose_long_context_settings(config) -> dict:
     shape = _shape(config)
     if budget is None or shape is None:
         return decided
-    given = {name: getattr(rt, name) for name in AUTO_SETTINGS if name not in free_fields}
-    work = Workload(batch=config.local_batch, seq=config.seq, precision=rt.precision,
-                    overlap="forward" if rt.needs_global_grad else "backward", device_reserve_bytes=0,
-                    host_reserve_bytes=0, finetune=config.finetune,
-                    loss_chunk_tokens=None if config.data.loss_chunk == "auto" else config.data.loss_chunk,
-                    mlp_tile_tokens=config.mlp_tile_tokens, head_tail_on_host=given.get("head_tail_on_host") is True,
-                    offload_block_inputs=given.get("offload_block_inputs", False) is not False)
+    work = run_workload(config, decided)  # the free settings' values are choose_sequence_settings'
     hw = _hardware(config, budget[0])
     chosen = choose_sequence_settings(shape, work, hw, config.seq,
                                       free=tuple(AUTO_SETTINGS[name] for name in free_fields))
