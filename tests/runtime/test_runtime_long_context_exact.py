@@ -18,12 +18,12 @@ import dataclasses
 import pytest
 import torch
 
-import pystronghold as ph
 from pystronghold.models.gpt import GPT, GPTConfig
 from pystronghold.models.hf_loss import causal_lm_loss, chunked_causal_lm_loss
 from pystronghold.models.hf_tiling import tile_mlps
+from pystronghold.runtime.engine import engine_parts_for_tests
 from hf_models import FAMILIES
-from runtime_models import (HYPER, MIXED_LOSS_RTOL, MIXED_PARAM_ATOL, assert_same_training,
+from runtime_models import (HYPER, MIXED_LOSS_RTOL, MIXED_PARAM_ATOL, assert_same_training, train_engine,
                             train_mixed_reference, train_reference)
 
 T = 8192
@@ -47,24 +47,13 @@ def _tokens(steps: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _engine_run(model, batches, *, accumulation=1, clip=None, precision="fp32", loss_of, blocks):
-    """Train ``model`` through wrap with every long-context setting; returns (losses, {name: fp32
-    master}, staged input bytes of the last pass)."""
-    engine = ph.wrap(model, optimizer=ph.AdamW(**HYPER, bitwise_torch=True), window=1, blocks=blocks,
-                     accumulation_steps=accumulation, clip_grad_norm=clip, precision=precision, **LONG)
-    losses = []
-    try:
-        assert engine.head_tail_on_host == LONG["head_tail_on_host"]
-        for k, batch in enumerate(batches):
-            loss = loss_of(engine, batch)
-            engine.backward(loss)
-            losses.append(loss.item())
-            if (k + 1) % accumulation == 0:
-                engine.step()
-                engine.zero_grad()
-        staged = (engine.stats()["saved_inputs"] or {}).get("staged_bytes", 0)
-        return losses, {n: p.clone() for n, p in engine.master_parameters().items()}, staged
-    finally:
-        engine.close()
+    """Train ``model`` through wrap with every long-context setting (``runtime_models.train_engine``);
+    returns (losses, {name: fp32 master}, staged input bytes of the last pass)."""
+    losses, params, engine = train_engine(model, batches, accumulation=accumulation, loss_of=loss_of, blocks=blocks,
+                                          window=1, clip_grad_norm=clip, precision=precision, **LONG)
+    assert engine.head_tail_on_host == LONG["head_tail_on_host"]
+    staged = (engine_parts_for_tests(engine)["executor"].input_offload or {}).get("staged_bytes", 0)
+    return losses, params, staged
 
 
 # ---- our GPT
