@@ -1,12 +1,15 @@
 """`pystronghold train` launched as real processes by torch.distributed.run, and the losses its
-metrics lines print: shared by the torchrun CLI tests (TP/DP, pipeline, uneven DP)."""
+metrics lines print: shared by the torchrun CLI tests (TP/DP, pipeline, uneven DP, hf:DIR's layouts)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+
+from train_helpers import text_dir
 
 ARGS = ["--model", "tiny", "--steps", "3", "--log-every", "1", "--batch", "4", "--seq", "32",
         "--max-bytes", "65536", "--eval-batches", "1", "--quiet"]
@@ -51,3 +54,59 @@ def reference_losses() -> tuple[list[float], list[float]]:
     train, val = logged_losses(p.stdout)
     assert len(train) == 3 and len(val) == 1
     return train, val
+
+
+# ---- a Hugging Face model (hf:DIR) under torchrun, losses read exactly from --metrics-file
+
+HF_TIMEOUT_S = 240
+
+
+def run_hf(tmp_path, directory, name: str, nproc: int, *extra: str, nodes: int = 1):
+    """``train`` on the Hugging Face model in ``directory`` for 3 steps: one process (``nproc`` 1) or
+    ``nproc`` ranks under torchrun, on ``nodes`` "nodes" (torchrun launches of ``nproc`` ranks each,
+    joined by a c10d rendezvous on localhost). Returns (rank 0's launch, its metrics records)."""
+    metrics = tmp_path / f"{name}.jsonl"
+    args = ["--model", f"hf:{directory}", "--data", str(text_dir(tmp_path)), "--steps", "3", "--log-every", "1",
+            "--batch", "4", "--seq", "24", "--max-bytes", "16384", "--eval-batches", "1", "--quiet",
+            "--window", "1", "--lr", "3e-3", "--metrics-file", str(metrics), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nproc == 1:
+        env.pop("WORLD_SIZE", None)
+        launches = [[sys.executable, "-m", "pystronghold", "train", *args]]
+    elif nodes == 1:
+        launches = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                     "-m", "pystronghold", "train", *args]]
+    else:
+        from pystronghold.parallel.groups import free_local_port
+
+        # NOTE: under c10d the rendezvous, not --node-rank, orders the nodes: either launch may hold rank 0
+        endpoint = f"127.0.0.1:{free_local_port()}"
+        launches = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
+                     str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", name,
+                     "--local-addr", "127.0.0.1", "-m", "pystronghold", "train", *args] for _ in range(nodes)]
+    running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+               for cmd in launches]
+    done = []
+    try:
+        for proc in running:
+            out, err = proc.communicate(timeout=HF_TIMEOUT_S)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for p in done:
+        assert p.returncode == 0, p.stderr[-3000:]
+    first = max(done, key=lambda p: len(p.stdout))  # only rank 0 logs
+    return first, [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def metrics_losses(records: list) -> list[float]:
+    """The training losses then the validation loss of a run's --metrics-file records."""
+    return [r["loss"] if "loss" in r else r["val_loss"] for r in records]
+
+
+def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5, count: int = 4) -> None:
+    """``count`` losses each, every one within ``rtol`` relative of ``want``'s."""
+    assert len(got) == len(want) == count and all(abs(a - b) <= rtol * abs(b) for a, b in zip(got, want)), (got, want)

@@ -135,22 +135,23 @@ def chunked_causal_lm_loss(run: Callable, model: nn.Module, input_ids: torch.Ten
                              "so its tensor-parallel loss cannot be computed")
         return run(lambda: causal_lm_loss(model(input_ids=input_ids).logits, targets))
     base, head, params = parts
-    ce_sum = _vocab_parallel_ce_sum(tp_group) if split else _ce_sum
     chunk = chunk_tokens if chunk_tokens > 0 else input_ids.numel()
 
     def loss() -> torch.Tensor:
         hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, C)
-        return hidden_states_loss(hidden, targets, head, params, chunk, ce_sum=ce_sum)
+        return hidden_states_loss(hidden, targets, head, params, chunk, tp_group=tp_group)
 
     return run(loss)
 
 
 def hidden_states_loss(hidden: torch.Tensor, targets: torch.Tensor, head: Callable, params, chunk_tokens: int,
-                       *, ce_sum: Callable = _ce_sum) -> torch.Tensor:
+                       *, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``causal_lm_loss`` from the base model's final hidden states ``hidden`` (B, T, C) against
     ``targets`` (B, T): ``head`` and ``params`` are ``lm_head_of``'s, run ``chunk_tokens`` tokens at
-    a time (0: all at once). What a pipeline's last stage computes as well. ``ce_sum(logits,
-    targets)``: the summed cross-entropy of a chunk (a vocabulary-parallel one under TP)."""
+    a time (0: all at once). What a pipeline's last stage computes as well. A model split across
+    ``tp_group`` (``models.hf_tp``) has a vocabulary-parallel head: each chunk's logits shards go to
+    the vocabulary-parallel cross-entropy."""
+    ce_sum = _vocab_parallel_ce_sum(tp_group) if group_size(tp_group) > 1 else _ce_sum
     count = (targets != IGNORE_INDEX).sum().clamp(min=1)
     chunk = chunk_tokens if chunk_tokens > 0 else max(targets.numel(), 1)
     return chunked_head_loss(hidden, targets, head, ce_sum, params, chunk, divisor=count)

@@ -179,8 +179,12 @@ def hf_pipeline(lazy: LazyHFModel, model: nn.Module, groups: ParallelGroups, *, 
     stages, tied, (_, head, params) = hf_chunks(lazy, model, groups, chunks=chunks, split=split)
     hidden = lazy.model.get_input_embeddings().weight.shape[1]
 
+    tp_group = groups.tp_group if groups.tp_size > 1 else None
+
     def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return hidden_states_loss(output, targets, head, params, loss_chunk_tokens)
+        # under --tp the last stage's LM head holds a vocabulary shard (models.hf_tp): the
+        # vocabulary-parallel cross-entropy, as one pipeline-free TP run computes it
+        return hidden_states_loss(output, targets, head, params, loss_chunk_tokens, tp_group=tp_group)
 
     return Pipeline(stages, groups, loss_fn=loss, micro_batches=micro_batches, hidden=hidden,
                     output_size=hidden, schedule=schedule, tied=tied, **options)

@@ -304,9 +304,6 @@ class TrainConfig:
         tp, dp, world = par.tp, par.dp_size, par.world_size
         if isinstance(cfg, HFModelConfig):
             check_hf_tp(cfg, tp)
-            if tp > 1 and par.pp > 1:
-                raise ValueError(f"--tp {tp} with --pp {par.pp}: --model {HF_PREFIX}DIR takes one of them at a "
-                                 "time yet (--dp goes with either)")
         if isinstance(cfg, HFModelConfig) and not self.data.data:
             # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
             # on it by a forgotten option would look like success

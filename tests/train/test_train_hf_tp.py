@@ -214,14 +214,6 @@ def test_lora_with_tp_is_still_one_line(tmp_path, monkeypatch):
                     parallel=ParallelOptions(tp=2))
 
 
-def test_tp_with_pp_is_one_line_for_hf(tmp_path, monkeypatch):
-    directory, text = _files(tmp_path, "llama")
-    config = _config(directory, text)
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="^--tp 2 with --pp 2: --model hf:DIR takes one of them at a time yet"):
-        TrainConfig(model=config.model, data=config.data, parallel=ParallelOptions(tp=2, pp=2))
-
-
 @pytest.mark.parametrize("field, value, message", [
     ("num_attention_heads", 3, "num_attention_heads=3 is not divisible by --tp 2"),
     ("num_key_value_heads", 1, "num_key_value_heads=1 is not divisible by --tp 2"),

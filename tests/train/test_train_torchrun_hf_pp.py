@@ -8,7 +8,6 @@ gradient to sum), and the interleaved schedule."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,36 +15,8 @@ import sys
 import pytest
 
 from hf_models import save_tiny
+from torchrun_cli import HF_TIMEOUT_S, assert_losses_close, metrics_losses, run_hf
 from train_helpers import text_dir
-
-TIMEOUT_S = 240
-
-
-def _run(tmp_path, directory, name: str, nproc: int, *extra: str) -> tuple[subprocess.CompletedProcess, list]:
-    """``train`` on ``directory``: one process or ``nproc`` under torchrun; (process, metrics records)."""
-    metrics = tmp_path / f"{name}.jsonl"
-    args = ["--model", f"hf:{directory}", "--data", str(text_dir(tmp_path)), "--steps", "3", "--log-every", "1",
-            "--batch", "4", "--seq", "24", "--max-bytes", "16384", "--eval-batches", "1", "--quiet",
-            "--window", "1", "--lr", "3e-3", "--metrics-file", str(metrics), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if nproc == 1:
-        env.pop("WORLD_SIZE", None)
-        cmd = [sys.executable, "-m", "pystronghold", "train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "pystronghold", "train", *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p, [json.loads(line) for line in metrics.read_text().splitlines()]
-
-
-def _losses(records: list) -> list[float]:
-    return [r["loss"] if "loss" in r else r["val_loss"] for r in records]
-
-
-def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
-    assert len(got) == len(want) == 4 and all(abs(a - b) <= rtol * abs(b) for a, b in zip(got, want)), (got, want)
-
 
 @pytest.mark.parametrize("family,extra", [
     ("llama", ()), ("qwen2", ()), ("gemma2", ()), ("gpt_neox", ()), ("qwen2_moe", ()),
@@ -55,9 +26,9 @@ def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
         "qwen2-frozen-tied-embedding"])
 def test_pp2_trains_to_the_one_process_losses(tmp_path, family, extra):
     directory = save_tiny(tmp_path, family)
-    _, one = _run(tmp_path, directory, "one", 1, *extra)
-    p, pp = _run(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", *extra)
-    _close(_losses(pp), _losses(one))
+    _, one = run_hf(tmp_path, directory, "one", 1, *extra)
+    p, pp = run_hf(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", *extra)
+    assert_losses_close(metrics_losses(pp), metrics_losses(one))
     assert p.stdout.count("pipeline split over 2 stages: stage 0: embedding + blocks 0-0; "
                           "stage 1: blocks 1-2 + norm, LM head") == 1
 
@@ -65,10 +36,10 @@ def test_pp2_trains_to_the_one_process_losses(tmp_path, family, extra):
 def test_pp2_interleaved_trains_to_the_one_process_losses(tmp_path):
     """Two model chunks per rank over 4 blocks: rank 0 holds blocks 0 and 2, rank 1 blocks 1 and 3."""
     directory = save_tiny(tmp_path, "llama", num_hidden_layers=4)
-    _, one = _run(tmp_path, directory, "one", 1)
-    p, pp = _run(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", "--pp-schedule", "interleaved",
-                 "--pp-chunks", "2")
-    _close(_losses(pp), _losses(one))
+    _, one = run_hf(tmp_path, directory, "one", 1)
+    p, pp = run_hf(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", "--pp-schedule",
+                   "interleaved", "--pp-chunks", "2")
+    assert_losses_close(metrics_losses(pp), metrics_losses(one))
     assert "rank 0 chunk 1: blocks 2-2" in p.stdout and "rank 1 chunk 1: blocks 3-3 + norm, LM head" in p.stdout
 
 
@@ -91,7 +62,7 @@ def _export(tmp_path, checkpoint, name: str) -> dict:
 
     out = tmp_path / name
     p = subprocess.run([sys.executable, "-m", "pystronghold", "export", str(checkpoint / "step-00000003"), str(out),
-                        "--hf"], capture_output=True, text=True, timeout=TIMEOUT_S,
+                        "--hf"], capture_output=True, text=True, timeout=HF_TIMEOUT_S,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
@@ -106,17 +77,17 @@ def test_pp2_checkpoint_resumes_in_one_process_and_exports_the_hub_layout(tmp_pa
 
     directory = save_tiny(tmp_path, "qwen2")
     one_dir, pp_dir = tmp_path / "ck-one", tmp_path / "ck-pp2"
-    _run(tmp_path, directory, "one", 1, "--checkpoint-dir", str(one_dir))
-    _run(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", "--checkpoint-dir", str(pp_dir))
+    run_hf(tmp_path, directory, "one", 1, "--checkpoint-dir", str(one_dir))
+    run_hf(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", "--checkpoint-dir", str(pp_dir))
     one_export, pp_export = _export(tmp_path, one_dir, "hub-one"), _export(tmp_path, pp_dir, "hub-pp2")
     assert one_export.keys() == pp_export.keys()
     for key, value in one_export.items():
         torch.testing.assert_close(pp_export[key], value, rtol=1e-5, atol=1e-6, msg=key)
     resume = ("--steps", "5", "--resume")
-    _, from_one = _run(tmp_path, directory, "resumed-one", 1, "--checkpoint-dir", str(one_dir), *resume)
-    _, from_pp = _run(tmp_path, directory, "resumed-pp2", 1, "--checkpoint-dir", str(pp_dir), *resume)
-    want = _losses(from_one)
-    got = _losses(from_pp)
+    _, from_one = run_hf(tmp_path, directory, "resumed-one", 1, "--checkpoint-dir", str(one_dir), *resume)
+    _, from_pp = run_hf(tmp_path, directory, "resumed-pp2", 1, "--checkpoint-dir", str(pp_dir), *resume)
+    want = metrics_losses(from_one)
+    got = metrics_losses(from_pp)
     assert len(got) == len(want) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
 
 
@@ -130,9 +101,10 @@ def test_pp2_lora_checkpoint_exports_the_one_process_adapters(tmp_path):
     adapters = {}
     for name, nproc, extra in (("one", 1, ()), ("pp2", 2, ("--pp", "2", "--micro-batches", "2"))):
         checkpoint, out = tmp_path / f"ck-{name}", tmp_path / f"adapter-{name}"
-        _run(tmp_path, directory, name, nproc, "--lora-rank", "4", "--checkpoint-dir", str(checkpoint), *extra)
+        run_hf(tmp_path, directory, name, nproc, "--lora-rank", "4", "--checkpoint-dir", str(checkpoint), *extra)
         p = subprocess.run([sys.executable, "-m", "pystronghold", "export", str(checkpoint), str(out), "--hf"],
-                           capture_output=True, text=True, timeout=TIMEOUT_S, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                           capture_output=True, text=True, timeout=HF_TIMEOUT_S,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert p.returncode == 0, p.stderr[-3000:]
         adapters[name] = load_file(str(out / "adapter_model.safetensors"))
     assert adapters["one"].keys() == adapters["pp2"].keys()
@@ -148,7 +120,7 @@ def test_a_base_with_a_part_before_the_blocks_is_refused_in_one_line(tmp_path):
     args = ["--model", f"hf:{directory}", "--data", str(text_dir(tmp_path)), "--steps", "1", "--batch", "4",
             "--seq", "24", "--max-bytes", "16384", "--quiet", "--window", "1", "--pp", "2", "--micro-batches", "2"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "pystronghold", "train", *args], capture_output=True, text=True, timeout=TIMEOUT_S,
+                        "-m", "pystronghold", "train", *args], capture_output=True, text=True, timeout=HF_TIMEOUT_S,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode != 0
     ours = [line for line in p.stderr.splitlines() if line.startswith("pystronghold train: error:")]
