@@ -2,13 +2,15 @@
 stages (``pipelining.hf``), each split over its own two TP ranks (``models.hf_tp``), launched as four
 gloo processes, train to the one-process losses (every step's and the validation loss, read exactly
 from --metrics-file): fp32 within 1e-5 relative, bf16 within 1e-4 (as ``test_train_hf_tp.py``'s bf16
-test).
+test). Its checkpoints resume in other layouts and export the one-process model.
 
 Each model has 3 blocks: stage 0 holds the vocabulary-parallel embedding and block 0, stage 1 blocks
 1-2, the final norm and the vocabulary-parallel LM head and loss.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -45,3 +47,51 @@ def test_pp2_and_tp2_pp2_in_bf16_train_to_the_one_process_losses(tmp_path):
     _, split = run_hf(tmp_path, directory, "tp2-pp2", 4, *TP2_PP2, *bf16)
     assert_losses_close(metrics_losses(pp), metrics_losses(one), rtol=1e-4)
     assert_losses_close(metrics_losses(split), metrics_losses(one), rtol=1e-4)
+
+
+def _exported(checkpoint) -> dict[str, torch.Tensor]:
+    """The Hub layout ``train.export_hf`` writes of ``checkpoint``'s step 4, as tensors by name."""
+    from safetensors.torch import load_file
+
+    from pystronghold.train.checkpoint_dir import checkpoint_name
+    from pystronghold.train.export_hf import export_hf
+
+    out = export_hf(checkpoint / checkpoint_name(4), checkpoint.parent / f"{checkpoint.name}-hf", copy_tokenizer=False)
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _resume(tmp_path, directory, checkpoint, name: str, nproc: int, *layout: str) -> list[float]:
+    """The losses of steps 3 and 4 (and validation) of ``checkpoint``'s run resumed from its step 2
+    in ``layout`` on ``nproc`` processes, as if it had been killed after step 2."""
+    from pystronghold.train.checkpoint_dir import checkpoint_name
+
+    resumed = tmp_path / f"{name}-ck"
+    shutil.copytree(checkpoint, resumed)
+    shutil.rmtree(resumed / checkpoint_name(4))
+    _, records = run_hf(tmp_path, directory, name, nproc, "--steps", "4", "--checkpoint-dir", str(resumed),
+                        "--resume", *layout)
+    return metrics_losses(records)
+
+
+def test_checkpoints_resume_across_layouts_and_export_the_one_process_model(tmp_path):
+    """Qwen2 (its tied embedding is saved once, gathered from its TP shards): a PP2 run's step-2
+    checkpoint resumes at TP2, and a TP2 x PP2 one in one process, to the losses of the
+    uninterrupted one-process run; the TP2 x PP2 run's step-4 checkpoint exports the Hub layout of
+    the one-process run's (same names and shapes, values within 1e-5)."""
+    directory = save_tiny(tmp_path, "qwen2")
+    every = ("--steps", "4", "--checkpoint-every", "2")
+    runs = {"one": (1, ()), "pp2": (2, ("--pp", "2", "--micro-batches", "2")), "tp2-pp2": (4, TP2_PP2)}
+    losses = {}
+    for name, (nproc, layout) in runs.items():
+        _, records = run_hf(tmp_path, directory, name, nproc, *every, "--checkpoint-dir", str(tmp_path / name),
+                            *layout)
+        losses[name] = metrics_losses(records)
+    want = losses["one"][2:]  # steps 3 and 4, validation
+    assert_losses_close(_resume(tmp_path, directory, tmp_path / "pp2", "pp2-at-tp2", 2, "--tp", "2"), want, count=3)
+    assert_losses_close(_resume(tmp_path, directory, tmp_path / "tp2-pp2", "tp2-pp2-at-one", 1), want, count=3)
+    whole, split = _exported(tmp_path / "one"), _exported(tmp_path / "tp2-pp2")
+    assert sorted(split) == sorted(whole)
+    for name in whole:
+        # NOTE: atol: Adam's first steps move each weight by about lr whatever the gradient's size,
+        # so a gradient near zero that differs in its last bits moves its weight by a visible amount
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-5, msg=name)
