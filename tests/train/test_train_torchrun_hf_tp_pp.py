@@ -2,7 +2,8 @@
 stages (``pipelining.hf``), each split over its own two TP ranks (``models.hf_tp``), launched as four
 gloo processes, train to the one-process losses (every step's and the validation loss, read exactly
 from --metrics-file): fp32 within 1e-5 relative, bf16 within 1e-4 (as ``test_train_hf_tp.py``'s bf16
-test). Its checkpoints resume in other layouts and export the one-process model.
+test). Its checkpoints cross layouts, and two "nodes" on localhost (two torchrun launches joined by a
+c10d rendezvous) train as one process does.
 
 Each model has 3 blocks: stage 0 holds the vocabulary-parallel embedding and block 0, stage 1 blocks
 1-2, the final norm and the vocabulary-parallel LM head and loss.
@@ -95,3 +96,14 @@ def test_checkpoints_resume_across_layouts_and_export_the_one_process_model(tmp_
         # NOTE: atol: Adam's first steps move each weight by about lr whatever the gradient's size,
         # so a gradient near zero that differs in its last bits moves its weight by a visible amount
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_two_nodes_on_localhost_train_tp2_pp2_to_the_one_process_losses(tmp_path):
+    """Two torchrun launches of two ranks each ("nodes"), joined by a c10d rendezvous on localhost,
+    train a Llama at TP2 x PP2: each launch's ranks are consecutive, so each node holds one stage,
+    its TP pair inside it, and only the pipeline's sends cross nodes."""
+    directory = save_tiny(tmp_path, "llama")
+    _, one = run_hf(tmp_path, directory, "one", 1)
+    p, nodes = run_hf(tmp_path, directory, "two-nodes", 2, *TP2_PP2, nodes=2)
+    assert_losses_close(metrics_losses(nodes), metrics_losses(one))
+    assert p.stdout.count(SPLIT) == 1
