@@ -37,6 +37,18 @@ def test_tp2_pp2_trains_to_the_one_process_losses(tmp_path, family):
     assert p.stdout.count(SPLIT) == 1
 
 
+def test_tp2_pp2_interleaved_with_a_chunked_loss_trains_to_the_one_process_losses(tmp_path):
+    """Qwen2 (tied embedding) over 4 blocks, two model chunks per rank, the vocabulary-parallel loss
+    over chunks of 7 tokens."""
+    directory = save_tiny(tmp_path, "qwen2", num_hidden_layers=4)
+    chunked = ("--loss-chunk", "7")
+    _, one = run_hf(tmp_path, directory, "one", 1, *chunked)
+    p, split = run_hf(tmp_path, directory, "tp2-pp2", 4, *TP2_PP2, "--pp-schedule", "interleaved", "--pp-chunks", "2",
+                      *chunked)
+    assert_losses_close(metrics_losses(split), metrics_losses(one))
+    assert "rank 0 chunk 1: blocks 2-2" in p.stdout and "rank 1 chunk 1: blocks 3-3 + norm, LM head" in p.stdout
+
+
 def test_pp2_and_tp2_pp2_in_bf16_train_to_the_one_process_losses(tmp_path):
     """bf16 compute (fp32 masters). NOTE: rtol 1e-4, not 1e-5: a micro-batch's loss and gradients,
     and each TP partial sum before its all-reduce, are rounded to bf16 (unit roundoff 2^-8) where one
