@@ -7,7 +7,9 @@ family's own base-model forward with its block stack narrowed to the stage's blo
 gets the causal mask, positions and rotary embeddings the unsplit model gives it (sliding-window
 layers included); a later stage's received hidden states replace the input of its first block.
 The last stage returns the final hidden states and its loss is the one-process loss
-(``models.hf_loss.hidden_states_loss``, chunked as ``--loss-chunk`` says).
+(``models.hf_loss.hidden_states_loss``, chunked as ``--loss-chunk`` says). Under ``--tp`` the model
+was split first (``models.hf_tp.shard_hf_model``): each stage holds its TP rank's shards, and the last
+stage's LM head a vocabulary shard whose logits go to the vocabulary-parallel cross-entropy.
 """
 
 from __future__ import annotations
