@@ -37,6 +37,7 @@ EXAMPLES = """examples:
   pystronghold plan --cluster cluster.yaml --model gpt3-350m --global-batch 512 --precision fp32
   pystronghold plan --gpu h100-80gb --host-memory 125 --model hf:bench/models/llama-3-70b --seq 4096 --lora-rank 16 --precision bf16
   pystronghold plan --gpu rtx4090 --host-memory 64 --model gpt3-2.7b --freeze 'head|ln|attn'
+  pystronghold plan --gpu h100-80gb --host-memory 2048 --model hf:bench/models/llama-3-70b --tp 8 --pp 2 --dp 1 --seq 4096 --precision bf16
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
@@ -271,7 +272,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     plan = make_plan(config, work, hw, window, resident)
             plan.longest = longest_context(config, work, hw)
         plan.largest = largest_models(config, work, hw, widths)
-        links = link_bytes(whole, work, pipeline)
+        links = link_bytes(whole, work, pipeline, plan.recomputed_blocks)
     except ValueError as e:
         message = e.on_command_line() if isinstance(e, ConfigError) else str(e)
         print(f"pystronghold plan: error: {message}", file=sys.stderr)

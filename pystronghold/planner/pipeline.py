@@ -361,8 +361,8 @@ class LinkBytes:
 
     tp: int
     """Tensor-parallel all-reduces of its blocks' activations and their gradients: B*T*C*s each, two
-    per block in forward, two in backward and two more in the recomputed forward (the embedding's
-    and the loss's small ones aside)."""
+    per block in forward, two in backward and two more in a recomputed block's forward again (the
+    embedding's and the loss's small ones aside)."""
     pp: int
     """Pipeline activations forward and their gradients back, B*T*C*s each per micro-batch and
     model chunk (a middle stage's both ways; the first and last stages send one way)."""
@@ -384,10 +384,12 @@ class LinkBytes:
         return {"tp_bytes": self.tp, "pp_bytes": self.pp, "dp_bytes": self.dp, "total_bytes": self.total}
 
 
-def link_bytes(config, work: Workload, pipeline: PipelinePlan | None = None) -> LinkBytes:
+def link_bytes(config, work: Workload, pipeline: PipelinePlan | None = None,
+               recomputed_blocks: int | None = None) -> LinkBytes:
     """The ``LinkBytes`` of the busiest rank of ``config`` (at its ``tp_size``) trained as ``work``
     (``work.dp_size`` replicas), through ``pipeline``'s stages (its largest; None: one stage, one
-    micro-batch)."""
+    micro-batch). ``recomputed_blocks``: of that rank's blocks, those that recompute their forward
+    (a plan's ``recomputed_blocks``); None: all of them with ``work.checkpointing``, else none."""
     seq, t, d, s = work.seq or config.seq_len, config.tp_size, work.dp_size, work.dtype_bytes
     activation = work.batch * seq * config.hidden * s
     if pipeline is None:
@@ -397,7 +399,9 @@ def link_bytes(config, work: Workload, pipeline: PipelinePlan | None = None) -> 
         blocks = max(pipeline.stage_blocks(r) for r in range(pipeline.stages))
         pp = 2 * micro * chunks * pipeline.p2p_bytes
     ring = lambda n, ranks: 0 if ranks <= 1 else 2 * (ranks - 1) * n // ranks  # noqa: E731
-    all_reduces = 6 if work.checkpointing else 4
+    if recomputed_blocks is None:
+        recomputed_blocks = blocks if work.checkpointing else 0
     split = param_split(config, work.finetune)
     trainable = blocks * sum(split.block_trainable) + split.head_tail_trainable
-    return LinkBytes(tp=ring(micro * blocks * all_reduces * activation, t), pp=pp, dp=ring(trainable * s, d))
+    all_reduces = 4 * blocks + 2 * recomputed_blocks
+    return LinkBytes(tp=ring(micro * all_reduces * activation, t), pp=pp, dp=ring(trainable * s, d))

@@ -102,14 +102,16 @@ def test_stages_split_the_blocks_evenly_and_their_parameters_sum_to_the_model_s(
 
 
 def test_link_bytes_of_a_tp_pp_dp_layout():
-    """Per rank and step: TP all-reduces of B*T*C*s, six per block and micro-batch with recompute,
-    PP activations and gradients of every micro-batch, the DP ring of the trainable gradients."""
+    """Per rank and step: TP all-reduces of B*T*C*s, four per block and micro-batch and two more for
+    a block that recomputes, PP activations and gradients of every micro-batch, the DP ring of the
+    trainable gradients."""
     shape = _shape(_llama(num_hidden_layers=8), tp=2)
     work = Workload(batch=2, seq=64, precision="bf16", dp_size=4)
     pipeline = plan_pipeline(shape, work, 2, 4)
     links = link_bytes(shape, work, pipeline)
     activation = 2 * 64 * 64 * 2
     assert links.tp == 4 * 4 * 6 * activation * 2 * (2 - 1) // 2  # 4 micro-batches x 4 blocks x 6
+    assert link_bytes(shape, work, pipeline, recomputed_blocks=1).tp == 4 * (4 * 4 + 2) * activation  # one recomputes
     assert links.pp == 2 * 4 * activation
     assert links.dp == 2 * 3 * (4 * block_params_per_rank(shape) + head_tail_params_per_rank(shape)) * 2 // 4
     assert link_bytes(shape, dataclasses.replace(work, dp_size=1)).dp == 0
