@@ -5,8 +5,9 @@ its parameter names and shapes, so they match what ``train --model hf:DIR``, LoR
 see. At ``tp_size`` T the tables are one rank's (``params.block_param_shapes``): the projections the
 family's ``base_model_tp_plan`` names split as ``models.hf_tp`` splits them (colwise: output rows and
 bias; rowwise: input columns), the embedding and LM head over the vocabulary; a T that
-``models.hf_tp.check_hf_tp`` refuses is refused here in its words. A MoE block holds every expert but a token's FLOPs and activations
-count ``experts_per_token`` of them; block 0 stands for every block.
+``models.hf_tp.check_hf_tp`` refuses is refused here in its words. A MoE block holds every expert
+but a token's FLOPs and activations count ``experts_per_token`` of them; block 0 stands for every
+block.
 """
 
 from __future__ import annotations
