@@ -32,7 +32,8 @@ from pystronghold.parallel.mappings import copy_to_tp_region
 from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                           tp_shard_parameter)
 
-__all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "shard_hf_model", "ScaledVocabParallelEmbedding"]
+__all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "block_tp_styles", "shard_hf_model",
+           "ScaledVocabParallelEmbedding"]
 
 TP_STYLES = ("colwise", "rowwise")
 """The ``base_model_tp_plan`` styles sharded here."""
@@ -109,6 +110,16 @@ def _pattern(key: str) -> re.Pattern:
 
 def _style_of(plan: list[tuple[re.Pattern, str]], name: str) -> str | None:
     return next((style for pattern, style in plan if pattern.search(name)), None)
+
+
+def block_tp_styles(spec: HFModelConfig, stack: str, block: nn.Module, index: int = 0) -> dict[str, str]:
+    """The style (``colwise``/``rowwise``) of each module of block ``index`` that the family's plan
+    splits, by its name relative to the block; ``stack``: the block stack's attribute in the base
+    model (``layers``). What ``shard_hf_model`` splits, and what the planner's per-rank shapes
+    (``planner.hf_shape``) split."""
+    plan = [(_pattern(key), style) for key, style in hf_tp_plan(spec).items()]
+    styles = {name: _style_of(plan, f"{stack}.{index}.{name}") for name, _ in block.named_modules()}
+    return {name: style for name, style in styles.items() if style is not None}
 
 
 def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup) -> nn.Module:

@@ -37,6 +37,7 @@ EXAMPLES = """examples:
   pystronghold plan --cluster cluster.yaml --model gpt3-350m --global-batch 512 --precision fp32
   pystronghold plan --gpu h100-80gb --host-memory 125 --model hf:bench/models/llama-3-70b --seq 4096 --lora-rank 16 --precision bf16
   pystronghold plan --gpu rtx4090 --host-memory 64 --model gpt3-2.7b --freeze 'head|ln|attn'
+  pystronghold plan --gpu h100-80gb --host-memory 2048 --model hf:bench/models/llama-3-70b --tp 8 --pp 2 --dp 1 --seq 4096 --precision bf16
 exit status: 0 the model fits, 1 it does not (the report says why), 2 bad arguments."""
 
 
@@ -150,15 +151,11 @@ class PlanRequest:
             raise ValueError(f"--nvme must be >= 0 GiB, got {self.nvme}")
         if self.efficiency > 1:
             raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
-        if self.cluster is not None and not self.finetune.full:
-            raise ConfigError(self, "cluster", "plans full fine-tuning only: drop --lora-rank and --freeze")
         if self.model is not None and self.model.startswith(HF_PREFIX):
-            for name in ("hidden", "heads", "widths", "cluster"):
+            for name in ("hidden", "heads", "widths"):
                 if getattr(self, name) is not None:
                     raise ConfigError(self, name, f"does not apply to a Hugging Face model (`model`): "
                                       "its config.json gives the shape")
-            if self.parallel.tp != 1 or self.parallel.pp != 1:
-                raise ConfigError(self, "model", "(a Hugging Face model) is planned at --tp 1 and --pp 1")
         if self.widths is not None:
             try:
                 widths = [int(w) for w in self.widths.split(",")]
@@ -169,7 +166,8 @@ class PlanRequest:
 
     def model_config(self):
         """The GPTConfig of --model (or --layers/--hidden/--heads) at --tp and --seq; the
-        ``HFShape`` of --model hf:DIR (at --layers when given)."""
+        ``HFShape`` of --model hf:DIR at --tp (at --layers when given; a --tp that train refuses is
+        refused in train's words)."""
         from pystronghold.models.gpt import GPTConfig
         from pystronghold.models.presets import PRESETS
 
@@ -177,7 +175,7 @@ class PlanRequest:
             from pystronghold.planner.hf_shape import read_hf_shape
 
             shape = read_hf_shape(self.model[len(HF_PREFIX):])
-            return shape if self.layers is None else dataclasses.replace(shape, layers=self.layers)
+            return dataclasses.replace(shape, tp_size=self.parallel.tp, layers=self.layers or shape.layers)
         if self.model is not None:
             if self.model not in PRESETS:
                 raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(PRESETS)}")
@@ -243,6 +241,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """Run ``pystronghold plan``: 0 when the model fits, 1 when it does not, 2 on bad input."""
     from pystronghold.planner.finetune import check_freeze
     from pystronghold.planner.hardware import format_bytes
+    from pystronghold.planner.pipeline import link_bytes, plan_pipeline
     from pystronghold.planner.plan import largest_models, make_plan
     from pystronghold.planner.relay import schedule_report
     from pystronghold.planner.report import format_plan, plan_to_dict
@@ -257,9 +256,8 @@ def run_plan(args: argparse.Namespace) -> int:
         config, work, hw, window, widths, resident = request.resolve()
         check_freeze(config, work.finetune)
         pipeline, par = None, request.parallel
+        whole = config  # the model before a pipeline narrows it to its largest stage
         if par.pp > 1:
-            from pystronghold.planner.pipeline import plan_pipeline
-
             pipeline = plan_pipeline(config, work, par.pp, par.micro_batch_count, par.pp_schedule, par.pp_chunks)
             # NOTE: an upper bound over the stages: the most blocks of any stage, holding the
             # activations of the most micro-batches in flight on any stage (stage 0's under 1F1B)
@@ -274,21 +272,30 @@ def run_plan(args: argparse.Namespace) -> int:
                     plan = make_plan(config, work, hw, window, resident)
             plan.longest = longest_context(config, work, hw)
         plan.largest = largest_models(config, work, hw, widths)
+        links = link_bytes(whole, work, pipeline, plan.recomputed_blocks)
     except ValueError as e:
         message = e.on_command_line() if isinstance(e, ConfigError) else str(e)
         print(f"pystronghold plan: error: {message}", file=sys.stderr)
         return 2
-    record, text = plan_to_dict(plan), format_plan(plan)
+    record, text = plan_to_dict(plan), format_plan(plan) + "\n" + links.line()
+    record["links"] = links.to_dict()
     record["hardware"]["host_memory_from"] = "this machine" if request.host_memory is None else "--host-memory"
     if request.host_memory is None:
         text = (f"host memory: {format_bytes(hw.host_memory_bytes)} (this machine; --host-memory GB plans "
                 "another)\n" + text)
     if pipeline is not None:
         record["pipeline"] = pipeline.to_dict()
-        text += "\n" + "\n".join(pipeline.lines() + [
+        lines = pipeline.lines() + [
             f"  (window, memory and step time above: the largest stage, {config.layers} blocks, with "
             f"both head and tail counted and the activations of {in_flight} micro-batches "
-            "in flight)"])
+            "in flight, for one micro-batch)"]
+        if plan.step is not None:
+            step = pipeline.step_s(plan.step.total_s)
+            tokens = pipeline.micro_batches * plan.tokens_per_s * plan.step.total_s / step
+            record["pipeline"].update(step_s=step, tokens_per_s=tokens)
+            lines.append(f"  pipeline step: {pipeline.micro_batches} micro-batches x the stage's x (1 + bubble) = "
+                         f"{step:,.2f} s, {tokens:,.0f} tokens/s")
+        text += "\n" + "\n".join(lines)
     elif plan.fits:  # the accumulation schedule (planner/relay.py) of the plan's step
         record["schedule"], lines = schedule_report(plan, request.runtime.accumulation_steps,
                                                     request.runtime.schedule)

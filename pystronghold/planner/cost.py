@@ -167,11 +167,11 @@ def block_forward_flops(config: GPTConfig, batch: int, seq: int) -> float:
 
 def mlp_matmul_numel(config: GPTConfig) -> int:
     """Elements of the MLP matrices one token multiplies by on one rank: 2*C*F/t for the GPT,
-    (3 gated, else 2)*C*F at the active width for a Hugging Face block (``HFShape``)."""
+    (3 gated, else 2)*C*F/t at the active width for a Hugging Face block (``HFShape``)."""
     if isinstance(config, GPTConfig):
         return 2 * config.hidden * config.ffn_hidden // config.tp_size
     width = config.active_mlp_width or config.mlp_width
-    return (3 if config.gated_mlp else 2) * config.hidden * width
+    return (3 if config.gated_mlp else 2) * config.hidden * width // config.tp_size
 
 
 def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
@@ -180,8 +180,8 @@ def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
 
     GPT, in elements of s bytes: 4*B*T*C replicated plus (4 + 2*F/C)*B*T*C / t; without a fused
     attention kernel also 2*a*T^2*B / t; with dropout, 1-byte masks. A Hugging Face block
-    (``HFShape``, t = 1): 4*B*T*C + B*T*(2*a*d + 2*g*d) plus the MLP's 4*B*T*F (gated) or 2*B*T*F,
-    at its active width for a MoE (plus router and gathered-token terms). With
+    (``HFShape``): 4*B*T*C replicated plus, split over t, B*T*(2*a*d + 2*g*d) and the MLP's 4*B*T*F
+    (gated) or 2*B*T*F, at its active width for a MoE (plus router and gathered-token terms). With
     ``work.mlp_tile_tokens`` the MLP's terms count min(T, tile) tokens of one sample: the tiled MLP
     keeps only its input. LoRA intermediates are not counted.
     """
@@ -195,7 +195,7 @@ def block_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
         attention, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
         mlp = (4 if config.gated_mlp else 2) * (config.active_mlp_width or config.mlp_width)
         routing = 2 * config.experts_per_token * C + 2 * config.experts
-        elems = 4 * btc + B * T * (2 * attention + 2 * kv) + tile * (mlp + routing)
+        elems = 4 * btc + (B * T * (2 * attention + 2 * kv) + tile * (mlp + routing)) // t
     scores = config.heads * T * T * B // t
     if not work.flash_attention:
         elems += 2 * scores
@@ -208,7 +208,7 @@ def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
 
     Full logits (``loss_chunk_tokens`` 0, or n tokens at most): our GPT's vocab-parallel
     cross-entropy holds three n*V/t*s logits-sized shards, a Hugging Face model's
-    (``models.hf_loss.causal_lm_loss``) n*V*(s + 12) (its logits, their fp32 copy and softmax and
+    (``models.hf_loss.causal_lm_loss``) n*V/t*(s + 12) (its logits, their fp32 copy and softmax and
     the gradient). Over chunks of c tokens (``nn.chunked_loss``): c*V/t*(s + 12) for one chunk,
     plus the stored gradients: the hidden states' n*C*s and the head's fp32 V/t*C. Both add the final
     norm's input and output (2*n*C*s). NOTE: the torch path of the GPT's cross-entropy (no triton,
@@ -220,7 +220,7 @@ def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
     if 0 < chunk < tokens:
         logits = chunk * shard * (s + 12) + tokens * C * s + 4 * shard * C
     else:
-        logits = 3 * tokens * shard * s if isinstance(config, GPTConfig) else tokens * V * (s + 12)
+        logits = 3 * tokens * shard * s if isinstance(config, GPTConfig) else tokens * shard * (s + 12)
     return logits + 2 * tokens * C * s
 
 

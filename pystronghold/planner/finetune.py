@@ -102,16 +102,19 @@ def _targeted_any(target: str, modules) -> bool:
 def param_split(config, finetune: FinetuneOptions) -> ParamSplit:
     """The ``ParamSplit`` of ``config`` fine-tuned as ``finetune`` (``--freeze``: as it matches
     block 0; ``check_freeze`` checks that it matches every block alike). ValueError (one line) for
-    a LoRA target that is no linear layer of the model, or tensor parallelism with a frozen part."""
+    a LoRA target that is no linear layer of the model, or a GPT's tensor parallelism with a frozen
+    part. A Hugging Face model's adapters are counted on its per-rank shapes: sharded with their base
+    layer (a colwise layer's B and a rowwise layer's A split, the other replicated)."""
     block, head_tail = block_param_shapes(config), head_tail_param_shapes(config)
     if finetune.full:
         return ParamSplit(block_trainable=tuple(numel(s) for _, s in block), block_frozen=(),
                           block_frozen_matmul=0, block_adapters=0,
                           head_tail_trainable=sum(numel(s) for _, s in head_tail), head_tail_frozen=0,
                           lm_head_frozen=False)
-    if config.tp_size != 1:
-        raise ValueError("the planner costs LoRA and frozen parameters at tensor parallelism 1 only (--tp 1)")
-    lm_head = [name for name, s in head_tail if len(s) == 2 and s[0] == config.padded_vocab_size][-1]
+    if config.tp_size != 1 and isinstance(config, GPTConfig):  # NOTE: our GPT's LoRA does not run at --tp
+        raise ValueError("the planner costs LoRA and frozen parameters of a GPT at tensor parallelism 1 only (--tp 1)")
+    vocab_rows = config.padded_vocab_size // config.tp_size
+    lm_head = [name for name, s in head_tail if len(s) == 2 and s[0] == vocab_rows][-1]
     if finetune.lora_rank is not None:
         targets = lora_targets(config, finetune)
         check_lora_targets(config, targets)

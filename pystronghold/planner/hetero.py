@@ -7,6 +7,8 @@ the slowest replica's plus the (non-overlapped) data-parallel all-reduce. Device
 Whale does (largest memory first); blocks go to stages by ``balance.balance_stage_counts`` and the
 batch to replicas by ``balance.balance_batch_times``; the gain over even splits is reported.
 Simplifications: every stage keeps head and tail on its device; host memory is shared evenly.
+The model is a ``GPTConfig`` or a Hugging Face model's ``HFShape`` (``planner/hf_shape.py``; a TP
+degree its family cannot split is left out of the search), trained as ``Workload.finetune`` says.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pystronghold.planner.balance import balance_batch_times, balance_stage_coun
 from pystronghold.planner.cluster import Cluster, load_cluster
 from pystronghold.planner.cost import (Workload, block_params_per_rank, head_tail_params_per_rank,
                                        ring_allreduce_s)
-from pystronghold.planner.hardware import Hardware
+from pystronghold.planner.hardware import Hardware, format_bytes
 from pystronghold.planner.plan import make_plan
 
 __all__ = ["Candidate", "HeteroPlan", "evaluate", "plan", "auto_plan", "format_hetero_plan",
@@ -53,6 +55,11 @@ class Candidate:
     """The same sizes with even stage and batch splits, seconds (inf when that does not fit)."""
     note: str = ""
     """Why it does not fit, or what limits it."""
+    device_bytes: tuple[int, ...] = ()
+    """Peak device bytes of each stage's most loaded GPU (the largest over its replicas)."""
+    host_bytes: tuple[int, ...] = ()
+    """Host store bytes per GPU of each stage (the largest over its replicas; the host reserve
+    aside): each GPU's share of its node's host."""
 
     @property
     def rank_devices(self) -> list[int]:
@@ -87,6 +94,13 @@ class HeteroPlan:
     """Every candidate that fits, fastest first, then those that do not."""
     device_names: tuple[str, ...] = ()
     """The cluster's device names, by device index (for the explanation)."""
+    seq: int = 0
+    """Tokens per sample (0: not known)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second of the winner over the whole cluster (0 when it does not fit)."""
+        return self.global_batch * self.seq / self.winner.step_s if self.fits else 0.0
 
     @property
     def winner(self) -> Candidate:
@@ -104,15 +118,16 @@ def _sorted_devices(cluster: Cluster) -> list[int]:
     return sorted(range(len(devs)), key=lambda i: (-devs[i].memory_bytes, -devs[i].fp32_flops, i))
 
 
-_PIECES: dict[str, tuple[float, float, int]] = {}
+_PIECES: dict[str, tuple[float, float, int, int, int]] = {}
 
 
 def _piece(config: GPTConfig, work: Workload, hw: Hardware, blocks: int, last: bool,
-           in_flight: int) -> tuple[float, float, int]:
-    """(seconds per micro-batch, seconds per step, W) of ``blocks`` blocks on ``hw``: the
+           in_flight: int) -> tuple[float, float, int, int, int]:
+    """(seconds per micro-batch, seconds per step, W, peak device bytes, host store bytes) of
+    ``blocks`` blocks on ``hw``: the
     micro-batch's compute and exposed transfers (without the loss when not ``last``), and the
     exposed host update, which runs once per step. ``in_flight`` micro-batches keep their block
-    inputs on the device (1F1B: S - s at stage s). (inf, inf, 0) when it does not fit. Memoised:
+    inputs on the device (1F1B: S - s at stage s). (inf, inf, 0, 0, 0) when it does not fit. Memoised:
     a search asks for the same piece many times (the key is the arguments' repr: Workload and
     Hardware are mutable dataclasses)."""
     key = repr((config, work, hw, blocks, last, in_flight))
@@ -124,10 +139,11 @@ def _piece(config: GPTConfig, work: Workload, hw: Hardware, blocks: int, last: b
         extra = (in_flight - 1) * blocks * p.costs.block_input_bytes
         peak = max(p.device.backward_bytes + extra, p.device.step_bytes)  # inputs in flight: backward's
         if not p.fits or p.step is None or peak > p.device.capacity_bytes:
-            _PIECES[key] = (math.inf, math.inf, 0)
+            _PIECES[key] = (math.inf, math.inf, 0, 0, 0)
         else:
             micro = p.step.compute_s + p.step.exposed_transfer_s - (0.0 if last else p.costs.head_tail_s)
-            _PIECES[key] = (micro, p.step.exposed_optimizer_s, p.window)
+            _PIECES[key] = (micro, p.step.exposed_optimizer_s, p.window, peak,
+                            p.host.host_bytes - work.host_reserve_bytes)
     return _PIECES[key]
 
 
@@ -156,20 +172,21 @@ class _Replica:
                                       / cluster.link_bytes_per_s([placement[s][0], placement[s + 1][0]])
                                       for s in range(self.S - 1)), default=0.0)
 
-    def piece(self, s: int, blocks: int, batch: int) -> tuple[float, float, int]:
+    def piece(self, s: int, blocks: int, batch: int) -> tuple[float, float, int, int, int]:
         return _piece(self.config, dataclasses.replace(self.work, batch=batch), self.hw[s], blocks,
                       s == self.S - 1, self.S - s)
 
     def stage_s(self, s: int, blocks: int, batch: int) -> float:
         """Stage ``s`` alone as the bottleneck: (M + S - 1) micro-batches plus its host update."""
-        micro, update, _ = self.piece(s, blocks, batch)
+        micro, update = self.piece(s, blocks, batch)[:2]
         return (self.M + self.S - 1) * (micro + batch * self.send_s_per_sample) + update
 
-    def step(self, stage_blocks, batch: int) -> tuple[float, list[int]]:
-        """(seconds of one step, W of each stage) at ``batch`` samples per micro-batch."""
+    def step(self, stage_blocks, batch: int) -> tuple[float, list[tuple]]:
+        """(seconds of one step, each stage's piece: ``_piece``'s figures) at ``batch`` samples per
+        micro-batch."""
         pieces = [self.piece(s, k, batch) for s, k in enumerate(stage_blocks)]
         micro = max(p[0] for p in pieces) + batch * self.send_s_per_sample
-        return (self.M + self.S - 1) * micro + max(p[1] for p in pieces), [p[2] for p in pieces]
+        return (self.M + self.S - 1) * micro + max(p[1] for p in pieces), pieces
 
 
 def _failed(base: dict, note: str, stage_blocks=()) -> Candidate:
@@ -208,9 +225,11 @@ def _cost(cluster, config, work, tp, pp, dp, M, global_batch, balanced) -> Candi
         step += max(ring_allreduce_s(params * work.dtype_bytes, dp,
                                      cluster.link_bytes_per_s([g[0] for g in devices[s]]))
                     for s in range(pp))
-    windows = tuple(tuple(runs[d][1][s] for d in range(dp)) for s in range(pp))
+    windows = tuple(tuple(runs[d][1][s][2] for d in range(dp)) for s in range(pp))
+    device = tuple(max(runs[d][1][s][3] for d in range(dp)) for s in range(pp))
+    host = tuple(max(runs[d][1][s][4] for d in range(dp)) for s in range(pp))
     return Candidate(**base, stage_blocks=tuple(stage_blocks), replica_batches=tuple(sizes), windows=windows,
-                     step_s=step, even_step_s=math.inf)
+                     step_s=step, even_step_s=math.inf, device_bytes=device, host_bytes=host)
 
 
 def evaluate(config: GPTConfig, cluster: Cluster, *, tp: int = 1, pp: int = 1, micro_batches: int = 1,
@@ -225,6 +244,7 @@ def evaluate(config: GPTConfig, cluster: Cluster, *, tp: int = 1, pp: int = 1, m
         raise ValueError(f"tp={tp} x pp={pp} does not divide the cluster's {n} devices")
     if config.heads % tp:
         raise ValueError(f"tp={tp} must divide the model's {config.heads} attention heads")
+    dataclasses.replace(config, tp_size=tp)  # a Hugging Face model: train's refusal (models.hf_tp.check_hf_tp)
     if pp > config.layers:
         raise ValueError(f"pp={pp} exceeds the model's {config.layers} blocks")
     if global_batch % micro_batches:
@@ -235,8 +255,18 @@ def evaluate(config: GPTConfig, cluster: Cluster, *, tp: int = 1, pp: int = 1, m
     return dataclasses.replace(aware, even_step_s=even.step_s)
 
 
+def _splits(config, tp: int) -> bool:
+    """Whether ``config`` can be split over ``tp`` ranks (its heads; a Hugging Face model's family,
+    head counts, MLP width and vocabulary: ``models.hf_tp.check_hf_tp``)."""
+    try:
+        dataclasses.replace(config, tp_size=tp)
+    except ValueError:
+        return False
+    return config.heads % tp == 0
+
+
 def _config_of(model) -> GPTConfig:
-    if isinstance(model, GPTConfig):
+    if isinstance(model, GPTConfig) or hasattr(model, "block_params"):  # a GPTConfig or an HFShape
         return model
     config = getattr(model, "config", None)
     if isinstance(config, GPTConfig):
@@ -249,10 +279,10 @@ def _cluster_of(cluster, precision: str) -> Cluster:
     return cluster if isinstance(cluster, Cluster) else load_cluster(cluster, precision)
 
 
-def _rank(config, global_batch, candidates, cluster: Cluster) -> HeteroPlan:
+def _rank(config, global_batch, candidates, cluster: Cluster, work: Workload) -> HeteroPlan:
     ranked = sorted(candidates, key=lambda c: (c.step_s, c.tp * c.pp, c.tp))
     return HeteroPlan(config=config, global_batch=global_batch, ranked=tuple(ranked),
-                      device_names=tuple(d.name for d in cluster.devices))
+                      device_names=tuple(d.name for d in cluster.devices), seq=work.seq or config.seq_len)
 
 
 def plan(model, cluster, *, global_batch: int | None = None, work: Workload | None = None) -> HeteroPlan:
@@ -275,7 +305,7 @@ def plan(model, cluster, *, global_batch: int | None = None, work: Workload | No
             raise ValueError(f"stages with TP degrees {sorted(tps)}: the planner needs one split size")
         tp, pp, micro = tps.pop(), layout.pp_size, layout.num_micro_batch
     return _rank(config, global_batch, [evaluate(config, cluster, tp=tp, pp=pp, micro_batches=micro,
-                                                 global_batch=global_batch, work=work)], cluster)
+                                                 global_batch=global_batch, work=work)], cluster, work)
 
 
 def auto_plan(model, cluster, *, global_batch: int | None = None, work: Workload | None = None,
@@ -291,7 +321,7 @@ def auto_plan(model, cluster, *, global_batch: int | None = None, work: Workload
     n = len(cluster.devices)
     per_node = min(len(node.devices) for node in cluster.nodes)
     out = []
-    for tp in (t for t in range(1, per_node + 1) if n % t == 0 and config.heads % t == 0):
+    for tp in (t for t in range(1, per_node + 1) if n % t == 0 and _splits(config, t)):
         for pp in (p for p in range(1, min(n // tp, config.layers) + 1) if (n // tp) % p == 0):
             micros = [1] if pp == 1 else [m for m in (pp * 2**k for k in range(8)) if m <= max_micro_batches]
             for m in micros:
@@ -300,7 +330,7 @@ def auto_plan(model, cluster, *, global_batch: int | None = None, work: Workload
                                         global_batch=global_batch, work=work))
     if not out:
         raise ValueError(f"no layout of {n} devices runs a global batch of {global_batch}")
-    return _rank(config, global_batch, out, cluster)
+    return _rank(config, global_batch, out, cluster, work)
 
 
 def _placement(result: HeteroPlan, c: Candidate) -> str:
@@ -314,6 +344,11 @@ def _placement(result: HeteroPlan, c: Candidate) -> str:
     return "; ".join(stages)
 
 
+def _span(values: tuple[int, ...]) -> str:
+    low, high = min(values), max(values)
+    return format_bytes(high) if low == high else f"{format_bytes(low)} to {format_bytes(high)}"
+
+
 def format_hetero_plan(result: HeteroPlan, runners_up: int = 2) -> str:
     """The winner, where its pieces run, and ``runners_up`` more, each with why it ranks there."""
     win = result.winner
@@ -323,6 +358,9 @@ def format_hetero_plan(result: HeteroPlan, runners_up: int = 2) -> str:
         lines.append(f"  placement (largest memory first): {_placement(result, win)}")
         lines.append(f"  hardware-aware splits: {win.even_step_s * 1e3:.1f} ms with even ones"
                      if math.isfinite(win.even_step_s) else "  the even splits do not fit")
+    if math.isfinite(win.step_s) and result.seq:
+        lines.append(f"  {result.tokens_per_s:,.0f} tokens/s ({result.seq} tokens per sample); per GPU: device peak "
+                     f"{_span(win.device_bytes)}, host store {_span(win.host_bytes)} (over the stages)")
     for i, c in enumerate(result.ranked[1:1 + runners_up], 2):
         why = (f"{c.step_s / win.step_s:.2f}x the winner's step time" if math.isfinite(c.step_s)
                else c.note)
@@ -339,9 +377,11 @@ def hetero_plan_to_dict(result: HeteroPlan) -> dict:
                     devices=[[list(g) for g in stage] for stage in c.devices],
                     windows=[list(w) for w in c.windows], step_s=c.step_s if finite else None,
                     even_step_s=c.even_step_s if math.isfinite(c.even_step_s) else None,
-                    speedup=c.speedup if finite else None, note=c.note)
+                    speedup=c.speedup if finite else None, note=c.note,
+                    device_bytes=list(c.device_bytes), host_bytes=list(c.host_bytes))
 
-    return dict(global_batch=result.global_batch, fits=result.fits, ranked=[one(c) for c in result.ranked])
+    return dict(global_batch=result.global_batch, seq=result.seq, fits=result.fits,
+                tokens_per_s=result.tokens_per_s, ranked=[one(c) for c in result.ranked])
 
 
 def run_cluster_plan(request) -> int:
@@ -350,10 +390,16 @@ def run_cluster_plan(request) -> int:
     import json
     import sys
 
+    from pystronghold.models.hf import NO_POSITION_LIMIT
+    from pystronghold.planner.finetune import check_freeze
+
     config = request.model_config()
+    if request.seq is None and config.seq_len == NO_POSITION_LIMIT:
+        raise ValueError(f"--cluster: the model ({request.model}) names no position limit: give --seq")
+    check_freeze(config, request.finetune)
     rt = request.runtime
     work = Workload(seq=request.seq, precision=rt.precision, checkpointing=rt.checkpointing,
-                    overlap=request.overlap, compute_efficiency=request.efficiency)
+                    overlap=request.overlap, compute_efficiency=request.efficiency, finetune=request.finetune)
     cluster = load_cluster(request.cluster, rt.precision)
     global_batch = request.global_batch or request.batch * len(cluster.devices)
     result = auto_plan(config, cluster, global_batch=global_batch, work=work)

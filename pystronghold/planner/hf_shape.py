@@ -2,15 +2,21 @@
 
 Only ``DIR/config.json`` is read: transformers builds one block on ``meta`` and the planner takes
 its parameter names and shapes, so they match what ``train --model hf:DIR``, LoRA and --freeze
-see. Tensor parallelism is 1. A MoE block holds every expert but a token's FLOPs and activations
-count ``experts_per_token`` of them; block 0 stands for every block.
+see. At ``tp_size`` T the tables are one rank's (``params.block_param_shapes``): the projections the
+family's ``base_model_tp_plan`` names split as ``models.hf_tp`` splits them (colwise: output rows and
+bias; rowwise: input columns), the embedding and LM head over the vocabulary; a T that
+``models.hf_tp.check_hf_tp`` refuses is refused here in its words. A MoE block holds every expert
+but a token's FLOPs and activations count ``experts_per_token`` of them; block 0 stands for every
+block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pystronghold.models.hf import HF_PREFIX, NO_POSITION_LIMIT, POSITION_KEYS, block_stack, read_hf_config
+from pystronghold.models.hf import (HF_PREFIX, NO_POSITION_LIMIT, POSITION_KEYS, HFModelConfig, block_stack,
+                                    read_hf_config)
+from pystronghold.models.hf_tp import block_tp_styles, check_hf_tp
 from pystronghold.options import first_line
 from pystronghold.planner.params import is_expert_param, is_matrix_weight, numel
 
@@ -69,7 +75,25 @@ class HFShape:
     """MLP width one token passes through: F when dense; top-k x an expert's width + the shared
     experts' width in a MoE block (from the weights' shapes)."""
     tp_size: int = 1
-    """Tensor-parallel ranks: 1."""
+    """Tensor-parallel ranks the tables are split over (``params.block_param_shapes`` gives one
+    rank's shapes; ``block_params`` and ``head_tail_params`` stay whole)."""
+    block_tp_axes: tuple[tuple[str, int], ...] = ()
+    """(name relative to the block, axis) of each block parameter tensor parallelism splits: 0 for
+    a colwise projection's weight and bias, 1 for a rowwise one's weight (its bias is replicated)."""
+    head_tail_tp_axes: tuple[tuple[str, int], ...] = ()
+    """(full name, axis) of the head and tail parameters split over the vocabulary (the embedding,
+    the LM head and its bias: axis 0)."""
+    embedding_params: tuple[str, ...] = ()
+    """Full names of the input embedding's parameters: a pipeline's first stage holds them, its last
+    stage the other head and tail parameters (and the embedding again when the LM head is tied)."""
+    spec: HFModelConfig | None = field(default=None, compare=False, repr=False)
+    """The directory's config (what ``models.hf_tp.check_hf_tp`` judges a ``tp_size`` by)."""
+
+    def __post_init__(self) -> None:
+        if self.tp_size != 1:
+            if self.spec is None:
+                raise ValueError(f"{self.source}: the shape was built without its config; it is planned at tp 1 only")
+            check_hf_tp(self.spec, self.tp_size)  # train's one-line refusal, word for word
 
     @property
     def padded_vocab_size(self) -> int:
@@ -115,12 +139,13 @@ def hf_shape_from_config(config, *, source: str, architecture: str) -> HFShape:
     import torch
     from transformers import AutoModelForCausalLM
 
+    spec = HFModelConfig(source=source, architecture=architecture, config=config.to_dict())
     config = copy.deepcopy(config)
     layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
     config.num_hidden_layers = 1  # one block tells every block's shapes
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    blocks_name, _ = block_stack(model)
+    blocks_name, blocks = block_stack(model)
     prefix = f"{blocks_name}.0."
     named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     block = tuple((name[len(prefix):], shape) for name, shape in named if name.startswith(prefix))
@@ -141,6 +166,7 @@ def hf_shape_from_config(config, *, source: str, architecture: str) -> HFShape:
 
         active_width = (top_k * width(is_expert_param) // experts
                         + width(lambda n: {"shared_expert", "shared_experts"} & set(n.split("."))))
+    block_axes, head_tail_axes = _tp_axes(spec, model, blocks_name, blocks[0])
     return HFShape(source=source, architecture=architecture, layers=layers, hidden=hidden,
                    heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or hidden // heads,
@@ -150,4 +176,28 @@ def hf_shape_from_config(config, *, source: str, architecture: str) -> HFShape:
                    tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                    fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()),
                    blocks_name=blocks_name, block_params=block, head_tail_params=head_tail,
-                   experts=experts, experts_per_token=top_k, active_mlp_width=active_width)
+                   experts=experts, experts_per_token=top_k, active_mlp_width=active_width,
+                   block_tp_axes=block_axes, head_tail_tp_axes=head_tail_axes, spec=spec,
+                   embedding_params=tuple(f"{_module_name(model, model.get_input_embeddings())}.{n}"
+                                          for n, _ in model.get_input_embeddings().named_parameters()))
+
+
+def _module_name(model, module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _tp_axes(spec: HFModelConfig, model, blocks_name: str, block) -> tuple[tuple, tuple]:
+    """(block axes, head and tail axes) as ``HFShape`` keeps them: what ``models.hf_tp`` splits."""
+    axes = {"colwise": {"weight": 0, "bias": 0}, "rowwise": {"weight": 1}}
+    styles = block_tp_styles(spec, blocks_name.split(".")[-1], block)
+    block_axes = []
+    for name, _ in block.named_parameters():
+        module, _, kind = name.rpartition(".")
+        axis = axes.get(styles.get(module, ""), {}).get(kind)
+        if axis is not None:
+            block_axes.append((name, axis))
+    vocab = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+             for p in m.parameters()}
+    head_tail_axes = [(name, 0) for name, p in model.named_parameters()
+                      if id(p) in vocab and not name.startswith(f"{blocks_name}.")]
+    return tuple(block_axes), tuple(head_tail_axes)

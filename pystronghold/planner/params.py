@@ -17,7 +17,7 @@ from typing import Protocol
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.models.presets import param_count
 
-__all__ = ["Shapes", "block_param_shapes", "head_tail_param_shapes", "block_prefix", "model_params",
+__all__ = ["Shapes", "block_param_shapes", "head_tail_param_shapes", "block_prefix", "model_params", "stage_end_params",
            "ParamTables", "numel", "is_matrix_weight", "is_expert_param", "active_matmul_numel"]
 
 Shapes = list[tuple[str, tuple[int, ...]]]
@@ -32,6 +32,11 @@ class ParamTables(Protocol):
     blocks_name: str
     block_params: tuple[tuple[str, tuple[int, ...]], ...]
     head_tail_params: tuple[tuple[str, tuple[int, ...]], ...]
+    tp_size: int
+    block_tp_axes: tuple[tuple[str, int], ...]
+    head_tail_tp_axes: tuple[tuple[str, int], ...]
+    embedding_params: tuple[str, ...]
+    tie_embeddings: bool
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -64,12 +69,19 @@ def active_matmul_numel(config: GPTConfig | ParamTables, shapes: Shapes) -> int:
     return total - routed + routed * top_k // experts
 
 
+def _on_rank(shapes, axes: tuple[tuple[str, int], ...], tp: int) -> Shapes:
+    """``shapes`` as one of ``tp`` ranks holds them: each parameter named in ``axes`` split along its axis."""
+    split = dict(axes)
+    return [(name, shape if name not in split or tp == 1 else
+             tuple(n // tp if i == split[name] else n for i, n in enumerate(shape))) for name, shape in shapes]
+
+
 def block_param_shapes(config: GPTConfig | ParamTables) -> Shapes:
-    """(name, shape) of each parameter of one block on one rank, in ``named_parameters()`` order.
-    GPT: ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2 (weight then bias); the QKV/fc1 rows and
+    """(name, shape) of each parameter of one block on one rank, in ``named_parameters()`` order;
+    a Hugging Face model's split as its ``block_tp_axes`` say. GPT: ln1, attn.qkv, attn.proj, ln2, mlp.fc1, mlp.fc2 (weight then bias); the QKV/fc1 rows and
     the proj/fc2 columns are split over tp ranks, norms and row-parallel biases replicated."""
     if not isinstance(config, GPTConfig):
-        return list(config.block_params)
+        return _on_rank(config.block_params, config.block_tp_axes, config.tp_size)
     C, Fw, t, bias = config.hidden, config.ffn_hidden, config.tp_size, config.bias
 
     def layer(name: str, weight: tuple[int, ...], b: int) -> Shapes:
@@ -81,10 +93,11 @@ def block_param_shapes(config: GPTConfig | ParamTables) -> Shapes:
 
 
 def head_tail_param_shapes(config: GPTConfig | ParamTables) -> Shapes:
-    """(full name, shape) of each head and tail parameter on one rank. GPT: token embedding
+    """(full name, shape) of each head and tail parameter on one rank (a Hugging Face model's split
+    as its ``head_tail_tp_axes`` say). GPT: token embedding
     (padded vocabulary, split over tp), position embedding, final norm, LM head (absent when tied)."""
     if not isinstance(config, GPTConfig):
-        return list(config.head_tail_params)
+        return _on_rank(config.head_tail_params, config.head_tail_tp_axes, config.tp_size)
     C, V, t = config.hidden, config.padded_vocab_size, config.tp_size
     shapes = [("head.tok.weight", (V // t, C)), ("head.pos.weight", (config.seq_len, C)),
               ("tail.ln_f.weight", (C,))] + ([("tail.ln_f.bias", (C,))] if config.bias else [])
@@ -102,3 +115,18 @@ def model_params(config: GPTConfig | ParamTables) -> int:
         return param_count(config)
     return (config.layers * sum(numel(s) for _, s in config.block_params)
             + sum(numel(s) for _, s in config.head_tail_params))
+
+
+def stage_end_params(config: GPTConfig | ParamTables) -> tuple[int, int]:
+    """(first stage's, last stage's) head and tail parameters on one rank of a pipeline: the input
+    embedding on the first, the other head and tail parameters on the last, which holds a copy of a
+    tied embedding as its LM head (``pipelining/gpt.py``, ``pipelining/hf.py``). GPT: ``head.*``
+    (token and position embeddings) on the first."""
+    shapes = head_tail_param_shapes(config)
+    first_names = ({n for n, _ in shapes if n.startswith("head.")} if isinstance(config, GPTConfig)
+                   else set(config.embedding_params))
+    first = sum(numel(s) for n, s in shapes if n in first_names)
+    tied = ([numel(s) for n, s in shapes if n == "head.tok.weight"] if isinstance(config, GPTConfig)
+            else [numel(s) for n, s in shapes if n in first_names and len(s) == 2])
+    last = sum(numel(s) for n, s in shapes if n not in first_names) + (sum(tied) if config.tie_embeddings else 0)
+    return first, last

@@ -11,16 +11,19 @@ schedule (Narayanan et al., SC'21); between stages each micro-batch sends B*T*C*
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.options import ConfigError, option
 from pystronghold.planner.balance import stage_ranges
-from pystronghold.planner.cost import Workload, block_activation_bytes, block_forward_flops
+from pystronghold.planner.cost import Workload, block_activation_bytes, block_forward_flops, block_params_per_rank
+from pystronghold.planner.finetune import param_split
+from pystronghold.planner.hardware import format_bytes
+from pystronghold.planner.params import stage_end_params
 
 __all__ = ["SCHEDULES", "ParallelOptions", "check_pipeline", "rank_stages", "stage_passes", "rank_passes",
            "gpt_stage_costs", "stage_split", "even_split", "bubble_fraction", "in_flight_micro_batches", "PipelinePlan",
-           "plan_pipeline"]
+           "plan_pipeline", "LinkBytes", "link_bytes"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 """Pipeline schedules, by their torch.distributed.pipelining class (Schedule1F1B, ScheduleGPipe,
@@ -197,7 +200,7 @@ def rank_passes(actions, stages: int) -> list[tuple[int, str]]:
 
 
 def gpt_stage_costs(config, seq: int) -> tuple[list[float], float, float]:
-    """(per-block, head, tail) forward FLOPs per sample of a ``GPTConfig``: blocks by the planner's
+    """(per-block, head, tail) forward FLOPs per sample of a ``GPTConfig`` (or an ``HFShape``): blocks by the planner's
     formula; the head's embedding lookup and add (2*T*C); the tail's LM head (2*T*C*V)."""
     block = block_forward_flops(config, 1, seq)
     head = 2.0 * seq * config.hidden
@@ -271,10 +274,18 @@ class PipelinePlan:
     micro-batch (one per chunk boundary it owns), each of ``p2p_bytes``."""
     per_block_bytes: int = 0
     """Bytes one micro-batch in flight keeps per block (its block input under recompute)."""
+    stage_params: list[int] = field(default_factory=list)
+    """Parameters each rank (stage) holds on one TP rank: its blocks', the embedding on the first,
+    the final norm and LM head on the last (a tied embedding counted on both)."""
 
     def stage_split(self, stage: int) -> list[range]:
         """The block ranges rank ``stage`` holds (its chunks, chunk 0 first)."""
         return [self.split[s] for s in rank_stages(stage, self.stages, self.chunks)]
+
+    def step_s(self, stage_step_s: float) -> float:
+        """Seconds of one step of the pipeline whose largest stage takes ``stage_step_s`` for one
+        micro-batch: m of them, stretched by the bubble, m * stage * (1 + bubble)."""
+        return self.micro_batches * stage_step_s * (1 + self.bubble)
 
     def stage_blocks(self, stage: int) -> int:
         """Blocks rank ``stage`` holds."""
@@ -297,7 +308,8 @@ class PipelinePlan:
         for s, (share, n, act) in enumerate(zip(self.stage_flop_share, self.in_flight, self.activation_bytes)):
             parts = ", ".join(("head + " if r.start == 0 else "") + f"blocks {r.start}-{r.stop - 1}" +
                               (" + LM head" if r is self.split[last] else "") for r in self.stage_split(s))
-            out.append(f"  stage {s}: {parts}, {100 * share:.1f}% of FLOPs, {n} {what} in flight: "
+            params = f"{self.stage_params[s] / 1e9:,.3f}B params, " if self.stage_params else ""
+            out.append(f"  stage {s}: {parts}, {params}{100 * share:.1f}% of FLOPs, {n} {what} in flight: "
                        f"{act / 2**20:,.1f} MiB of activations")
         return out
 
@@ -307,19 +319,22 @@ class PipelinePlan:
                 "chunks": self.chunks, "split": [[r.start, r.stop] for r in self.split],
                 "stage_flop_share": self.stage_flop_share, "bubble_fraction": self.bubble,
                 "in_flight": self.in_flight, "activation_bytes": self.activation_bytes,
-                "p2p_bytes_per_micro_batch": self.p2p_bytes}
+                "p2p_bytes_per_micro_batch": self.p2p_bytes, "stage_params": self.stage_params}
 
 
 def plan_pipeline(config: GPTConfig, work: Workload, stages: int, micro_batches: int,
                   schedule: str = "1f1b", chunks: int = 1) -> PipelinePlan:
-    """The pipeline figures of ``config`` trained as ``work`` (``work.batch``: the micro-batch);
-    ``chunks``: model chunks per rank (2 or more with ``schedule="interleaved"``)."""
+    """The pipeline figures of ``config`` (a ``GPTConfig`` or an ``HFShape``) trained as ``work``
+    (``work.batch``: the micro-batch); ``chunks``: model chunks per rank (2 or more with
+    ``schedule="interleaved"``). The blocks split as the runtime splits them: our GPT's balanced by
+    FLOPs (``stage_split``), a Hugging Face model's evenly (``even_split``, as ``pipelining/hf.py``)."""
     check_pipeline(ParallelOptions(pp=stages, micro_batches=micro_batches, pp_schedule=schedule,
                                    pp_chunks=chunks), config.layers)
     micro_batches = micro_batches or stages
     seq = work.seq or config.seq_len
     n = stages * chunks
-    split, costs, head, tail = stage_split(config, seq, n)
+    costs, head, tail = gpt_stage_costs(config, seq)
+    split = stage_split(config, seq, n)[0] if isinstance(config, GPTConfig) else even_split(config.layers, n)
     total = sum(costs) + head + tail
     ranks = [rank_stages(s, stages, chunks) for s in range(stages)]  # each rank's chunks (virtual stages)
     share = [sum(sum(costs[split[i].start:split[i].stop]) + (head if i == 0 else 0.0) + (tail if i == n - 1 else 0.0)
@@ -329,7 +344,64 @@ def plan_pipeline(config: GPTConfig, work: Workload, stages: int, micro_batches:
     in_flight = [in_flight_micro_batches(schedule, s, stages, micro_batches, chunks) for s in range(stages)]
     # each in-flight forward holds one chunk's activations: an upper bound, its largest chunk's
     activations = [k * max(len(split[i]) for i in mine) * per_block for k, mine in zip(in_flight, ranks)]
+    first, last = stage_end_params(config)
+    block = block_params_per_rank(config)
+    params = [sum(len(split[i]) for i in mine) * block + (first if 0 in mine else 0) + (last if n - 1 in mine else 0)
+              for mine in ranks]
     return PipelinePlan(stages=stages, micro_batches=micro_batches, schedule=schedule, split=split,
                         stage_flop_share=share, bubble=bubble_fraction(stages, micro_batches, chunks),
                         in_flight=in_flight, activation_bytes=activations, p2p_bytes=boundary, chunks=chunks,
-                        per_block_bytes=per_block)
+                        per_block_bytes=per_block, stage_params=params)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkBytes:
+    """Bytes one rank sends over its links in one step (ring collectives: 2(n-1)/n of the reduced
+    bytes each), in the compute precision."""
+
+    tp: int
+    """Tensor-parallel all-reduces of its blocks' activations and their gradients: B*T*C*s each, two
+    per block in forward, two in backward and two more in a recomputed block's forward again (the
+    embedding's and the loss's small ones aside)."""
+    pp: int
+    """Pipeline activations forward and their gradients back, B*T*C*s each per micro-batch and
+    model chunk (a middle stage's both ways; the first and last stages send one way)."""
+    dp: int
+    """The data-parallel all-reduce of its trainable gradients (its blocks', head's and tail's)."""
+
+    @property
+    def total(self) -> int:
+        """All three."""
+        return self.tp + self.pp + self.dp
+
+    def line(self) -> str:
+        """The report's line."""
+        return (f"links     per rank and step, sent: TP all-reduces {format_bytes(self.tp)}, PP activations "
+                f"{format_bytes(self.pp)}, DP gradient all-reduce {format_bytes(self.dp)}")
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable figures (bytes)."""
+        return {"tp_bytes": self.tp, "pp_bytes": self.pp, "dp_bytes": self.dp, "total_bytes": self.total}
+
+
+def link_bytes(config, work: Workload, pipeline: PipelinePlan | None = None,
+               recomputed_blocks: int | None = None) -> LinkBytes:
+    """The ``LinkBytes`` of the busiest rank of ``config`` (at its ``tp_size``) trained as ``work``
+    (``work.dp_size`` replicas), through ``pipeline``'s stages (its largest; None: one stage, one
+    micro-batch). ``recomputed_blocks``: of that rank's blocks, those that recompute their forward
+    (a plan's ``recomputed_blocks``); None: all of them with ``work.checkpointing``, else none."""
+    seq, t, d, s = work.seq or config.seq_len, config.tp_size, work.dp_size, work.dtype_bytes
+    activation = work.batch * seq * config.hidden * s
+    if pipeline is None:
+        micro, chunks, blocks, pp = 1, 1, config.layers, 0
+    else:
+        micro, chunks = pipeline.micro_batches, pipeline.chunks
+        blocks = max(pipeline.stage_blocks(r) for r in range(pipeline.stages))
+        pp = 2 * micro * chunks * pipeline.p2p_bytes
+    ring = lambda n, ranks: 0 if ranks <= 1 else 2 * (ranks - 1) * n // ranks  # noqa: E731
+    if recomputed_blocks is None:
+        recomputed_blocks = blocks if work.checkpointing else 0
+    split = param_split(config, work.finetune)
+    trainable = blocks * sum(split.block_trainable) + split.head_tail_trainable
+    all_reduces = 4 * blocks + 2 * recomputed_blocks
+    return LinkBytes(tp=ring(micro * all_reduces * activation, t), pp=pp, dp=ring(trainable * s, d))

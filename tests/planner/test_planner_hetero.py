@@ -72,8 +72,9 @@ def test_auto_plan_ranks_every_layout_and_explains_the_winner():
     text = format_hetero_plan(result)
     lines = text.splitlines()
     assert lines[1].startswith("winner: ") and lines[2].startswith("  placement (largest memory first): stage 0")
-    assert lines[4].startswith("#2: ") and lines[5].startswith("#3: ")
-    assert "x the winner's step time" in lines[4]
+    assert " tokens/s (128 tokens per sample); per GPU: device peak " in lines[4]
+    assert lines[5].startswith("#2: ") and lines[6].startswith("#3: ")
+    assert "x the winner's step time" in lines[5]
 
 
 def test_plan_follows_the_scopes_of_the_model():
