@@ -33,13 +33,14 @@ ALL_PROJECTIONS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def _config(directory, data, *, tp: int = 1, ckpt=None, resume: bool = False, targets: str | None = ALL_PROJECTIONS,
-            precision: str = "fp32", dp: int = 1) -> TrainConfig:
-    """``STEPS`` steps of LoRA r=4 on ``directory``'s model; with ``ckpt`` a checkpoint every 2 steps."""
+            precision: str = "fp32", lr: float = 3e-2) -> TrainConfig:
+    """``STEPS`` steps of LoRA r=4 on ``directory``'s model; with ``ckpt`` a checkpoint every 2 steps.
+    ``lr``: large by default, so that 4 steps move B far from its zero start."""
     return TrainConfig(
         model=ModelOptions(model=f"hf:{directory}"),
         finetune=FinetuneOptions(lora_rank=4, lora_targets=tuple(targets.split(",")) if targets else None),
         data=DataOptions(data=[str(data)], max_bytes=1 << 14, batch=2, seq=16),
-        optim=OptimOptions(lr=3e-2, warmup=1),  # NOTE: large, so that 4 steps move B far from zero
+        optim=OptimOptions(lr=lr, warmup=1),
         runtime=RuntimeConfig(window=2, clip_grad_norm=1.0, precision=precision),
         run=RunOptions(steps=STEPS, log_every=1, eval_every=0, eval_batches=1, quiet=True),
         parallel=ParallelOptions(tp=tp),
@@ -96,6 +97,24 @@ def test_tp2_lora_trains_to_the_one_process_losses(tmp_path, family, targets):
             "qwen2": {"q_proj.B", "v_proj.B"},
             "gpt_neox": {"query_key_value.B", "dense_h_to_4h.B", "dense.A", "dense_4h_to_h.A"}}[family]
     assert kinds == want
+
+
+def test_dp2_x_tp2_lora_trains_to_the_one_process_losses(tmp_path):
+    """Four ranks: two replicas (each one of the batch's 2 rows), each split in two; the adapters'
+    gradients averaged over the replicas, shards with shards."""
+    directory, text = _files(tmp_path, "llama")
+    expected = _losses(_config(directory, text))
+    _close(_tp2_run(tmp_path, directory, text, world=4)["losses"], expected)
+
+
+def test_tp2_lora_in_bf16_trains_to_the_one_process_losses(tmp_path):
+    """bf16 compute (fp32 masters): rtol 1e-4 at lr 3e-3, as for the base model at --tp 2
+    (test_train_hf_tp.py): each split matmul's output and partial sum is rounded to bf16 where one
+    process rounds the whole. NOTE: at ten times the lr (the fp32 tests') the bf16 losses moved
+    2.7e-4 apart (measured): larger steps carry the rounding further."""
+    directory, text = _files(tmp_path, "llama")
+    expected = _losses(_config(directory, text, precision="bf16", lr=3e-3))
+    _close(_tp2_run(tmp_path, directory, text, precision="bf16", lr=3e-3)["losses"], expected, rtol=1e-4)
 
 
 def test_tp2_lora_checkpoint_resumes_in_one_process_and_exports_the_one_process_adapters(tmp_path):
