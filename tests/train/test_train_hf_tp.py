@@ -251,6 +251,17 @@ def test_a_size_that_does_not_split_is_one_line(tmp_path, monkeypatch, field, va
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("field", ["moe_intermediate_size", "shared_expert_intermediate_size"])
+def test_an_expert_width_that_does_not_split_is_one_line(tmp_path, monkeypatch, field):
+    directory, text = _files(tmp_path, "qwen2_moe")
+    config = json.loads((directory / "config.json").read_text())
+    config[field] = 23
+    (directory / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=rf"^--tp 2: .*: {field}=23 is not divisible by --tp 2$"):
+        _config(directory, text, tp=2)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3", "gpt2"])
 def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
     """Qwen3 (and Qwen3-MoE) has per-head norms outside its plan, GPT-2 has no plan: refused, not
