@@ -157,9 +157,10 @@ def test_tp2_step_hands_the_collectives_our_gpts_bytes(tmp_path):
     assert json.loads(out.read_text()) == 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8
 
 
-def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe"])
+def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path, family):
     """Four ranks: two replicas, each split in two (each replica takes one of the batch's 2 rows)."""
-    directory, text = _files(tmp_path, "qwen2")
+    directory, text = _files(tmp_path, family)
     expected = _one_process_losses(directory, text)
     got = _tp2_run(tmp_path, directory, text, world=4)["losses"]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
