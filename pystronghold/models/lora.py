@@ -131,8 +131,8 @@ def add_lora(owner, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
         from pystronghold.models.lora_tp import TP_LORA_LAYERS
 
         if spec.targets is None:
-            linear = [name for name, m in owner.blocks[0].named_modules() if isinstance(m, (nn.Linear, *TP_LORA_LAYERS))
-                      or type(m).__name__ == "Conv1D"]
+            linear = [name for name, m in owner.blocks[0].named_modules()
+                      if isinstance(m, (nn.Linear, *TP_LORA_LAYERS)) or type(m).__name__ == "Conv1D"]
             spec = replace(spec, targets=default_lora_targets(owner.spec.model_type, linear))
         model, config = owner.model, lora_config(spec, owner.spec.architecture, owner.spec.source)
         # NOTE: a model split by --tp (models.hf_tp) has parallel layers, whose adapters split with them
