@@ -1,5 +1,6 @@
 """`train --model hf:DIR --tp 2` against one process: step time and the bytes each rank hands to the
-collectives per step, on the CPU with gloo.
+collectives per step, on the CPU with gloo; with ``--lora-rank R`` LoRA adapters on q and v (PEFT's
+default targets), with ``--moe`` a Qwen2-MoE (4 experts of width hidden, top 2, a shared expert).
 
 A Hugging Face Llama from a small config (``common.hf_llama``: nothing downloaded) saved to a
 temporary directory, trained on a token file through ``pystronghold.train.Trainer``: first in this
@@ -13,6 +14,12 @@ of ``all_reduce`` / ``all_gather``), and computed:
         backward 2 of the input gradients (q, k and v enter the region once, gate and up once); the
         embedding's all_reduce forward; the LM head input's gradient; the vocabulary-parallel
         cross-entropy's two fp32 statistics per row; the float64 clipping norm.
+    LoRA: 4 b T C (6 L + 1) + 8 b T r L + 16 b T + 8: in backward each of q's and v's A all-reduces
+        its output's gradient (r wide); the frozen embedding takes no gradient, so the first
+        attention's input gradient is not all-reduced.
+    MoE: 4 b T C (9 L + 2) + 8 b T L + 16 b T + 8: per block the attention's 3 as above, and 3 each
+        for the experts (their partial sums forward and in the recompute, the hidden states'
+        gradient) and the shared expert; and the 2 routing weights' gradients of each token.
 
 NOTE: unpaired (one process, then the two ranks), so the ratio carries the load's drift; the
 record says the load at both ends.
@@ -37,11 +44,12 @@ from common import LoadWatch, Timing, hf_llama, print_table, write_json  # noqa:
 
 
 def _config(args, directory: Path, data: Path, tp: int):
+    from pystronghold.models.finetune import FinetuneOptions
     from pystronghold.planner.pipeline import ParallelOptions
     from pystronghold.runtime.config import RuntimeConfig
     from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
-    return TrainConfig(model=ModelOptions(model=f"hf:{directory}"),
+    return TrainConfig(model=ModelOptions(model=f"hf:{directory}"), finetune=FinetuneOptions(lora_rank=args.lora_rank),
                        data=DataOptions(data=[str(data)], batch=args.batch, seq=args.seq),
                        optim=OptimOptions(lr=1e-4, warmup=1),
                        runtime=RuntimeConfig(window=2, clip_grad_norm=1.0),
@@ -89,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on q and v")
+    parser.add_argument("--moe", action="store_true", help="a Qwen2-MoE instead of a Llama")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from pystronghold.parallel.groups import free_local_port
@@ -96,7 +106,9 @@ def main(argv=None) -> int:
     watch = LoadWatch()
     with tempfile.TemporaryDirectory() as tmp:
         directory, data = Path(tmp) / "llama", Path(tmp) / "tokens.bin"
-        hf_llama(args.layers, args.hidden, vocab=args.vocab, positions=args.seq).save_pretrained(str(directory))
+        model = _qwen2_moe(args) if args.moe else hf_llama(args.layers, args.hidden, vocab=args.vocab,
+                                                            positions=args.seq)
+        model.save_pretrained(str(directory))
         rng = np.random.default_rng(0)
         rng.integers(0, args.vocab, size=200_000, dtype=np.uint16).tofile(data)
         one = _train(args, directory, data, 1, False)
@@ -106,7 +118,12 @@ def main(argv=None) -> int:
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0)
     tp_times = [max(a, b) for a, b in zip(ranks[0]["times"], ranks[1]["times"])]
     b, T, C, L = args.batch, args.seq, args.hidden, args.layers
-    computed = 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8
+    if args.moe:
+        computed = 4 * b * T * C * (9 * L + 2) + 8 * b * T * L + 16 * b * T + 8
+    else:
+        computed = 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8
+        if args.lora_rank:
+            computed += 8 * b * T * args.lora_rank * L - 4 * b * T * C
     t1, t2 = Timing.of(one["times"]), Timing.of(tp_times)
     load = watch.stop()
     rows = [{"layout": "1 process", "step ms": f"{t1.median_s * 1e3:.0f}", "p20-p80 ms": f"{t1.p20_s * 1e3:.0f}-{t1.p80_s * 1e3:.0f}",
@@ -114,10 +131,25 @@ def main(argv=None) -> int:
             {"layout": "--tp 2", "step ms": f"{t2.median_s * 1e3:.0f}", "p20-p80 ms": f"{t2.p20_s * 1e3:.0f}-{t2.p80_s * 1e3:.0f}",
              "vs 1": f"{t2.median_s / t1.median_s:.2f}", "TP bytes computed": computed,
              "TP bytes measured": ranks[0]["bytes"]["tp"]}]
-    print_table(rows, list(rows[0]), f"hf Llama {L} blocks, hidden {C}, seq {T}, batch {b}, fp32, W=2, gloo; "
+    what = ("Qwen2-MoE" if args.moe else "Llama") + (f" + LoRA r={args.lora_rank}" if args.lora_rank else "")
+    print_table(rows, list(rows[0]), f"hf {what} {L} blocks, hidden {C}, seq {T}, batch {b}, fp32, W=2, gloo; "
                                      f"load {load.label()}")
     write_json(args.json, "hf_tp", rows, {**load.fields(), "args": vars(args), "bytes_by_group": ranks[0]["bytes"]})
     return 0
+
+
+def _qwen2_moe(args):
+    """A Qwen2-MoE from a small config: 4 experts and a shared expert, each of width hidden, top 2."""
+    import transformers
+
+    heads = max(1, args.hidden // 64)
+    cfg = transformers.Qwen2MoeConfig(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                                      num_attention_heads=heads, num_key_value_heads=heads,
+                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=args.hidden,
+                                      shared_expert_intermediate_size=args.hidden, intermediate_size=4 * args.hidden,
+                                      vocab_size=args.vocab, max_position_embeddings=args.seq)
+    torch.manual_seed(0)
+    return transformers.Qwen2MoeForCausalLM(cfg)
 
 
 if __name__ == "__main__":

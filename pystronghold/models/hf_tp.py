@@ -13,8 +13,9 @@ up) share one all-reduce of their input gradients, as our GPT's fused QKV does.
 
 Attention needs no head count changed: transformers' attention modules view their projections as
 ``(..., -1, head_dim)`` and keep only the ratio of query to key/value heads, which a split by whole
-heads keeps. Families are split only once tested (``TP_FAMILIES``); the others, MoE families among
-them (their plans pack the experts: ``packed_colwise``, ``moe_tp_experts``), are refused in one line.
+heads keeps. A mixture of experts splits every expert (``models.hf_tp_experts``), and Qwen2-MoE's
+shared expert as a dense MLP. Families are split only once tested (``TP_FAMILIES``); the others are
+refused in one line.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel
 from pystronghold.models.hf_loss import HEAD_TRANSFORMS
+from pystronghold.models.hf_tp_experts import EXPERTS_STYLES, shard_experts
 from pystronghold.parallel.groups import group_size
 from pystronghold.parallel.mappings import copy_to_tp_region
 from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -38,12 +40,13 @@ __all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "block_tp_st
 TP_STYLES = ("colwise", "rowwise")
 """The ``base_model_tp_plan`` styles sharded here."""
 
-TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox")
+TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral")
 """The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
 (Phi's optional ``q_layernorm``, Qwen3's ``q_norm``) whose gradients would then be partial sums."""
 
-_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "moe_intermediate_size",
+            "shared_expert_intermediate_size")
 """config.json's sizes that each rank must hold an equal part of."""
 
 
@@ -54,7 +57,14 @@ def hf_tp_plan(spec: HFModelConfig) -> dict[str, str]:
 
     # NOTE: indexed, not .get(): the lazy mapping's get() does not import the family's module
     config_class = CONFIG_MAPPING[spec.model_type] if spec.model_type in CONFIG_MAPPING else None
-    return dict(getattr(config_class, "base_model_tp_plan", None) or {})
+    plan = dict(getattr(config_class, "base_model_tp_plan", None) or {})
+    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})} if plan else plan
+
+
+_SPLIT_BESIDES = {"qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
+                                "layers.*.mlp.shared_expert.up_proj": "colwise",
+                                "layers.*.mlp.shared_expert.down_proj": "rowwise"}}
+"""Projections split here that transformers' plan leaves whole: Qwen2-MoE's shared expert (a dense MLP)."""
 
 
 def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
@@ -72,7 +82,8 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     if not plan:
         raise ValueError(f"{where}: transformers declares no tensor-parallel plan (base_model_tp_plan) for "
                          "this family; train it with --tp 1")
-    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in TP_STYLES)
+    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in TP_STYLES
+                   and EXPERTS_STYLES.get(key.partition("mlp.")[2]) != style)
     if other:
         raise ValueError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
                          f"yet (only {' and '.join(TP_STYLES)} linear layers); train it with --tp 1")
@@ -169,7 +180,9 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
         entered: set[str] = set()
         for name, module in list(block.named_modules()):
             style = _style_of(plan, f"{stack}.{index}.{name}")
-            if style is not None:
+            if style == EXPERTS_STYLES["experts"]:
+                shard_experts(module, group)
+            elif style is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group))
                 if style == "colwise" and parent not in entered:

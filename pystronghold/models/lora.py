@@ -128,11 +128,15 @@ def add_lora(owner, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
         model, config = owner, lora_config(replace(spec, targets=spec.targets or GPT_LORA_DEFAULT_TARGETS),
                                            GPT_ARCHITECTURE)
     else:
+        from pystronghold.models.lora_tp import TP_LORA_LAYERS
+
         if spec.targets is None:
-            linear = [name for name, m in owner.blocks[0].named_modules() if isinstance(m, nn.Linear)
-                      or type(m).__name__ == "Conv1D"]
+            linear = [name for name, m in owner.blocks[0].named_modules()
+                      if isinstance(m, (nn.Linear, *TP_LORA_LAYERS)) or type(m).__name__ == "Conv1D"]
             spec = replace(spec, targets=default_lora_targets(owner.spec.model_type, linear))
         model, config = owner.model, lora_config(spec, owner.spec.architecture, owner.spec.source)
+        # NOTE: a model split by --tp (models.hf_tp) has parallel layers, whose adapters split with them
+        config._register_custom_module(TP_LORA_LAYERS)
     try:
         with warnings.catch_warnings():  # NOTE: PEFT warns of every layer its custom dispatch wraps
             warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
@@ -172,9 +176,19 @@ class _BlockAdapters:
                 lora_a = getattr(module, "lora_A", None)
                 if not isinstance(lora_a, nn.ModuleDict) or ADAPTER not in lora_a:
                     continue
-                lora_a[ADAPTER].to_empty(device="cpu")
-                module.lora_B[ADAPTER].to_empty(device="cpu")
+                _empty_on_host(lora_a[ADAPTER])
+                _empty_on_host(module.lora_B[ADAPTER])
                 module.reset_lora_parameters(ADAPTER, init_lora_weights=True)
+
+
+def _empty_on_host(module: nn.Module) -> None:
+    """``module.to_empty(device="cpu")`` that keeps a split parameter's ``tp_split`` (``models.lora_tp``):
+    to_empty makes new parameters of a meta module's, without the attributes."""
+    for name, p in list(module.named_parameters(recurse=False)):
+        host = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+        if hasattr(p, "tp_split"):
+            host.tp_split = p.tp_split
+        setattr(module, name, host)
 
 
 # ---- PEFT's format

@@ -70,13 +70,14 @@ def gather_tp_param(param: torch.Tensor, group: dist.ProcessGroup | None) -> tor
 
 
 @torch.no_grad()
-def gather_tp_tensor(local: torch.Tensor, split: tuple[int, int, int],
+def gather_tp_tensor(local: torch.Tensor, split: tuple[int, ...],
                      group: dist.ProcessGroup | None) -> torch.Tensor:
     """The full tensor of which ``local`` is this rank's slice as described by ``split = (dim,
-    rank, size)`` (a parameter's ``tp_split``; also its Adam moments and fp32 master), gathered
-    from every rank of ``group`` (a collective when size > 1). With size 1, ``local`` itself.
-    On an NCCL group the tensor travels through the current CUDA device and comes back where it was."""
-    dim, _, size = split
+    rank, size)`` or a packed ``(dim, rank, size, parts)`` (``tp_slice``; a parameter's ``tp_split``,
+    also that of its Adam moments and fp32 master), gathered from every rank of ``group`` (a
+    collective when size > 1). With size 1, ``local`` itself. On an NCCL group the tensor travels
+    through the current CUDA device and comes back where it was."""
+    dim, _, size, *packed = split
     if size == 1:
         return local
     if size != group_size(group):
@@ -87,17 +88,28 @@ def gather_tp_tensor(local: torch.Tensor, split: tuple[int, int, int],
         local = local.cuda()
     parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local, group=group)
+    if packed:  # each rank's slice holds a piece of every part: (.., parts * n/size, ..) -> (.., parts, n/size, ..)
+        whole = torch.cat([part.unflatten(dim, (packed[0], -1)) for part in parts], dim=dim + 1)
+        return whole.flatten(dim, dim + 1).to(where)
     return torch.cat(parts, dim=dim).to(where)
 
 
-def tp_slice(full: torch.Tensor, split: tuple[int, int, int]) -> torch.Tensor:
+def tp_slice(full: torch.Tensor, split: tuple[int, ...]) -> torch.Tensor:
     """This rank's slice of the whole tensor ``full`` for ``split = (dim, rank, size)`` (a view;
-    ``full`` itself when size is 1): rows ``[rank * n/size, (rank+1) * n/size)`` along ``dim``."""
-    dim, rank, size = split
+    ``full`` itself when size is 1): rows ``[rank * n/size, (rank+1) * n/size)`` along ``dim``.
+    A packed split ``(dim, rank, size, parts)``: ``dim`` holds ``parts`` equal parts (an MoE's
+    ``[gate; up]``), each split so; the slice is this rank's rows of every part, in order (a copy)."""
+    dim, rank, size, *packed = split
     if size == 1:
         return full
-    if full.shape[dim] % size:
-        raise ValueError(f"dimension {dim} of shape {tuple(full.shape)} does not split {size} ways")
+    parts = packed[0] if packed else 1
+    if full.shape[dim] % (size * parts):
+        raise ValueError(f"dimension {dim} of shape {tuple(full.shape)} does not split {size} ways"
+                         + (f" in each of {parts} parts" if packed else ""))
+    if packed:
+        each = full.unflatten(dim, (parts, -1))  # (.., parts, n/parts, ..)
+        shard = each.shape[dim + 1] // size
+        return each.narrow(dim + 1, rank * shard, shard).flatten(dim, dim + 1)
     shard = full.shape[dim] // size
     return full.narrow(dim, rank * shard, shard)
 

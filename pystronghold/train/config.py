@@ -369,13 +369,15 @@ class TrainConfig:
         ft, par = self.finetune, self.parallel
         if ft.full:
             return
-        # NOTE: --freeze --tp on hf:DIR: the frozen shards are read from DIR like the others; LoRA and
-        # --freeze at --pp on hf:DIR: each stage wraps its own blocks
-        hf = isinstance(cfg, HFModelConfig)
-        hf_freeze = hf and ft.lora_rank is None
-        if (par.tp > 1 and not hf_freeze) or (par.pp > 1 and not hf):
+        # NOTE: --freeze --tp on hf:DIR: the frozen shards are read from DIR like the others; LoRA at
+        # --tp: its adapters split with their base layers (models.lora_tp); LoRA and --freeze at --pp
+        # on hf:DIR: each stage wraps its own blocks
+        if (par.tp > 1 or par.pp > 1) and not isinstance(cfg, HFModelConfig):
             raise ValueError(f"{'--lora-rank' if ft.lora_rank is not None else '--freeze'} is not supported "
-                             f"with --tp{'' if isinstance(cfg, HFModelConfig) else ' or --pp'} yet")
+                             "with --tp or --pp yet")
+        if par.tp > 1 and ft.lora_rank is not None and ft.lora_dropout:
+            # NOTE: a whole A reads its input on every rank: ranks dropping different inputs would move it apart
+            raise ValueError(f"--lora-dropout {ft.lora_dropout:g} is not supported with --tp yet (give 0)")
         if ft.lora_rank is not None:
             from pystronghold.extras import require
 

@@ -50,6 +50,15 @@ def test_tp_slice_cuts_the_rank_rows_and_refuses_an_uneven_split():
         gather_tp_tensor(full, (0, 0, 2), None)
 
 
+def test_a_packed_split_cuts_the_rank_rows_of_each_part():
+    """An MoE's (E, 2 I, C) gate and up, packed on dim 1: rank r holds its rows of the gate, then of the up."""
+    full = torch.arange(2 * 8 * 3.0).reshape(2, 8, 3)  # gate rows 0-3, up rows 4-7
+    close(tp_slice(full, (1, 1, 2, 2)), full[:, [2, 3, 6, 7]], rtol=0, atol=0)
+    close(tp_slice(full, (1, 0, 4, 2)), full[:, [0, 4]], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not split 3 ways in each of 2 parts"):
+        tp_slice(full, (1, 0, 3, 2))
+
+
 def test_bad_layer_arguments():
     with pytest.raises(ValueError, match="gather_output"):
         ColumnParallelLinear(4, 4, gather_output=True, skip_bias_add=True)
@@ -101,6 +110,8 @@ def _column(r: int, g) -> None:
     close(gather_tp_param(par.weight, g), full.weight)
     moment = torch.randn(12, 8)  # a whole tensor (e.g. an Adam moment): slice, then gather back
     close(gather_tp_tensor(tp_slice(moment, par.weight.tp_split), par.weight.tp_split, g), moment, rtol=0, atol=0)
+    packed = torch.arange(2 * 8 * 3.0).reshape(2, 8, 3)  # an MoE's gate and up: rank r's rows of each
+    close(gather_tp_tensor(tp_slice(packed, (1, r, 2, 2)), (1, r, 2, 2), g), packed, rtol=0, atol=0)
     par.gather_output = False
     close(par(X), full(X).chunk(2, -1)[r])
     par.skip_bias_add = True
