@@ -37,6 +37,17 @@ def test_tp2_pp2_trains_to_the_one_process_losses(tmp_path, family):
     assert p.stdout.count(SPLIT) == 1
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_tp2_pp2_lora_and_experts_train_to_the_one_process_losses(tmp_path, family):
+    """LoRA (adapters split with their base layers, each stage wrapping its own blocks) on a Llama,
+    and a Qwen2-MoE's full fine-tune (every expert split as an MLP), at TP2 x PP2."""
+    directory = save_tiny(tmp_path, family)
+    extra = ("--lora-rank", "4") if family == "llama" else ()
+    _, one = run_hf(tmp_path, directory, "one", 1, *extra)
+    _, split = run_hf(tmp_path, directory, "tp2-pp2", 4, *TP2_PP2, *extra)
+    assert_losses_close(metrics_losses(split), metrics_losses(one))
+
+
 def test_tp2_pp2_interleaved_with_a_chunked_loss_trains_to_the_one_process_losses(tmp_path):
     """Qwen2 (tied embedding) over 4 blocks, two model chunks per rank, the vocabulary-parallel loss
     over chunks of 7 tokens."""
