@@ -70,12 +70,10 @@ class Engine:
         self._param_counts = {flag: sum(parts.real_shapes.get(id(p), p.shape).numel()
                                         for _, p, trains in self._requires_grad if trains == flag)
                               for flag in (True, False)}  # elements (block parameters are placeholders now)
-        # NOTE: late-bound (lambdas), so the engine's methods are looked up at each call (tests wrap run_step)
+        # NOTE: the optimizer holds the engine itself (``WindowSteps``), so its methods are looked up
+        # at each call (tests wrap run_step)
         self.optimizer = WindowOptimizer([p for p in model.parameters() if p.requires_grad], config.optimizer,
-                                         parts.real_shapes,
-                                         step=lambda: self.run_step(), zero_grad=lambda: self.forget_grads(),
-                                         state_dict=lambda: optimizer_state_dict(self),
-                                         load_state_dict=lambda sd: load_optimizer_state_dict(self, sd))
+                                         parts.real_shapes, steps=self)
         updaters = build_optimizers(parts, config, self.optimizer.group_of())
         self.device_optimizer, self.resident, self._updates = (updaters.device_optimizer, updaters.resident,
                                                                updaters.updates)
@@ -363,6 +361,14 @@ class Engine:
         """Gradients dropped, as ``engine.optimizer.zero_grad()`` does it (call ``zero_grad()``)."""
         self._stepper.zero_grad()
         self._executor.forget_grads()
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer state, as ``engine.optimizer.state_dict()`` returns it (call that)."""
+        return optimizer_state_dict(self)
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Load an optimizer state, as ``engine.optimizer.load_state_dict()`` does it (call that)."""
+        load_optimizer_state_dict(self, state_dict)
 
 
 def engine_parts_for_tests(engine: Engine) -> dict:
