@@ -173,7 +173,7 @@ def measure_pystronghold(directory: str, precision: str, nvme: str, window: int,
     import torch
 
     import pystronghold as ph
-    from pystronghold.runtime.prepare import head_tail_bytes
+    from pystronghold.runtime.layout import head_tail_bytes
     from pystronghold.runtime.precision import compute_dtype
 
     import_everything()

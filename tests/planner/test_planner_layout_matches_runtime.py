@@ -9,7 +9,7 @@ import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.planner import Hardware, Workload, block_costs, gpu_preset
 from pystronghold.runtime import layout
-from pystronghold.runtime.prepare import head_tail_bytes
+from pystronghold.runtime.layout import head_tail_bytes
 from runtime_models import one_torch_thread
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

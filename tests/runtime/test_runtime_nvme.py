@@ -114,7 +114,7 @@ def _almost_all_budget(model, window):
 
 def _head_tail(model):
     """Host bytes of head and tail on the CPU backend (counted against the budget)."""
-    from pystronghold.runtime.prepare import head_tail_bytes
+    from pystronghold.runtime.layout import head_tail_bytes
 
     return head_tail_bytes([p for n, p in model.named_parameters() if not n.startswith("blocks.")],
                            torch.float32)
