@@ -1,7 +1,7 @@
 """The engine: what ``pystronghold.wrap`` returns, composed of three parts, one per job.
 
-Building (``build.py``), the pass executor (``executor.py``: loads, releases, copy-outs, host jobs
-around each block) and the step (``step.py``: norms, fp16 overflow, clipping, updates). ``Engine``
+Building (``build.py``), the pass executor (``streaming/executor.py``: loads, releases, copy-outs, host jobs
+around each block) and the step (``optimizer/step.py``: norms, fp16 overflow, clipping, updates). ``Engine``
 holds none of that logic: it gives the user API (call, train/eval, backward, step, zero_grad,
 synchronize, stats, memory_report, state_dict, close, states); the parts are private. See
 docs/DESIGN.md "Window runtime".
@@ -326,7 +326,7 @@ class Engine:
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
         return self._stepper.scaler
 
-    # read by optimizer_state.py, checkpoints and tests, set when a checkpoint is loaded
+    # read by states/optimizer_state.py, checkpoints and tests, set when a checkpoint is loaded
     steps = _stepper_counter("steps", "Optimizer steps taken (skipped fp16 steps not counted).")
     skipped_steps = _stepper_counter("skipped_steps", "fp16 steps skipped for an overflow (a run that "
                                      "cannot go on raises ``DivergenceError`` instead).")

@@ -29,7 +29,7 @@ COMPUTE_KINDS = frozenset({"compute_fwd", "compute_bwd", "recompute"})
 """Kinds that are accelerator compute."""
 TRANSFER_KINDS = frozenset({"h2d", "d2h", "act_d2h", "act_h2d", "file_read", "file_write"})
 """Kinds that move bytes; each gets a bandwidth in the summary. ``act_d2h``/``act_h2d``: saved block
-inputs offloaded to host memory and brought back (``saved_inputs.py``)."""
+inputs offloaded to host memory and brought back (``streaming/saved_inputs.py``)."""
 BACKGROUND_KINDS = TRANSFER_KINDS | {"optimizer", "norm"}
 """Kinds the runtime tries to hide behind compute (the numerator set of the overlap fraction)."""
 LANE_OF_KIND = {
