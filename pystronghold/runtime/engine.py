@@ -220,11 +220,11 @@ class Engine:
         """What the engine itself holds: step counts (the run's, the fp16 skips, each block's), the fp16
         loss scale and the layer-drop draws (``optimizer_state.engine_state_dict``). With
         ``model.state_dict()`` and ``engine.optimizer.state_dict()`` it is a whole checkpoint."""
-        return engine_state_dict(self)
+        return engine_state_dict(self._stepper, self._executor.layer_drop, self.n_blocks)
 
     def load_state_dict(self, state: dict) -> None:
         """Load ``state_dict()``'s values (between steps; ValueError for a state that does not fit)."""
-        load_engine_state_dict(self, state)
+        load_engine_state_dict(self._stepper, self._executor, self.n_blocks, state)
 
     def use_step_plan(self, plan: Plan, train: bool = True) -> None:
         """Train with ``plan`` (``schedule.plan_uses``) covering a whole optimizer step instead of
@@ -365,11 +365,11 @@ class Engine:
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer state, as ``engine.optimizer.state_dict()`` returns it (call that)."""
-        return optimizer_state_dict(self)
+        return optimizer_state_dict(self.optimizer.param_groups, self.states, self._stepper)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Load an optimizer state, as ``engine.optimizer.load_state_dict()`` does it (call that)."""
-        load_optimizer_state_dict(self, state_dict)
+        load_optimizer_state_dict(self.optimizer.param_groups, self.states, self._stepper, state_dict)
 
 
 def engine_parts_for_tests(engine: Engine) -> dict:
