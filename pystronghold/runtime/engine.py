@@ -96,11 +96,13 @@ class Engine:
             # and tail's when every block is frozen)
             torch.autograd.graph.register_multi_grad_hook(self.resident.params or self.device_optimizer.params,
                                                           self._executor.count_backward, mode="any")
-        self.states = EngineStates(self, parts.block_names, parts.head_tail_names, store=self._store,
-                                   window=self._window)
+        self.states = EngineStates(parts.block_names, parts.head_tail_names, store=self._store, window=self._window,
+                                   resident=self.resident, device_optimizer=self.device_optimizer,
+                                   head_tail_params=self.head_tail_params, executor=self._executor)
         # model.state_dict() etc. via the store, the masters in their dtype before wrap
-        install_model_hooks(self, model, parts.streamed_blocks, parts.saved_dtypes, store=self._store,
-                            window=self._window)
+        install_model_hooks(self.states, model, parts.streamed_blocks, parts.saved_dtypes, store=self._store,
+                            window=self._window, resident=self.resident, device_optimizer=self.device_optimizer,
+                            head_tail_params=self.head_tail_params)
         self._forward_signature = forward_signature(model)
         kept = {True: "recomputed", False: "activations kept"}
         log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes, %s), %d streamed "
