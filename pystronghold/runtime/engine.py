@@ -89,8 +89,9 @@ class Engine:
                                       backend=self.backend, updates=self._updates, grad_norms=self.grad_norms,
                                       stepper=self._stepper, trace=self.trace, plans=self._plans, model=model,
                                       dp_group=self.dp_group, before_training_pass=self.check_requires_grad)
-        self.block_forwards = block_fn.install(block_fn.BlockRunner(self, self._executor, self._window),
-                                               parts.streamed_blocks)
+        self.block_forwards = block_fn.install(parts.streamed_blocks, calls=self, executor=self._executor,
+                                               window=self._window, checkpointing=config.checkpointing,
+                                               strict=config.strict, device=self.device, anchor=self.anchor)
         if not self.n_streamed:
             # all blocks resident: a backward pass counts once it reaches their gradients (the head's
             # and tail's when every block is frozen)
