@@ -322,8 +322,8 @@ def main():
         long_description_content_type="text/markdown",
         python_requires=">=3.10",
         packages=["pystronghold", "pystronghold.kernels"]
-        + [f"pystronghold.{p.name}" for p in sorted((ROOT / "pystronghold").iterdir())
-           if p.is_dir() and (p / "__init__.py").exists()],
+        + [".".join(("pystronghold", *init.parent.relative_to(ROOT / "pystronghold").parts))
+           for init in sorted((ROOT / "pystronghold").glob("*/**/__init__.py"))],  # nested ones (runtime/'s) too
         # kernels/ lives at the top of the repository but installs as pystronghold.kernels
         package_dir={"pystronghold.kernels": "kernels"},
         ext_modules=[] if os.environ.get("PYSTRONGHOLD_NO_EXTENSION") == "1" else extensions(),

@@ -46,7 +46,7 @@ from common import LoadWatch, Timing, hf_llama, print_table, write_json  # noqa:
 def _config(args, directory: Path, data: Path, tp: int):
     from pystronghold.models.finetune import FinetuneOptions
     from pystronghold.planner.pipeline import ParallelOptions
-    from pystronghold.runtime.config import RuntimeConfig
+    from pystronghold.runtime.settings.config import RuntimeConfig
     from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
     return TrainConfig(model=ModelOptions(model=f"hf:{directory}"), finetune=FinetuneOptions(lora_rank=args.lora_rank),

@@ -2,34 +2,51 @@
 
 A real ``torch.optim.Optimizer`` whose param groups carry lr, betas, eps and weight_decay, so LR
 schedulers and ``lr`` edits work (``AdamW(decay="matrices")``: two groups, as nanoGPT). It updates
-nothing itself: ``step``, ``zero_grad`` and the state dict call the engine's, which reads each
-group's values as one ``AdamWHyper`` per update.
+nothing itself: ``step``, ``zero_grad`` and the state dict call its ``WindowSteps`` (the engine),
+which reads each group's values as one ``AdamWHyper`` per update.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import torch
 
 from .hyper import AdamW, AdamWHyper, decay_groups
 
-__all__ = ["WindowOptimizer"]
+__all__ = ["WindowOptimizer", "WindowSteps"]
+
+
+class WindowSteps(Protocol):
+    """What a ``WindowOptimizer`` runs for its ``step``, ``zero_grad`` and state dict: the engine.
+
+    Its methods are looked up at each call, so a method replaced on the object after the optimizer
+    was made (a test wrapping ``run_step``) is the one that runs."""
+
+    def run_step(self) -> None:
+        """The optimizer step: every block and head/tail parameter updated from its gradient."""
+
+    def forget_grads(self) -> None:
+        """Every gradient dropped."""
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer state in ``torch.optim.AdamW``'s format."""
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Load what ``optimizer_state_dict`` returned (or a ``torch.optim.AdamW``'s state dict)."""
 
 
 class WindowOptimizer(torch.optim.Optimizer):
     """Every model parameter in the param groups of ``decay_groups``; step/zero_grad/state dict run
-    the engine's."""
+    those of its ``WindowSteps``."""
 
     def __init__(self, params, spec: AdamW, shapes: dict[int, torch.Size] | None = None, *,
-                 step: Callable[[], None], zero_grad: Callable[[], None], state_dict: Callable[[], dict],
-                 load_state_dict: Callable[[dict], None]) -> None:
-        """``shapes``: real shapes of placeholder parameters (offloaded blocks), by id; ``step``,
-        ``zero_grad``, ``state_dict``, ``load_state_dict``: the engine's."""
+                 steps: WindowSteps) -> None:
+        """``shapes``: real shapes of placeholder parameters (offloaded blocks), by id; ``steps``:
+        what runs the step, the gradient reset and the state dict (the engine)."""
         defaults = dict(lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps, weight_decay=spec.weight_decay)
         super().__init__(decay_groups(params, spec, shapes), defaults)
-        self._run_step, self._run_zero_grad = step, zero_grad
-        self._get_state, self._set_state = state_dict, load_state_dict
+        self._steps = steps
 
     def group_of(self) -> dict[int, int]:
         """Index of each parameter's param group, by id(parameter)."""
@@ -52,18 +69,18 @@ class WindowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._run_step()
+        self._steps.run_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._run_zero_grad()
+        self._steps.forget_grads()
 
     def state_dict(self) -> dict:
         """torch.optim.AdamW's format for every parameter (block or head/tail), by index in
         ``model.parameters()``: ``step``, ``exp_avg``, ``exp_avg_sq`` (the live tensors, as torch's),
         plus ``param_groups``."""
-        return self._get_state()
+        return self._steps.optimizer_state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of ``state_dict()`` or of ``torch.optim.AdamW(model.parameters())``."""
-        self._set_state(state_dict)
+        self._steps.load_optimizer_state_dict(state_dict)

@@ -22,7 +22,7 @@ from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX, NO_POSITION_LIMIT
 from pystronghold.options import ConfigError, add_options, component, from_args, one_line_error, option
 from pystronghold.planner.pipeline import ParallelOptions
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 
 __all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan"]
 

@@ -1,7 +1,7 @@
 """The engine: what ``pystronghold.wrap`` returns, composed of three parts, one per job.
 
-Building (``build.py``), the pass executor (``executor.py``: loads, releases, copy-outs, host jobs
-around each block) and the step (``step.py``: norms, fp16 overflow, clipping, updates). ``Engine``
+Building (``build.py``), the pass executor (``streaming/executor.py``: loads, releases, copy-outs, host jobs
+around each block) and the step (``optimizer/step.py``: norms, fp16 overflow, clipping, updates). ``Engine``
 holds none of that logic: it gives the user API (call, train/eval, backward, step, zero_grad,
 synchronize, stats, memory_report, state_dict, close, states); the parts are private. See
 docs/DESIGN.md "Window runtime".
@@ -15,20 +15,21 @@ import time
 
 import torch
 
-from pystronghold.runtime import block_fn, relay
+from pystronghold.runtime.blocks import block_fn
+from pystronghold.runtime.streaming import relay
 from pystronghold.runtime.build import build_optimizers, build_parts
-from pystronghold.runtime.config import RuntimeConfig, offload_in_effect
-from pystronghold.runtime.executor import PassExecutor
-from pystronghold.runtime.host_time import HostSpans
-from pystronghold.runtime.schedule import Plan
-from pystronghold.runtime.inputs import forward_signature, move_inputs
+from pystronghold.runtime.settings.config import RuntimeConfig, offload_in_effect
+from pystronghold.runtime.streaming.executor import PassExecutor
+from pystronghold.runtime.tracing.host_time import HostSpans
+from pystronghold.runtime.streaming.schedule import Plan
+from pystronghold.runtime.blocks.inputs import forward_signature, move_inputs
 from pystronghold.runtime.memory_report import EngineMemory, measure_memory
 from pystronghold.optim.window_optimizer import WindowOptimizer
 from pystronghold.runtime.prepare import device_total_bytes
-from pystronghold.runtime.optimizer_state import (engine_state_dict, load_engine_state_dict,
+from pystronghold.runtime.states.optimizer_state import (engine_state_dict, load_engine_state_dict,
                                                   load_optimizer_state_dict, optimizer_state_dict)
-from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
-from pystronghold.runtime.step import OptimizerStep
+from pystronghold.runtime.states.state_dict import EngineStates, install_model_hooks
+from pystronghold.runtime.optimizer.step import OptimizerStep
 
 __all__ = ["Engine", "engine_parts_for_tests"]
 
@@ -62,7 +63,7 @@ class Engine:
         self.head_tail_params = parts.head_tail_params
         self.head_tail_on_host = parts.head_tail_on_host
         """Head and tail train from host memory (``RuntimeConfig.head_tail_on_host``, "auto" resolved)."""
-        self.host_spans = HostSpans(self.trace)  # model / engine / step spans (runtime/host_time.py)
+        self.host_spans = HostSpans(self.trace)  # model / engine / step spans (runtime/tracing/host_time.py)
         self.dp_group, self.tp_group, self.parallel = parts.dp_group, parts.tp_group, parts.parallel
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         # which parameters train is fixed here: the layouts, optimizer states and param groups follow it
@@ -70,12 +71,10 @@ class Engine:
         self._param_counts = {flag: sum(parts.real_shapes.get(id(p), p.shape).numel()
                                         for _, p, trains in self._requires_grad if trains == flag)
                               for flag in (True, False)}  # elements (block parameters are placeholders now)
-        # NOTE: late-bound (lambdas), so the engine's methods are looked up at each call (tests wrap run_step)
+        # NOTE: the optimizer holds the engine itself (``WindowSteps``), so its methods are looked up
+        # at each call (tests wrap run_step)
         self.optimizer = WindowOptimizer([p for p in model.parameters() if p.requires_grad], config.optimizer,
-                                         parts.real_shapes,
-                                         step=lambda: self.run_step(), zero_grad=lambda: self.forget_grads(),
-                                         state_dict=lambda: optimizer_state_dict(self),
-                                         load_state_dict=lambda sd: load_optimizer_state_dict(self, sd))
+                                         parts.real_shapes, steps=self)
         updaters = build_optimizers(parts, config, self.optimizer.group_of())
         self.device_optimizer, self.resident, self._updates = (updaters.device_optimizer, updaters.resident,
                                                                updaters.updates)
@@ -90,18 +89,21 @@ class Engine:
                                       backend=self.backend, updates=self._updates, grad_norms=self.grad_norms,
                                       stepper=self._stepper, trace=self.trace, plans=self._plans, model=model,
                                       dp_group=self.dp_group, before_training_pass=self.check_requires_grad)
-        self.block_forwards = block_fn.install(block_fn.BlockRunner(self, self._executor, self._window),
-                                               parts.streamed_blocks)
+        self.block_forwards = block_fn.install(parts.streamed_blocks, calls=self, executor=self._executor,
+                                               window=self._window, checkpointing=config.checkpointing,
+                                               strict=config.strict, device=self.device, anchor=self.anchor)
         if not self.n_streamed:
             # all blocks resident: a backward pass counts once it reaches their gradients (the head's
             # and tail's when every block is frozen)
             torch.autograd.graph.register_multi_grad_hook(self.resident.params or self.device_optimizer.params,
                                                           self._executor.count_backward, mode="any")
-        self.states = EngineStates(self, parts.block_names, parts.head_tail_names, store=self._store,
-                                   window=self._window)
+        self.states = EngineStates(parts.block_names, parts.head_tail_names, store=self._store, window=self._window,
+                                   resident=self.resident, device_optimizer=self.device_optimizer,
+                                   head_tail_params=self.head_tail_params, executor=self._executor)
         # model.state_dict() etc. via the store, the masters in their dtype before wrap
-        install_model_hooks(self, model, parts.streamed_blocks, parts.saved_dtypes, store=self._store,
-                            window=self._window)
+        install_model_hooks(self.states, model, parts.streamed_blocks, parts.saved_dtypes, store=self._store,
+                            window=self._window, resident=self.resident, device_optimizer=self.device_optimizer,
+                            head_tail_params=self.head_tail_params)
         self._forward_signature = forward_signature(model)
         kept = {True: "recomputed", False: "activations kept"}
         log.info("window runtime: %d blocks: %d resident with device AdamW (%d bytes, %s), %d streamed "
@@ -130,7 +132,7 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         """Run the model's own forward, with host tensors among the arguments moved to the device
-        (``pystronghold.runtime.inputs.move_inputs``; a tensor on another device: ValueError)."""
+        (``pystronghold.runtime.blocks.inputs.move_inputs``; a tensor on another device: ValueError)."""
         args, kwargs = move_inputs(args, kwargs, self.device, self._forward_signature)
         return self.call(self.model, *args, **kwargs)
 
@@ -187,7 +189,7 @@ class Engine:
         detached, shape (m,). Call ``step()`` after it as usual.
 
         With ``schedule="relay"`` the m micro-batches run layer-major (each streamed block is loaded
-        once in forward and once in backward, its gradient leaves the device once; runtime/relay.py);
+        once in forward and once in backward, its gradient leaves the device once; runtime/streaming/relay.py);
         otherwise one after the other, as a loop of ``engine(...)``/``backward`` would."""
         return relay.accumulate(self, self._executor, micro_batches, loss_fn, mean=mean)
 
@@ -221,11 +223,11 @@ class Engine:
         """What the engine itself holds: step counts (the run's, the fp16 skips, each block's), the fp16
         loss scale and the layer-drop draws (``optimizer_state.engine_state_dict``). With
         ``model.state_dict()`` and ``engine.optimizer.state_dict()`` it is a whole checkpoint."""
-        return engine_state_dict(self)
+        return engine_state_dict(self._stepper, self._executor.layer_drop, self.n_blocks)
 
     def load_state_dict(self, state: dict) -> None:
         """Load ``state_dict()``'s values (between steps; ValueError for a state that does not fit)."""
-        load_engine_state_dict(self, state)
+        load_engine_state_dict(self._stepper, self._executor, self.n_blocks, state)
 
     def use_step_plan(self, plan: Plan, train: bool = True) -> None:
         """Train with ``plan`` (``schedule.plan_uses``) covering a whole optimizer step instead of
@@ -291,7 +293,7 @@ class Engine:
         the host's when ``host`` (work the host itself waits for)."""
         return self._executor.span(kind, block, host=host)
 
-    # ---- the schedule (runtime/executor.py), driven by block_fn.BlockFunction
+    # ---- the schedule (runtime/streaming/executor.py), driven by block_fn.BlockFunction
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
@@ -320,14 +322,14 @@ class Engine:
         checkpoints keep of it)."""
         return self._executor.layer_drop
 
-    # ---- optimizer step (runtime/step.py), between passes
+    # ---- optimizer step (runtime/optimizer/step.py), between passes
 
     @property
     def scaler(self):
         """fp16 loss scaler (``DynamicLossScaler``), or None in fp32/bf16."""
         return self._stepper.scaler
 
-    # read by optimizer_state.py, checkpoints and tests, set when a checkpoint is loaded
+    # read by states/optimizer_state.py, checkpoints and tests, set when a checkpoint is loaded
     steps = _stepper_counter("steps", "Optimizer steps taken (skipped fp16 steps not counted).")
     skipped_steps = _stepper_counter("skipped_steps", "fp16 steps skipped for an overflow (a run that "
                                      "cannot go on raises ``DivergenceError`` instead).")
@@ -363,6 +365,14 @@ class Engine:
         """Gradients dropped, as ``engine.optimizer.zero_grad()`` does it (call ``zero_grad()``)."""
         self._stepper.zero_grad()
         self._executor.forget_grads()
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer state, as ``engine.optimizer.state_dict()`` returns it (call that)."""
+        return optimizer_state_dict(self.optimizer.param_groups, self.states, self._stepper)
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Load an optimizer state, as ``engine.optimizer.load_state_dict()`` does it (call that)."""
+        load_optimizer_state_dict(self.optimizer.param_groups, self.states, self._stepper, state_dict)
 
 
 def engine_parts_for_tests(engine: Engine) -> dict:

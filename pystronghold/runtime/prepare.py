@@ -12,14 +12,14 @@ import warnings
 
 import torch
 
-from pystronghold.runtime import layout
-from pystronghold.runtime.head_tail import head_tail_on_host, host_head_tail_bytes
-from pystronghold.runtime.placement import available_host_bytes
-from pystronghold.runtime.precision import compute_dtype
-from pystronghold.runtime.store import BlockLayout
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.optimizer.head_tail import head_tail_on_host, host_head_tail_bytes
+from pystronghold.runtime.memory.placement import available_host_bytes
+from pystronghold.runtime.settings.precision import compute_dtype
+from pystronghold.runtime.memory.store import BlockLayout
 
 __all__ = ["split_parameters", "move_to_device", "fill_store", "init_threads_for", "INIT_BYTES_IN_FLIGHT",
-           "slot_bytes", "head_tail_bytes", "device_total_bytes", "materialize_resident", "window_slots", "split_model", "ModelSplit"]
+           "slot_bytes", "device_total_bytes", "materialize_resident", "window_slots", "split_model", "ModelSplit"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class ModelSplit:
     planned_arena_bytes: int
     """Bytes of the W slots (parameters + gradients), 0 when nothing streams."""
     device_bytes: int
-    """Bytes of head, tail and resident blocks on the device (``head_tail_bytes``)."""
+    """Bytes of head, tail and resident blocks on the device (``layout.head_tail_bytes``)."""
     head_tail_on_host: bool
     """Head and tail train from host memory (``RuntimeConfig.head_tail_on_host``, "auto" resolved)."""
     host_head_tail_bytes: int
@@ -83,7 +83,7 @@ def split_model(model: torch.nn.Module, blocks: torch.nn.ModuleList, config, mat
     resident_params = [[p for _, p in named] for named in block_named[:k]]
     block_named = block_named[k:]
     layouts = [BlockLayout(named) for named in block_named]
-    resident_bytes = head_tail_bytes([p for ps in resident_params for p in ps], dtype)
+    resident_bytes = layout.head_tail_bytes([p for ps in resident_params for p in ps], dtype)
     trainable = [p.numel() for p in head_tail_params if p.requires_grad]
     on_host = head_tail_on_host(config.head_tail_on_host, sum(trainable),
                                 sum(p.numel() for p in head_tail_params if not p.requires_grad), dtype,
@@ -93,7 +93,7 @@ def split_model(model: torch.nn.Module, blocks: torch.nn.ModuleList, config, mat
                       block_params=[[p for _, p in named] for named in block_named], layouts=layouts,
                       head_tail_params=head_tail_params,
                       planned_arena_bytes=window * slot_bytes(layouts, dtype) if n else 0,
-                      device_bytes=head_tail_bytes(head_tail_params, dtype, on_host=on_host) + resident_bytes,
+                      device_bytes=layout.head_tail_bytes(head_tail_params, dtype, on_host=on_host) + resident_bytes,
                       head_tail_on_host=on_host,
                       host_head_tail_bytes=host_head_tail_bytes(trainable, dtype) if on_host else 0)
 
@@ -304,16 +304,6 @@ def fill_store(store, model: torch.nn.Module, blocks: torch.nn.ModuleList, block
              "s" if times["threads"] > 1 else "", times["init_wait"], times["arenas"],
              " pinned" if store.pinned else "", store.arena_count, times["arena_wait"], times["copy"])
     return times
-
-
-def head_tail_bytes(params: list[torch.Tensor], dtype: torch.dtype, *, on_host: bool = False) -> int:
-    """Device bytes of the head and tail when training in ``dtype``: parameters and gradients in
-    ``dtype``, two fp32 Adam moments, and (bf16/fp16) fp32 masters and their fp32 gradients; a
-    frozen parameter (``requires_grad=False``) only its value in ``dtype``. ``on_host``
-    (``head_tail_on_host``): parameters and gradients only (``head_tail.host_head_tail_bytes``: the rest)."""
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    frozen = sum(p.numel() for p in params if not p.requires_grad)
-    return trainable * layout.device_bytes_per_param(dtype, optimizer_on_host=on_host) + frozen * dtype.itemsize
 
 
 def slot_bytes(layouts: list[BlockLayout], dtype: torch.dtype) -> int:

@@ -23,8 +23,8 @@ from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError, component, option
 from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, even_split, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
-from pystronghold.runtime.config import RuntimeConfig
-from pystronghold.runtime.precision import compute_dtype
+from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.settings.precision import compute_dtype
 from pystronghold.token_files import TOKEN_DTYPES
 from pystronghold.train.context import hf_default_seq
 from pystronghold.train.model_spec import model_lr, resolve_model
@@ -346,7 +346,7 @@ class TrainConfig:
         traceback (or the OOM killer) at step 1. A lower bound: the store is checked apart (first:
         ``Trainer``), as is the device's memory."""
         from pystronghold.planner.cost import Workload, block_activation_bytes, tail_activation_bytes
-        from pystronghold.runtime.placement import available_host_bytes
+        from pystronghold.runtime.memory.placement import available_host_bytes
 
         cfg, seq, batch = self.gpt, self.seq, self.local_batch
         # (x, y) int64 (B, T) each: the validation batches are held for the run, one step's made at a time

@@ -57,7 +57,7 @@ class Trainer:
         cfg = config.gpt
         self.hf = isinstance(cfg, HFModelConfig)  # --model hf:DIR: its own tokenizer, loaded lazily
         from pystronghold.models.presets import param_count
-        from pystronghold.runtime.placement import available_host_bytes
+        from pystronghold.runtime.memory.placement import available_host_bytes
 
         # NOTE: the blocks are built by wrap() (materialize_blocks=False: in parallel threads, each
         # block dropped once the store holds it), so the fp32 model never exists whole; the store

@@ -9,6 +9,10 @@ a top-level module (``options``, ``cli``, ...); ``__init__`` is the package face
 (``pystronghold/__init__.py``), ``kernels`` the Triton kernels (``kernels/``, installed as
 ``pystronghold.kernels``), ``_C`` the compiled extension.
 
+Inside ``runtime`` the rooms (its subpackages) have floors of their own, the same way
+(``RUNTIME_FLOORS``): ``runtime.memory`` never imports ``runtime.streaming``; the modules at the top
+of ``runtime/`` (the engine, its build, ``wrap``) may import every room.
+
 Circles are checked on the module graph (one node per ``.py`` file, function-level imports
 counted): no module reaches itself through imports, so no import is ever deferred into a function
 just to break a cycle. Imports under ``if TYPE_CHECKING:`` never run, so they close no circle; they
@@ -40,6 +44,16 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 """The floors, lowest first: a unit imports only from its own floor and those below."""
 
 FLOOR = {unit: level for level, units in enumerate(FLOORS) for unit in units}
+
+RUNTIME_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("memory", "tracing", "settings", "blocks", "states"),  # store and layout, trace, options, into the model, state dicts
+    ("backends", "optimizer", "streaming"),  # CPU/CUDA window, the step and its updates, the window and its schedule
+    ("",),  # runtime/ itself: the Engine, its build and wrap-time checks, the memory report, wrap
+)
+"""The rooms of ``pystronghold.runtime`` (its subpackages), lowest first; ``""`` is the modules
+directly in ``runtime/``."""
+
+RUNTIME_FLOOR = {room: level for level, rooms in enumerate(RUNTIME_FLOORS) for room in rooms}
 
 
 def _module_files() -> dict[str, Path]:
@@ -100,6 +114,15 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def room_of(module: str) -> str | None:
+    """The runtime room of a dotted module name (``pystronghold.runtime.memory.store`` -> ``memory``,
+    ``pystronghold.runtime.engine`` -> ``""``), None outside ``runtime``."""
+    parts = module.split(".")
+    if parts[:2] != ["pystronghold", "runtime"]:
+        return None
+    return parts[2] if len(parts) > 2 and parts[2] in RUNTIME_FLOOR else ""
+
+
 def import_graph() -> dict[str, list[tuple[str, int, str]]]:
     files = _module_files()
     names = set(files)
@@ -112,6 +135,14 @@ def upward_imports(graph) -> list[str]:
     return [f"{name}:{line} -> {target}{'' if where == 'module' else f' ({where})'}"
             for name, targets in graph.items() for target, line, where in targets
             if FLOOR[unit_of(target)] > FLOOR[unit_of(name)]]
+
+
+def upward_room_imports(graph) -> list[str]:
+    """Every import inside ``runtime`` that reaches a higher room, as ``module:line -> module``."""
+    return [f"{name}:{line} -> {target}{'' if where == 'module' else f' ({where})'}"
+            for name, targets in graph.items() if room_of(name) is not None
+            for target, line, where in targets
+            if room_of(target) is not None and RUNTIME_FLOOR[room_of(target)] > RUNTIME_FLOOR[room_of(name)]]
 
 
 def circles(graph, *, typing: bool = False) -> list[list[str]]:
@@ -163,6 +194,29 @@ def test_no_import_reaches_up_a_floor():
     assert upward_imports(import_graph()) == [], "move the code to its floor, or the import's target down"
 
 
+def test_every_runtime_room_has_a_floor():
+    rooms = {path.parent.name for path in (PACKAGE / "runtime").glob("*/__init__.py")}
+    assert sorted(rooms ^ (set(RUNTIME_FLOOR) - {""})) == []
+
+
+def test_no_runtime_room_imports_one_above_it():
+    assert upward_room_imports(import_graph()) == [], "move the code to its room, or the import's target down"
+
+
+@pytest.mark.parametrize("name, source, upward", [
+    ("pystronghold.runtime.memory.store", "from pystronghold.runtime.streaming.window import Window\n",
+     ["pystronghold.runtime.memory.store:1 -> pystronghold.runtime.streaming.window"]),
+    ("pystronghold.runtime.optimizer.step", "def f():\n    from pystronghold.runtime import engine\n",
+     ["pystronghold.runtime.optimizer.step:2 -> pystronghold.runtime.engine (function)"]),
+    ("pystronghold.runtime.streaming.executor", "from ..memory import layout\nfrom pystronghold.optim import hyper\n",
+     []),
+    ("pystronghold.runtime.engine", "from pystronghold.runtime.streaming import relay\n", []),
+])
+def test_the_check_sees_an_import_up_a_runtime_room(name, source, upward):
+    modules = set(_module_files())
+    assert upward_room_imports({name: imports_of(name, source, modules)}) == upward
+
+
 def test_no_module_imports_itself_through_others():
     assert circles(import_graph()) == []
 
@@ -181,8 +235,8 @@ def test_no_circle_even_of_type_only_imports():
     ("pystronghold.runtime.engine", "def f():\n    from pystronghold.planner.plan import make_plan\n",
      ["pystronghold.runtime.engine:2 -> pystronghold.planner.plan (function)"]),
     ("pystronghold.models.hf", "import pystronghold\n", ["pystronghold.models.hf:1 -> pystronghold"]),
-    ("pystronghold.parallel.groups", "from ..runtime import config\n",
-     ["pystronghold.parallel.groups:1 -> pystronghold.runtime.config"]),
+    ("pystronghold.parallel.groups", "from ..runtime.settings import config\n",
+     ["pystronghold.parallel.groups:1 -> pystronghold.runtime.settings.config"]),
     ("pystronghold.runtime.api", "from pystronghold.models.hf import load_lazy\n", []),
 ])
 def test_the_check_sees_an_upward_import(name, source, upward):

@@ -16,7 +16,7 @@ from pystronghold.planner.cost import block_costs
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GiB
-from pystronghold.runtime.placement import plan_placement
+from pystronghold.runtime.memory.placement import plan_placement
 
 from hf_models import FAMILIES, save_tiny
 

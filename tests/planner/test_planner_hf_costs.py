@@ -12,8 +12,8 @@ from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.planner.cost import block_activation_bytes, block_costs, block_forward_flops
 from pystronghold.planner.finetune import param_split
 from pystronghold.planner.plan import make_plan
-from pystronghold.runtime import layout
-from pystronghold.runtime.prepare import head_tail_bytes
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.memory.layout import head_tail_bytes
 from runtime_models import one_torch_thread
 
 transformers = pytest.importorskip("transformers")

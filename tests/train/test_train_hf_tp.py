@@ -19,7 +19,7 @@ from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf_tp import TP_FAMILIES
 from pystronghold.parallel.layers import VocabParallelEmbedding
 from pystronghold.planner.pipeline import ParallelOptions
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 from _dist import run_ranks

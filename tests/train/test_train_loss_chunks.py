@@ -11,7 +11,7 @@ import pytest
 
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.options import ConfigError
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import save_tiny
 from train_helpers import run_training, text_dir, tiny_config

@@ -15,7 +15,7 @@ from pystronghold.cli import build_parser
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 from pystronghold.train.checkpoint import read_manifest
 from pystronghold.train.command import config_from_args
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig

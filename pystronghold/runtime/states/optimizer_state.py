@@ -1,13 +1,18 @@
 """``engine.optimizer.state_dict()`` (torch AdamW's format) and ``engine.state_dict()`` (step
 counts, the fp16 loss scale, the layer-drop draws), and their ``load_state_dict``, over the block
 states ``state_dict.EngineStates`` reads and writes.
+
+Each function takes the parts it reads, not the engine: the optimizer's param groups, the block
+states, the step's counters (``stepper``: ``steps``, ``block_steps`` of the streamed blocks,
+``skipped_steps``, ``scaler``) and, to load the engine's own state, the pass executor (between
+steps? its layer drop; a drain before writing).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pystronghold.runtime.state_dict import MOMENTS
+from pystronghold.runtime.states.state_dict import MOMENTS
 
 __all__ = ["optimizer_state_dict", "load_optimizer_state_dict", "block_step_counts", "set_block_step_counts",
            "ENGINE_STATE_KEYS", "engine_state_dict", "load_engine_state_dict"]
@@ -20,18 +25,17 @@ _TORCH_ONLY_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, captura
 # ---- engine.optimizer.state_dict() / load_state_dict(): torch AdamW's format
 
 
-def optimizer_state_dict(engine) -> dict:
+def optimizer_state_dict(param_groups: list[dict], states, stepper) -> dict:
     """``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [group, ...]}`` as
     ``torch.optim.AdamW(groups).state_dict()`` has it for the engine's param groups (parameters
     numbered group after group); the moments are the live tensors (views into the store, or copies
     of a block on disk), as torch's are."""
-    groups = engine.optimizer.param_groups
+    groups = param_groups
     params = [p for g in groups for p in g["params"]]
     index = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict] = {}
-    states = engine.states
-    steps = block_step_counts(engine)
-    for b in range(engine.n_blocks):
+    steps = block_step_counts(stepper, len(states.block_names))
+    for b in range(len(states.block_names)):
         if steps[b] == 0:  # never updated (no step yet, or layer drop skipped it so far): no state, as torch
             continue
         moments = states.read_block(b, MOMENTS)
@@ -53,23 +57,24 @@ def optimizer_state_dict(engine) -> dict:
     return {"state": dict(sorted(state.items())), "param_groups": saved_groups}
 
 
-def block_step_counts(engine) -> list[int]:
-    """AdamW step count of every block of the model, resident ones (updated at every step) first."""
-    return [engine.steps] * (engine.n_blocks - engine.n_streamed) + list(engine.block_steps)
+def block_step_counts(stepper, n_blocks: int) -> list[int]:
+    """AdamW step count of each of the model's ``n_blocks`` blocks, resident ones (updated at every
+    step) first; ``stepper.block_steps`` holds the streamed ones' (the last blocks)."""
+    return [stepper.steps] * (n_blocks - len(stepper.block_steps)) + list(stepper.block_steps)
 
 
-def set_block_step_counts(engine, counts: list[int], what: str) -> None:
+def set_block_step_counts(stepper, n_blocks: int, counts: list[int], what: str) -> None:
     """Set each block's AdamW step count from ``counts`` (one per model block, ``block_step_counts``'s
-    order), after ``engine.steps``; ValueError naming ``what`` when a resident block's count is not
+    order), after ``stepper.steps``; ValueError naming ``what`` when a resident block's count is not
     the engine's (a resident block is updated at every step)."""
-    _check_block_step_counts(engine, engine.steps, counts, what)
-    engine.block_steps = [int(c) for c in counts[engine.n_blocks - engine.n_streamed:]]
+    _check_block_step_counts(stepper, stepper.steps, counts, n_blocks, what)
+    stepper.block_steps = [int(c) for c in counts[n_blocks - len(stepper.block_steps):]]
 
 
-def _check_block_step_counts(engine, steps: int, counts: list[int], what: str) -> None:
-    k = engine.n_blocks - engine.n_streamed
-    if len(counts) != engine.n_blocks or any(c != steps for c in counts[:k]):
-        raise ValueError(f"{what}: step counts per block {list(counts)} do not fit {engine.n_blocks} blocks whose "
+def _check_block_step_counts(stepper, steps: int, counts: list[int], n_blocks: int, what: str) -> None:
+    k = n_blocks - len(stepper.block_steps)
+    if len(counts) != n_blocks or any(c != steps for c in counts[:k]):
+        raise ValueError(f"{what}: step counts per block {list(counts)} do not fit {n_blocks} blocks whose "
                          f"first {k} (resident, updated at every step) are at the engine's {steps}")
 
 
@@ -79,18 +84,19 @@ ENGINE_STATE_KEYS = ("steps", "skipped_steps", "block_steps", "loss_scaler", "la
 """The keys of ``engine_state_dict``."""
 
 
-def engine_state_dict(engine) -> dict:
+def engine_state_dict(stepper, layer_drop, n_blocks: int) -> dict:
     """What a resumed run needs besides the model's and the optimizer's state dicts: ``steps``
     (optimizer steps taken), ``skipped_steps`` (fp16 overflows), ``block_steps`` (each model block's
     AdamW step count, ``block_step_counts``), ``loss_scaler`` (the fp16 scale and its clean-step
     count; None in fp32/bf16) and ``layer_drop`` (its generator's state; None without layer drop).
     Plain Python values and tensors: ``torch.save`` writes it."""
-    return {"steps": engine.steps, "skipped_steps": engine.skipped_steps, "block_steps": block_step_counts(engine),
-            "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
-            "layer_drop": engine.layer_drop.state_dict() if engine.layer_drop.enabled else None}
+    return {"steps": stepper.steps, "skipped_steps": stepper.skipped_steps,
+            "block_steps": block_step_counts(stepper, n_blocks),
+            "loss_scaler": stepper.scaler.state_dict() if stepper.scaler is not None else None,
+            "layer_drop": layer_drop.state_dict() if layer_drop.enabled else None}
 
 
-def load_engine_state_dict(engine, state: dict) -> None:
+def load_engine_state_dict(stepper, executor, n_blocks: int, state: dict) -> None:
     """Load ``engine_state_dict``'s values, between steps; checked before anything changes. A loss
     scale loads into an fp16 engine only (one that finds none keeps its initial scale), and the
     layer-drop draws into an engine with layer drop (one that finds none starts from its seed)."""
@@ -98,18 +104,18 @@ def load_engine_state_dict(engine, state: dict) -> None:
     if missing:
         raise ValueError(f"engine.load_state_dict: the state has no {', '.join(missing)}; pass what "
                          "engine.state_dict() returned")
-    if engine.micro_batches or engine.in_pass():
+    if executor.micro_batches or executor.in_pass():
         raise RuntimeError("engine.load_state_dict: a step is in progress (forward/backward passes since "
                            "the last step); load between steps")
     steps = int(state["steps"])
-    _check_block_step_counts(engine, steps, list(state["block_steps"]), "engine.load_state_dict")
-    engine.synchronize()
-    if engine.scaler is not None and state["loss_scaler"] is not None:
-        engine.scaler.load_state_dict(state["loss_scaler"])  # checks the state first
-    if engine.layer_drop.enabled and state["layer_drop"] is not None:
-        engine.layer_drop.load_state_dict(state["layer_drop"])
-    engine.steps, engine.skipped_steps = steps, int(state["skipped_steps"])
-    set_block_step_counts(engine, list(state["block_steps"]), "engine.load_state_dict")
+    _check_block_step_counts(stepper, steps, list(state["block_steps"]), n_blocks, "engine.load_state_dict")
+    executor.synchronize()
+    if stepper.scaler is not None and state["loss_scaler"] is not None:
+        stepper.scaler.load_state_dict(state["loss_scaler"])  # checks the state first
+    if executor.layer_drop.enabled and state["layer_drop"] is not None:
+        executor.layer_drop.load_state_dict(state["layer_drop"])
+    stepper.steps, stepper.skipped_steps = steps, int(state["skipped_steps"])
+    set_block_step_counts(stepper, n_blocks, list(state["block_steps"]), "engine.load_state_dict")
 
 
 def _check_group(group: dict) -> None:
@@ -127,12 +133,12 @@ def _check_group(group: dict) -> None:
 
 
 @torch.no_grad()
-def load_optimizer_state_dict(engine, state_dict: dict) -> None:
+def load_optimizer_state_dict(param_groups: list[dict], states, stepper, state_dict: dict) -> None:
     """Load a ``torch.optim.AdamW`` state dict (or one from ``optimizer_state_dict``) made over the
-    same parameters in the same param groups as the engine's. Everything is checked before anything
-    changes."""
+    same parameters in the same param groups as ``param_groups`` (the engine's optimizer's, updated
+    in place). Everything is checked before anything changes."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-    mine = engine.optimizer.param_groups
+    mine = param_groups
     if not isinstance(groups, list) or len(groups) != len(mine):
         raise ValueError(f"optimizer.load_state_dict: expected {len(mine)} param group(s) (the engine's "
                          f"optimizer has {len(mine)}, see AdamW.decay), got "
@@ -151,11 +157,10 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
             raise ValueError(f"optimizer.load_state_dict: state for parameter index {saved!r}, which is "
                              "not in the param group")
         by_id[id(by_saved[saved])] = st
-    states = engine.states
     # ---- blocks: one step count per block (its parameters are updated together; layer drop may skip
     # a block in some steps, so blocks may differ), resident blocks at the engine's count
     block_moments, block_steps = [], []
-    for b in range(engine.n_blocks):
+    for b in range(len(states.block_names)):
         per_block, steps = [], set()
         for name, p, shape in zip(states.block_names[b], states.block_params(b), states.block_shapes(b)):
             if id(p) not in by_id:
@@ -174,7 +179,7 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     head_tail_steps = [float(by_id[id(p)]["step"]) for _, p, _, _ in states.head_tail() if by_id.get(id(p))]
     engine_steps = int(max([*(s for s in block_steps if s is not None), *head_tail_steps], default=0))
     block_steps = [engine_steps if s is None else s for s in block_steps]
-    k_resident = engine.n_blocks - engine.n_streamed
+    k_resident = len(block_steps) - len(stepper.block_steps)
     if any(s != engine_steps for s in block_steps[:k_resident]):
         raise ValueError(f"optimizer.load_state_dict: resident blocks are updated at every step; their step "
                          f"counts {block_steps[:k_resident]} must be the engine's {engine_steps}")
@@ -190,8 +195,8 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
                                for m in MOMENTS})
     for i, (_, p, _, _) in enumerate(head_tail):
         states.write_head_tail(i, state=by_id.get(id(p)) or {})
-    engine.steps = engine_steps
-    set_block_step_counts(engine, block_steps, "optimizer.load_state_dict")
+    stepper.steps = engine_steps
+    set_block_step_counts(stepper, len(block_steps), block_steps, "optimizer.load_state_dict")
     for k, group in enumerate(groups):
         mine[k] = {**{key: v for key, v in group.items() if key != "params"}, "params": mine[k]["params"]}
 

@@ -12,25 +12,51 @@ recorders) are carried as extra outputs (``side_outputs.py``).
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
 
-from pystronghold.runtime import autocast_state
-from pystronghold.runtime.purity import argument_name, fingerprint, is_mutable_cache, output_checksums
-from pystronghold.runtime.side_outputs import Replay, Watch, attach
+from pystronghold.runtime.blocks import autocast_state
+from pystronghold.runtime.blocks.purity import argument_name, fingerprint, is_mutable_cache, output_checksums
+from pystronghold.runtime.blocks.side_outputs import Replay, Watch, attach
 
-__all__ = ["install", "BlockFunction", "BlockRunner"]
+__all__ = ["install", "BlockFunction", "BlockRunner", "BlockCalls"]
+
+
+class BlockCalls(Protocol):
+    """The per-block calls around a block's compute (the engine's, which time them in the trace's
+    host spans). Looked up at each call, so one replaced after ``install`` (a test's probe) runs."""
+
+    def enter(self, block: int, phase: str, train: bool) -> None:
+        """Before ``block`` computes in ``phase`` ("fwd", "bwd"): its load waited for, params bound."""
+
+    def leave(self, block: int, phase: str, param_grads=None) -> None:
+        """After ``block`` computed: in backward its gradients handed out."""
+
+    def span(self, kind: str, block: int | None, *, host: bool = False):
+        """A context manager that records ``kind`` for ``block`` in the trace."""
 
 
 class BlockRunner(NamedTuple):
-    """What ``BlockFunction`` runs a block with: the engine (its per-block calls, config, device),
-    its pass executor (``executor.PassExecutor``) and its window (``window.Window``)."""
+    """What ``BlockFunction`` runs a block with."""
 
-    engine: object
+    calls: BlockCalls
+    """enter/leave/span around each block's compute (the engine)."""
     executor: object
+    """The pass executor (``streaming.executor.PassExecutor``): relay, saved inputs, layer drop."""
     window: object
+    """The window (``streaming.window.Window``) whose slots hold the streamed blocks' parameters."""
+    forwards: list
+    """Each streamed block's own ``forward``, in block order."""
+    checkpointing: bool
+    """Recompute each block in backward (``RuntimeConfig.checkpointing``) instead of keeping its graph."""
+    strict: bool
+    """Check purity (``RuntimeConfig.strict``): recomputed outputs equal the forward's."""
+    device: torch.device
+    """Where the blocks compute (their RNG and autocast state are captured there)."""
+    anchor: torch.Tensor
+    """A 0-dim tensor that requires grad, so backward reaches every block even when no input requires it."""
 
 
 def _rng_state(device: torch.device):
@@ -122,14 +148,14 @@ class BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: BlockRunner, block, train, spec, box, anchor, *flat):
-        engine = runner.engine
-        fn = engine.block_forwards[block]
-        keep = train and not engine.config.checkpointing
+        calls = runner.calls
+        fn = runner.forwards[block]
+        keep = train and not runner.checkpointing
         recompute = train and not keep
         prints = _fingerprints(block, spec, flat) if recompute else None
-        watch = Watch(block, box["module"], engine.config.strict) if train else contextlib.nullcontext()
-        engine.enter(block, "fwd", train)
-        with engine.span("compute_fwd", block):
+        watch = Watch(block, box["module"], runner.strict) if train else contextlib.nullcontext()
+        calls.enter(block, "fwd", train)
+        with calls.span("compute_fwd", block):
             if keep:
                 inputs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
                           for x in flat]
@@ -137,12 +163,12 @@ class BlockFunction(torch.autograd.Function):
                 with torch.enable_grad(), _slot_pack_hooks(runner.window, block), watch:
                     out = fn(*args, **kwargs)
             else:
-                rng = _rng_state(engine.device) if train else None
-                autocast = autocast_state.capture(engine.device) if train else None
+                rng = _rng_state(runner.device) if train else None
+                autocast = autocast_state.capture(runner.device) if train else None
                 args, kwargs = pytree.tree_unflatten(list(flat), spec)
                 with watch:
                     out = fn(*args, **kwargs)
-        engine.leave(block, "fwd")
+        calls.leave(block, "fwd")
         if recompute:
             _check_unchanged(block, spec, flat, prints, "during its forward")
         leaves, out_spec = pytree.tree_flatten(out)
@@ -161,7 +187,7 @@ class BlockFunction(torch.autograd.Function):
             else:
                 ctx.rng, ctx.autocast, ctx.prints = rng, autocast, prints
                 ctx.replay = Replay(sides) if sides else None
-                ctx.checksums = (output_checksums(tensors + [s.tensor for s in sides]) if engine.config.strict
+                ctx.checksums = (output_checksums(tensors + [s.tensor for s in sides]) if runner.strict
                                  else None)
                 ctx.non_tensor = [None if isinstance(x, torch.Tensor) else x for x in flat]
                 saved = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -184,7 +210,7 @@ class BlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         runner, block = ctx.runner, ctx.block
-        engine = runner.engine
+        calls = runner.calls
         staged = None if ctx.keep else ctx.staged
         if staged is not None:
             # this block's inputs come back, and those of the one before it (the next backward)
@@ -194,7 +220,7 @@ class BlockFunction(torch.autograd.Function):
             ahead = offload.previous(key)
             if ahead is not None:
                 offload.issue_restore(ahead)
-        engine.enter(block, "bwd", True)
+        calls.enter(block, "bwd", True)
         if ctx.keep:
             outs, inputs = ctx.graph
             del ctx.graph
@@ -210,12 +236,12 @@ class BlockFunction(torch.autograd.Function):
                       for t, x, need in zip(ctx.is_input_tensor, ctx.non_tensor, needs)]
             _check_unchanged(block, ctx.spec, inputs, ctx.prints, "between its forward and its recompute")
             args, kwargs = pytree.tree_unflatten(inputs, ctx.spec)
-            fn = engine.block_forwards[block]
+            fn = runner.forwards[block]
             replay = ctx.replay or contextlib.nullcontext()
             # NOTE: under the forward's autocast: backward usually runs after the caller's has closed
-            with (engine.span("recompute", block), torch.enable_grad(), autocast_state.entered(ctx.autocast),
+            with (calls.span("recompute", block), torch.enable_grad(), autocast_state.entered(ctx.autocast),
                   replay):
-                out = _run_with_rng(ctx.rng, engine.device, lambda: fn(*args, **kwargs))
+                out = _run_with_rng(ctx.rng, runner.device, lambda: fn(*args, **kwargs))
             outs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
             if ctx.replay is not None:
                 outs += ctx.replay.tensors(block)
@@ -224,14 +250,14 @@ class BlockFunction(torch.autograd.Function):
         params = runner.window.trainable(block)  # frozen parameters get no gradient
         wrt_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.requires_grad]
-        with engine.span("compute_bwd", block):
+        with calls.span("compute_bwd", block):
             if pairs and (wrt_inputs or params):
                 grads = torch.autograd.grad([o for o, _ in pairs], wrt_inputs + list(params),
                                             [g for _, g in pairs], allow_unused=True)
             else:
                 grads = (None,) * (len(wrt_inputs) + len(params))
         # NOTE: outside the compute span, which the engine's own per-block span must not overlap
-        engine.leave(block, "bwd", param_grads=grads[len(wrt_inputs):])
+        calls.leave(block, "bwd", param_grads=grads[len(wrt_inputs):])
         input_grads = iter(grads[:len(wrt_inputs)])
         flat_grads = [next(input_grads) if isinstance(x, torch.Tensor) and x.requires_grad else None
                       for x in inputs]
@@ -256,27 +282,28 @@ def _check_droppable(block: int, args: tuple, leaves: list) -> None:
                          "(the identity replaces it when it is skipped); use layer_drop=0 for this model")
 
 
-def install(runner: BlockRunner, blocks: torch.nn.ModuleList) -> list:
-    """Replace each block's ``forward`` with one that runs through BlockFunction with ``runner``.
+def install(blocks: torch.nn.ModuleList, *, calls: BlockCalls, executor, window, checkpointing: bool, strict: bool,
+            device: torch.device, anchor: torch.Tensor) -> list:
+    """Replace each block's ``forward`` with one that runs through BlockFunction (a ``BlockRunner``
+    of these parts and the blocks' own forwards).
 
     Returns the blocks' original forward callables, in block order.
     """
-    engine, executor = runner.engine, runner.executor
-    originals = []
+    originals = [module.forward for module in blocks]
+    runner = BlockRunner(calls=calls, executor=executor, window=window, forwards=originals,
+                         checkpointing=checkpointing, strict=strict, device=device, anchor=anchor)
     for index, module in enumerate(blocks):
-        original = module.forward
-        originals.append(original)
 
         def windowed_forward(*args, _index=index, **kwargs):
             if executor.layer_dropped(_index, torch.is_grad_enabled()):
                 return _skipped(_index, args)  # layer drop: not loaded, not updated this step
             flat, spec = pytree.tree_flatten((args, kwargs))
             box: dict = {"module": blocks[_index]}
-            relay = executor.relay if torch.is_grad_enabled() else None  # runtime/relay.py
+            relay = executor.relay if torch.is_grad_enabled() else None  # runtime/streaming/relay.py
             if relay is not None:
                 relay.arrive()  # every micro-batch reaches this block before it runs for this one
             outs = BlockFunction.apply(runner, _index, torch.is_grad_enabled(), spec, box,
-                                       engine.anchor, *flat)
+                                       anchor, *flat)
             if relay is not None:
                 outs = relay.cut(_index, outs)  # the backward of this block is driven by the relay
             sides = box["sides"]

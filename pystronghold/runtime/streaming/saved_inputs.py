@@ -8,7 +8,7 @@ device memory is given up once that copy is done (polled, never waited for in fo
 the block's backward the bytes are copied back into device memory (NaN-filled first in strict
 mode, so a missing wait shows), and compute waits for that copy. Its users: the relay schedule
 (``relay.py``: every micro-batch's inputs of a pass) and the default schedule's input offload
-(``block_fn.py`` with ``RuntimeConfig.offload_block_inputs``). docs/DESIGN.md "Input offload".
+(``blocks/block_fn.py`` with ``RuntimeConfig.offload_block_inputs``). docs/DESIGN.md "Input offload".
 
 Only storages this forward made are staged (an op's output, a view of one, or a tensor the caller
 names as its own: the relay's cut leaves). A user's input, a parameter or slot view, and a tensor

@@ -4,7 +4,7 @@ In bf16/fp16 every parameter the model computes with is in that dtype (blocks' s
 the optimizer keeps fp32 masters (the host store for blocks, device copies for head and tail) and
 writes the compute-precision copy after each update. Gradients leave the device in compute
 precision. fp16 scales the loss; a step whose gradients contain inf/NaN anywhere is skipped for
-every block, head and tail, and the scale backs off, down to a floor (``divergence.py`` says when
+every block, head and tail, and the scale backs off, down to a floor (``optimizer/divergence.py`` says when
 the run stops).
 """
 

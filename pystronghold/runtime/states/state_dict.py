@@ -25,9 +25,14 @@ class EngineStates:
     are refused while a forward/backward pass is in progress.
     """
 
-    def __init__(self, engine, block_names: list[list[str]], head_tail_names: list[str], *, store, window) -> None:
-        """``store``, ``window``: the engine's host store and window, where streamed blocks live."""
-        self._engine, self._store, self._window = engine, store, window
+    def __init__(self, block_names: list[list[str]], head_tail_names: list[str], *, store, window, resident,
+                 device_optimizer, head_tail_params: list[torch.nn.Parameter], executor) -> None:
+        """``store``, ``window``: the engine's host store and window, where streamed blocks live;
+        ``resident``: its resident blocks (``ResidentBlocks``); ``device_optimizer``: the head and
+        tail's AdamW; ``head_tail_params``: the head and tail parameters, in ``head_tail_names``'
+        order; ``executor``: the pass executor (is a pass in progress, drain everything in flight)."""
+        self._store, self._window, self._resident, self._executor = store, window, resident, executor
+        self._device_optimizer, self._head_tail_params = device_optimizer, head_tail_params
         self.block_names = block_names
         """Full model names of each block's parameters, in layout order (every block: the resident
         ones first, then the streamed ones)."""
@@ -36,15 +41,14 @@ class EngineStates:
 
     def writable(self) -> None:
         """Wait for the engine's copies; RuntimeError during a forward/backward pass (load between steps)."""
-        if self._engine.in_pass():
+        if self._executor.in_pass():
             raise RuntimeError("cannot load state during a forward/backward pass; load between steps")
-        self._engine.synchronize()
+        self._executor.synchronize()
 
     def block_params(self, block: int) -> list[torch.nn.Parameter]:
         """The ``Parameter`` objects of ``block`` (any block, resident or streamed), layout order."""
-        engine = self._engine
-        k = engine.resident.count
-        return engine.resident.block_params[block] if block < k else self._window.params[block - k]
+        k = self._resident.count
+        return self._resident.block_params[block] if block < k else self._window.params[block - k]
 
     def block_trainable(self, block: int) -> list[bool]:
         """Whether each of ``block``'s parameters trains (layout order: the trainable ones first)."""
@@ -52,10 +56,9 @@ class EngineStates:
 
     def block_shapes(self, block: int) -> list[tuple[int, ...]]:
         """Shapes of ``block``'s parameters, layout order."""
-        engine = self._engine
-        k = engine.resident.count
+        k = self._resident.count
         if block < k:
-            return [tuple(m.shape) for m in engine.resident.read(block, "master")]
+            return [tuple(m.shape) for m in self._resident.read(block, "master")]
         return [tuple(span.shape) for span in self._store.layouts[block - k].spans]
 
     def read_block(self, block: int, states=("master", *MOMENTS)) -> dict[str, dict[str, torch.Tensor]]:
@@ -66,11 +69,10 @@ class EngineStates:
         Views into the store or the resident block's device tensors (valid until the next update)
         or, for a state on disk, into a copy.
         """
-        engine = self._engine
-        engine.synchronize()
-        names, k = self.block_names[block], engine.resident.count
+        self._executor.synchronize()
+        names, k = self.block_names[block], self._resident.count
         if block < k:
-            return {state: dict(zip(names, engine.resident.read(block, state))) for state in states}
+            return {state: dict(zip(names, self._resident.read(block, state))) for state in states}
         store, b = self._store, block - k
         layout = store.layouts[b]
         out = {}
@@ -88,8 +90,7 @@ class EngineStates:
         is stored in the compute dtype), one per trainable parameter for a moment. Counts and shapes
         are checked (ValueError)."""
         self.writable()
-        engine = self._engine
-        shapes, k = self.block_shapes(block), engine.resident.count
+        shapes, k = self.block_shapes(block), self._resident.count
         trainable = sum(self.block_trainable(block))
         for state, tensors in values.items():
             want, what = (len(shapes), "parameters") if state == "master" else (trainable, "trainable parameters")
@@ -102,7 +103,7 @@ class EngineStates:
         store = self._store
         for state, tensors in values.items():
             if block < k:
-                engine.resident.write(block, state, tensors)
+                self._resident.write(block, state, tensors)
                 continue
             if trainable:
                 store.write_state(block - k, state, tensors[:trainable])
@@ -113,20 +114,18 @@ class EngineStates:
 
     def _optimizer_index(self, index: int) -> int | None:
         """Head/tail parameter ``index``'s index in the device AdamW (None: frozen, not in it)."""
-        engine = self._engine
-        p = engine.head_tail_params[index]
-        return next((i for i, q in enumerate(engine.device_optimizer.params) if q is p), None)
+        p = self._head_tail_params[index]
+        return next((i for i, q in enumerate(self._device_optimizer.params) if q is p), None)
 
     def head_tail(self) -> list[tuple[str, torch.nn.Parameter, torch.Tensor, dict]]:
         """``(name, parameter, fp32 master, AdamW state)`` per head/tail parameter; the state is
         torch's (``step``, ``exp_avg``, ``exp_avg_sq``; empty before the first update). A frozen
         parameter's "master" is the parameter's own value (compute dtype) and its state empty."""
-        engine = self._engine
-        engine.synchronize()
-        dev = engine.device_optimizer
+        self._executor.synchronize()
+        dev = self._device_optimizer
         index = {id(p): i for i, p in enumerate(dev.params)}
         out = []
-        for name, p in zip(self.head_tail_names, engine.head_tail_params):
+        for name, p in zip(self.head_tail_names, self._head_tail_params):
             i = index.get(id(p))
             out.append((name, p, p.detach(), {}) if i is None
                        else (name, p, dev.masters[i].detach(), dev.state_of(i)))
@@ -137,8 +136,8 @@ class EngineStates:
         """Overwrite head/tail parameter ``index``'s value (and its compute copy) and/or AdamW state
         (``{}`` clears it; a frozen parameter has none)."""
         self.writable()
-        dev, i = self._engine.device_optimizer, self._optimizer_index(index)
-        p = self._engine.head_tail_params[index]
+        dev, i = self._device_optimizer, self._optimizer_index(index)
+        p = self._head_tail_params[index]
         m = p if i is None else dev.masters[i]
         if master is not None:
             if tuple(master.shape) != tuple(m.shape):
@@ -167,24 +166,26 @@ class EngineStates:
 # ---- model.state_dict() / load_state_dict()
 
 
-def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleList,
-                        saved_dtypes: dict[str, torch.dtype], *, store, window) -> None:
+def install_model_hooks(states: EngineStates, model: torch.nn.Module, blocks: torch.nn.ModuleList,
+                        saved_dtypes: dict[str, torch.dtype], *, store, window, resident, device_optimizer,
+                        head_tail_params: list[torch.nn.Parameter]) -> None:
     """Make ``state_dict()`` of ``model`` (or of any module containing blocks) return every
     parameter's fp32 master (the store's for streamed blocks) in its dtype before ``wrap``
-    (``saved_dtypes``, by full name), and ``load_state_dict()`` write the masters; ``store`` and
-    ``window`` hold the streamed blocks."""
+    (``saved_dtypes``, by full name), and ``load_state_dict()`` write the masters through
+    ``states``; ``store`` and ``window`` hold the streamed blocks, ``resident`` the resident ones,
+    ``device_optimizer`` the masters of ``head_tail_params``."""
     for b, block in enumerate(blocks):
-        _hook_block(engine, b, block, saved_dtypes, store.layouts[b].spans, window)
+        _hook_block(states, resident.count + b, b, block, saved_dtypes, store.layouts[b].spans, window)
     block_modules = {id(m) for block in blocks for m in block.modules()}
     names = {id(p): name for name, p in model.named_parameters()}
-    head_tail_index = {id(p): j for j, p in enumerate(engine.head_tail_params)}
+    head_tail_index = {id(p): j for j, p in enumerate(head_tail_params)}
 
     def write_head_tail(i: int, value: torch.Tensor) -> None:
-        engine.states.write_head_tail(head_tail_index[id(engine.device_optimizer.params[i])], master=value)
+        states.write_head_tail(head_tail_index[id(device_optimizer.params[i])], master=value)
 
     # head/tail and resident blocks: in bf16/fp16 their fp32 masters are copies beside the parameters
-    for dev, write in ((engine.device_optimizer, write_head_tail),
-                       (engine.resident.optimizer, _resident_master_writer(engine))):
+    for dev, write in ((device_optimizer, write_head_tail),
+                       (resident.optimizer, _resident_master_writer(states, resident))):
         index = {id(p): i for i, p in enumerate(dev.params)}
         for module in model.modules():
             if id(module) in block_modules:
@@ -199,7 +200,7 @@ def install_model_hooks(engine, model: torch.nn.Module, blocks: torch.nn.ModuleL
                 module.register_state_dict_post_hook(_master_saver(dev, saved, dtypes))
     # frozen head/tail and resident parameters: their one copy, in the compute dtype, saved in their
     # dtype before wrap (torch's own load copies a value into them)
-    on_device = [*engine.head_tail_params, *(p for ps in engine.resident.block_params for p in ps)]
+    on_device = [*head_tail_params, *(p for ps in resident.block_params for p in ps)]
     device_frozen = {id(p) for p in on_device if not p.requires_grad}
     for module in model.modules():
         if id(module) in block_modules:
@@ -228,10 +229,10 @@ def _master_saver(dev, own: dict[str, int], dtypes: dict[str, torch.dtype]):
     return save_masters
 
 
-def _resident_master_writer(engine):
+def _resident_master_writer(states: EngineStates, resident):
     def write(index: int, value: torch.Tensor) -> None:
-        engine.states.writable()
-        engine.resident.write_master(index, value)
+        states.writable()
+        resident.write_master(index, value)
 
     return write
 
@@ -246,15 +247,15 @@ def _master_loader(dev, own: dict[str, int], write):
     return load_masters
 
 
-def _hook_block(engine, b: int, block: torch.nn.Module, saved_dtypes: dict[str, torch.dtype], spans, window) -> None:
-    """Hooks of streamed block ``b`` (its global index is ``resident.count + b``; ``spans``: its
-    parameters in the store's layout)."""
+def _hook_block(states: EngineStates, g: int, b: int, block: torch.nn.Module, saved_dtypes: dict[str, torch.dtype],
+                spans, window) -> None:
+    """Hooks of streamed block ``b``, the model's block ``g`` (after the resident ones; ``spans``:
+    its parameters in the store's layout)."""
     params = window.params[b]
-    g = engine.resident.count + b
-    dtypes = [saved_dtypes[name] for name in engine.states.block_names[g]]
+    dtypes = [saved_dtypes[name] for name in states.block_names[g]]
 
     def save(module, state_dict, prefix, local_metadata) -> None:
-        masters = engine.states.read_block(g, ("master",))["master"].values()
+        masters = states.read_block(g, ("master",))["master"].values()
         for span, value, dtype in zip(spans, masters, dtypes):
             key = prefix + span.name
             if key in state_dict:
@@ -264,17 +265,17 @@ def _hook_block(engine, b: int, block: torch.nn.Module, saved_dtypes: dict[str, 
         if local_metadata.get("assign_to_params_buffers", False):
             raise ValueError("load_state_dict(assign=True) is not supported on a wrapped model: its block "
                              "parameters live in the store; load with assign=False")
-        engine.states.writable()
+        states.writable()
         # NOTE: torch copies each value into the parameter; give it one block of fp32 staging
         # tensors holding the current values (so keys missing under strict=False keep them).
-        masters = engine.states.read_block(g, ("master",))["master"].values()
+        masters = states.read_block(g, ("master",))["master"].values()
         for p, value in zip(params, masters):
             p.data = value.clone()
 
     def commit(module, incompatible_keys) -> None:
         staged = [p.data for p in params]
         window.unbind(b)
-        engine.states.write_block(g, {"master": staged})
+        states.write_block(g, {"master": staged})
 
     block.register_state_dict_post_hook(save)
     block.register_load_state_dict_pre_hook(stage)

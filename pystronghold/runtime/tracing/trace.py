@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pystronghold.runtime.timing import Calibration, is_host_mark, mark_done, to_host_s
+from pystronghold.runtime.tracing.timing import Calibration, is_host_mark, mark_done, to_host_s
 
 __all__ = ["Tracer", "TraceEvent", "TraceSummary", "COMPUTE_KINDS", "BACKGROUND_KINDS",
            "TRANSFER_KINDS", "LANE_OF_KIND", "lanes_of"]
@@ -29,7 +29,7 @@ COMPUTE_KINDS = frozenset({"compute_fwd", "compute_bwd", "recompute"})
 """Kinds that are accelerator compute."""
 TRANSFER_KINDS = frozenset({"h2d", "d2h", "act_d2h", "act_h2d", "file_read", "file_write"})
 """Kinds that move bytes; each gets a bandwidth in the summary. ``act_d2h``/``act_h2d``: saved block
-inputs offloaded to host memory and brought back (``saved_inputs.py``)."""
+inputs offloaded to host memory and brought back (``streaming/saved_inputs.py``)."""
 BACKGROUND_KINDS = TRANSFER_KINDS | {"optimizer", "norm"}
 """Kinds the runtime tries to hide behind compute (the numerator set of the overlap fraction)."""
 LANE_OF_KIND = {
@@ -140,7 +140,7 @@ class Tracer:
 
     def defer(self, kind: str, block: int | None, start, end, nbytes: int = 0,
               lane: str | None = None) -> None:
-        """Record an action timed by two marks (``pystronghold.runtime.timing``): host readings
+        """Record an action timed by two marks (``pystronghold.runtime.tracing.timing``): host readings
         (float seconds) are recorded at once; device events wait for ``resolve``."""
         if not self.enabled:
             return

@@ -6,7 +6,8 @@ one flat buffer per state at ``ALIGN_ELEMS``-aligned offsets (``param_offsets``)
 to ``ARENA_ALIGN`` bytes. Per block the store holds fp32 ``master``, ``exp_avg``, ``exp_avg_sq``
 and, in the compute dtype, ``grad`` and (bf16/fp16) ``shadow``; trainable parameters come first,
 frozen ones after (stored once, in the compute dtype). ``slot_bytes`` and
-``device_bytes_per_param`` size the window slots and device-trained parameters.
+``device_bytes_per_param`` size the window slots and device-trained parameters, ``head_tail_bytes``
+the head and tail.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 __all__ = ["ARENA_ALIGN", "ALIGN_ELEMS", "STATES", "round_up", "param_offsets", "state_dtype",
            "stored_states", "upload_state", "state_numel", "buffer_bytes", "arena_bytes", "slot_bytes",
-           "host_bytes_per_param", "frozen_bytes_per_param", "device_bytes_per_param"]
+           "host_bytes_per_param", "frozen_bytes_per_param", "device_bytes_per_param", "head_tail_bytes"]
 
 ARENA_ALIGN = 4096
 """Bytes: the alignment of every arena and every per-block buffer in it (a page; what O_DIRECT
@@ -109,3 +110,13 @@ def device_bytes_per_param(compute_dtype: torch.dtype, *, master_grads: bool = T
         return 2 * s
     half = compute_dtype != torch.float32
     return 2 * s + 8 + ((4 + (4 if master_grads else 0)) if half else 0)
+
+
+def head_tail_bytes(params: list[torch.Tensor], dtype: torch.dtype, *, on_host: bool = False) -> int:
+    """Device bytes of the head and tail when training in ``dtype``: parameters and gradients in
+    ``dtype``, two fp32 Adam moments, and (bf16/fp16) fp32 masters and their fp32 gradients; a
+    frozen parameter (``requires_grad=False``) only its value in ``dtype``. ``on_host``
+    (``head_tail_on_host``): parameters and gradients only (``head_tail.host_head_tail_bytes``: the rest)."""
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    return trainable * device_bytes_per_param(dtype, optimizer_on_host=on_host) + frozen * dtype.itemsize

@@ -1,0 +1,1 @@
+"""The device the window lives on: the CPU arena or CUDA memory and streams."""

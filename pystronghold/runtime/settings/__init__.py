@@ -1,0 +1,1 @@
+"""What ``pystronghold.wrap`` accepts: the runtime's options and its compute precision."""

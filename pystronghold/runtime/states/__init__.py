@@ -1,0 +1,1 @@
+"""Whole values of a wrapped model: its state dict, the optimizer's and the engine's own."""

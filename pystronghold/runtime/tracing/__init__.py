@@ -1,0 +1,1 @@
+"""The runtime's timeline: clocks, the trace and its host-timed spans."""
