@@ -17,7 +17,7 @@ import torch
 
 from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.planner.pipeline import ParallelOptions
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 from _dist import run_ranks
