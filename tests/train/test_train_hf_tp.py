@@ -15,11 +15,13 @@ import shutil
 import pytest
 import torch
 
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf_tp import TP_FAMILIES
+from pystronghold.options import ConfigError
 from pystronghold.parallel.layers import VocabParallelEmbedding
-from pystronghold.planner.pipeline import ParallelOptions
 from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.settings.finetune import FinetuneOptions
+from pystronghold.settings.parallel import ParallelOptions
+from pystronghold.train import resolve
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 from _dist import run_ranks
@@ -119,7 +121,7 @@ def _tp_bytes_on_rank(rank: int, world: int, directory: str, data: str, out: str
     from pystronghold.train import Trainer
 
     torch.set_num_threads(1)
-    trainer = Trainer(_config(directory, data, tp=2))
+    trainer = Trainer(resolve(_config(directory, data, tp=2)))
     counted, all_reduce = [0], dist.all_reduce
 
     def counting(tensor, *args, group=None, **kwargs):
@@ -209,17 +211,19 @@ def test_lora_with_tp_is_still_one_line(tmp_path, monkeypatch):
     directory, text = _files(tmp_path, "llama")
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = _config(directory, text)
-    with pytest.raises(ValueError, match="^--lora-rank is not supported with --tp yet$"):
-        TrainConfig(model=config.model, data=config.data, finetune=FinetuneOptions(lora_rank=4),
-                    parallel=ParallelOptions(tp=2))
+    with pytest.raises(ConfigError) as refused:
+        resolve(TrainConfig(model=config.model, data=config.data, finetune=FinetuneOptions(lora_rank=4),
+                            parallel=ParallelOptions(tp=2)))
+    assert refused.value.on_command_line() == "--lora-rank is not supported with --tp yet"
 
 
 def test_tp_with_pp_is_one_line_for_hf(tmp_path, monkeypatch):
     directory, text = _files(tmp_path, "llama")
     config = _config(directory, text)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="^--tp 2 with --pp 2: --model hf:DIR takes one of them at a time yet"):
-        TrainConfig(model=config.model, data=config.data, parallel=ParallelOptions(tp=2, pp=2))
+    with pytest.raises(ConfigError) as refused:
+        resolve(TrainConfig(model=config.model, data=config.data, parallel=ParallelOptions(tp=2, pp=2)))
+    assert refused.value.on_command_line().startswith("--tp 2 with --pp 2: --model hf:DIR takes one of them at a time yet")
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -237,7 +241,7 @@ def test_a_size_that_does_not_split_is_one_line(tmp_path, monkeypatch, field, va
     (directory / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError) as e:
-        _config(directory, text, tp=2)
+        resolve(_config(directory, text, tp=2))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -248,7 +252,7 @@ def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
     directory, text = _files(tmp_path, family)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): tensor parallelism splits only llama, "):
-        _config(directory, text, tp=2)
+        resolve(_config(directory, text, tp=2))
 
 
 def _padding_grad_on_rank(rank: int, world: int, out: str) -> None:

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.options import ConfigError
 from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import save_tiny
 from train_helpers import run_training, text_dir, tiny_config
