@@ -71,7 +71,8 @@ def test_cuda_budget_is_free_memory_less_the_reserve(tmp_path, monkeypatch):
     less the reserve, and the split it chooses is the one recorded and wrapped. CUDA is mocked: the
     block is measured on the CPU, the free memory is made up."""
     config = tiny_config(tmp_path, window="auto", model=MODEL)
-    on_cpu = choose_runtime_window(GPT(GPTConfig(**MODEL)), config)
+    run = resolve(config)
+    on_cpu = choose_runtime_window(GPT(GPTConfig(**MODEL)), run)
     slot = on_cpu.costs.slot_bytes
     base = on_cpu.budget_bytes - 4 * slot  # head/tail + activations (the CPU budget is base + 4 slots)
     total = 80 * GiB
@@ -93,8 +94,9 @@ def test_cuda_budget_is_free_memory_less_the_reserve(tmp_path, monkeypatch):
         return real_split(costs, work, n, capacity_bytes, **kw)
 
     monkeypatch.setattr(autowindow, "choose_split", spy_split)
-    config.runtime.device = "cuda"  # NOTE: set after validation, which would refuse it without CUDA
-    auto = choose_runtime_window(GPT(GPTConfig(**MODEL)), config)
+    # NOTE: the device set after resolve, which would refuse it without CUDA
+    on_cuda = dataclasses.replace(run, runtime=dataclasses.replace(run.runtime, device="cuda"))
+    auto = choose_runtime_window(GPT(GPTConfig(**MODEL)), on_cuda)
     assert calls.index("empty_cache") < calls.index("mem_get_info")
     assert planned == [free - device_reserve_bytes(total)] == [auto.budget_bytes]
     assert (auto.free_bytes, auto.reserve_bytes) == (free, device_reserve_bytes(total))

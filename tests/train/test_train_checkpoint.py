@@ -68,7 +68,7 @@ def test_resume_with_frozen_parameters_reproduces_the_uninterrupted_losses(tmp_p
     position embedding): the checkpoint holds their values and no moments, the resumed steps are
     bit-identical, and the frozen values never change (rounded once to bf16 in a bf16 run). No
     CLI flag freezes parameters yet: the model the trainer builds is patched."""
-    import pystronghold.train.loop as loop
+    import pystronghold.train.build as build
     from safetensors.torch import load_file
 
     def is_frozen(name: str) -> bool:
@@ -80,7 +80,7 @@ def test_resume_with_frozen_parameters_reproduces_the_uninterrupted_losses(tmp_p
             p.requires_grad_(not is_frozen(name))
         return model
 
-    monkeypatch.setattr(loop, "GPT", frozen_gpt)
+    monkeypatch.setattr(build, "GPT", frozen_gpt)
     options = dict(steps=6, precision=precision, resident=resident)
     straight = run_training(tiny_config(tmp_path, **options))
     ck = tmp_path / "ck"

@@ -72,8 +72,8 @@ def test_a_checkpoint_with_inf_adam_moments_is_not_written(tmp_path):
     ck = tmp_path / "ck"
     trainer = Trainer(resolve(tiny_config(tmp_path, clip=None, ckpt=str(ck))))
     try:
-        plain_loss = trainer.loss
-        trainer.loss = lambda x, y: plain_loss(x, y) * 1e25
+        plain_loss = trainer.stepper.loss
+        trainer.stepper.loss = lambda x, y: plain_loss(x, y) * 1e25
         trainer.train_step()
         with pytest.raises(DivergenceError, match=r"^step 1: not writing checkpoint step-00000001 \(blocks/block-00000"
                                                   r"\.safetensors\): \S+\.exp_avg_sq holds inf values;"):
