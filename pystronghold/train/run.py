@@ -86,10 +86,10 @@ def resolve(config: TrainConfig) -> Run:
     torchrun launch decides alike, so a refusal is every rank's before any collective."""
     _check_machine_and_paths(config)
     cfg = resolve_model(config.model.model)
+    _check_model(config, cfg)  # NOTE: before the GPTConfig takes --tp, which it would refuse less clearly
     if config.parallel.tp > 1:
         cfg = dataclasses.replace(cfg, tp_size=config.parallel.tp)
     hf = isinstance(cfg, HFModelConfig)
-    _check_model(config, cfg)
     hf_shape = _hf_shape(cfg) if hf else None
     seq, seq_why = config.data.seq, None
     if not seq and hf:

@@ -93,3 +93,12 @@ def test_the_host_store_refusal_counts_the_layout_s_bytes_per_parameter(tmp_path
         resolve(config)
     monkeypatch.setattr(run_module, "host_bytes_per_param", lambda dtype: 8)
     assert resolve(config).model.layers == TINY["layers"]
+
+
+def test_the_model_is_checked_against_the_layout_before_it_takes_tp(monkeypatch):
+    """--tp 3 on a model of 4 heads is the layout's one line, not the GPTConfig's refusal of tp_size."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    config = TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=3), parallel=ParallelOptions(tp=3))
+    with pytest.raises(ConfigError) as refused:
+        resolve(config)
+    assert refused.value.on_command_line() == "--tp 3 must divide the model's 4 attention heads"
