@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pystronghold.models.hf import HF_PREFIX
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.options import ConfigError, component, option
 from pystronghold.runtime.config import RuntimeConfig
@@ -249,19 +248,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # NOTE: every rank runs these same checks on the same arguments and environment, so a bad
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
-        # The checks against the model and the machine are ``train.run.resolve``'s.
+        # The checks against the model, the machine and the launch's processes are
+        # ``train.run.resolve``'s.
         par, rt, data = self.parallel, self.runtime, self.data
-        if self.model.model.startswith(HF_PREFIX) and not data.data:
-            # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
-            # on it by a forgotten option would look like success
-            raise ConfigError(self.model, "model", f"{HF_PREFIX}DIR needs --data (the text, .jsonl records or "
-                              "token file to fine-tune on)")
         if rt.resident_blocks == "auto" and rt.window != "auto":
             raise ConfigError(rt, "resident_blocks=", "is chosen together with the window: it needs "
                                                       "`window='auto'` (or give K, a number of blocks)")
         if par.distributed and rt.window == "auto":
             raise ConfigError(rt, "window=", "is not supported with several processes yet; give --window N")
-        par.check_world()
         dp = par.dp_size
         if par.dp_split is not None:
             sizes = ",".join(str(b) for b in par.dp_split)

@@ -84,8 +84,8 @@ def resolve(config: TrainConfig) -> Run:
     """The ``Run`` of ``config``: reads the model's config, checks the machine, the files and the
     layout against it, and decides the run's settings (see the module doc). Every rank of a
     torchrun launch decides alike, so a refusal is every rank's before any collective."""
-    _check_machine_and_paths(config)
     cfg = resolve_model(config.model.model)
+    _check_paths_and_machine(config)
     _check_model(config, cfg)  # NOTE: before the GPTConfig takes --tp, which it would refuse less clearly
     if config.parallel.tp > 1:
         cfg = dataclasses.replace(cfg, tp_size=config.parallel.tp)
@@ -115,14 +115,8 @@ def resolve(config: TrainConfig) -> Run:
 
 # ---- the machine, the files and the model against the options
 
-def _check_machine_and_paths(config: TrainConfig) -> None:
-    """The devices, --nvme, the data and the output paths exist (or can be made) on this machine."""
-    rt = config.runtime
-    rt.check_device_present()
-    if rt.nvme_dir is not None:
-        from pystronghold.io.scratch import check_io_directory
-
-        check_io_directory(rt.nvme_dir, flag="--nvme")  # exists (or is created), takes files
+def _check_paths_and_machine(config: TrainConfig) -> None:
+    """The data and the output paths, the devices and --nvme exist (or can be made) on this machine."""
     for p in config.data.data:
         if not os.path.exists(p):
             raise ConfigError(config.data, "data", f": no such file or directory: {p}")
@@ -142,6 +136,12 @@ def _check_machine_and_paths(config: TrainConfig) -> None:
         check_creatable_dir("--tensorboard", run.tensorboard)
     if config.checkpoint.checkpoint_dir:
         check_creatable_dir("--checkpoint-dir", config.checkpoint.checkpoint_dir)
+    rt = config.runtime
+    rt.check_device_present()
+    if rt.nvme_dir is not None:
+        from pystronghold.io.scratch import check_io_directory
+
+        check_io_directory(rt.nvme_dir, flag="--nvme")  # exists (or is created), takes files
 
 
 def _require(extra: str, what: str) -> None:
@@ -154,8 +154,8 @@ def _require(extra: str, what: str) -> None:
 
 
 def _check_model(config: TrainConfig, cfg) -> None:
-    """--seq, the layout and the fine-tune against the model (local arithmetic: the same on every
-    rank, before any collective)."""
+    """--seq, the data, the fine-tune and the layout against the model and the launch's processes
+    (local arithmetic: the same on every rank, before any collective)."""
     data, par, ft = config.data, config.parallel, config.finetune
     hf = isinstance(cfg, HFModelConfig)
     if data.seq > cfg.seq_len:
@@ -167,6 +167,11 @@ def _check_model(config: TrainConfig, cfg) -> None:
         if tp > 1 and par.pp > 1:
             raise ConfigError(par, "tp=", f"with `pp=`: --model {HF_PREFIX}DIR takes one of them at a "
                               "time yet (--dp goes with either)")
+        if not data.data:
+            # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
+            # on it by a forgotten option would look like success
+            raise ConfigError(config.model, "model", f"{HF_PREFIX}DIR needs --data (the text, .jsonl records "
+                              "or token file to fine-tune on)")
     if not ft.full:
         # NOTE: --freeze --tp on hf:DIR: the frozen shards are read from DIR like the others; LoRA and
         # --freeze at --pp on hf:DIR: each stage wraps its own blocks
@@ -180,6 +185,7 @@ def _check_model(config: TrainConfig, cfg) -> None:
                 from pystronghold.planner.trainable import check_lora_targets, lora_targets
 
                 check_lora_targets(cfg, lora_targets(cfg, ft))
+    par.check_world()
     if par.pp > 1:
         _check_pipeline(config, cfg.layers)
     if cfg.heads % tp:
