@@ -97,7 +97,7 @@ def synced(fn):
 
 
 def bench_device(sizes_mib: list[int], reps: int) -> list[dict]:
-    from pystronghold.runtime.backend_cuda import CUDABackend
+    from pystronghold.runtime.backends.backend_cuda import CUDABackend
 
     rows = []
     engine = CopyEngine(threads=2, queues=2)

@@ -48,7 +48,7 @@ from common import (MIN_PAIRS, LoadWatch, Timing, TorchTrainer, WrappedTrainer, 
 from window import HYPER  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
-from pystronghold.runtime.prepare import head_tail_bytes  # noqa: E402
+from pystronghold.runtime.memory.layout import head_tail_bytes  # noqa: E402
 
 LOSS_RTOL = 1e-5
 """Largest relative loss difference accepted against the reference (fp32; the fused host Adam is not

@@ -173,8 +173,8 @@ def measure_pystronghold(directory: str, precision: str, nvme: str, window: int,
     import torch
 
     import pystronghold as ph
-    from pystronghold.runtime.prepare import head_tail_bytes
-    from pystronghold.runtime.precision import compute_dtype
+    from pystronghold.runtime.memory.layout import head_tail_bytes
+    from pystronghold.runtime.settings.precision import compute_dtype
 
     import_everything()
     baseline = host_peak_bytes()

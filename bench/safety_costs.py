@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MIN_PAIRS, LoadWatch, hf_llama, interleave, paired_ratio, print_table, write_json  # noqa: E402
 
 import pystronghold as ph  # noqa: E402
-from pystronghold.runtime import block_fn  # noqa: E402
-from pystronghold.runtime.divergence import check_finite_state  # noqa: E402
+from pystronghold.runtime.blocks import block_fn  # noqa: E402
+from pystronghold.runtime.optimizer.divergence import check_finite_state  # noqa: E402
 
 
 def block_states(hidden: int) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 A random Llama of the long-context shape (4 blocks, hidden 128, FFN 512, 32,000-token vocabulary,
 ``bench/long_context.py``'s), batch 1, fp32. One block runs the engine's way
-(``runtime/block_fn.py``): its forward without a graph, then its backward: the recompute with a
+(``runtime/blocks/block_fn.py``): its forward without a graph, then its backward: the recompute with a
 graph and ``torch.autograd.grad`` for its input and parameters. The working set is the peak of the
 bytes of the tensors made meanwhile that are alive (each storage counted once, from the op's output
 until its last tensor dies), measured by a dispatch mode, not estimated. The MLP tiles through

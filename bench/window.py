@@ -18,7 +18,7 @@ equal plain PyTorch's before any time is reported.
     .venv/bin/python bench/window.py                 # 12 blocks, hidden 512, seq 256
     .venv/bin/python bench/window.py --quick --json bench/results/window.json
 
-With ``--accumulation 1,4,16`` it compares instead the two accumulation schedules (runtime/relay.py)
+With ``--accumulation 1,4,16`` it compares instead the two accumulation schedules (runtime/streaming/relay.py)
 for each m: ``default`` (micro-batch-major, the baseline) and ``--schedule relay`` (layer-major),
 the same W, taking turns step by step; per step: time, H2D bytes, D2H bytes and, with ``--nvme DIR``
 (every state on disk), the file tier's read and written bytes. Correctness first: both schedules'

@@ -56,7 +56,7 @@ def __getattr__(name: str):
 
         return AdamW
     if name == "DivergenceError":
-        from pystronghold.runtime.divergence import DivergenceError
+        from pystronghold.runtime.optimizer.divergence import DivergenceError
 
         return DivergenceError
     if name == "save_pretrained":

@@ -4,7 +4,7 @@
 ``param_grad_norms`` (fp32 norm per grad) and ``crc32c`` (the file tier's checksum). ``native_ops()``
 loads ``pystronghold._C``, registers the fake implementations once (for FakeTensor, ``torch.compile``
 and ``opcheck``) and returns the operators. Typed wrappers: ``optim.functional``,
-``runtime.grad_norms.param_grad_norms`` and ``crc32c`` here.
+``runtime.optimizer.grad_norms.param_grad_norms`` and ``crc32c`` here.
 
 NOTE: the fake implementations are also the Meta kernels, so they check the device themselves.
 """

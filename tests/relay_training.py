@@ -1,4 +1,4 @@
-"""Training through engine.accumulate under either schedule (runtime/relay.py), shared by the relay's
+"""Training through engine.accumulate under either schedule (runtime/streaming/relay.py), shared by the relay's
 runtime and planner tests."""
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.planner.hardware import GiB, Hardware
 from pystronghold.planner.params import active_matmul_numel, block_param_shapes, head_tail_param_shapes, numel
 from pystronghold.planner.trainable import param_split
-from pystronghold.runtime import layout
-from pystronghold.runtime.precision import DTYPES, compute_dtype
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.settings.precision import DTYPES, compute_dtype
 from pystronghold.settings.finetune import FinetuneOptions
 
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
@@ -134,14 +134,14 @@ def block_param_numels(config: GPTConfig) -> list[int]:
 
 def block_buffer_numel(config: GPTConfig) -> int:
     """Elements of one block's flat buffer on one rank as the runtime lays it out
-    (``runtime.layout.param_offsets``): the parameters at ``ALIGN_ELEMS`` offsets, padded; what one
+    (``runtime.memory.layout.param_offsets``): the parameters at ``ALIGN_ELEMS`` offsets, padded; what one
     load or one gradient copy-out moves, and what the window slots and every host store state of a
     block are sized from."""
     return layout.param_offsets(block_param_numels(config))[1]
 
 
 def slot_bytes(config: GPTConfig, precision: str) -> int:
-    """Device bytes of one window slot as the runtime lays it out (``runtime.layout``): a parameter
+    """Device bytes of one window slot as the runtime lays it out (``runtime.memory.layout``): a parameter
     buffer and a gradient buffer in ``precision``, each the block's parameters at aligned offsets,
     rounded up to the arena alignment."""
     return layout.slot_bytes(block_buffer_numel(config), compute_dtype(precision))
@@ -225,7 +225,7 @@ def tail_activation_bytes(config: GPTConfig, work: Workload, seq: int) -> int:
 
 
 def host_bytes_per_param(precision: str) -> int:
-    """Host store bytes per block parameter as the runtime lays it out (``runtime.layout``): fp32
+    """Host store bytes per block parameter as the runtime lays it out (``runtime.memory.layout``): fp32
     master, exp_avg, exp_avg_sq (12) plus the gradient in compute precision (s) plus, in bf16/fp16,
     the compute-precision shadow (s): 16 bytes in every precision."""
     return layout.host_bytes_per_param(compute_dtype(precision))

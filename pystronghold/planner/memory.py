@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from pystronghold.planner.cost import INPUTS_IN_FLIGHT, BlockCosts, Workload
 from pystronghold.planner.hardware import Hardware, format_bytes
-from pystronghold.runtime.layout import upload_state
-from pystronghold.runtime.placement import plan_placement
-from pystronghold.runtime.precision import compute_dtype
+from pystronghold.runtime.memory.layout import upload_state
+from pystronghold.runtime.memory.placement import plan_placement
+from pystronghold.runtime.settings.precision import compute_dtype
 
 __all__ = ["DeviceMemory", "HostMemory", "device_memory", "host_memory"]
 
@@ -145,7 +145,7 @@ def device_memory(costs: BlockCosts, work: Workload, n_blocks: int, window: int,
 
 def host_memory(costs: BlockCosts, work: Workload, hw: Hardware, n_blocks: int, ranks: int) -> HostMemory:
     """Host (and disk) bytes of the store, placed exactly as the runtime places it
-    (``pystronghold.runtime.placement.plan_placement``, frozen parameters included): everything in
+    (``pystronghold.runtime.memory.placement.plan_placement``, frozen parameters included): everything in
     host memory when it fits the host (less the reserve, shared by the ranks), else, with NVMe, the
     states that do not fit go to disk and ``nvme_staging_blocks`` blocks of them are staged in host
     memory.

@@ -1,9 +1,9 @@
 """Step time of the window schedule, by simulating its lanes, and the choice of W.
 
-The simulation follows ``pystronghold.runtime.schedule`` (W slots, forward 0 .. N-1, backward
+The simulation follows ``pystronghold.runtime.streaming.schedule`` (W slots, forward 0 .. N-1, backward
 N-1 .. 0, the last W blocks resident for backward) on five serial lanes running concurrently:
 compute, H2D loads, the data-parallel all-reduce, D2H gradient copy-outs and the CPU Adam. K
-device-resident blocks (``pystronghold.runtime.resident``) have no loads or host updates and run
+device-resident blocks (``pystronghold.runtime.optimizer.resident``) have no loads or host updates and run
 their AdamW on the compute lane. Three steps are simulated and the last is measured, so host
 updates delaying the next step's loads count. O(N) per simulation.
 """

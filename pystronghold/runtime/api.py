@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 
 __all__ = ["wrap", "from_pretrained"]
 
@@ -46,7 +46,7 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
         raise ValueError("wrap: resident_blocks='auto' is chosen by the planner before wrap "
                          "(pystronghold train --window auto); wrap takes an int >= 0")
     if blocks is None:
-        from pystronghold.runtime.discovery import find_blocks
+        from pystronghold.runtime.blocks.discovery import find_blocks
 
         name, blocks = find_blocks(model)
         log.info("wrap: using %r (%d blocks) as the block stack", name, len(blocks))
@@ -55,7 +55,7 @@ def wrap(model: torch.nn.Module, *, blocks: torch.nn.ModuleList | None = None, m
     if model in _WRAPPED or any(block in _WRAPPED for block in blocks):
         raise ValueError(f"wrap: this {type(model).__name__} is already wrapped (its weights live in the engine "
                          "an earlier wrap made); keep using that engine, or wrap a new model")
-    from pystronghold.runtime.purity import disable_hf_cache
+    from pystronghold.runtime.blocks.purity import disable_hf_cache
 
     engine = Engine(model, blocks, config, materialize=materialize)
     _WRAPPED.update([model, *blocks])

@@ -15,8 +15,8 @@ import math
 import torch
 
 from pystronghold.io import CopyEngine, HostArena
-from pystronghold.runtime.layout import ARENA_ALIGN
-from pystronghold.runtime.timing import HostClock
+from pystronghold.runtime.memory.layout import ARENA_ALIGN
+from pystronghold.runtime.tracing.timing import HostClock
 
 __all__ = ["CPUBackend"]
 

@@ -4,7 +4,7 @@ Loads run on ``h2d_stream``, gradient copy-outs on ``d2h_stream``, compute on th
 streams wait on events, never the host. A slot is reused only after its release and its gradient
 copy-out. The store's arenas are pinned, so copies are asynchronous DMA. Host-waited events are
 ``blocking=True`` (the host sleeps instead of spinning). Timed copies (``timed=True``) are
-bracketed by timing events placed on the host clock by ``runtime/timing.py``. Importable without
+bracketed by timing events placed on the host clock by ``runtime/tracing/timing.py``. Importable without
 CUDA; constructing it without a GPU raises RuntimeError.
 """
 
@@ -15,8 +15,8 @@ import math
 import torch
 
 from pystronghold.io import HostArena
-from pystronghold.runtime.layout import ARENA_ALIGN
-from pystronghold.runtime.timing import EventClock
+from pystronghold.runtime.memory.layout import ARENA_ALIGN
+from pystronghold.runtime.tracing.timing import EventClock
 
 __all__ = ["CUDABackend", "EventHandle"]
 

@@ -17,9 +17,9 @@ from typing import NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from pystronghold.runtime import autocast_state
-from pystronghold.runtime.purity import argument_name, fingerprint, is_mutable_cache, output_checksums
-from pystronghold.runtime.side_outputs import Replay, Watch, attach
+from pystronghold.runtime.blocks import autocast_state
+from pystronghold.runtime.blocks.purity import argument_name, fingerprint, is_mutable_cache, output_checksums
+from pystronghold.runtime.blocks.side_outputs import Replay, Watch, attach
 
 __all__ = ["install", "BlockFunction", "BlockRunner"]
 
@@ -272,7 +272,7 @@ def install(runner: BlockRunner, blocks: torch.nn.ModuleList) -> list:
                 return _skipped(_index, args)  # layer drop: not loaded, not updated this step
             flat, spec = pytree.tree_flatten((args, kwargs))
             box: dict = {"module": blocks[_index]}
-            relay = executor.relay if torch.is_grad_enabled() else None  # runtime/relay.py
+            relay = executor.relay if torch.is_grad_enabled() else None  # runtime/streaming/relay.py
             if relay is not None:
                 relay.arrive()  # every micro-batch reaches this block before it runs for this one
             outs = BlockFunction.apply(runner, _index, torch.is_grad_enabled(), spec, box,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pystronghold.options import ConfigError, option, parse_bytes
 from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.optim.hyper import AdamW
-from pystronghold.runtime.precision import DTYPES
+from pystronghold.runtime.settings.precision import DTYPES
 
 __all__ = ["RuntimeConfig", "ResolvedModes", "OVERLAP_MODES", "CLIP_MODES", "NVME_STATES", "SCHEDULES",
            "OFFLOAD_AUTO_FRACTION", "offload_in_effect"]
@@ -142,7 +142,7 @@ class RuntimeConfig:
         "see --device-budget-mb; without a device budget: when they would take over 1/8 of a CUDA device)."))
     """True: the head and tail's fp32 masters and AdamW moments live in host memory (pinned on
     CUDA) and the fused CPU Adam updates them at ``step()``; the device keeps only their values and
-    gradients in the compute dtype (``runtime/head_tail.py``). False: on the device, updated by a
+    gradients in the compute dtype (``runtime/optimizer/head_tail.py``). False: on the device, updated by a
     device AdamW. "auto": ``head_tail.head_tail_on_host``'s rule (host when they would take more
     than 1/8 of a CUDA device; the CPU backend: device). The same results either way."""
     overlap: str = option("auto", choices=OVERLAP_MODES)
@@ -169,7 +169,7 @@ class RuntimeConfig:
     """How accumulation runs its micro-batches: "default" (micro-batch-major: every streamed block is
     loaded m times in forward and m times in backward per step), "relay" (layer-major, L2L's:
     through ``engine.accumulate``, each block is loaded once per pass and its gradient leaves the
-    device once; ``runtime/relay.py``) or "auto" (relay when ``accumulation_steps`` > 1: the same
+    device once; ``runtime/streaming/relay.py``) or "auto" (relay when ``accumulation_steps`` > 1: the same
     compute, m times fewer link bytes; ``planner/relay.py``). Both give the same results."""
     relay_activation_bytes: int | None = option(None, flag="--relay-activations", metavar="BYTES",
                                                 parse=parse_bytes, help=(
@@ -184,7 +184,7 @@ class RuntimeConfig:
         "ahead of its backward (the same results): 'on' for every block, BYTES to keep that many on the "
         "device and offload the rest, 'off', or 'auto': only when the run would not fit the device without "
         "(the planner decides; see --device-budget-mb). Not with --schedule relay (see --relay-activations)."))
-    """The default schedule's input offload (``runtime/saved_inputs.py``): each recomputed block's
+    """The default schedule's input offload (``runtime/streaming/saved_inputs.py``): each recomputed block's
     saved input (what this forward made, never a user's tensor, a parameter or a tensor made
     without a graph) is copied to (pinned) host memory by the copy engine after the block's compute
     and its device memory given up once the copy is done; in backward it is brought back one block
@@ -198,7 +198,7 @@ class RuntimeConfig:
         "identity, neither loaded nor updated that step). 0: every block runs."))
     """LayerDrop-style stochastic depth (Fan et al. 2019): the probability that a streamed block is
     skipped in a training step (all its micro-batches; identity: the block's first argument is
-    passed on). A skipped block is neither loaded nor updated that step (``runtime/layer_drop.py``).
+    passed on). A skipped block is neither loaded nor updated that step (``runtime/streaming/layer_drop.py``).
     0: every block runs."""
     layer_drop_seed: int = 0
     """Seed of the generator that draws the skipped blocks (one draw per step, reproducible)."""
@@ -206,7 +206,7 @@ class RuntimeConfig:
     """Poison released slots with NaN, so a missing wait shows up as wrong numbers; and compare each
     recomputed block output with a checksum of its forward output (raises with the block index)."""
     trace: bool = False
-    """Record every action in ``engine.trace`` (a pystronghold.runtime.trace.Tracer)."""
+    """Record every action in ``engine.trace`` (a pystronghold.runtime.tracing.trace.Tracer)."""
     host_memory_bytes: int | None = option(None, flag="--host-memory", metavar="BYTES", parse=parse_bytes, help=(
         "Host memory the block states (and, on --device cpu, the window, head and tail) may use, e.g. "
         "8G, 8GiB, 12e9 bytes; default: 85% of what the host has available. With --nvme, states that do "
@@ -214,7 +214,7 @@ class RuntimeConfig:
     """Host memory budget for the store (and, on CPU, the device arena, head and tail), in bytes;
     default: 85% of what the host has available (MemAvailable; the rest is for activations, Python
     and torch). With ``nvme_dir`` the states that do not fit go to disk
-    (``pystronghold.runtime.placement``); without it a store larger than this is refused."""
+    (``pystronghold.runtime.memory.placement``); without it a store larger than this is refused."""
     nvme_dir: str | None = option(None, flag="--nvme", metavar="DIR", help=(
         "Directory for block states the host memory cannot hold (a scratch subdirectory is made there "
         "and removed at the end; it is never needed to resume: checkpoints are separate)."))

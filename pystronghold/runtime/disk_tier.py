@@ -19,8 +19,8 @@ import torch
 
 from pystronghold.io import CopyError, CopyHandle, FileStore, HostArena
 from pystronghold.io.scratch import ScratchDir, check_free_space, free_bytes
-from pystronghold.runtime.layout import ARENA_ALIGN, arena_bytes, buffer_bytes, state_dtype
-from pystronghold.runtime.placement import Placement
+from pystronghold.runtime.memory.layout import ARENA_ALIGN, arena_bytes, buffer_bytes, state_dtype
+from pystronghold.runtime.memory.placement import Placement
 
 __all__ = ["DiskTier", "DiskTierError", "Lease", "disk_tier_bytes", "open_scratch"]
 

@@ -15,20 +15,21 @@ import time
 
 import torch
 
-from pystronghold.runtime import block_fn, relay
+from pystronghold.runtime.blocks import block_fn
+from pystronghold.runtime.streaming import relay
 from pystronghold.runtime.build import build_optimizers, build_parts
-from pystronghold.runtime.config import RuntimeConfig, offload_in_effect
-from pystronghold.runtime.executor import PassExecutor
-from pystronghold.runtime.host_time import HostSpans
-from pystronghold.runtime.schedule import Plan
-from pystronghold.runtime.inputs import forward_signature, move_inputs
+from pystronghold.runtime.settings.config import RuntimeConfig, offload_in_effect
+from pystronghold.runtime.streaming.executor import PassExecutor
+from pystronghold.runtime.tracing.host_time import HostSpans
+from pystronghold.runtime.streaming.schedule import Plan
+from pystronghold.runtime.blocks.inputs import forward_signature, move_inputs
 from pystronghold.runtime.memory_report import EngineMemory, measure_memory
 from pystronghold.optim.window_optimizer import WindowOptimizer
 from pystronghold.runtime.prepare import device_total_bytes
-from pystronghold.runtime.optimizer_state import (engine_state_dict, load_engine_state_dict,
+from pystronghold.runtime.states.optimizer_state import (engine_state_dict, load_engine_state_dict,
                                                   load_optimizer_state_dict, optimizer_state_dict)
-from pystronghold.runtime.state_dict import EngineStates, install_model_hooks
-from pystronghold.runtime.step import OptimizerStep
+from pystronghold.runtime.states.state_dict import EngineStates, install_model_hooks
+from pystronghold.runtime.optimizer.step import OptimizerStep
 
 __all__ = ["Engine", "engine_parts_for_tests"]
 
@@ -62,7 +63,7 @@ class Engine:
         self.head_tail_params = parts.head_tail_params
         self.head_tail_on_host = parts.head_tail_on_host
         """Head and tail train from host memory (``RuntimeConfig.head_tail_on_host``, "auto" resolved)."""
-        self.host_spans = HostSpans(self.trace)  # model / engine / step spans (runtime/host_time.py)
+        self.host_spans = HostSpans(self.trace)  # model / engine / step spans (runtime/tracing/host_time.py)
         self.dp_group, self.tp_group, self.parallel = parts.dp_group, parts.tp_group, parts.parallel
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
         # which parameters train is fixed here: the layouts, optimizer states and param groups follow it
@@ -130,7 +131,7 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         """Run the model's own forward, with host tensors among the arguments moved to the device
-        (``pystronghold.runtime.inputs.move_inputs``; a tensor on another device: ValueError)."""
+        (``pystronghold.runtime.blocks.inputs.move_inputs``; a tensor on another device: ValueError)."""
         args, kwargs = move_inputs(args, kwargs, self.device, self._forward_signature)
         return self.call(self.model, *args, **kwargs)
 
@@ -187,7 +188,7 @@ class Engine:
         detached, shape (m,). Call ``step()`` after it as usual.
 
         With ``schedule="relay"`` the m micro-batches run layer-major (each streamed block is loaded
-        once in forward and once in backward, its gradient leaves the device once; runtime/relay.py);
+        once in forward and once in backward, its gradient leaves the device once; runtime/streaming/relay.py);
         otherwise one after the other, as a loop of ``engine(...)``/``backward`` would."""
         return relay.accumulate(self, self._executor, micro_batches, loss_fn, mean=mean)
 
@@ -291,7 +292,7 @@ class Engine:
         the host's when ``host`` (work the host itself waits for)."""
         return self._executor.span(kind, block, host=host)
 
-    # ---- the schedule (runtime/executor.py), driven by block_fn.BlockFunction
+    # ---- the schedule (runtime/streaming/executor.py), driven by block_fn.BlockFunction
 
     def enter(self, block: int, phase: str, train: bool) -> None:
         """Before ``block`` computes in ``phase``: its load is issued and waited for; params bound."""
@@ -320,7 +321,7 @@ class Engine:
         checkpoints keep of it)."""
         return self._executor.layer_drop
 
-    # ---- optimizer step (runtime/step.py), between passes
+    # ---- optimizer step (runtime/optimizer/step.py), between passes
 
     @property
     def scaler(self):

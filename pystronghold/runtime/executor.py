@@ -14,11 +14,11 @@ import contextlib
 import logging
 
 from pystronghold.parallel.data import average_
-from pystronghold.runtime.layer_drop import LayerDrop
-from pystronghold.runtime.input_spill import InputSpill
-from pystronghold.runtime.saved_inputs import SavedInputs
-from pystronghold.runtime.schedule import Load, Release, Use, build_plan
-from pystronghold.runtime.timing import copy_marks
+from pystronghold.runtime.streaming.layer_drop import LayerDrop
+from pystronghold.runtime.streaming.input_spill import InputSpill
+from pystronghold.runtime.streaming.saved_inputs import SavedInputs
+from pystronghold.runtime.streaming.schedule import Load, Release, Use, build_plan
+from pystronghold.runtime.tracing.timing import copy_marks
 
 __all__ = ["PassExecutor"]
 
@@ -412,7 +412,7 @@ class PassExecutor:
 
     def flush_copies(self, calibrate: bool = False) -> None:
         """Finished copies go to the trace and are dropped; with ``calibrate`` (step end, sync) the
-        trace's device-timed spans are placed on the host clock (runtime/timing.py)."""
+        trace's device-timed spans are placed on the host clock (runtime/tracing/timing.py)."""
         self._copies.extend(self.store.take_events())
         keep = []
         for kind, block, h in self._copies:

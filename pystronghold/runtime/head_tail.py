@@ -24,8 +24,8 @@ import torch
 
 from pystronghold.optim.functional import adam_step_multi_, grad_sq_norm, param_grad_norms
 from pystronghold.optim.hyper import AdamWHyper
-from pystronghold.runtime import layout
-from pystronghold.runtime.divergence import DivergenceError
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.optimizer.divergence import DivergenceError
 
 __all__ = ["HostHeadTail", "head_tail_on_host", "host_head_tail_bytes", "HEAD_TAIL_AUTO_FRACTION"]
 

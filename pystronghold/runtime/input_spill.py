@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from pystronghold.io.scratch import ScratchDir
-from pystronghold.runtime.placement import available_host_bytes
+from pystronghold.runtime.memory.placement import available_host_bytes
 
 __all__ = ["InputSpill", "INPUT_HOST_FRACTION", "SPILL_ALIGN"]
 

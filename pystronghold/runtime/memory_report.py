@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from pystronghold.runtime.prepare import head_tail_bytes
+from pystronghold.runtime.memory.layout import head_tail_bytes
 
 __all__ = ["EngineMemory", "measure_memory"]
 

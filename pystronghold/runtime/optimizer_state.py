@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pystronghold.runtime.state_dict import MOMENTS
+from pystronghold.runtime.states.state_dict import MOMENTS
 
 __all__ = ["optimizer_state_dict", "load_optimizer_state_dict", "block_step_counts", "set_block_step_counts",
            "ENGINE_STATE_KEYS", "engine_state_dict", "load_engine_state_dict"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pystronghold.runtime.layout import STATES, buffer_bytes, state_numel, stored_states
+from pystronghold.runtime.memory.layout import STATES, buffer_bytes, state_numel, stored_states
 
 __all__ = ["Placement", "plan_placement", "spill_order", "available_host_bytes", "DEFAULT_HOST_FRACTION",
            "default_host_budget_bytes"]

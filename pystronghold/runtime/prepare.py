@@ -12,11 +12,11 @@ import warnings
 
 import torch
 
-from pystronghold.runtime import layout
-from pystronghold.runtime.head_tail import head_tail_on_host, host_head_tail_bytes
-from pystronghold.runtime.placement import available_host_bytes
-from pystronghold.runtime.precision import compute_dtype
-from pystronghold.runtime.store import BlockLayout
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.optimizer.head_tail import head_tail_on_host, host_head_tail_bytes
+from pystronghold.runtime.memory.placement import available_host_bytes
+from pystronghold.runtime.settings.precision import compute_dtype
+from pystronghold.runtime.memory.store import BlockLayout
 
 __all__ = ["split_parameters", "move_to_device", "fill_store", "init_threads_for", "INIT_BYTES_IN_FLIGHT",
            "slot_bytes", "head_tail_bytes", "device_total_bytes", "materialize_resident", "window_slots", "split_model", "ModelSplit"]

@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pystronghold.runtime import autocast_state
-from pystronghold.runtime.saved_inputs import SavedInputs
+from pystronghold.runtime.blocks import autocast_state
+from pystronghold.runtime.streaming.saved_inputs import SavedInputs
 
 __all__ = ["Relay", "RelayAborted", "accumulate"]
 

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pystronghold.optim.device_adamw import DeviceAdamW
 from pystronghold.optim.hyper import AdamW, AdamWHyper
-from pystronghold.runtime.prepare import head_tail_bytes
+from pystronghold.runtime.memory.layout import head_tail_bytes
 
 __all__ = ["ResidentBlocks"]
 

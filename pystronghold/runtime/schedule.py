@@ -52,7 +52,7 @@ class Plan:
     slot_at: list[int] = field(default_factory=list)
     """``slot_at[k]``: the slot holding the block of use k."""
     micro_batches: int = 1
-    """Micro-batches each block use runs over in a row (the relay schedule, ``runtime/relay.py``):
+    """Micro-batches each block use runs over in a row (the relay schedule, ``runtime/streaming/relay.py``):
     every use is repeated this many times, and the plan's actions follow the last of the repeats."""
 
     def run_bounds(self, k: int) -> tuple[bool, bool]:

@@ -15,7 +15,7 @@ import torch
 
 from pystronghold.parallel.data import any_rank, average_grads_, global_grad_norm, is_pipeline_copy, is_tp_shard
 from pystronghold.parallel.groups import group_size
-from pystronghold.runtime.divergence import DivergenceError, describe_nonfinite
+from pystronghold.runtime.optimizer.divergence import DivergenceError, describe_nonfinite
 
 __all__ = ["OptimizerStep"]
 

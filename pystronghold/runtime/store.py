@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pystronghold.runtime.disk_tier import DiskTier, Lease
-from pystronghold.runtime.layout import arena_bytes, buffer_bytes, param_offsets, state_dtype, upload_state
-from pystronghold.runtime.placement import Placement, plan_placement
+from pystronghold.runtime.memory.disk_tier import DiskTier, Lease
+from pystronghold.runtime.memory.layout import arena_bytes, buffer_bytes, param_offsets, state_dtype, upload_state
+from pystronghold.runtime.memory.placement import Placement, plan_placement
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParamSpan", "BlockLayout", "HostStore", "Lease"]
 

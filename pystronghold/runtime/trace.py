@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pystronghold.runtime.timing import Calibration, is_host_mark, mark_done, to_host_s
+from pystronghold.runtime.tracing.timing import Calibration, is_host_mark, mark_done, to_host_s
 
 __all__ = ["Tracer", "TraceEvent", "TraceSummary", "COMPUTE_KINDS", "BACKGROUND_KINDS",
            "TRANSFER_KINDS", "LANE_OF_KIND", "lanes_of"]
@@ -140,7 +140,7 @@ class Tracer:
 
     def defer(self, kind: str, block: int | None, start, end, nbytes: int = 0,
               lane: str | None = None) -> None:
-        """Record an action timed by two marks (``pystronghold.runtime.timing``): host readings
+        """Record an action timed by two marks (``pystronghold.runtime.tracing.timing``): host readings
         (float seconds) are recorded at once; device events wait for ``resolve``."""
         if not self.enabled:
             return

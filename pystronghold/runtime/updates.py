@@ -15,8 +15,8 @@ import torch
 
 from pystronghold.optim.functional import adam_step_, adam_step_multi_, grad_sq_norm, param_grad_norms
 from pystronghold.optim.hyper import AdamWHyper
-from pystronghold.runtime.divergence import DivergenceError
-from pystronghold.runtime.layout import state_dtype, stored_states
+from pystronghold.runtime.optimizer.divergence import DivergenceError
+from pystronghold.runtime.memory.layout import state_dtype, stored_states
 
 __all__ = ["HostUpdates", "undo_bytes"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pystronghold.runtime.store import BlockLayout
+from pystronghold.runtime.memory.store import BlockLayout
 
 __all__ = ["Slot", "Window"]
 

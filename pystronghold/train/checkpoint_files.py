@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load
 
-from pystronghold.runtime.divergence import nonfinite_entry
+from pystronghold.runtime.optimizer.divergence import nonfinite_entry
 from pystronghold.train.checkpoint_dir import CheckpointError, UnusableCheckpoint
 
 __all__ = ["BLOCK_STATES", "STATE_KEYS", "write_file", "fsync_dir", "read_tensors", "read_finite_tensors",

@@ -21,7 +21,7 @@ from safetensors.torch import save as st_save
 
 from pystronghold.parallel.data import is_pipeline_copy
 from pystronghold.parallel.layers import gather_tp_tensor
-from pystronghold.runtime.divergence import check_finite_state
+from pystronghold.runtime.optimizer.divergence import check_finite_state
 from pystronghold.train.checkpoint_dir import FORMAT, VERSION, block_file, checkpoint_name, mark_run
 from pystronghold.train.checkpoint_files import BLOCK_STATES, STATE_KEYS, fsync_dir, model_record, tp_split, write_file
 from pystronghold.train.checkpoint_state import RunRecord, StreamedModel

@@ -62,7 +62,7 @@ def _leave_the_first_exit_to_rank_0(message: str) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``pystronghold train``: 0 on success, 2 on bad input, 1 when training fails."""
-    from pystronghold.runtime.divergence import DivergenceError
+    from pystronghold.runtime.optimizer.divergence import DivergenceError
     from pystronghold.train.checkpoint import CheckpointError, CheckpointWriteError, SaveInterrupted
     from pystronghold.options import ConfigError
     from pystronghold.train.loop import Trainer, close_parallel

@@ -6,8 +6,8 @@ Where the device budget is known (``--device-budget-mb``, or a CUDA device's fre
 that make the run fit beside what the user fixed (the chunked loss and the MLP tiles as they are in
 effect), among as few the fastest predicted step; one line says what it chose and why. Without a
 budget (the CPU backend without ``--device-budget-mb``), a pipeline stage, or a shape the planner
-cannot read, "auto" stays for the runtime's own rules (``runtime.head_tail.head_tail_on_host``,
-``runtime.config.offload_in_effect``).
+cannot read, "auto" stays for the runtime's own rules (``runtime.optimizer.head_tail.head_tail_on_host``,
+``runtime.settings.config.offload_in_effect``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 from pystronghold.planner.cost import Workload
 from pystronghold.planner.hardware import Hardware, format_bytes
 from pystronghold.planner.sequence import choose_sequence_settings, settings_words
-from pystronghold.runtime.placement import available_host_bytes
+from pystronghold.runtime.memory.placement import available_host_bytes
 from pystronghold.train.autowindow import device_budget, run_workload
 from pystronghold.train.context import this_machine
 

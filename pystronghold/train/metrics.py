@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from pystronghold.planner.hardware import format_bytes
-from pystronghold.runtime.host_time import HOST_KINDS
-from pystronghold.runtime.layout import device_bytes_per_param
-from pystronghold.runtime.trace import Tracer
+from pystronghold.runtime.tracing.host_time import HOST_KINDS
+from pystronghold.runtime.memory.layout import device_bytes_per_param
+from pystronghold.runtime.tracing.trace import Tracer
 
 __all__ = ["METRIC_FIELDS", "IntervalMetrics", "summarize_events", "MemoryReport", "memory_report",
            "TimeReport", "format_bytes", "MetricsWriter", "OutputWriteError", "TrainResult"]
@@ -332,7 +332,7 @@ class TimeReport:
 
     def parts(self) -> dict[str, float]:
         """The training wall time split into named parts, seconds: ``compute`` (block forward,
-        backward, recompute), ``model``, ``engine`` and ``step`` (host spans, ``runtime/host_time.py``;
+        backward, recompute), ``model``, ``engine`` and ``step`` (host spans, ``runtime/tracing/host_time.py``;
         the waits for copies and host updates are inside ``engine``), and ``unaccounted``, the wall
         time none of them covers. On the CPU backend the parts are disjoint host time and sum to
         ``wall_s``; on CUDA compute is device time that overlaps the host's, so ``unaccounted`` can be

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
-from pystronghold.runtime.trace import Tracer
+from pystronghold.runtime.tracing.trace import Tracer
 from pystronghold.train.metrics import OutputWriteError
 
 __all__ = ["write_outputs", "write_loss_png", "loss_axis_label", "step_starts", "timeline_title"]

@@ -76,8 +76,8 @@ def test_cuda_nvme_tier_is_exact_with_strict_mode(cuda_build, tmp_path, overlap)
 
 
 def test_cuda_copies_carry_device_marks_only_when_timed(cuda_build):
-    from pystronghold.runtime.backend_cuda import CUDABackend
-    from pystronghold.runtime.timing import copy_marks
+    from pystronghold.runtime.backends.backend_cuda import CUDABackend
+    from pystronghold.runtime.tracing.timing import copy_marks
 
     backend = CUDABackend("cuda", 1 << 20)
     try:

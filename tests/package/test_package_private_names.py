@@ -72,7 +72,7 @@ def test_no_module_reads_another_modules_private_names():
 
 
 @pytest.mark.parametrize("source", [
-    "from pystronghold.runtime.trace import Tracer, _lanes\n",
+    "from pystronghold.runtime.tracing.trace import Tracer, _lanes\n",
     "def f(engine):\n    engine._step()\n",
     "class Store:\n    def __init__(self, engine):\n        self._engine = engine\n"
     "    def write(self):\n        return self._engine._engine\n",

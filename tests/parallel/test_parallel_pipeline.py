@@ -244,7 +244,7 @@ def test_stage_passes_follow_torch_schedules():
 def test_a_stage_run_in_another_order_than_its_plan_raises():
     """The engine checks every block use against the step plan: a schedule that runs the passes
     in another order fails loudly instead of computing with the wrong blocks."""
-    from pystronghold.runtime.schedule import pass_uses, plan_uses
+    from pystronghold.runtime.streaming.schedule import pass_uses, plan_uses
 
     model = GPT(dataclasses.replace(CFG, tie_embeddings=False), seed=7)
     engine = ph.wrap(model, blocks=model.blocks, window=2, accumulation_steps=2)

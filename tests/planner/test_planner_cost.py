@@ -12,7 +12,7 @@ from pystronghold.planner.cost import (Workload, analytic_window, block_activati
                                        tail_activation_bytes)
 from pystronghold.planner.hardware import GPU, GPUS, GiB, Hardware, gpu_preset
 from pystronghold.runtime.prepare import slot_bytes as prepare_slot_bytes
-from pystronghold.runtime.store import BlockLayout
+from pystronghold.runtime.memory.store import BlockLayout
 from runtime_models import saved_activation_bytes
 
 

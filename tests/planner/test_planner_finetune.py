@@ -15,7 +15,7 @@ from pystronghold.planner import Hardware, Workload, gpu_preset, largest_models,
 from pystronghold.planner.cost import block_costs
 from pystronghold.planner.hardware import GiB
 from pystronghold.planner.trainable import param_split
-from pystronghold.runtime.placement import plan_placement
+from pystronghold.runtime.memory.placement import plan_placement
 from pystronghold.settings.finetune import FinetuneOptions
 
 from hf_models import FAMILIES, save_tiny

@@ -11,8 +11,8 @@ from pystronghold.planner import Hardware, Workload, gpu_preset
 from pystronghold.planner.cost import block_activation_bytes, block_costs, block_forward_flops
 from pystronghold.planner.plan import make_plan
 from pystronghold.planner.trainable import param_split
-from pystronghold.runtime import layout
-from pystronghold.runtime.prepare import head_tail_bytes
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.memory.layout import head_tail_bytes
 from pystronghold.settings.finetune import FinetuneOptions
 from runtime_models import one_torch_thread
 

@@ -1,5 +1,5 @@
 """The planner's bytes are the runtime's: the window slot and head/tail it predicts for a model
-are what ``wrap`` allocates for that model (both go through ``runtime/layout.py``)."""
+are what ``wrap`` allocates for that model (both go through ``runtime/memory/layout.py``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.planner import Hardware, Workload, block_costs, gpu_preset
-from pystronghold.runtime import layout
-from pystronghold.runtime.prepare import head_tail_bytes
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.memory.layout import head_tail_bytes
 from runtime_models import one_torch_thread
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from pystronghold.runtime.disk_tier import DiskTier
+from pystronghold.runtime.memory.disk_tier import DiskTier
 from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import HetStack, het_batches, one_torch_thread, train_engine
 

@@ -4,7 +4,7 @@ import pytest
 from torch import nn
 
 from pystronghold.models import GPT, GPTConfig
-from pystronghold.runtime.discovery import find_blocks
+from pystronghold.runtime.blocks.discovery import find_blocks
 
 
 class Layer(nn.Module):
@@ -48,7 +48,7 @@ def test_known_layouts_are_found_by_name(path):
 
 def test_pystronghold_gpt_and_log(caplog):
     model = GPT(GPTConfig(vocab_size=16, seq_len=8, layers=2, hidden=8, heads=2))
-    with caplog.at_level(logging.INFO, logger="pystronghold.runtime.discovery"):
+    with caplog.at_level(logging.INFO, logger="pystronghold.runtime.blocks.discovery"):
         name, found = find_blocks(model)
     assert name == "blocks" and found is model.blocks
     assert "blocks" in caplog.text and "2 x Block" in caplog.text

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pystronghold as ph
-from pystronghold.runtime.divergence import DivergenceError, check_finite_state
+from pystronghold.runtime.optimizer.divergence import DivergenceError, check_finite_state
 from runtime_models import gpt_batches, one_torch_thread, tiny_gpt, train_engine
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

@@ -8,7 +8,7 @@ import torch
 
 import pystronghold as ph
 from pystronghold.runtime.engine import engine_parts_for_tests
-from pystronghold.runtime.prepare import head_tail_bytes
+from pystronghold.runtime.memory.layout import head_tail_bytes
 from runtime_models import engine_steps, gpt_batches, one_torch_thread, tiny_gpt
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

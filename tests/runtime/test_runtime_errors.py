@@ -133,7 +133,7 @@ def test_model_on_another_device_is_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_backend_imports_and_refuses_clearly_without_cuda():
-    import pystronghold.runtime.backend_cuda  # noqa: F401  (importable without CUDA)
+    import pystronghold.runtime.backends.backend_cuda  # noqa: F401  (importable without CUDA)
 
     model = HetStack()
     with pytest.raises(RuntimeError, match="CUDA is not available"):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import pystronghold as ph
-import pystronghold.runtime.store as store_mod
+import pystronghold.runtime.memory.store as store_mod
 from pystronghold.models import GPT, GPTConfig
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 from pystronghold.runtime.prepare import INIT_BYTES_IN_FLIGHT, init_threads_for
-from pystronghold.runtime.store import BlockLayout, HostStore
+from pystronghold.runtime.memory.store import BlockLayout, HostStore
 from pystronghold.io import HostArena
 from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import one_torch_thread

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import pystronghold as ph
-from pystronghold.runtime import layout
-from pystronghold.runtime.placement import plan_placement
-from pystronghold.runtime.store import BlockLayout
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.memory.placement import plan_placement
+from pystronghold.runtime.memory.store import BlockLayout
 from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import (HYPER, assert_same_mixed_training, assert_same_training, engine_steps, gpt_batches,
                             one_torch_thread, run_both, tiny_gpt, train_engine, train_mixed_reference,

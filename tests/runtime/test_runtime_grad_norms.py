@@ -1,4 +1,4 @@
-"""The engine's gradient norms for clipping, from either place (runtime/grad_norms.py): from the
+"""The engine's gradient norms for clipping, from either place (runtime/optimizer/grad_norms.py): from the
 slot before the copy-out (the CUDA path, forced here on the CPU backend) or from the host copy
 after it; both train exactly like plain PyTorch with clip_grad_norm_."""
 

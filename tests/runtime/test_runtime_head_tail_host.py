@@ -14,10 +14,10 @@ import torch
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.optim.device_adamw import DeviceAdamW
-from pystronghold.runtime import layout
-from pystronghold.runtime.config import RuntimeConfig
-from pystronghold.runtime.divergence import DivergenceError
-from pystronghold.runtime.head_tail import HostHeadTail, head_tail_on_host, host_head_tail_bytes
+from pystronghold.runtime.memory import layout
+from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.optimizer.divergence import DivergenceError
+from pystronghold.runtime.optimizer.head_tail import HostHeadTail, head_tail_on_host, host_head_tail_bytes
 from runtime_models import HYPER, gpt_batches, one_torch_thread
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

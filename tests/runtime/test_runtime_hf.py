@@ -148,7 +148,7 @@ def test_strict_mode_catches_a_recompute_that_differs_with_the_block_index(stric
 
 
 def test_argument_fingerprint_sees_rebinding_appending_and_in_place_writes():
-    from pystronghold.runtime.purity import fingerprint
+    from pystronghold.runtime.blocks.purity import fingerprint
 
     notes = Notes()
     notes.scale, notes.buf = float("nan"), torch.zeros(3)

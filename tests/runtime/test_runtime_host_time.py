@@ -8,8 +8,8 @@ import time
 import pytest
 
 import pystronghold as ph
-from pystronghold.runtime.host_time import HOST_KINDS
-from pystronghold.runtime.trace import COMPUTE_KINDS
+from pystronghold.runtime.tracing.host_time import HOST_KINDS
+from pystronghold.runtime.tracing.trace import COMPUTE_KINDS
 from runtime_models import gpt_batches, one_torch_thread, tiny_gpt
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

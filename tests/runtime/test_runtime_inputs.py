@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pystronghold as ph
-from pystronghold.runtime.inputs import forward_signature, move_inputs, on_device
+from pystronghold.runtime.blocks.inputs import forward_signature, move_inputs, on_device
 from runtime_models import gpt_batches, tiny_gpt
 
 META = torch.device("meta")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pystronghold as ph
-from pystronghold.runtime.layer_drop import LayerDrop
+from pystronghold.runtime.streaming.layer_drop import LayerDrop
 from runtime_models import HYPER, HetStack, het_batches, one_torch_thread
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

@@ -1,4 +1,4 @@
-"""The relay schedule (runtime/relay.py): layer-major accumulation gives the default schedule's
+"""The relay schedule (runtime/streaming/relay.py): layer-major accumulation gives the default schedule's
 results while each streamed block crosses the link once per pass."""
 
 from __future__ import annotations

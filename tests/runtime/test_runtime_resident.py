@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pystronghold as ph
-from pystronghold.runtime.prepare import head_tail_bytes
+from pystronghold.runtime.memory.layout import head_tail_bytes
 from runtime_models import (HYPER, HetStack, assert_same_mixed_training, assert_same_training, engine_steps,
                             gpt_batches, het_batches, one_torch_thread, plain_steps, run_both, tiny_gpt,
                             train_engine, train_mixed_reference)

@@ -1,4 +1,4 @@
-"""Input offload (runtime/saved_inputs.py, ``offload_block_inputs``): each recomputed block's saved
+"""Input offload (runtime/streaming/saved_inputs.py, ``offload_block_inputs``): each recomputed block's saved
 input goes to host memory after its forward and comes back one block ahead of its backward. The
 results are bit-identical to keeping the inputs; the staged bytes are the block inputs; the copies
 run while later blocks compute (shown from the trace's intervals, with copies held by gates that
@@ -18,7 +18,7 @@ from torch import nn
 
 import pystronghold as ph
 from pystronghold.options import ConfigError
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import HYPER, gpt_batches, one_torch_thread, tiny_gpt
 

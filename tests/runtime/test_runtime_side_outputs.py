@@ -1,6 +1,6 @@
 """Tensors that leave a block by a side channel (a forward hook on a submodule keeps its output, as
 transformers does for MoE router logits and attention weights) train as in plain PyTorch: they are
-carried out of the block's autograd Function and recomputed in backward (runtime/side_outputs.py)."""
+carried out of the block's autograd Function and recomputed in backward (runtime/blocks/side_outputs.py)."""
 
 from __future__ import annotations
 

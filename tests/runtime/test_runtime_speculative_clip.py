@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pystronghold as ph
-from pystronghold.runtime.updates import undo_bytes
+from pystronghold.runtime.optimizer.updates import undo_bytes
 from runtime_models import (HYPER, assert_same_training, gpt_batches, one_torch_thread, run_both, tiny_gpt,
                             train_engine, train_reference)
 

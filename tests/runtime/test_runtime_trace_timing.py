@@ -1,5 +1,5 @@
 """Device-timed spans: durations from the device's events, placed on the host clock by one
-calibration per step (pystronghold/runtime/timing.py). Fake events stand in for CUDA's on the CPU;
+calibration per step (pystronghold/runtime/tracing/timing.py). Fake events stand in for CUDA's on the CPU;
 the last test runs on a GPU only."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
-from pystronghold.runtime.backend_cuda import EventHandle
-from pystronghold.runtime.timing import Calibration, EventClock, HostClock, copy_marks, to_host_s
-from pystronghold.runtime.trace import Tracer
+from pystronghold.runtime.backends.backend_cuda import EventHandle
+from pystronghold.runtime.tracing.timing import Calibration, EventClock, HostClock, copy_marks, to_host_s
+from pystronghold.runtime.tracing.trace import Tracer
 from runtime_models import gpt_batches, one_torch_thread, tiny_gpt
 
 _threads = pytest.fixture(autouse=True)(one_torch_thread)

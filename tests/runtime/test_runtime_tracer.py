@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from pystronghold.runtime.trace import Tracer
+from pystronghold.runtime.tracing.trace import Tracer
 
 
 def synthetic() -> Tracer:

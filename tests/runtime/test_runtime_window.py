@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pystronghold.runtime.schedule import Load, Release, build_plan
+from pystronghold.runtime.streaming.schedule import Load, Release, build_plan
 from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import (HetStack, SlowCopies, assert_same_training, het_batches, one_torch_thread,
                             train_engine, train_reference)
@@ -164,8 +164,8 @@ def _record_losses(engine, out):
 
 
 def test_block_layout_aligns_offsets_and_keeps_gaps_zero():
-    from pystronghold.runtime.layout import ALIGN_ELEMS
-    from pystronghold.runtime.store import BlockLayout
+    from pystronghold.runtime.memory.layout import ALIGN_ELEMS
+    from pystronghold.runtime.memory.store import BlockLayout
 
     block = HetStack().blocks[2]  # attention block: odd-sized tensors
     named = list(block.named_parameters())

@@ -38,7 +38,7 @@ def test_state_pt_holds_the_engines_state_dict_and_the_older_layout_still_resume
     uninterrupted run's losses bit for bit (fp16: the loss scale comes back too)."""
     import hashlib
 
-    from pystronghold.runtime.optimizer_state import ENGINE_STATE_KEYS
+    from pystronghold.runtime.states.optimizer_state import ENGINE_STATE_KEYS
 
     straight = run_training(tiny_config(tmp_path, steps=4, precision="fp16"))
     ck = tmp_path / "ck"

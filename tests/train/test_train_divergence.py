@@ -11,7 +11,7 @@ import re
 import pytest
 
 from pystronghold.cli import main
-from pystronghold.runtime.divergence import DivergenceError
+from pystronghold.runtime.optimizer.divergence import DivergenceError
 from pystronghold.train import Trainer, resolve
 from pystronghold.train.checkpoint_dir import latest_checkpoint
 from train_helpers import run_training, save_trainer, tiny_config

@@ -90,7 +90,7 @@ def test_plan_says_why_the_disk_was_or_was_not_used(capsys, host, words):
 
 
 def test_timeline_title_and_run_summary_name_their_figures_apart():
-    from pystronghold.runtime.trace import Tracer
+    from pystronghold.runtime.tracing.trace import Tracer
     from pystronghold.train.metrics import TimeReport
     from pystronghold.train.pictures import timeline_title
 
@@ -109,7 +109,7 @@ def test_timeline_title_and_run_summary_name_their_figures_apart():
 def test_timeline_step_markers_follow_the_optimizer_steps_not_block_0():
     """Block 0 resident (never traced) and two micro-batches per step: each step starts with its
     first host span after the previous optimizer step."""
-    from pystronghold.runtime.trace import Tracer
+    from pystronghold.runtime.tracing.trace import Tracer
     from pystronghold.train.pictures import step_starts
 
     tracer = Tracer(enabled=True)

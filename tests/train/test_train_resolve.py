@@ -12,7 +12,7 @@ import pytest
 
 from pystronghold.models.presets import param_count
 from pystronghold.options import ConfigError
-from pystronghold.runtime.config import RuntimeConfig
+from pystronghold.runtime.settings.config import RuntimeConfig
 from pystronghold.settings.parallel import ParallelOptions
 from pystronghold.train import run as run_module
 from pystronghold.train import resolve
@@ -81,7 +81,7 @@ def test_under_torchrun_cuda_is_this_process_s_gpu_in_the_run_not_in_the_options
 
 
 def test_the_host_store_refusal_counts_the_layout_s_bytes_per_parameter(tmp_path, monkeypatch):
-    """The store needs the layout's host bytes per parameter (``runtime.layout.host_bytes_per_param``),
+    """The store needs the layout's host bytes per parameter (``runtime.memory.layout.host_bytes_per_param``),
     not a number of its own: a host one byte short of them refuses, and a layout that needed fewer
     would be let through."""
     model = tmp_path / "model.json"

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from pystronghold.runtime.host_time import HOST_KINDS
+from pystronghold.runtime.tracing.host_time import HOST_KINDS
 from pystronghold.train.loop import Trainer
 from pystronghold.train.run import resolve
 from pystronghold.train.metrics import TimeReport
