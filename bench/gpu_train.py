@@ -110,10 +110,11 @@ def auto_split(model, args) -> tuple[dict, float]:
     from pystronghold.train.autowindow import choose_runtime_window
     from pystronghold.runtime.settings.config import RuntimeConfig
     from pystronghold.train.config import DataOptions, ModelOptions, TrainConfig
+    from pystronghold.train.run import resolve
 
     config = TrainConfig(model=ModelOptions(model=args.model), data=DataOptions(batch=args.batch, seq=args.seq),
                          runtime=RuntimeConfig(window="auto", device=args.device, precision=args.precision))
-    decision = choose_runtime_window(model, config)
+    decision = choose_runtime_window(model, resolve(config))
     return decision.wrap_options(), decision.step.total_s
 
 

@@ -44,9 +44,9 @@ from common import LoadWatch, Timing, hf_llama, print_table, write_json  # noqa:
 
 
 def _config(args, directory: Path, data: Path, tp: int):
-    from pystronghold.models.finetune import FinetuneOptions
-    from pystronghold.planner.pipeline import ParallelOptions
     from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.settings.finetune import FinetuneOptions
+    from pystronghold.settings.parallel import ParallelOptions
     from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
     return TrainConfig(model=ModelOptions(model=f"hf:{directory}"), finetune=FinetuneOptions(lora_rank=args.lora_rank),
@@ -59,9 +59,9 @@ def _config(args, directory: Path, data: Path, tp: int):
 
 def _train(args, directory: Path, data: Path, tp: int, counter_groups: bool) -> dict:
     """Every step's (loss, seconds) and the bytes per step (counted from the first timed step on)."""
-    from pystronghold.train import Trainer
+    from pystronghold.train import Trainer, resolve
 
-    trainer = Trainer(_config(args, directory, data, tp))
+    trainer = Trainer(resolve(_config(args, directory, data, tp)))
     counter = None
     if counter_groups:
         from parallel import Counter

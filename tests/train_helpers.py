@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from pystronghold.runtime.settings.config import RuntimeConfig
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 TINY = {"vocab_size": 256, "seq_len": 32, "layers": 4, "hidden": 32, "heads": 2}
@@ -56,7 +56,7 @@ def save_trainer(trainer, root, **options):
 def run_training(config: TrainConfig, *, keep: bool = False):
     """Train ``config`` to the end and close the trainer. Returns the ``TrainResult``, or with ``keep``
     the (closed) ``Trainer`` itself, for a test that reads its engine afterwards."""
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         result = trainer.train()
     finally:

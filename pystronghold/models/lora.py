@@ -14,15 +14,16 @@ from __future__ import annotations
 import re
 import threading
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from pystronghold.models.gpt import GPT
 from pystronghold.options import first_line
+from pystronghold.settings.finetune import LoraSpec
 
-__all__ = ["LoraSpec", "ADAPTER", "PEFT_PREFIX", "GPT_ARCHITECTURE", "GPT_LORA_DEFAULT_TARGETS", "GPT_NOT_ADAPTABLE",
+__all__ = ["ADAPTER", "PEFT_PREFIX", "GPT_ARCHITECTURE", "GPT_LORA_DEFAULT_TARGETS", "GPT_NOT_ADAPTABLE",
            "default_lora_targets", "add_lora", "lora_config", "adapter_key", "merged", "merged_state_dict"]
 
 ADAPTER = "default"
@@ -63,31 +64,6 @@ def default_lora_targets(model_type: str, block_modules) -> tuple[str, ...]:
     raise ValueError(f"--lora-rank: no default LoRA targets for {model_type!r} (PEFT has none and its attention "
                      f"has no q_proj/v_proj, qkv_proj, query_key_value or c_attn); give --lora-targets, one or "
                      f"more of: {', '.join(sorted(leaves))}")
-
-
-@dataclass(kw_only=True, slots=True)
-class LoraSpec:
-    """The adapters of a run, as its checkpoints record them."""
-
-    rank: int
-    """r: the adapters' inner dimension."""
-    alpha: float
-    """lora_alpha: the update is scaled by alpha / rank."""
-    targets: tuple[str, ...] | None = None
-    """Names of the modules adapted (PEFT's ``target_modules``: a module whose name ends with one);
-    None: PEFT's default for the architecture (q_proj and v_proj for Llama, c_attn for GPT-2)."""
-    dropout: float = 0.0
-    """lora_dropout: dropout on the adapters' input during training."""
-
-    def record(self) -> dict:
-        """JSON-able fields, targets sorted."""
-        return dict(asdict(self), targets=sorted(self.targets) if self.targets is not None else None)
-
-    @classmethod
-    def from_record(cls, record: dict) -> LoraSpec:
-        """The spec of ``record()``'s fields (a checkpoint manifest's)."""
-        targets = record.get("targets")
-        return cls(**dict(record, targets=tuple(targets) if targets is not None else None))
 
 
 def lora_config(spec: LoraSpec, architecture: str, base: str | None = None):

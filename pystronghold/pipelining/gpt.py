@@ -21,7 +21,8 @@ from pystronghold.models.gpt import lm_loss
 from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.pipelining.pipeline import Pipeline
 from pystronghold.pipelining.stages import PipelineStageModule, build_stage
-from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_stages, stage_split
+from pystronghold.planner.pipeline import rank_stages, stage_split
+from pystronghold.settings.parallel import ParallelOptions, check_pipeline
 from pystronghold.strategy.layout import Layout
 
 __all__ = ["gpt_stage", "gpt_chunks", "gpt_pipeline", "gpt_loss", "gpt_pipeline_of"]

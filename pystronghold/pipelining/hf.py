@@ -26,7 +26,8 @@ from pystronghold.models.hf_loss import causal_lm_of, hidden_states_loss, lm_hea
 from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.pipelining.pipeline import Pipeline
 from pystronghold.pipelining.stages import PipelineStageModule
-from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, even_split, rank_stages
+from pystronghold.planner.pipeline import even_split, rank_stages
+from pystronghold.settings.parallel import ParallelOptions, check_pipeline
 
 __all__ = ["hf_chunks", "hf_pipeline"]
 

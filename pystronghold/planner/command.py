@@ -18,11 +18,11 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_PREFIX, NO_POSITION_LIMIT
 from pystronghold.options import ConfigError, add_options, component, from_args, one_line_error, option
-from pystronghold.planner.pipeline import ParallelOptions
 from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.settings.finetune import FinetuneOptions
+from pystronghold.settings.parallel import ParallelOptions
 
 __all__ = ["PlanRequest", "PLAN_RUNTIME_DEFAULTS", "add_plan_command", "run_plan"]
 
@@ -239,13 +239,13 @@ class PlanRequest:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``pystronghold plan``: 0 when the model fits, 1 when it does not, 2 on bad input."""
-    from pystronghold.planner.finetune import check_freeze
     from pystronghold.planner.hardware import format_bytes
     from pystronghold.planner.pipeline import link_bytes, plan_pipeline
     from pystronghold.planner.plan import largest_models, make_plan
     from pystronghold.planner.relay import schedule_report
     from pystronghold.planner.report import format_plan, plan_to_dict
     from pystronghold.planner.sequence import choose_sequence_settings, longest_context
+    from pystronghold.planner.trainable import check_freeze
 
     try:
         request = from_args(PlanRequest, args)

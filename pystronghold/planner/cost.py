@@ -1,7 +1,7 @@
 """The cost model: bytes, FLOPs and seconds of one block, of head + tail, and of one training step.
 
 The model is a ``GPTConfig`` or a Hugging Face model's ``HFShape`` (``planner/hf_shape.py``);
-what trains is ``Workload.finetune`` (``planner/finetune.py``). Everything is per tensor-parallel rank (a rank holds 1/tp of the split weights, see
+what trains is ``Workload.finetune`` (``planner/trainable.py``). Everything is per tensor-parallel rank (a rank holds 1/tp of the split weights, see
 ``pystronghold.parallel``). The formulas are explained in ``docs/DESIGN.md`` ("The planner"). Names:
 B micro-batch, T tokens per sample, C hidden, F MLP width, V padded vocabulary, a heads, t = tp,
 s = bytes per element in the compute precision (4 fp32, 2 bf16/fp16), P_b = parameters of one
@@ -13,14 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
-from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GiB, Hardware
 from pystronghold.planner.params import active_matmul_numel, block_param_shapes, head_tail_param_shapes, numel
+from pystronghold.planner.trainable import param_split
 from pystronghold.runtime.memory import layout
 from pystronghold.runtime.settings.precision import DTYPES, compute_dtype
+from pystronghold.settings.finetune import FinetuneOptions
 
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",
            "block_forward_flops", "mlp_matmul_numel", "block_activation_bytes", "tail_activation_bytes",

@@ -391,7 +391,7 @@ def run_cluster_plan(request) -> int:
     import sys
 
     from pystronghold.models.hf import NO_POSITION_LIMIT
-    from pystronghold.planner.finetune import check_freeze
+    from pystronghold.planner.trainable import check_freeze
 
     config = request.model_config()
     if request.seq is None and config.seq_len == NO_POSITION_LIMIT:

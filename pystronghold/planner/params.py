@@ -5,7 +5,7 @@ or an ``HFShape`` (a Hugging Face model read from its directory, ``planner/hf_sh
 carries its tables). Names are ``named_parameters()``'s: a block's relative to the block
 (``attn.qkv.weight``, ``self_attn.q_proj.weight``), head and tail ones in full (``head.tok.weight``,
 ``lm_head.weight``); a tied LM head appears once. What trains and what is frozen is decided on
-these names (``planner/finetune.py``), and a block's matmul FLOPs on its matrix weights
+these names (``planner/trainable.py``), and a block's matmul FLOPs on its matrix weights
 (``active_matmul_numel``).
 """
 

@@ -1,8 +1,7 @@
-"""The pipeline's arithmetic: settings, their one check, stage placement, passes and costs.
+"""The pipeline's arithmetic: stage placement, passes and costs.
 
-Pure functions of the layout, read by the pipeline runtime, ``train`` and ``plan``:
-``ParallelOptions`` (the TP x DP x PP layout) and ``check_pipeline`` (the one validator, raising
-ConfigError naming the field); ``rank_stages``, ``stage_passes``/``rank_passes`` (placement and
+Pure functions of the layout (its settings and their one check: ``settings.parallel``), read by the
+pipeline runtime, ``train`` and ``plan``: ``rank_stages``, ``stage_passes``/``rank_passes`` (placement and
 schedule order); ``gpt_stage_costs``/``stage_split`` (the FLOPs-balanced block split). With p
 stages and m micro-batches the bubble fraction is (p - 1) / m, divided by v for the interleaved
 schedule (Narayanan et al., SC'21); between stages each micro-batch sends B*T*C*s bytes each way.
@@ -10,142 +9,19 @@ schedule (Narayanan et al., SC'21); between stages each micro-batch sends B*T*C*
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from pystronghold.models.gpt import GPTConfig
-from pystronghold.options import ConfigError, option
 from pystronghold.planner.balance import stage_ranges
 from pystronghold.planner.cost import Workload, block_activation_bytes, block_forward_flops, block_params_per_rank
-from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import format_bytes
 from pystronghold.planner.params import stage_end_params
+from pystronghold.planner.trainable import param_split
+from pystronghold.settings.parallel import ParallelOptions, check_pipeline
 
-__all__ = ["SCHEDULES", "ParallelOptions", "check_pipeline", "rank_stages", "stage_passes", "rank_passes",
+__all__ = ["rank_stages", "stage_passes", "rank_passes",
            "gpt_stage_costs", "stage_split", "even_split", "bubble_fraction", "in_flight_micro_batches", "PipelinePlan",
            "plan_pipeline", "LinkBytes", "link_bytes"]
-
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
-"""Pipeline schedules, by their torch.distributed.pipelining class (Schedule1F1B, ScheduleGPipe,
-ScheduleInterleaved1F1B: several model chunks per rank)."""
-
-
-# ---- the settings and their one check
-
-def _sizes_from_text(text: str, flag: str) -> tuple[int, ...]:
-    """'3,1' -> (3, 1); ValueError naming ``flag`` for anything but comma-separated integers."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated sample counts like 3,1, got {text!r}") from None
-
-
-def _positive_int(value, minimum: int = 1) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-
-
-@dataclass(kw_only=True, slots=True)
-class ParallelOptions:
-    """Tensor, data and pipeline parallelism (launch with torchrun --nproc-per-node PP*TP*DP)."""
-
-    tp: int = 1
-    """Tensor-parallel ranks per model replica (attention heads, MLP columns and vocabulary split)."""
-    dp: int = 0
-    """Data-parallel replicas, each fed its slice of every batch; 0: the world size / (--tp x --pp)."""
-    dp_split: tuple[int, ...] | None = option(None, parse=_sizes_from_text, metavar="B0,B1,...")
-    """Samples of every batch each data-parallel replica takes, in DP-rank order, for unlike devices
-    (Whale's hardware-aware split, as pystronghold plan --cluster prints it; sum: --batch); each
-    replica's loss is weighted by its share so the gradient is the whole batch's. Default: equal
-    slices. Not with --pp."""
-    pp: int = option(1, help="Pipeline stages the blocks are split across (balanced by compute).")
-    """Pipeline stages the blocks are split across (``pystronghold.pipelining``): contiguous block
-    ranges balanced by compute (the embedding on the first stage, the LM head on the last), each
-    stage with its own window, store and host optimizer. 1: no pipeline."""
-    micro_batches: int = option(0, help="Micro-batches each replica's batch is cut into for the pipeline; 0: --pp.")
-    """Micro-batches each replica's batch is cut into for the pipeline (m); their gradients are
-    summed into one optimizer step. 0: --pp (the fewest the 1F1B schedule takes)."""
-    pp_schedule: str = option("1f1b", choices=SCHEDULES, help=(
-        "Pipeline schedule (torch's Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B)."))
-    """Pipeline schedule, by its ``torch.distributed.pipelining`` class: "1f1b" (Schedule1F1B: at
-    most p - s micro-batches in flight on stage s), "gpipe" (ScheduleGPipe: all m in flight) or
-    "interleaved" (ScheduleInterleaved1F1B: --pp-chunks model chunks per rank, the bubble divided
-    by their number; --micro-batches a multiple of --pp)."""
-    pp_chunks: int = option(1, help="Model chunks per pipeline rank for --pp-schedule interleaved (>= 2).")
-    """Model chunks (virtual stages) per pipeline rank with ``--pp-schedule interleaved``: the blocks
-    are split into pp x chunks balanced chunks, rank r holding chunks r, r + pp, ...; one window
-    runtime per rank runs all of them. 1 for the other schedules."""
-    dist_timeout: float = 300.0
-    """Seconds a collective waits for the other ranks before the run fails."""
-
-    def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"--tp must be >= 1, got {self.tp}")
-        if self.dp < 0:
-            raise ValueError(f"--dp must be >= 1 (or 0: world size / (--tp x --pp)), got {self.dp}")
-        check_pipeline(self)
-        if self.dp_split is not None:
-            if not isinstance(self.dp_split, tuple) or not self.dp_split or any(
-                    isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.dp_split):
-                raise ValueError(f"--dp-split must be positive sample counts, got {self.dp_split!r}")
-        if self.dp_split is not None and self.pp > 1:
-            raise ConfigError(self, "dp_split", "is not supported with a pipeline (pp > 1): the stages cut "
-                                                "every replica's batch into equal micro-batches")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"--dist-timeout must be > 0, got {self.dist_timeout}")
-
-    @property
-    def world_size(self) -> int:
-        """Processes of the launch (torchrun's WORLD_SIZE; 1 without a launcher)."""
-        return int(os.environ.get("WORLD_SIZE", "1"))
-
-    @property
-    def dp_size(self) -> int:
-        """--dp in effect (0 resolved against the world size)."""
-        return self.dp or max(self.world_size // (self.tp * self.pp), 1)
-
-    @property
-    def micro_batch_count(self) -> int:
-        """--micro-batches in effect (0 resolved to --pp)."""
-        return self.micro_batches or self.pp
-
-    @property
-    def distributed(self) -> bool:
-        """Whether this run needs torch.distributed (several processes or sizes above 1)."""
-        return self.world_size > 1 or self.pp * self.tp * self.dp_size > 1
-
-
-def check_pipeline(options: ParallelOptions, blocks: int | None = None) -> None:
-    """The one check of the pipeline settings of ``options`` (pp, micro_batches, pp_schedule,
-    pp_chunks), and with ``blocks`` (the model's) that every model chunk gets a block. Local
-    arithmetic only, the same on every rank, so every rank raises before any collective.
-    ConfigError naming the field (``--pp-chunks`` on the command line)."""
-    pp, m, schedule, v = options.pp, options.micro_batches, options.pp_schedule, options.pp_chunks
-    if not _positive_int(pp):
-        raise ConfigError(options, "pp", f"must be an int >= 1, got {pp!r}")
-    if not _positive_int(m, 0):
-        raise ConfigError(options, "micro_batches", f"must be an int >= 1 (or 0: `pp`), got {m!r}")
-    if schedule not in SCHEDULES:
-        raise ConfigError(options, "pp_schedule", f"must be one of {SCHEDULES}, got {schedule!r}")
-    if not _positive_int(v):
-        raise ConfigError(options, "pp_chunks", f"must be an int >= 1, got {v!r}")
-    if schedule == "interleaved" and v < 2:
-        raise ConfigError(options, "pp_chunks=", "must be >= 2 with `pp_schedule=` (one model chunk per rank "
-                                                 "is `pp_schedule='1f1b'`)")
-    if schedule != "interleaved" and v != 1:
-        raise ConfigError(options, "pp_chunks=", "needs `pp_schedule='interleaved'`")
-    if v > 1 and pp < 2:
-        raise ConfigError(options, "pp_chunks=", "needs a pipeline: `pp=` stages must be >= 2")
-    if pp == 1:
-        return
-    if schedule == "1f1b" and options.micro_batch_count < pp:
-        raise ConfigError(options, "micro_batches=", "must be at least `pp=` stages for the 1F1B schedule")
-    if schedule == "interleaved" and options.micro_batch_count % pp:
-        raise ConfigError(options, "micro_batches=", "must be a multiple of `pp=` stages for the interleaved schedule")
-    if blocks is not None and pp * v > blocks:
-        raise ConfigError(options, "pp=", f"stages are more than the model's {blocks} blocks (every stage needs "
-                          "at least one block)" if v == 1 else f"stages x `pp_chunks=` = {pp * v} model chunks are "
-                          f"more than the model's {blocks} blocks (every chunk needs at least one block)")
-
 
 # ---- which stage holds which blocks, and the passes it runs
 

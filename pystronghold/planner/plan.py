@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.planner.cost import BlockCosts, Workload, analytic_window, block_costs
-from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import Hardware
 from pystronghold.planner.memory import DeviceMemory, HostMemory, device_memory, host_memory
 from pystronghold.planner.params import model_params
 from pystronghold.planner.timeline import StepTime, choose_window, simulate_step, with_sequence_costs
+from pystronghold.planner.trainable import param_split
 
 if TYPE_CHECKING:
     from pystronghold.planner.sequence import LongestContext

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pystronghold.planner.finetune import lora_targets
 from pystronghold.planner.hardware import format_bytes
 from pystronghold.planner.plan import Plan
 from pystronghold.planner.sequence import loss_chunk_for, settings_words
+from pystronghold.planner.trainable import lora_targets
 
 __all__ = ["plan_to_dict", "finetune_to_dict", "sequence_to_dict", "format_sequence", "split_to_dict", "format_plan", "format_finetune", "format_split",
            "format_table", "format_seconds"]

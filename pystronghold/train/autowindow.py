@@ -21,18 +21,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from pystronghold.models.hf import HFModelConfig
 from pystronghold.optim.functional import adam_step_
-from pystronghold.options import ConfigError
 from pystronghold.optim.hyper import AdamWHyper
+from pystronghold.options import ConfigError
 from pystronghold.planner.cost import Workload, block_costs, BlockCosts
-from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GPU, GiB, Hardware
 from pystronghold.planner.memory import device_memory
 from pystronghold.planner.plan import choose_split
 from pystronghold.planner.timeline import StepTime
-from pystronghold.runtime.settings.precision import compute_dtype
+from pystronghold.planner.trainable import param_split
 from pystronghold.runtime.memory.placement import available_host_bytes
+from pystronghold.runtime.settings.precision import compute_dtype
 
 __all__ = ["AutoWindow", "HFProbe", "measure_costs", "choose_runtime_window", "run_workload", "device_budget",
            "device_reserve_bytes", "DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES"]
@@ -55,13 +54,13 @@ def device_reserve_bytes(total_bytes: int) -> int:
     return max(DEVICE_RESERVE_MIN_BYTES, int(DEVICE_RESERVE_FRACTION * total_bytes))
 
 
-def device_budget(config) -> tuple[int, int, int] | None:
-    """(budget, free, reserve): the device bytes the planner may fill for ``config`` (a
-    TrainConfig): ``--device-budget-mb`` (free and reserve 0), or a CUDA device's free memory less
-    ``device_reserve_bytes``; None on the CPU backend without ``--device-budget-mb``."""
-    if config.auto_window.device_budget_mb:
-        return int(config.auto_window.device_budget_mb * 2**20), 0, 0
-    device = torch.device(config.runtime.device)
+def device_budget(run) -> tuple[int, int, int] | None:
+    """(budget, free, reserve): the device bytes the planner may fill for ``run`` (a
+    ``train.run.Run``): ``--device-budget-mb`` (free and reserve 0), or a CUDA device's free memory
+    less ``device_reserve_bytes``; None on the CPU backend without ``--device-budget-mb``."""
+    if run.config.auto_window.device_budget_mb:
+        return int(run.config.auto_window.device_budget_mb * 2**20), 0, 0
+    device = torch.device(run.runtime.device)
     if device.type != "cuda":
         return None
     free, total = _free_device_bytes(device)
@@ -300,42 +299,43 @@ def _head_tail_seconds(cfg, work: Workload, device: torch.device, reps: int) -> 
     return _timed(step, device, reps)
 
 
-def run_workload(config, settings: dict | None = None) -> Workload:
-    """The planner's ``Workload`` of a train run of ``config`` (a TrainConfig): this process's
+def run_workload(run, settings: dict | None = None) -> Workload:
+    """The planner's ``Workload`` of ``run`` (a ``train.run.Run``): this process's
     micro-batch, the sequence, precision, overlap and fine-tune, the chunked loss and MLP tiles in
     effect, and head/tail on the host and block-input offload as ``settings`` (RuntimeConfig fields
-    decided since, ``train.long_context``) or the config says ("auto", undecided, counts as off).
-    No reserves: the budget it is planned in has them taken off already."""
-    rt, settings = config.runtime, settings or {}
+    being decided, ``train.long_context``) or the run's runtime says ("auto", undecided, counts as
+    off). No reserves: the budget it is planned in has them taken off already."""
+    rt, settings, data = run.runtime, settings or {}, run.config.data
     offload = settings.get("offload_block_inputs", rt.offload_block_inputs)
-    return Workload(batch=config.local_batch, seq=config.seq, precision=rt.precision,
+    return Workload(batch=run.local_batch, seq=run.seq, precision=rt.precision,
                     overlap="forward" if rt.needs_global_grad else "backward",
-                    device_reserve_bytes=0, host_reserve_bytes=0, finetune=config.finetune,
-                    loss_chunk_tokens=None if config.data.loss_chunk == "auto" else config.data.loss_chunk,
-                    mlp_tile_tokens=config.mlp_tile_tokens,
+                    device_reserve_bytes=0, host_reserve_bytes=0, finetune=run.config.finetune,
+                    loss_chunk_tokens=None if data.loss_chunk == "auto" else data.loss_chunk,
+                    mlp_tile_tokens=run.mlp_tile_tokens,
                     head_tail_on_host=settings.get("head_tail_on_host", rt.head_tail_on_host) is True,
                     offload_block_inputs=offload is not False and offload != "auto")
 
 
-def choose_runtime_window(model, config, blocks: nn.ModuleList | None = None,
-                          settings: dict | None = None) -> AutoWindow:
-    """K, the resident recompute and W for ``model`` trained with ``config`` (a TrainConfig) within
+def choose_runtime_window(model, run, blocks: nn.ModuleList | None = None) -> AutoWindow:
+    """K, the resident recompute and W for ``model`` trained as ``run`` (a ``train.run.Run``) within
     its device budget (K as given when ``--resident-blocks`` is > 0); logs the split and why.
     ``blocks``: the model's block stack (needed for a Hugging Face model, ``--model hf:DIR``).
-    ``settings``: RuntimeConfig fields decided since (``train.long_context``), over ``config``'s."""
-    rt = config.runtime
+
+    NOTE: here, after the model is built, not in ``resolve``: the split is measured on the
+    model's own blocks (``measure_costs``)."""
+    rt = run.runtime
     device = torch.device(rt.device)
-    if isinstance(config.gpt, HFModelConfig):
+    if run.hf:
         from pystronghold.planner.hf_shape import read_hf_shape
 
-        model = HFProbe(shape=read_hf_shape(config.gpt.source), model=model, blocks=blocks)
+        model = HFProbe(shape=run.hf_shape or read_hf_shape(run.model.source), model=model, blocks=blocks)
     # NOTE: the device reserve is taken off the budget below (on CUDA) rather than added to the
     # planner's peak, so that the predicted peak is what the allocator's peak counter should see
-    work = run_workload(config, settings)
+    work = run_workload(run)
     n = len(model.blocks)
     probe = measure_costs(model, work, device, budget_bytes=1)
     base = device_memory(probe, work, n, 0, 1).peak_bytes  # head/tail + activations, no slot
-    budget, free, reserve = device_budget(config) or (base + 4 * probe.slot_bytes, 0, 0)
+    budget, free, reserve = device_budget(run) or (base + 4 * probe.slot_bytes, 0, 0)
     fixed = None if rt.resident_blocks in ("auto", 0) else rt.resident_blocks  # else K as given
     if fixed is not None and fixed > n:
         raise ConfigError(rt, "resident_blocks", f"({fixed}) is more than the model's {n} blocks")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pystronghold.models.lora import GPT_ARCHITECTURE, LoraSpec, merged_state_dict
+from pystronghold.models.lora import GPT_ARCHITECTURE, merged_state_dict
+from pystronghold.settings.finetune import LoraSpec
 from pystronghold.train.checkpoint_dir import CheckpointError, read_manifest
 from pystronghold.train.checkpoint_files import read_tensors
 from pystronghold.train.checkpoint_load import load_checkpoint

@@ -17,8 +17,8 @@ from pystronghold.parallel.layers import tp_slice
 from pystronghold.train.checkpoint_dir import CheckpointError, UnusableCheckpoint, block_file, read_manifest
 from pystronghold.train.checkpoint_files import (BLOCK_STATES, STATE_KEYS, model_record, read_finite_tensors,
                                                  read_state, tp_split)
+from pystronghold.train.checkpoint_finetune import check_base, check_checkpoint_record
 from pystronghold.train.checkpoint_state import RunRecord, StreamedModel
-from pystronghold.train.finetune import check_base, check_checkpoint_record
 
 __all__ = ["load_checkpoint"]
 

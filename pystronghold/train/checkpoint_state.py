@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from pystronghold.models.hf import HFModelConfig
-from pystronghold.train.finetune import checkpoint_record
+from pystronghold.train.checkpoint_finetune import checkpoint_record
 
-__all__ = ["RNGState", "OptimizerSettings", "StreamedModel", "RunRecord", "run_state", "run_record", "leaves_frozen"]
+__all__ = ["RNGState", "OptimizerSettings", "StreamedModel", "RunRecord", "run_state", "run_record"]
 
 
 class RNGState:
@@ -125,31 +124,27 @@ class RunRecord:
     finetune: Callable[[], dict]
 
 
-def run_state(config, *, engine, scheduler, sampler, groups=None, pipeline=None) -> dict:
-    """The dict of state objects a checkpoint saves and loads for a run of ``config`` (a
-    ``TrainConfig``) training with ``engine`` (keys: model, engine, optimizer, scheduler, sampler,
+def run_state(run, *, engine, scheduler, sampler, groups=None, pipeline=None) -> dict:
+    """The dict of state objects a checkpoint saves and loads for ``run`` (a ``train.run.Run``)
+    training with ``engine`` (keys: model, engine, optimizer, scheduler, sampler,
     rng; see the module docstring); ``pipeline``: this rank's pipeline stage, if any."""
-    blocks = config.gpt.layers if pipeline is not None else len(engine.states.block_names)
-    model = StreamedModel(engine.states, groups=groups, pipeline=pipeline, blocks=blocks,
-                          leaves_frozen=leaves_frozen(config))
+    blocks = run.model.layers if pipeline is not None else len(engine.states.block_names)
+    model = StreamedModel(engine.states, groups=groups, pipeline=pipeline, blocks=blocks, leaves_frozen=run.hf)
     return {"model": model, "engine": engine, "optimizer": OptimizerSettings(engine.optimizer),
             "scheduler": scheduler, "sampler": sampler, "rng": RNGState()}
 
 
-def run_record(config, *, step: int, lineage, model, lora=None) -> RunRecord:
-    """The ``RunRecord`` of a run of ``config`` (a ``TrainConfig``) training ``model`` (the module, to
-    see which parameters are frozen), with LoRA adapters ``lora`` (``models.lora.LoraSpec``) or none."""
+def run_record(run, *, step: int, lineage, model, lora=None) -> RunRecord:
+    """The ``RunRecord`` of ``run`` (a ``train.run.Run``) training ``model`` (the module, to see
+    which parameters are frozen), with LoRA adapters ``lora`` (``settings.finetune.LoraSpec``) or
+    none. NOTE: a ``--model hf:DIR`` run leaves the frozen parameters out of its checkpoints
+    (``StreamedModel.leaves_frozen``): DIR gives them back on resume."""
+    config = run.config
 
     def finetune() -> dict:
         partial = any(not p.requires_grad for p in model.parameters())
-        base = config.gpt.source if partial and leaves_frozen(config) else None
+        base = run.model.source if partial and run.hf else None
         return checkpoint_record(config.finetune.freeze, lora, base)
 
-    return RunRecord(step=step, lineage=tuple(lineage), model=config.gpt, precision=config.runtime.precision,
+    return RunRecord(step=step, lineage=tuple(lineage), model=run.model, precision=config.runtime.precision,
                      overwrite=config.checkpoint.overwrite, finetune=finetune)
-
-
-def leaves_frozen(config) -> bool:
-    """Whether a run of ``config`` leaves the frozen parameters out of its checkpoints: a ``--model
-    hf:DIR`` run, whose frozen parameters DIR gives back on resume."""
-    return isinstance(config.gpt, HFModelConfig)

@@ -64,8 +64,10 @@ def run_train(args: argparse.Namespace) -> int:
     """Run ``pystronghold train``: 0 on success, 2 on bad input, 1 when training fails."""
     from pystronghold.runtime.optimizer.divergence import DivergenceError
     from pystronghold.train.checkpoint import CheckpointError, CheckpointWriteError, SaveInterrupted
+    from pystronghold.options import ConfigError
     from pystronghold.train.loop import Trainer, close_parallel
     from pystronghold.train.metrics import OutputWriteError
+    from pystronghold.train.run import resolve
 
     # Under torchrun every rank runs this; only rank 0 logs, draws the bar and prints errors (every
     # rank fails alike on bad input, so the others exit with the same status, silently).
@@ -78,13 +80,14 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        trainer = Trainer(config)
+        trainer = Trainer(resolve(config))
     except (ValueError, OSError, MemoryError, CheckpointError) as e:  # bad input, data, host too small
         close_parallel()
+        message = e.on_command_line() if isinstance(e, ConfigError) else str(e)
         if rank0:
-            error(str(e))
+            error(message)
         else:
-            _leave_the_first_exit_to_rank_0(str(e))
+            _leave_the_first_exit_to_rank_0(message)
         return 2
     except BaseException:
         close_parallel()

@@ -1,34 +1,24 @@
 """Options of ``pystronghold train``: one dataclass per component, composed into ``TrainConfig``.
 
-The runtime's settings are ``RuntimeConfig``'s (``TrainConfig.runtime``); the classes here hold
-what only training has. Every field's docstring is its ``--help`` text and ``__post_init__``
-raises a ``ValueError`` naming the option. ``model_spec.py`` resolves ``--model``. With no options
-the run is the embedded demo (``DEMO_MODEL``) on the Python standard library's sources.
+The runtime's settings are ``RuntimeConfig``'s (``TrainConfig.runtime``), the fine-tune's and the
+parallel layout's ``settings/``'s; the classes here hold what only training has. Every field's
+docstring is its ``--help`` text and ``__post_init__`` raises a ``ConfigError`` naming the field,
+checking the values against each other only: what they name (the model, the files, the devices)
+is read once by ``train.run.resolve``. With no options the run is the embedded demo
+(``DEMO_MODEL``) on the Python standard library's sources.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from pystronghold.models import GPTConfig
-from pystronghold.models.finetune import FinetuneOptions
-from pystronghold.models.hf import HF_PREFIX, HFModelConfig
-from pystronghold.models.hf_tp import check_hf_tp
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
-from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError, component, option
-from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, even_split, rank_stages, stage_split
-from pystronghold.records import is_dataset_dir, require_data
 from pystronghold.runtime.settings.config import RuntimeConfig
-from pystronghold.runtime.settings.precision import compute_dtype
+from pystronghold.settings.finetune import FinetuneOptions
+from pystronghold.settings.parallel import ParallelOptions
 from pystronghold.token_files import TOKEN_DTYPES
-from pystronghold.train.context import hf_default_seq
-from pystronghold.train.model_spec import model_lr, resolve_model
-from pystronghold.train.output_paths import check_creatable_dir, check_creatable_file
 
 __all__ = ["ModelOptions", "DataOptions", "OptimOptions", "AutoWindowOptions", "RunOptions",
            "CheckpointOptions", "ParallelOptions", "TrainConfig", "TRAIN_RUNTIME_DEFAULTS"]
@@ -52,9 +42,6 @@ class ModelOptions:
     """'demo' (the embedded default), a preset name (see `pystronghold plan --help`), a JSON file
     of GPTConfig fields, or hf:DIR: fine-tune the Hugging Face causal LM saved in local directory DIR
     (config.json, safetensors weights, tokenizer; GPT-2, Llama, Mistral, Qwen2)."""
-
-    def __post_init__(self) -> None:
-        resolve_model(self.model)  # raises ValueError naming --model
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,19 +78,14 @@ class DataOptions:
     most 65536 entries, else uint32 (a .npy file's header gives its own)."""
 
     def __post_init__(self) -> None:
-        for p in self.data:
-            if not os.path.exists(p):
-                raise ValueError(f"--data: no such file or directory: {p}")
-            if is_dataset_dir(Path(p)):
-                require_data(p)
         if self.max_bytes < 1024:
-            raise ValueError(f"--max-bytes must be >= 1024, got {self.max_bytes}")
+            raise ConfigError(self, "max_bytes", f"must be >= 1024, got {self.max_bytes}")
         if not 0 < self.val_fraction < 1:
-            raise ValueError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+            raise ConfigError(self, "val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         if self.batch < 1:
-            raise ValueError(f"--batch must be >= 1, got {self.batch}")
+            raise ConfigError(self, "batch", f"must be >= 1, got {self.batch}")
         if self.seq < 0:
-            raise ValueError(f"--seq must be >= 0, got {self.seq}")
+            raise ConfigError(self, "seq", f"must be >= 0, got {self.seq}")
         if self.loss_chunk != "auto" and (not isinstance(self.loss_chunk, int) or self.loss_chunk < 0):
             raise ConfigError(self, "loss_chunk=", "must be a number of tokens >= 0 or 'auto'")
         if self.mlp_tile == "off":
@@ -142,15 +124,15 @@ class OptimOptions:
 
     def __post_init__(self) -> None:
         if self.lr is not None and not 0 < self.lr < math.inf:
-            raise ValueError(f"--lr must be > 0 and finite, got {self.lr}")
+            raise ConfigError(self, "lr", f"must be > 0 and finite, got {self.lr}")
         if self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+            raise ConfigError(self, "warmup", f"must be >= 0, got {self.warmup}")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise ConfigError(self, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 <= self.weight_decay < math.inf:
-            raise ValueError(f"--weight-decay must be >= 0 and finite, got {self.weight_decay}")
+            raise ConfigError(self, "weight_decay", f"must be >= 0 and finite, got {self.weight_decay}")
         if not 0 <= self.beta2 < 1:
-            raise ValueError(f"--beta2 must be in [0, 1), got {self.beta2}")
+            raise ConfigError(self, "beta2", f"must be in [0, 1), got {self.beta2}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -165,7 +147,7 @@ class AutoWindowOptions:
 
     def __post_init__(self) -> None:
         if not 0 <= self.device_budget_mb < math.inf:
-            raise ValueError(f"--device-budget-mb must be >= 0 and finite, got {self.device_budget_mb}")
+            raise ConfigError(self, "device_budget_mb", f"must be >= 0 and finite, got {self.device_budget_mb}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,25 +177,9 @@ class RunOptions:
     def __post_init__(self) -> None:
         for name in ("steps", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(self, name, f"must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
-        if self.trace is not None:
-            from pystronghold.extras import require
-
-            try:
-                require("plots", "--trace (timeline.png, loss.png)")
-            except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
-                raise ValueError(str(e)) from None
-            check_creatable_dir("--trace", self.trace)
-        if self.metrics_file is not None:
-            check_creatable_file("--metrics-file", self.metrics_file)
-        if self.tensorboard is not None:
-            import importlib.util
-
-            if importlib.util.find_spec("tensorboard") is None:
-                raise ValueError("--tensorboard needs the 'tensorboard' package (pip install tensorboard)")
-            check_creatable_dir("--tensorboard", self.tensorboard)
+            raise ConfigError(self, "eval_every", f"must be >= 0, got {self.eval_every}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -235,23 +201,16 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+            raise ConfigError(self, "checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
         if self.keep < 1:
-            raise ValueError(f"--keep must be >= 1, got {self.keep}")
+            raise ConfigError(self, "keep", f"must be >= 1, got {self.keep}")
         if self.checkpoint_every and not self.checkpoint_dir:
-            raise ValueError("--checkpoint-every needs --checkpoint-dir (there is nowhere to write checkpoints)")
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir")
-        if self.overwrite and not self.checkpoint_dir:
-            raise ValueError("--overwrite needs --checkpoint-dir")
+            raise ConfigError(self, "checkpoint_every", "needs `checkpoint_dir` (there is nowhere to write checkpoints)")
+        for name in ("resume", "overwrite"):
+            if getattr(self, name) and not self.checkpoint_dir:
+                raise ConfigError(self, name, "needs `checkpoint_dir`")
         if self.overwrite and self.resume:
-            raise ValueError("--overwrite starts a fresh run, --resume continues one: give one of them")
-        if self.checkpoint_dir:
-            check_creatable_dir("--checkpoint-dir", self.checkpoint_dir)
-
-
-def _sizes_text(sizes: tuple[int, ...]) -> str:
-    return ",".join(str(b) for b in sizes)
+            raise ConfigError(self, "overwrite", "starts a fresh run, `resume` continues one: give one of them")
 
 
 TRAIN_RUNTIME_DEFAULTS = {"clip_grad_norm": 1.0, "head_tail_on_host": "auto", "offload_block_inputs": "auto"}
@@ -287,187 +246,25 @@ class TrainConfig:
     where it differs from the checkpoint (``train.resume``)."""
 
     def __post_init__(self) -> None:
-        # NOTE: the machine's side of the runtime settings, before the data is read or anything built
-        # (wrap() checks both again when it uses them)
-        self.runtime.check_device_present()
-        if self.runtime.nvme_dir is not None:
-            from pystronghold.io.scratch import check_io_directory
-
-            check_io_directory(self.runtime.nvme_dir, flag="--nvme")  # exists (or is created), takes files
-        cfg = resolve_model(self.model.model)
-        if self.data.seq > cfg.seq_len:
-            what = f"{cfg.seq_len} positions" if isinstance(cfg, HFModelConfig) else f"seq_len {cfg.seq_len}"
-            raise ValueError(f"--seq {self.data.seq} is longer than the model's {what}")
         # NOTE: every rank runs these same checks on the same arguments and environment, so a bad
         # layout fails everywhere before any rank enters torch.distributed (nothing can hang).
-        par = self.parallel
-        tp, dp, world = par.tp, par.dp_size, par.world_size
-        if isinstance(cfg, HFModelConfig):
-            check_hf_tp(cfg, tp)
-        if isinstance(cfg, HFModelConfig) and not self.data.data:
-            # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
-            # on it by a forgotten option would look like success
-            raise ValueError(f"--model {HF_PREFIX}DIR needs --data (the text, .jsonl records or token file to "
-                             "fine-tune on)")
-        self._check_finetune(cfg)
-        if self.runtime.resident_blocks == "auto" and self.runtime.window != "auto":
-            raise ConfigError(self.runtime, "resident_blocks=", "is chosen together with the window: it needs "
-                                                                 "`window='auto'` (or give K, a number of blocks)")
-        if par.distributed and self.runtime.window == "auto":
-            raise ValueError("--window auto is not supported with several processes yet; give --window N")
-        if par.pp > 1:
-            self._check_pipeline(cfg)
-        if world == 1 and tp * dp > 1:
-            raise ValueError(f"--tp {tp} x --dp {dp} needs {tp * dp} processes; launch with "
-                             f"torchrun --nproc-per-node {tp * dp} -m pystronghold train ...")
-        if world % tp:
-            raise ValueError(f"--tp {tp} must divide the number of processes {world}")
-        if tp * dp * par.pp != world:
-            raise ValueError(f"--tp {tp} x --dp {dp} = {tp * dp} processes, but there are {world}")
-        if cfg.heads % tp:
-            raise ValueError(f"--tp {tp} must divide the model's {cfg.heads} attention heads")
-        if cfg.padded_vocab_size % tp:
-            raise ValueError(f"--tp {tp} must divide the model's padded vocabulary {cfg.padded_vocab_size}")
+        # The checks against the model, the machine and the launch's processes are
+        # ``train.run.resolve``'s.
+        par, rt, data = self.parallel, self.runtime, self.data
+        if rt.resident_blocks == "auto" and rt.window != "auto":
+            raise ConfigError(rt, "resident_blocks=", "is chosen together with the window: it needs "
+                                                      "`window='auto'` (or give K, a number of blocks)")
+        if par.distributed and rt.window == "auto":
+            raise ConfigError(rt, "window=", "is not supported with several processes yet; give --window N")
+        dp = par.dp_size
         if par.dp_split is not None:
+            sizes = ",".join(str(b) for b in par.dp_split)
             if len(par.dp_split) != dp:
-                raise ValueError(f"--dp-split {_sizes_text(par.dp_split)} gives {len(par.dp_split)} replicas' "
-                                 f"samples, but there are --dp {dp}")
-            if sum(par.dp_split) != self.data.batch:
-                raise ValueError(f"--dp-split {_sizes_text(par.dp_split)} sums to {sum(par.dp_split)} samples, "
-                                 f"not --batch {self.data.batch}")
-        elif self.data.batch % dp:
-            raise ValueError(f"--batch {self.data.batch} must be divisible by --dp {dp} "
-                             "(each replica takes an equal slice of every batch)")
-
-    def check_batch_memory(self) -> None:
-        """MemoryError unless this process's batches fit the host's available memory (and on the
-        CPU device its activations: the loss's logits and one block's working set, as the planner
-        counts them): refused in one line before anything is allocated, not a MemoryError
-        traceback (or the OOM killer) at step 1. A lower bound: the store is checked apart (first:
-        ``Trainer``), as is the device's memory."""
-        from pystronghold.planner.cost import Workload, block_activation_bytes, tail_activation_bytes
-        from pystronghold.runtime.memory.placement import available_host_bytes
-
-        cfg, seq, batch = self.gpt, self.seq, self.local_batch
-        # (x, y) int64 (B, T) each: the validation batches are held for the run, one step's made at a time
-        need = 16 * batch * seq * (self.run.eval_batches + self.runtime.accumulation_steps)
-        if self.runtime.device == "cpu" and isinstance(cfg, GPTConfig):
-            work = Workload(batch=batch, seq=seq, precision=self.runtime.precision,
-                            loss_chunk_tokens=None if self.data.loss_chunk == "auto" else self.data.loss_chunk,
-                            mlp_tile_tokens=self.mlp_tile_tokens)
-            need += tail_activation_bytes(cfg, work, seq) + block_activation_bytes(cfg, work, seq)
-        avail = available_host_bytes()
-        if need > avail:
-            raise MemoryError(f"--batch {self.data.batch} x --seq {seq} (with --eval-batches {self.run.eval_batches}): "
-                              f"the batches and activations need at "
-                              f"least {need:,} bytes ({need / 2**30:,.1f} GiB) of host memory, {avail:,} bytes "
-                              f"({avail / 2**30:,.1f} GiB) available")
-
-    def _check_finetune(self, cfg) -> None:
-        """--lora-rank and --freeze on this model and layout (the options themselves are checked by
-        ``FinetuneOptions``); a GPT's LoRA targets as ``pystronghold plan`` checks them."""
-        ft, par = self.finetune, self.parallel
-        if ft.full:
-            return
-        # NOTE: --freeze --tp on hf:DIR: the frozen shards are read from DIR like the others; LoRA at
-        # --tp: its adapters split with their base layers (models.lora_tp); LoRA and --freeze at --pp
-        # on hf:DIR: each stage wraps its own blocks
-        if (par.tp > 1 or par.pp > 1) and not isinstance(cfg, HFModelConfig):
-            raise ValueError(f"{'--lora-rank' if ft.lora_rank is not None else '--freeze'} is not supported "
-                             "with --tp or --pp yet")
-        if par.tp > 1 and ft.lora_rank is not None and ft.lora_dropout:
-            # NOTE: a whole A reads its input on every rank: ranks dropping different inputs would move it apart
-            raise ValueError(f"--lora-dropout {ft.lora_dropout:g} is not supported with --tp yet (give 0)")
-        if ft.lora_rank is not None:
-            from pystronghold.extras import require
-
-            try:
-                require("peft", "--lora-rank")
-            except ImportError as e:  # NOTE: a ValueError is what the CLI reports as bad input
-                raise ValueError(str(e)) from None
-            if isinstance(cfg, GPTConfig):
-                from pystronghold.planner.finetune import check_lora_targets, lora_targets
-
-                check_lora_targets(cfg, lora_targets(cfg, ft))
-
-    def _check_pipeline(self, cfg) -> None:
-        """--pp layouts (local arithmetic: the same on every rank, before any collective)."""
-        par = self.parallel
-        pp, tp, dp, world, m = par.pp, par.tp, par.dp_size, par.world_size, par.micro_batch_count
-        if pp * tp * dp != world:
-            launch = (f"; launch with torchrun --nproc-per-node {pp * tp * dp} -m pystronghold train ..."
-                      if world == 1 else "")
-            raise ConfigError(par, "pp=", f"x `tp=` x {dp} data-parallel replicas = {pp * tp * dp} processes, but there are "
-                              f"{world}{launch}")
-        v = par.pp_chunks
-        check_pipeline(par, cfg.layers)
-        if self.data.batch % (dp * m):
-            raise ConfigError(par, "micro_batches=", f": --batch {self.data.batch} must be divisible by {dp} data-parallel "
-                              f"replicas x {m} micro-batches (each replica cuts its slice into equal micro-batches)")
-        # NOTE: each stage wraps its own blocks; one whose resident blocks do not fit would fail alone,
-        # after the others entered a collective. The split is local arithmetic (gpt_stage's, hf_chunks').
-        split = (even_split(cfg.layers, pp * v) if isinstance(cfg, HFModelConfig)
-                 else stage_split(self.gpt, self.seq, pp * v)[0])
-        per_rank = [sum(len(split[s]) for s in rank_stages(r, pp, v)) for r in range(pp)]
-        smallest = min(range(pp), key=lambda s: per_rank[s])
-        if self.runtime.resident_blocks > per_rank[smallest]:
-            raise ConfigError(self.runtime, "resident_blocks=", f"is more than the {per_rank[smallest]} blocks of "
-                              f"pipeline stage {smallest} (--pp {pp} splits the blocks {per_rank}); each "
-                              "stage keeps that many of its own blocks resident")
-        if self.runtime.accumulation_steps > 1:
-            raise ConfigError(self.runtime, "accumulation_steps=", "with a pipeline: it accumulates over "
-                              "--micro-batches; use that instead")
-
-    @property
-    def gpt(self) -> GPTConfig | HFModelConfig:
-        """The model's GPTConfig (``tp_size`` = --tp), or the HFModelConfig of --model hf:DIR."""
-        cfg = resolve_model(self.model.model)
-        return dataclasses.replace(cfg, tp_size=self.parallel.tp) if self.parallel.tp > 1 else cfg
-
-    @property
-    def lr(self) -> float:
-        """Peak learning rate in effect: --lr, or the model's (``model_lr``; LoRA's with --lora-rank)."""
-        if self.optim.lr is not None:
-            return self.optim.lr
-        return model_lr(self.model.model, lora=self.finetune.lora_rank is not None)
-
-    @property
-    def seq(self) -> int:
-        """Tokens per sequence in effect."""
-        cfg = self.gpt
-        if isinstance(cfg, HFModelConfig):
-            return self.data.seq or self.seq_default[0]
-        return self.data.seq or cfg.seq_len
-
-    @property
-    def local_batch(self) -> int:
-        """Samples of one micro-batch on this process (its share of --batch under --dp)."""
-        par = self.parallel
-        return max(par.dp_split) if par.dp_split is not None else self.data.batch // par.dp_size
-
-    @property
-    def mlp_tile_tokens(self) -> int:
-        """Positions per MLP tile in effect (0: untiled): --mlp-tile, or for auto
-        ``nn.tiled.mlp_tile_tokens`` of this process's micro-batch, the model's MLP width (this
-        rank's columns) and the compute precision (untiled for a model whose shape the planner
-        cannot read)."""
-        if self.data.mlp_tile != "auto":
-            return self.data.mlp_tile
-        cfg = self.gpt
-        if isinstance(cfg, HFModelConfig):
-            from pystronghold.planner.hf_shape import read_hf_shape
-
-            try:
-                width = read_hf_shape(cfg.source).mlp_width
-            except (ValueError, KeyError, ImportError):
-                return 0
-        else:
-            width = cfg.ffn_hidden // cfg.tp_size
-        return mlp_tile_tokens(self.local_batch, self.seq, width, compute_dtype(self.runtime.precision).itemsize)
-
-    @property
-    def seq_default(self) -> tuple[int, str]:
-        """(tokens, why in words) of a Hugging Face model's default context: its positions, capped by
-        what fits this machine (``train.context.hf_default_seq``)."""
-        return hf_default_seq(self.gpt, self.data.batch, self.runtime.precision, self.finetune)
-
+                raise ConfigError(par, "dp_split", f"{sizes} gives {len(par.dp_split)} replicas' samples, but "
+                                  f"there are `dp={dp}`")
+            if sum(par.dp_split) != data.batch:
+                raise ConfigError(par, "dp_split", f"{sizes} sums to {sum(par.dp_split)} samples, not "
+                                  f"--batch {data.batch}")
+        elif data.batch % dp:
+            raise ConfigError(data, "batch=", f"must be divisible by --dp {dp} (each replica takes an equal "
+                              "slice of every batch)")

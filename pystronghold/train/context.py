@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf import HF_DEFAULT_SEQ, NO_POSITION_LIMIT, HFModelConfig
+from pystronghold.settings.finetune import FinetuneOptions
 
 __all__ = ["hf_default_seq", "this_machine"]
 

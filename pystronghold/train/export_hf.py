@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from pystronghold.models.hf import HFModelConfig, hub_weights, meta_model, read_weights
-from pystronghold.models.lora import ADAPTER, PEFT_PREFIX, LoraSpec, adapter_key, lora_config, merged
+from pystronghold.models.lora import ADAPTER, PEFT_PREFIX, adapter_key, lora_config, merged
+from pystronghold.settings.finetune import LoraSpec
 from pystronghold.tokenized import TOKENIZER_FILES, has_tokenizer
 from pystronghold.train.checkpoint import CheckpointError, checkpoint_weights, read_manifest, save_safetensors
-from pystronghold.train.finetune import check_base
+from pystronghold.train.checkpoint_finetune import check_base
 
 __all__ = ["export_hf", "save_pretrained", "DEFAULT_SHARD_BYTES", "COPIED_FILES"]
 

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import shutil
 
-from pystronghold.models.hf import HFModelConfig
 from pystronghold.planner.cost import Workload
 from pystronghold.planner.hardware import Hardware, format_bytes
 from pystronghold.planner.sequence import choose_sequence_settings, settings_words
@@ -33,23 +32,10 @@ AUTO_SETTINGS = {"head_tail_on_host": "head_tail_host", "offload_block_inputs": 
 FLAG_WORDS = {"head_tail_on_host": "--head-tail host", "offload_block_inputs": "--offload-activations on"}
 
 
-def _shape(config):
-    """The planner's shape of the model (``GPTConfig`` or ``HFShape``); None when it cannot be read."""
-    cfg = config.gpt
-    if not isinstance(cfg, HFModelConfig):
-        return cfg
-    from pystronghold.planner.hf_shape import read_hf_shape
-
-    try:
-        return read_hf_shape(cfg.source)
-    except (ValueError, KeyError, ImportError):
-        return None
-
-
-def _hardware(config, budget: int) -> Hardware:
+def _hardware(run, budget: int) -> Hardware:
     """This machine as the planner sees it (``train.context.this_machine``), its device holding
     ``budget`` bytes, its host the run's --host-memory (else what is available) and --nvme's free disk."""
-    rt = config.runtime
+    rt = run.runtime
     machine = this_machine()
     host = rt.host_memory_bytes or available_host_bytes()
     nvme = shutil.disk_usage(rt.nvme_dir).free if rt.nvme_dir else 0
@@ -57,37 +43,37 @@ def _hardware(config, budget: int) -> Hardware:
                                host_memory_bytes=int(host), nvme_bytes=nvme)
 
 
-def choose_long_context_settings(config) -> dict:
-    """RuntimeConfig fields (of ``AUTO_SETTINGS``) that ``config`` (a TrainConfig) leaves "auto",
-    decided by the planner: True when the run needs them to fit the device budget, else False.
-    Empty when the runtime's own rules decide (see the module doc)."""
-    rt = config.runtime
+def choose_long_context_settings(run) -> dict:
+    """RuntimeConfig fields (of ``AUTO_SETTINGS``) that ``run`` (a ``train.run.Run`` being
+    resolved) leaves "auto", decided by the planner: True when the run needs them to fit the device
+    budget, else False. Empty when the runtime's own rules decide (see the module doc)."""
+    rt = run.runtime
     free_fields = [name for name in AUTO_SETTINGS if getattr(rt, name) == "auto"]
     offload_applies = rt.checkpointing and rt.schedule_mode != "relay"
     decided = {}
     if "offload_block_inputs" in free_fields and not offload_applies:
         decided["offload_block_inputs"] = False  # no recompute, or the relay stages its own inputs
         free_fields.remove("offload_block_inputs")
-    if not free_fields or config.parallel.pp > 1:
+    if not free_fields or run.config.parallel.pp > 1:
         return decided
-    budget = device_budget(config)
-    shape = _shape(config)
+    budget = device_budget(run)
+    shape = run.hf_shape if run.hf else run.model  # the planner's shape; None when it cannot be read
     if budget is None or shape is None:
         return decided
-    work = run_workload(config, decided)  # the free settings' values are choose_sequence_settings'
-    hw = _hardware(config, budget[0])
-    chosen = choose_sequence_settings(shape, work, hw, config.seq,
+    work = run_workload(run, decided)  # the free settings' values are choose_sequence_settings'
+    hw = _hardware(run, budget[0])
+    chosen = choose_sequence_settings(shape, work, hw, run.seq,
                                       free=tuple(AUTO_SETTINGS[name] for name in free_fields))
     budget_words = f"a device budget of {format_bytes(budget[0])}"
     if not chosen.fits:
         log.warning("long context: the planner finds no placement of %d tokens a sample in %s, not even "
-                    "with %s; the runtime's own rules place them", config.seq, budget_words,
+                    "with %s; the runtime's own rules place them", run.seq, budget_words,
                     " and ".join(FLAG_WORDS[name] for name in free_fields))
         return decided
     values = {"head_tail_on_host": chosen.head_tail_on_host, "offload_block_inputs": chosen.offload_block_inputs}
     decided.update({name: values[name] for name in free_fields})
     words = settings_words(Workload(head_tail_on_host=decided.get("head_tail_on_host", False),
                                     offload_block_inputs=decided.get("offload_block_inputs", False) is True))
-    log.info("long context: %d tokens a sample fit %s %s", config.seq, budget_words,
+    log.info("long context: %d tokens a sample fit %s %s", run.seq, budget_words,
              f"with {words} (the planner's fewest)" if words else "with the head/tail and block inputs on the device")
     return decided

@@ -69,6 +69,18 @@ class IntervalMetrics:
     loss_steps: int = 1
     """Steps ``loss`` is the mean of (the interval's)."""
 
+    @classmethod
+    def of(cls, engine, summary, *, step: int, losses: list[float], elapsed_s: float, tokens: int,
+           skipped_steps: int) -> IntervalMetrics:
+        """The figures of an interval of ``engine`` ending at ``step``: ``losses``, one per step,
+        over ``elapsed_s`` wall seconds training ``tokens``; ``summary``: its trace's
+        ``summarize_events``."""
+        return cls(step=step, loss=sum(losses) / len(losses), loss_steps=len(losses),
+                   ms_per_step=1e3 * elapsed_s / len(losses), tokens_per_s=tokens / elapsed_s,
+                   h2d_gbps=summary.gbps.get("h2d"), d2h_gbps=summary.gbps.get("d2h"),
+                   device_peak_bytes=device_peak_bytes(engine), host_bytes=engine.memory_report().host_store_bytes,
+                   overlap=summary.overlap_fraction, skipped_steps=skipped_steps)
+
     def line(self) -> str:
         """The fixed-field metrics line. NOTE: its loss says when it is a mean, apart from the
         progress bar's, which is the last step's."""

@@ -138,9 +138,9 @@ def test_auto_row_wraps_the_split_train_window_auto_chooses(monkeypatch):
         assert trainer.predicted_step_s == 0.25  # the planner's step, for the predicted-vs-measured row
     finally:
         trainer.close()
-    config, = given  # the run's shapes and precision, without clipping (the bench does not clip)
-    assert (config.data.batch, config.seq, config.runtime.precision) == (args.batch, args.seq, args.precision)
-    assert config.runtime.window == "auto" and config.runtime.clip_grad_norm is None
+    run, = given  # the run's shapes and precision, without clipping (the bench does not clip)
+    assert (run.config.data.batch, run.seq, run.runtime.precision) == (args.batch, args.seq, args.precision)
+    assert run.runtime.window == "auto" and run.runtime.clip_grad_norm is None
 
 
 

@@ -135,12 +135,12 @@ def test_bad_jsonl_line_and_foreign_tokenizer(tmp_path):
 
 
 def test_export_hf_refuses_a_gpt_checkpoint_and_a_full_directory(tmp_path, capsys):
-    from pystronghold.train import Trainer
+    from pystronghold.train import Trainer, resolve
     from pystronghold.train.checkpoint_dir import latest_checkpoint
     from train_helpers import tiny_config
 
     ck = tmp_path / "ck"
-    trainer = Trainer(tiny_config(tmp_path, steps=1, ckpt=str(ck)))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=1, ckpt=str(ck))))
     try:
         trainer.train()
     finally:

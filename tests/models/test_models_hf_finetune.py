@@ -15,7 +15,7 @@ import torch
 
 import pystronghold as ph
 from pystronghold.cli import main
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.runtime.settings.config import RuntimeConfig
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import ARCHS, TEXT, VOCAB, engine_logits, hf_logits, save_tiny
@@ -147,7 +147,7 @@ def test_cli_train_export_hf_reload_gives_the_engine_logits(tmp_path, arch):
     assert len(set(index["weight_map"].values())) > 1
     assert json.loads((out / "config.json").read_text())["architectures"] == [f"{_ARCH_NAMES[arch]}"]
     assert (out / "tokenizer.json").is_file()
-    trainer = Trainer(_train_config(directory, jsonl, ck, resume=True))
+    trainer = Trainer(resolve(_train_config(directory, jsonl, ck, resume=True)))
     x = batches(1, seed=3)[0]
     try:
         assert trainer.step == 5

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pystronghold.cli import build_parser, main
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.command import config_from_args
 from hf_models import TEXT, VOCAB, engine_logits, hf_logits, save_tiny
 from train_helpers import cli_error
@@ -38,7 +38,7 @@ def losses(metrics) -> list[float]:
 
 def trained_logits(args: list[str], x: torch.Tensor) -> torch.Tensor:
     """Logits of the engine restored (--resume) from the last checkpoint of ``args``' run."""
-    trainer = Trainer(config_from_args(build_parser().parse_args(args + ["--resume"])))
+    trainer = Trainer(resolve(config_from_args(build_parser().parse_args(args + ["--resume"]))))
     try:
         return engine_logits(trainer.engine, x)
     finally:

@@ -30,12 +30,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pystronghold"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("_C", "_ext", "extras", "options", "interrupts", "kernels"),  # leaves: extension, optional deps, settings, signals, Triton
+    ("_C", "_ext", "extras", "options", "interrupts", "kernels"),  # leaves: extension, optional deps, options, signals, Triton
+    ("settings",),  # the option components shared by the commands and the layers under them
     ("ops", "io", "data", "token_files", "records", "tokenized", "lr_schedule"),  # native ops, file I/O, data
     ("optim", "nn", "parallel"),  # optimizers, fused ops, TP/DP primitives
     ("models", "strategy"),  # GPT and Hugging Face models; Whale's scopes and their layout
     ("runtime",),  # the window runtime: wrap, Engine, store, trace
-    ("planner",),  # costs, plans, the pipeline's arithmetic and settings
+    ("planner",),  # costs, plans, the pipeline's arithmetic
     ("pipelining",),  # pipeline stages on the runtime
     ("train",),  # pystronghold train: loop, options, checkpoints, metrics
     ("__init__",),  # the package face (pystronghold.wrap, ...)

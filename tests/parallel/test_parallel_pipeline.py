@@ -26,7 +26,8 @@ from pystronghold.models import GPT, GPTConfig
 from pystronghold.options import ConfigError
 from pystronghold.parallel import gather_tp_param, init_parallel, validate_parallel_sizes
 from pystronghold.pipelining import Pipeline, gpt_chunks, gpt_loss, gpt_stage
-from pystronghold.planner.pipeline import ParallelOptions, check_pipeline, rank_passes, stage_passes
+from pystronghold.planner.pipeline import rank_passes, stage_passes
+from pystronghold.settings.parallel import ParallelOptions, check_pipeline
 
 CFG = GPTConfig(vocab_size=97, vocab_pad_multiple=2, seq_len=16, layers=4, hidden=32, heads=4,
                 tie_embeddings=True)

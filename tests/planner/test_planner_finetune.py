@@ -13,10 +13,10 @@ from pystronghold.cli import main
 from pystronghold.models import PRESETS, GPTConfig
 from pystronghold.planner import Hardware, Workload, gpu_preset, largest_models, make_plan
 from pystronghold.planner.cost import block_costs
-from pystronghold.models.finetune import FinetuneOptions
-from pystronghold.planner.finetune import param_split
 from pystronghold.planner.hardware import GiB
+from pystronghold.planner.trainable import param_split
 from pystronghold.runtime.memory.placement import plan_placement
+from pystronghold.settings.finetune import FinetuneOptions
 
 from hf_models import FAMILIES, save_tiny
 
@@ -152,9 +152,10 @@ def test_every_family_has_default_lora_targets_the_planner_and_training_agree_on
     attention's query and value projections found by name), for every family the zoo loads."""
     pytest.importorskip("peft")
     from pystronghold.models.hf import load_lazy
-    from pystronghold.models.lora import LoraSpec, add_lora
-    from pystronghold.planner.finetune import lora_targets
+    from pystronghold.models.lora import add_lora
     from pystronghold.planner.hf_shape import read_hf_shape
+    from pystronghold.planner.trainable import lora_targets
+    from pystronghold.settings.finetune import LoraSpec
 
     directory = save_tiny(tmp_path, family, tokenizer=False)
     planned = lora_targets(read_hf_shape(str(directory)), FinetuneOptions(lora_rank=4))

@@ -8,12 +8,12 @@ import torch
 
 import pystronghold as ph
 from pystronghold.planner import Hardware, Workload, gpu_preset
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.planner.cost import block_activation_bytes, block_costs, block_forward_flops
-from pystronghold.planner.finetune import param_split
 from pystronghold.planner.plan import make_plan
+from pystronghold.planner.trainable import param_split
 from pystronghold.runtime.memory import layout
 from pystronghold.runtime.memory.layout import head_tail_bytes
+from pystronghold.settings.finetune import FinetuneOptions
 from runtime_models import one_torch_thread
 
 transformers = pytest.importorskip("transformers")
@@ -96,8 +96,8 @@ def test_planned_bytes_are_a_built_engines(tmp_path, family, precision):
     if family == "llama":
         from hf_models import save_tiny
 
-        from pystronghold.runtime.api import from_pretrained
         from pystronghold.planner.hf_shape import read_hf_shape
+        from pystronghold.runtime.api import from_pretrained
 
         directory = save_tiny(tmp_path, family, tokenizer=False)
         shape = read_hf_shape(str(directory))

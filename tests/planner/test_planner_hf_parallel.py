@@ -11,13 +11,13 @@ import re
 import pytest
 
 from pystronghold.cli import main
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.planner import Hardware, gpu_preset
 from pystronghold.planner.cost import (Workload, block_activation_bytes, block_costs, block_forward_flops,
                                        block_params_per_rank, head_tail_params_per_rank)
-from pystronghold.planner.finetune import param_split
+from pystronghold.planner.trainable import param_split
 from pystronghold.planner.pipeline import even_split, link_bytes, plan_pipeline, stage_split
+from pystronghold.settings.finetune import FinetuneOptions
 
 transformers = pytest.importorskip("transformers")
 

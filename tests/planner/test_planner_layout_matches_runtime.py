@@ -73,10 +73,10 @@ def test_planned_frozen_and_trainable_bytes_are_a_built_engines(precision):
     engine's exactly. The report's frozen host bytes count parameters, not padded elements: they
     are short by the padding only, under ``ALIGN_ELEMS`` elements per frozen parameter; likewise
     the trainable part is 16 B/param plus padding and page rounding."""
-    from pystronghold.models.finetune import FinetuneOptions
-    from pystronghold.planner.finetune import check_freeze
     from pystronghold.planner.plan import make_plan
     from pystronghold.planner.report import finetune_to_dict
+    from pystronghold.planner.trainable import check_freeze
+    from pystronghold.settings.finetune import FinetuneOptions
 
     cfg = GPTConfig(vocab_size=97, seq_len=16, layers=3, hidden=180, heads=4)
     freeze = r"\.attn\."

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPT, GPTConfig
 from pystronghold.planner import Hardware, Workload, gpu_preset, make_plan
 from pystronghold.planner.cost import INPUTS_IN_FLIGHT, block_activation_bytes, block_costs, tail_activation_bytes
@@ -21,6 +20,7 @@ from pystronghold.planner.memory import device_memory
 from pystronghold.planner.sequence import (SETTINGS, SequenceSettings, activation_bytes_per_token,
                                            choose_sequence_settings, loss_chunk_for, longest_context,
                                            mlp_tile_for, offload_link_bytes, plan_sequence)
+from pystronghold.settings.finetune import FinetuneOptions
 from runtime_models import saved_activation_bytes
 
 MODELS = Path(__file__).resolve().parents[2] / "bench" / "models"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pystronghold as ph
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.checkpoint_dir import latest_checkpoint
 from pystronghold.runtime.memory.disk_tier import DiskTierError
 from pystronghold.runtime.memory.placement import plan_placement
@@ -186,7 +186,7 @@ def test_disk_full_during_training_names_the_directory_and_the_last_checkpoint_l
         config = tiny_config(tmp_path, steps=4, clip=1.0, ckpt=str(ck), every=2, resume=True)
         config.runtime = RuntimeConfig(clip_grad_norm=1.0, nvme_dir=str(mount / "nvme"), nvme_states="all",
                                        nvme_preallocate=False)
-        trainer = Trainer(config)
+        trainer = Trainer(resolve(config))
         with pytest.raises(DiskTierError, match=str(mount / "nvme")) as info:
             try:
                 trainer.train()
@@ -265,11 +265,11 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
         sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from pathlib import Path
         from train_helpers import save_trainer, tiny_config
-        from pystronghold.train import Trainer
+        from pystronghold.train import Trainer, resolve
         from pystronghold.runtime.settings.config import RuntimeConfig
         config = tiny_config(Path({str(tmp_path)!r}), steps=4, clip=None)
         config.runtime = RuntimeConfig(nvme_dir={str(nvme)!r}, nvme_states="all")
-        t = Trainer(config)
+        t = Trainer(resolve(config))
         t.train_step(); t.train_step()
         save_trainer(t, {str(ck)!r})
         engine = t.engine

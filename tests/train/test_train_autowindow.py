@@ -15,7 +15,7 @@ from pystronghold.planner.hardware import GPU, Hardware
 from pystronghold.planner.hardware import GiB
 from pystronghold.planner.memory import device_memory
 from pystronghold.planner.plan import choose_split, largest_layers, make_plan
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train import autowindow
 from pystronghold.train.autowindow import choose_runtime_window, device_reserve_bytes, measure_costs
 from pystronghold.train.metrics import memory_report
@@ -27,7 +27,7 @@ MODEL = dict(vocab_size=256, seq_len=32, layers=6, hidden=32, heads=2)
 def test_auto_window_is_the_planners_choice_and_is_logged(tmp_path, caplog):
     config = tiny_config(tmp_path, steps=2, window="auto", model=MODEL)
     with caplog.at_level(logging.INFO, logger="pystronghold.train.autowindow"):
-        trainer = Trainer(config)
+        trainer = Trainer(resolve(config))
     try:
         auto = trainer.auto_window
         assert 0 <= auto.window <= auto.max_window <= 6 and 0 <= auto.resident_blocks <= 6
@@ -53,7 +53,7 @@ def test_auto_window_is_the_planners_choice_and_is_logged(tmp_path, caplog):
         assert f"{auto.resident_blocks} blocks resident with device AdamW" in text and "recomputed" in text
         assert f"predicted device peak {auto.predicted_peak_bytes / 2**20:.1f} MiB" in text
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
+        with caplog.at_level(logging.INFO, logger="pystronghold.train"):
             trainer.train()
         measured = trainer.result.intervals[0].device_peak_bytes
         assert f"measured device peak (CPU arena: no activations) {measured / 2**20:.1f} MiB after 2 steps" in caplog.text
@@ -71,7 +71,8 @@ def test_cuda_budget_is_free_memory_less_the_reserve(tmp_path, monkeypatch):
     less the reserve, and the split it chooses is the one recorded and wrapped. CUDA is mocked: the
     block is measured on the CPU, the free memory is made up."""
     config = tiny_config(tmp_path, window="auto", model=MODEL)
-    on_cpu = choose_runtime_window(GPT(GPTConfig(**MODEL)), config)
+    run = resolve(config)
+    on_cpu = choose_runtime_window(GPT(GPTConfig(**MODEL)), run)
     slot = on_cpu.costs.slot_bytes
     base = on_cpu.budget_bytes - 4 * slot  # head/tail + activations (the CPU budget is base + 4 slots)
     total = 80 * GiB
@@ -93,8 +94,9 @@ def test_cuda_budget_is_free_memory_less_the_reserve(tmp_path, monkeypatch):
         return real_split(costs, work, n, capacity_bytes, **kw)
 
     monkeypatch.setattr(autowindow, "choose_split", spy_split)
-    config.runtime.device = "cuda"  # NOTE: set after validation, which would refuse it without CUDA
-    auto = choose_runtime_window(GPT(GPTConfig(**MODEL)), config)
+    # NOTE: the device set after resolve, which would refuse it without CUDA
+    on_cuda = dataclasses.replace(run, runtime=dataclasses.replace(run.runtime, device="cuda"))
+    auto = choose_runtime_window(GPT(GPTConfig(**MODEL)), on_cuda)
     assert calls.index("empty_cache") < calls.index("mem_get_info")
     assert planned == [free - device_reserve_bytes(total)] == [auto.budget_bytes]
     assert (auto.free_bytes, auto.reserve_bytes) == (free, device_reserve_bytes(total))
@@ -107,14 +109,14 @@ def test_cuda_budget_is_free_memory_less_the_reserve(tmp_path, monkeypatch):
 
 def test_auto_window_respects_the_budget(tmp_path):
     probe = tiny_config(tmp_path, window="auto", model=MODEL)
-    trainer = Trainer(probe)
+    trainer = Trainer(resolve(probe))
     auto = trainer.auto_window
     trainer.close()
     base = auto.budget_bytes - 4 * auto.costs.slot_bytes  # the default budget is base + 4 slots
     one_slot = (base + auto.costs.slot_bytes + 1) / 2**20
     config = tiny_config(tmp_path, window="auto", model=MODEL)
     config.auto_window.device_budget_mb = one_slot
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:  # a resident block needs about two slots' bytes: none fits beside the one slot
         assert trainer.auto_window.max_window == 1 and trainer.engine.window_size == 1
         assert trainer.auto_window.resident_blocks == 0
@@ -122,7 +124,7 @@ def test_auto_window_respects_the_budget(tmp_path):
         trainer.close()
     config.auto_window.device_budget_mb = 2 * auto.budget_bytes / 2**20
     config.runtime.resident_blocks = 2  # --resident-blocks fixes K; the planner still picks W
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         assert trainer.auto_window.resident_blocks == 2 and trainer.engine.stats()["resident_blocks"] == 2
         assert 1 <= trainer.engine.window_size == trainer.auto_window.window <= 4
@@ -132,7 +134,7 @@ def test_auto_window_respects_the_budget(tmp_path):
     config.runtime.resident_blocks = 0
     config.auto_window.device_budget_mb = base / 2 / 2**20
     with pytest.raises(ValueError, match="holds no block slot"):
-        Trainer(config)
+        Trainer(resolve(config))
 
 
 def _cpu_hardware(config: GPTConfig, work: Workload, device_bytes: int, host_bytes: int) -> Hardware:
@@ -221,15 +223,15 @@ def test_auto_window_plans_what_trains(tmp_path, finetune, caplog):
     bytes of the optimizer step (the CPU arena holds no activations) are the measured peak's within
     1.05x either way (1.01x here; a full fine-tune's plan was 3.2x the measured under LoRA, 1.13x
     under --freeze attn)."""
-    from pystronghold.models.finetune import FinetuneOptions
+    from pystronghold.settings.finetune import FinetuneOptions
 
     config = dataclasses.replace(tiny_config(tmp_path, steps=1, window="auto", model=MODEL),
                                  finetune=FinetuneOptions(**finetune))
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         auto = trainer.auto_window
         assert auto.work.finetune == config.finetune and auto.costs.block_frozen_params > 0
-        with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
+        with caplog.at_level(logging.INFO, logger="pystronghold.train"):
             trainer.train()
         measured = trainer.result.intervals[0].device_peak_bytes
     finally:

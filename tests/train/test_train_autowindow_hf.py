@@ -11,7 +11,7 @@ import torch
 
 from pystronghold.planner.cost import block_costs
 from pystronghold.planner.plan import choose_split
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.autowindow import HFProbe, measure_costs
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from pystronghold.runtime.settings.config import RuntimeConfig
@@ -67,9 +67,9 @@ def test_auto_window_and_resident_blocks_for_an_hf_model(tmp_path, caplog):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT * 4))
     config = _train_config(directory, data, window="auto", resident_blocks="auto")
-    assert config.seq == 64  # the model's 64 positions: they fit
-    with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
-        trainer = Trainer(config)
+    assert resolve(config).seq == 64  # the model's 64 positions: they fit
+    with caplog.at_level(logging.INFO, logger="pystronghold.train"):
+        trainer = Trainer(resolve(config))
     assert "seq: 64 tokens (the model's positions; fits " in caplog.text  # said at start-up, one line
     try:
         auto = trainer.auto_window
@@ -120,9 +120,9 @@ def test_seq_defaults_to_the_models_positions_when_they_fit(tmp_path, capsys):
     config.save_pretrained(tmp_path)  # config.json only: nothing else is read before the data
     data = tmp_path / "t.txt"
     data.write_text("x")
-    train = _train_config(tmp_path, data)
-    assert train.seq == 1024 and train.seq_default[1].startswith("the model's positions; fits")
-    assert _train_config(tmp_path, data, seq=512).seq == 512
+    train = resolve(_train_config(tmp_path, data))
+    assert train.seq == 1024 and train.seq_why.startswith("the model's positions; fits")
+    assert resolve(_train_config(tmp_path, data, seq=512)).seq == 512
     err = cli_error(capsys, ["train", "--model", f"hf:{tmp_path}", "--data", str(data), "--seq", "1025"])
     assert "--seq 1025 is longer than the model's 1024 positions" in err
 
@@ -143,7 +143,8 @@ def test_seq_default_is_capped_by_what_fits(tmp_path, monkeypatch):
                 h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10)
     # NOTE: the default is cached per model directory: this tmp_path's is computed on the small machine
     monkeypatch.setattr(context, "this_machine", lambda: Hardware(gpu=small, host_memory_bytes=16 * GiB))
-    seq, why = _train_config(tmp_path, data).seq_default
+    run = resolve(_train_config(tmp_path, data))
+    seq, why = run.seq, run.seq_why
     assert 0 < seq < 1 << 19 and "do not fit; the longest context that fits" in why
 
 
@@ -159,7 +160,7 @@ def test_a_model_without_positions_trains_at_512_by_default_and_longer_when_aske
     assert not any(k in read_hf_config(directory).config for k in ("max_position_embeddings", "n_positions"))
     data = tmp_path / "t.txt"
     data.write_text("x")
-    assert _train_config(directory, data).seq == 512
-    assert _train_config(directory, data, seq=4096).seq == 4096
+    assert resolve(_train_config(directory, data)).seq == 512
+    assert resolve(_train_config(directory, data, seq=4096)).seq == 4096
     request = PlanRequest(model=f"hf:{directory}", gpu="h100-80gb", host_memory=64)
     assert request.resolve()[1].seq == 512

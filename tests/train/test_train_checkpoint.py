@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pystronghold.models import GPT, GPTConfig
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.checkpoint import CheckpointError, export_weights, load_checkpoint, read_manifest
 from pystronghold.train.checkpoint_dir import latest_checkpoint, newest_valid_checkpoint
 from train_helpers import TINY, kill_when_marked, listing, run_training, tiny_config
@@ -68,7 +68,7 @@ def test_resume_with_frozen_parameters_reproduces_the_uninterrupted_losses(tmp_p
     position embedding): the checkpoint holds their values and no moments, the resumed steps are
     bit-identical, and the frozen values never change (rounded once to bf16 in a bf16 run). No
     CLI flag freezes parameters yet: the model the trainer builds is patched."""
-    import pystronghold.train.loop as loop
+    import pystronghold.train.build as build
     from safetensors.torch import load_file
 
     def is_frozen(name: str) -> bool:
@@ -80,7 +80,7 @@ def test_resume_with_frozen_parameters_reproduces_the_uninterrupted_losses(tmp_p
             p.requires_grad_(not is_frozen(name))
         return model
 
-    monkeypatch.setattr(loop, "GPT", frozen_gpt)
+    monkeypatch.setattr(build, "GPT", frozen_gpt)
     options = dict(steps=6, precision=precision, resident=resident)
     straight = run_training(tiny_config(tmp_path, **options))
     ck = tmp_path / "ck"
@@ -112,8 +112,8 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
         sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from pathlib import Path
         from train_helpers import save_trainer, tiny_config
-        from pystronghold.train import Trainer
-        t = Trainer(tiny_config(Path({str(tmp_path)!r}), steps=10))
+        from pystronghold.train import Trainer, resolve
+        t = Trainer(resolve(tiny_config(Path({str(tmp_path)!r}), steps=10)))
         t.train_step(); t.train_step()
         save_trainer(t, {str(ck)!r})
         t.train_step()
@@ -127,7 +127,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
     latest = latest_checkpoint(ck)
     assert latest.name == "step-00000002"
     assert read_manifest(latest)["step"] == 2
-    trainer = Trainer(tiny_config(tmp_path, steps=3, ckpt=str(ck), resume=True))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=3, ckpt=str(ck), resume=True)))
     try:
         assert trainer.step == 2
         trainer.train()
@@ -154,7 +154,7 @@ def test_corrupt_checkpoint_is_refused_before_anything_changes(tmp_path, capsys)
     data = bytearray(block.read_bytes())
     data[-3] ^= 0xFF
     block.write_bytes(bytes(data))
-    trainer = Trainer(tiny_config(tmp_path, steps=2))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=2)))
     try:
         before = {k: v.clone() for k, v in trainer.engine.master_parameters().items()}
         with pytest.raises(CheckpointError, match="block-00001.safetensors is corrupt"):
@@ -173,7 +173,7 @@ def test_corrupt_checkpoint_is_refused_before_anything_changes(tmp_path, capsys)
 
 def test_incompatible_or_incomplete_checkpoint_is_refused(tmp_path):
     ck, path = _saved(tmp_path)
-    trainer = Trainer(tiny_config(tmp_path, steps=2, model=dict(TINY, hidden=64)))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=2, model=dict(TINY, hidden=64))))
     try:
         with pytest.raises(CheckpointError, match="another model"):
             load_checkpoint(*_loading(trainer, path))
@@ -190,7 +190,7 @@ def test_incompatible_or_incomplete_checkpoint_is_refused(tmp_path):
 
 def test_export_loads_into_a_plain_gpt(tmp_path):
     ck = tmp_path / "ck"
-    trainer = Trainer(tiny_config(tmp_path, steps=3, ckpt=str(ck)))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=3, ckpt=str(ck))))
     try:
         trainer.train()
         x, _ = trainer.val[0]
@@ -215,7 +215,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 import pystronghold.train.checkpoint as checkpoint
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from train_helpers import tiny_config
 
 kill_step, kill_file, marker = {step}, {file}, Path({marker!r})
@@ -243,7 +243,7 @@ def on_step(step, loss):
     if step == kill_step and kill_file is None:
         wait_for_the_kill()  # after the step, before its checkpoint
 
-trainer = Trainer(tiny_config(Path({tmp!r}), steps={steps}, ckpt={ck!r}, every=1, resume={resume}))
+trainer = Trainer(resolve(tiny_config(Path({tmp!r}), steps={steps}, ckpt={ck!r}, every=1, resume={resume})))
 trainer.train(on_step)
 """
 

@@ -16,7 +16,7 @@ import socket
 import pytest
 
 from pystronghold.cli import main
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.checkpoint import CheckpointError, read_manifest
 from pystronghold.train.checkpoint_dir import latest_checkpoint, newest_valid_checkpoint
 from train_helpers import TINY, listing, run_training, tiny_config
@@ -53,11 +53,11 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints_and_overwrite_replaces
     run_training(_config(tmp_path, ck, steps=4, every=2))  # step-2 and step-4 of a 4-block GPT, hidden 32
     with pytest.raises(CheckpointError, match=r"already holds checkpoints \(newest: step 4, GPT layers 4, "
                                               r"hidden 32.*--resume.*another --checkpoint-dir.*--overwrite"):
-        Trainer(_config(tmp_path, ck, steps=2))
+        Trainer(resolve(_config(tmp_path, ck, steps=2)))
     assert main(_train_cli(tmp_path, "--checkpoint-dir", str(ck), "--steps", "2")) == 2
     assert "already holds checkpoints" in _one_line(capsys)
     # --overwrite: nothing is deleted before this run's first checkpoint is complete ...
-    Trainer(_config(tmp_path, ck, steps=2, overwrite=True, model=dict(TINY, hidden=64))).close()
+    Trainer(resolve(_config(tmp_path, ck, steps=2, overwrite=True, model=dict(TINY, hidden=64)))).close()
     assert _names(ck) == ["step-00000002", "step-00000004"]
     # ... then every earlier checkpoint goes, and --resume continues the new run
     run_training(_config(tmp_path, ck, steps=3, every=1, overwrite=True, model=dict(TINY, hidden=64)))
@@ -73,7 +73,7 @@ def test_pruning_deletes_only_this_runs_checkpoints(tmp_path):
     other = tmp_path / "other"
     run_training(_config(tmp_path, other, steps=2))
     ck = tmp_path / "ck"
-    trainer = Trainer(_config(tmp_path, ck, steps=3, every=1, keep=1))
+    trainer = Trainer(resolve(_config(tmp_path, ck, steps=3, every=1, keep=1)))
     try:
         for step in (35, 40):  # put there behind the lock's back (or by an older pystronghold)
             shutil.copytree(other / "step-00000002", ck / f"step-000000{step}")
@@ -102,11 +102,11 @@ def test_resume_moves_a_corrupt_newest_aside_and_keeps_the_valid_one(tmp_path, c
 
 def test_a_second_run_on_the_directory_is_refused_naming_the_holder(tmp_path, capsys):
     ck = tmp_path / "ck"
-    first = Trainer(_config(tmp_path, ck, steps=2))
+    first = Trainer(resolve(_config(tmp_path, ck, steps=2)))
     try:
         holder = f"PID {os.getpid()} on host {socket.gethostname()}"
         with pytest.raises(CheckpointError, match=f"in use by another run \\({holder}\\)"):
-            Trainer(_config(tmp_path, ck, steps=2))
+            Trainer(resolve(_config(tmp_path, ck, steps=2)))
         assert main(_train_cli(tmp_path, "--checkpoint-dir", str(ck), "--steps", "2")) == 2
         assert holder in _one_line(capsys)
     finally:
@@ -139,7 +139,7 @@ def test_manifest_damage_falls_back_like_file_damage(tmp_path, capsys, caplog, d
     assert latest_checkpoint(ck).name == "step-00000004"
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        trainer = Trainer(_config(tmp_path, ck, steps=4, resume=True))
+        trainer = Trainer(resolve(_config(tmp_path, ck, steps=4, resume=True)))
     trainer.close()
     assert trainer.step == 2 and "moved it aside as step-00000004.corrupt" in caplog.text
 
@@ -169,7 +169,7 @@ def test_resuming_another_models_checkpoint_says_what_differs_in_one_line(tmp_pa
     ck = tmp_path / "ck"
     run_training(_config(tmp_path, ck, steps=2))
     with pytest.raises(CheckpointError) as info:
-        Trainer(_config(tmp_path, ck, steps=3, resume=True, model=dict(TINY, hidden=64, heads=4, layers=3)))
+        Trainer(resolve(_config(tmp_path, ck, steps=3, resume=True, model=dict(TINY, hidden=64, heads=4, layers=3))))
     assert str(info.value) == (f"checkpoint {ck / 'step-00000002'} was made for another model: layers 4 (this "
                                "run 3), hidden 32 (this run 64), heads 2 (this run 4)")
     run_training(_config(tmp_path, ck, steps=3, resume=True))  # the failed run let the directory go
@@ -290,4 +290,4 @@ def test_an_overwrite_run_killed_between_marking_the_directory_and_its_first_che
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match=r"--resume: no valid checkpoint in .*step-00000004 is another run's "
                                               r"than the directory's .*\(and 1 older"):
-        Trainer(_config(tmp_path, ck, steps=3, resume=True))
+        Trainer(resolve(_config(tmp_path, ck, steps=3, resume=True)))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from pystronghold.train.checkpoint_state import RunRecord
 from train_helpers import run_training, save_trainer, tiny_config
@@ -33,7 +33,7 @@ def test_the_loaded_state_written_again_is_the_same_bytes(tmp_path):
     gives every file byte for byte (the manifest lists their sha256)."""
     ck = tmp_path / "ck"
     shutil.copytree(WRITTEN_BEFORE, ck / WRITTEN_BEFORE.name)
-    trainer = Trainer(tiny_config(tmp_path, steps=3, model=SMALL, ckpt=str(ck), resume=True))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=3, model=SMALL, ckpt=str(ck), resume=True)))
     try:
         assert trainer.step == 2
         again = read_manifest(save_trainer(trainer, tmp_path / "again"))["files"]
@@ -60,7 +60,7 @@ def test_save_and_load_take_state_objects(tmp_path):
     """A dict of objects goes in, their state_dicts come back out into other objects: the masters
     and moments, the sampler's position, the schedule and an object the trainer does not know."""
     ck = tmp_path / "ck"
-    first = Trainer(tiny_config(tmp_path, steps=4))
+    first = Trainer(resolve(tiny_config(tmp_path, steps=4)))
     try:
         first.train_step()
         first.train_step()
@@ -72,7 +72,7 @@ def test_save_and_load_take_state_objects(tmp_path):
         position = first.sampler.state_dict()
     finally:
         first.close()
-    second = Trainer(tiny_config(tmp_path, steps=4))
+    second = Trainer(resolve(tiny_config(tmp_path, steps=4)))
     try:
         state, record = second.checkpoint_state()
         state["rng"] = Counter(0)

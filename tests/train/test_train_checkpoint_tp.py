@@ -24,7 +24,7 @@ from _dist import run_ranks
 from safetensors.torch import load_file
 
 from pystronghold.models import GPT, GPTConfig
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.checkpoint import CheckpointError, export_weights, read_manifest
 from pystronghold.train.config import CheckpointOptions, ParallelOptions
 from train_helpers import listing, save_trainer, tiny_config
@@ -35,7 +35,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 def _train(config, *, close_parallel: bool = True, before=None) -> list[tuple[int, float]]:
     """The (step, loss) list of one run; ``before(trainer)`` runs after a resume, before training."""
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         if before is not None:
             before(trainer)
@@ -62,7 +62,7 @@ def _tp2_runs(rank: int, world: int, tmp: str, base) -> None:
     out["from_single"] = _train(tp2(tmp / "single", resume=True), close_parallel=False)
     # a fresh run into tp2/, which holds checkpoints: rank 0 refuses, and rank 1 with it (no one waits)
     with pytest.raises(CheckpointError) as refused:
-        Trainer(tp2(tmp / "tp2"))
+        Trainer(resolve(tp2(tmp / "tp2")))
     out["refused"] = str(refused.value)
     if rank == 0:
         (tmp / "tp2.json").write_text(json.dumps(out))

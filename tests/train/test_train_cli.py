@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pystronghold.cli import main
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.metrics import METRIC_FIELDS
 from train_helpers import run_training, text_dir, tiny_config
 
@@ -37,7 +37,7 @@ def test_demo_shortened_runs_end_to_end_in_a_subprocess():
 
 
 def test_loss_falls_and_metrics_are_filled(tmp_path):
-    trainer = Trainer(tiny_config(tmp_path, steps=30))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=30)))
     try:
         res = trainer.train()
     finally:
@@ -142,7 +142,7 @@ def test_bad_input_in_a_real_subprocess(tmp_path):
 
 def test_trace_writes_perfetto_json_and_pictures(tmp_path):
     out = tmp_path / "trace"
-    trainer = Trainer(tiny_config(tmp_path, steps=4, trace=str(out)))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=4, trace=str(out))))
     try:
         res = trainer.train()
     finally:

@@ -16,7 +16,7 @@ import pytest
 
 from pystronghold import __version__
 from pystronghold.cli import main
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.command import StopOnSignal
 from pystronghold.train.metrics import IntervalMetrics
 from train_helpers import TINY, kill_when_marked, run_training, text_dir, tiny_config
@@ -189,7 +189,7 @@ def _killed_in_step_4_and_resumed(tmp_path, between=lambda: None, **outputs) -> 
         if step == 4:  # before its metrics line
             raise RuntimeError("killed")
 
-    trainer = Trainer(config(resume=False))
+    trainer = Trainer(resolve(config(resume=False)))
     try:
         with pytest.raises(RuntimeError, match="killed"):
             trainer.train(killed_in_step_4)
@@ -265,7 +265,7 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(tmp_path):
 
 def test_resume_falls_back_from_a_corrupt_latest_checkpoint(tmp_path, caplog):
     ck = tmp_path / "ck"
-    trainer = Trainer(tiny_config(tmp_path, steps=4, ckpt=str(ck), every=2))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=4, ckpt=str(ck), every=2)))
     try:
         trainer.train()
     finally:
@@ -275,7 +275,7 @@ def test_resume_falls_back_from_a_corrupt_latest_checkpoint(tmp_path, caplog):
     data[-1] ^= 0xFF
     bad.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="pystronghold.train.checkpoint"):
-        trainer = Trainer(tiny_config(tmp_path, steps=6, ckpt=str(ck), every=2, resume=True))
+        trainer = Trainer(resolve(tiny_config(tmp_path, steps=6, ckpt=str(ck), every=2, resume=True)))
     try:
         assert trainer.step == 2
     finally:
@@ -286,7 +286,7 @@ def test_resume_falls_back_from_a_corrupt_latest_checkpoint(tmp_path, caplog):
 
 
 def test_validation_runs_in_eval_mode_and_training_resumes_in_train_mode(tmp_path):
-    trainer = Trainer(tiny_config(tmp_path, steps=2, model=dict(TINY, dropout=0.5)))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=2, model=dict(TINY, dropout=0.5))))
     try:
         first, second = trainer.evaluate(), trainer.evaluate()
         assert first == second  # no dropout in validation

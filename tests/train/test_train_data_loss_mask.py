@@ -11,7 +11,7 @@ from pystronghold.data import IGNORE_INDEX, BatchSampler
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models.hf_loss import causal_lm_loss
 from pystronghold.runtime.settings.config import RuntimeConfig
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import VOCAB, save_tiny, set_chat_template
 
@@ -47,7 +47,7 @@ def test_steps_match_plain_pytorch_token_mean_over_micro_batches(tmp_path):
         optim=OptimOptions(lr=lr, warmup=1, weight_decay=0.0),
         runtime=RuntimeConfig(window=2, clip_grad_norm=None, accumulation_steps=2),
         run=RunOptions(steps=steps, log_every=steps, eval_every=0, eval_batches=1, quiet=True))
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     drawn = []
     draw = trainer.sampler.next_batch
 

@@ -12,7 +12,7 @@ import pytest
 
 from pystronghold.cli import main
 from pystronghold.runtime.optimizer.divergence import DivergenceError
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.checkpoint_dir import latest_checkpoint
 from train_helpers import run_training, save_trainer, tiny_config
 
@@ -70,10 +70,10 @@ def test_a_checkpoint_with_inf_adam_moments_is_not_written(tmp_path):
     """Gradients of 1e23 are finite in fp32, their squares are not: exp_avg_sq turns inf (the
     parameters do not move: m / sqrt(inf) is 0). Saving refuses it, naming the tensor."""
     ck = tmp_path / "ck"
-    trainer = Trainer(tiny_config(tmp_path, clip=None, ckpt=str(ck)))
+    trainer = Trainer(resolve(tiny_config(tmp_path, clip=None, ckpt=str(ck))))
     try:
-        plain_loss = trainer.loss
-        trainer.loss = lambda x, y: plain_loss(x, y) * 1e25
+        plain_loss = trainer.stepper.loss
+        trainer.stepper.loss = lambda x, y: plain_loss(x, y) * 1e25
         trainer.train_step()
         with pytest.raises(DivergenceError, match=r"^step 1: not writing checkpoint step-00000001 \(blocks/block-00000"
                                                   r"\.safetensors\): \S+\.exp_avg_sq holds inf values;"):
@@ -100,14 +100,14 @@ def test_resume_continues_the_count_of_skipped_steps_in_a_row(tmp_path):
     """A run killed amid a run of skipped fp16 steps resumes with that count: the stop after
     --max-skipped-steps in a row cannot be dodged by restarting."""
     ck = str(tmp_path / "ck")
-    trainer = Trainer(tiny_config(tmp_path, steps=2, precision="fp16", ckpt=ck))
+    trainer = Trainer(resolve(tiny_config(tmp_path, steps=2, precision="fp16", ckpt=ck)))
     try:
         trainer.train()
         trainer.engine.scaler.overflows_in_a_row = 3  # as if the last three steps had been skipped
         save_trainer(trainer, ck)
     finally:
         trainer.close()
-    resumed = Trainer(tiny_config(tmp_path, steps=3, precision="fp16", ckpt=ck, resume=True))
+    resumed = Trainer(resolve(tiny_config(tmp_path, steps=3, precision="fp16", ckpt=ck, resume=True)))
     try:
         assert resumed.engine.scaler.overflows_in_a_row == 3
     finally:

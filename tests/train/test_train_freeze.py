@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from pystronghold.models import GPT, GPTConfig
-from pystronghold.models.finetune import FinetuneOptions
+from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.train.checkpoint import export_weights
 from pystronghold.train.checkpoint_dir import latest_checkpoint
 from train_helpers import TINY, run_training, tiny_config

@@ -17,8 +17,9 @@ from pystronghold.cli import build_parser, main
 from pystronghold.data import BatchSampler, DataConfig, load_corpus
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models import GPT, PRESETS
-from pystronghold.models.lora import LoraSpec, add_lora
-from pystronghold.train import Trainer
+from pystronghold.models.lora import add_lora
+from pystronghold.settings.finetune import LoraSpec
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.command import config_from_args
 from train_helpers import cli_error, text_dir
 
@@ -119,7 +120,7 @@ def test_export_writes_the_merged_gpt_and_export_hf_is_one_line(tmp_path, text, 
     merged = GPT(PRESETS["tiny"], seed=1)
     merged.load_state_dict(load_file(str(tmp_path / "w.safetensors")))
     x = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    trainer = Trainer(config_from_args(build_parser().parse_args(args + ["--resume"])))
+    trainer = Trainer(resolve(config_from_args(build_parser().parse_args(args + ["--resume"]))))
     try:
         trainer.engine.model.eval()
         with torch.no_grad():
@@ -142,7 +143,7 @@ def test_plan_counts_the_trainable_parameters_train_trains(tmp_path, text, peft,
     from pystronghold.planner.hardware import GiB
 
     lora = ["--lora-rank", "4"] + (["--lora-targets", targets] if targets else [])
-    trainer = Trainer(config_from_args(build_parser().parse_args(train_args(text, tmp_path / "ck", lora=lora))))
+    trainer = Trainer(resolve(config_from_args(build_parser().parse_args(train_args(text, tmp_path / "ck", lora=lora)))))
     try:
         trained = trainer.engine.stats()["trainable_params"]
     finally:

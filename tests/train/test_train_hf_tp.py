@@ -15,11 +15,13 @@ import shutil
 import pytest
 import torch
 
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.hf_tp import TP_FAMILIES
+from pystronghold.options import ConfigError
 from pystronghold.parallel.layers import VocabParallelEmbedding
-from pystronghold.planner.pipeline import ParallelOptions
 from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.settings.finetune import FinetuneOptions
+from pystronghold.settings.parallel import ParallelOptions
+from pystronghold.train import resolve
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 from _dist import run_ranks
@@ -125,7 +127,7 @@ def _tp_bytes_on_rank(rank: int, world: int, directory: str, data: str, out: str
     from pystronghold.train import Trainer
 
     torch.set_num_threads(1)
-    trainer = Trainer(_config(directory, data, tp=2))
+    trainer = Trainer(resolve(_config(directory, data, tp=2)))
     counted, all_reduce = [0], dist.all_reduce
 
     def counting(tensor, *args, group=None, **kwargs):
@@ -220,9 +222,10 @@ def test_tp2_with_freeze_trains_to_the_one_process_losses(tmp_path):
 def test_lora_with_tp_on_our_gpt_is_still_one_line(monkeypatch):
     """hf:DIR takes LoRA at --tp (tests/train/test_train_hf_tp_lora.py); pystronghold's GPT not yet."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="^--lora-rank is not supported with --tp or --pp yet$"):
-        TrainConfig(model=ModelOptions(model="tiny"), finetune=FinetuneOptions(lora_rank=4),
-                    parallel=ParallelOptions(tp=2))
+    with pytest.raises(ConfigError) as refused:
+        resolve(TrainConfig(model=ModelOptions(model="tiny"), finetune=FinetuneOptions(lora_rank=4),
+                            parallel=ParallelOptions(tp=2)))
+    assert refused.value.on_command_line() == "--lora-rank is not supported with --tp or --pp yet"
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -240,7 +243,7 @@ def test_a_size_that_does_not_split_is_one_line(tmp_path, monkeypatch, field, va
     (directory / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError) as e:
-        _config(directory, text, tp=2)
+        resolve(_config(directory, text, tp=2))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -262,7 +265,7 @@ def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
     directory, text = _files(tmp_path, family)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): tensor parallelism splits only llama, "):
-        _config(directory, text, tp=2)
+        resolve(_config(directory, text, tp=2))
 
 
 def _padding_grad_on_rank(rank: int, world: int, out: str) -> None:

@@ -15,9 +15,11 @@ import shutil
 import pytest
 import torch
 
-from pystronghold.models.finetune import FinetuneOptions
-from pystronghold.planner.pipeline import ParallelOptions
+from pystronghold.options import ConfigError
 from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.settings.finetune import FinetuneOptions
+from pystronghold.settings.parallel import ParallelOptions
+from pystronghold.train import resolve
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 from _dist import run_ranks
@@ -158,6 +160,7 @@ def test_lora_dropout_with_tp_is_one_line(tmp_path, monkeypatch):
     directory, text = _files(tmp_path, "llama")
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = _config(directory, text)
-    with pytest.raises(ValueError, match=r"^--lora-dropout 0.1 is not supported with --tp yet \(give 0\)$"):
-        TrainConfig(model=config.model, data=config.data, finetune=FinetuneOptions(lora_rank=4, lora_dropout=0.1),
-                    parallel=ParallelOptions(tp=2))
+    with pytest.raises(ConfigError) as refused:
+        resolve(TrainConfig(model=config.model, data=config.data,
+                            finetune=FinetuneOptions(lora_rank=4, lora_dropout=0.1), parallel=ParallelOptions(tp=2)))
+    assert refused.value.on_command_line() == "--lora-dropout 0.1 is not supported with --tp yet (give 0)"

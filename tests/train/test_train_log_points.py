@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from pystronghold.train.loop import Trainer
+from pystronghold.train.run import resolve
 from runtime_models import one_torch_thread
 from train_helpers import run_training, tiny_config
 
@@ -44,7 +45,7 @@ def test_host_updates_overlap_the_next_forward_at_every_log(tmp_path):
     its optimizer span) until block 0 of step 2 computes its forward. Drained at the log, the
     forward could not start first; without the drain the two spans intersect."""
     config = _log_every(tiny_config(tmp_path, steps=3, clip=1.0, trace=str(tmp_path / "trace")), 1)
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     tracer, last = trainer.engine.trace, trainer.engine.n_streamed - 1
     forward_began, held = threading.Event(), []
     real_span = tracer.span

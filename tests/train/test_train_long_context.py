@@ -13,8 +13,8 @@ from pystronghold.cli import build_parser
 from pystronghold.runtime.settings.config import OFFLOAD_AUTO_FRACTION, RuntimeConfig, offload_in_effect
 from pystronghold.train.command import config_from_args
 from pystronghold.train.config import AutoWindowOptions
-from pystronghold.train.long_context import choose_long_context_settings
 from pystronghold.train.loop import Trainer
+from pystronghold.train.run import resolve
 from train_helpers import tiny_config
 
 # 32 narrow blocks at 2,048 tokens: their saved inputs (32 x 2048 x 64 x 4 B = 16 MiB) are most of
@@ -31,8 +31,13 @@ def _config(tmp_path, model: dict, *argv: str):
         ["train", "--model", str(path), "--seq", str(model["seq_len"]), "--batch", "1", *argv]))
 
 
+def _chosen(config) -> dict:
+    """The long-context settings the run of ``config`` decided (``Run.long_context``)."""
+    return resolve(config).long_context
+
+
 def _budgets(tmp_path, model, *argv, mib=range(4, 200, 4)):
-    return {m: choose_long_context_settings(_config(tmp_path, model, "--device-budget-mb", str(m), *argv))
+    return {m: _chosen(_config(tmp_path, model, "--device-budget-mb", str(m), *argv))
             for m in mib}
 
 
@@ -60,12 +65,12 @@ def test_what_the_user_fixed_is_kept(tmp_path):
     offload; the relay schedule stages its own inputs, so auto offload is off
     without asking the planner."""
     budget = ("--device-budget-mb", "20")
-    assert choose_long_context_settings(_config(tmp_path, DEEP, *budget))["offload_block_inputs"] is True
-    fixed = choose_long_context_settings(_config(tmp_path, DEEP, *budget, "--offload-activations", "off"))
+    assert _chosen(_config(tmp_path, DEEP, *budget))["offload_block_inputs"] is True
+    fixed = _chosen(_config(tmp_path, DEEP, *budget, "--offload-activations", "off"))
     assert set(fixed) <= {"head_tail_on_host"}
-    fixed = choose_long_context_settings(_config(tmp_path, DEEP, *budget, "--head-tail", "device"))
+    fixed = _chosen(_config(tmp_path, DEEP, *budget, "--head-tail", "device"))
     assert set(fixed) == {"offload_block_inputs"}
-    relay = choose_long_context_settings(_config(tmp_path, DEEP, *budget, "--accumulation", "2",
+    relay = _chosen(_config(tmp_path, DEEP, *budget, "--accumulation", "2",
                                                  "--schedule", "relay"))
     assert relay["offload_block_inputs"] is False
 
@@ -74,7 +79,7 @@ def test_without_a_device_budget_the_runtime_rules_decide(tmp_path):
     """On the CPU backend without --device-budget-mb the planner is not asked; the engine resolves
     "auto" offload to off there (its "device" is host memory) and to a quarter of a CUDA device."""
     config = _config(tmp_path, DEEP)
-    assert choose_long_context_settings(config) == {}
+    assert _chosen(config) == {}
     rt = RuntimeConfig(offload_block_inputs="auto")
     assert offload_in_effect(rt, None) is False
     assert offload_in_effect(rt, 80 * 2**30) == int(OFFLOAD_AUTO_FRACTION * 80 * 2**30)
@@ -84,7 +89,7 @@ def test_without_a_device_budget_the_runtime_rules_decide(tmp_path):
 
 
 def _run(config):
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         result = trainer.train()
         return result, trainer.engine.config.offload_block_inputs, trainer.engine.stats()["saved_inputs"]

@@ -9,9 +9,10 @@ import pytest
 
 from pystronghold.cli import build_parser
 from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, param_count, recommended_lr
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.command import config_from_args
 from pystronghold.train.model_spec import LORA_LR, model_lr
+from pystronghold.train.run import peak_lr
 from train_helpers import TINY, tiny_config
 
 # Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1, "Learning Rate" column
@@ -35,19 +36,19 @@ def _config(argv):
 def test_cli_lr_defaults_to_the_models(model):
     config = _config(["--model", model])
     assert config.optim.lr is None
-    assert config.lr == PRESET_LR[model]
+    assert peak_lr(config) == PRESET_LR[model]
 
 
 def test_demo_keeps_its_lr_and_an_explicit_lr_wins():
-    assert _config([]).lr == SMALL_MODEL_LR
-    assert _config(["--model", "gpt3-6.7b", "--lr", "3e-5"]).lr == 3e-5
+    assert peak_lr(_config([])) == SMALL_MODEL_LR
+    assert peak_lr(_config(["--model", "gpt3-6.7b", "--lr", "3e-5"])) == 3e-5
 
 
 def test_json_model_lr_key_or_size_class(tmp_path):
     with_lr = tmp_path / "with.json"
     with_lr.write_text(json.dumps(dict(TINY, lr=5e-3)))
     assert model_lr(str(with_lr)) == 5e-3
-    assert _config(["--model", str(with_lr)]).gpt.layers == TINY["layers"]  # "lr" is not a GPTConfig field
+    assert resolve(_config(["--model", str(with_lr)])).model.layers == TINY["layers"]  # "lr" is not a GPTConfig field
     without = tmp_path / "without.json"
     without.write_text(json.dumps(TINY))
     assert model_lr(str(without)) == SMALL_MODEL_LR
@@ -72,19 +73,19 @@ def test_bad_json_lr_is_refused(tmp_path, lr):
     with pytest.raises(ValueError, match='--model: .*"lr" must be a number > 0'):
         model_lr(str(f))
     with pytest.raises(ValueError, match='"lr" must be'):
-        _config(["--model", str(f)])
+        resolve(_config(["--model", str(f)]))
 
 
 def test_trainer_uses_the_models_lr(tmp_path):
     config = tiny_config(tmp_path, steps=1, model=dict(TINY, lr=7e-3))
     config.optim.lr = None
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         assert trainer.scheduler.base_lrs == [7e-3] * 2  # both param groups (--decay matrices)
     finally:
         trainer.close()
     config.optim.lr = 1e-4  # an explicit --lr wins over the model's
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         assert trainer.scheduler.base_lrs == [1e-4] * 2
     finally:
@@ -93,6 +94,6 @@ def test_trainer_uses_the_models_lr(tmp_path):
 
 @pytest.mark.parametrize("model", ["tiny", "gpt2-124m"])
 def test_lora_defaults_to_the_lora_rate_and_an_explicit_lr_wins(peft, model):
-    assert _config(["--model", model]).lr == PRESET_LR[model]
-    assert _config(["--model", model, "--lora-rank", "4"]).lr == LORA_LR == 2e-4
-    assert _config(["--model", model, "--lora-rank", "4", "--lr", "3e-5"]).lr == 3e-5
+    assert peak_lr(_config(["--model", model])) == PRESET_LR[model]
+    assert peak_lr(_config(["--model", model, "--lora-rank", "4"])) == LORA_LR == 2e-4
+    assert peak_lr(_config(["--model", model, "--lora-rank", "4", "--lr", "3e-5"])) == 3e-5

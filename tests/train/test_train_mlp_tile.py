@@ -12,10 +12,11 @@ import logging
 import pytest
 
 from pystronghold.cli import build_parser
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError
 from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.settings.finetune import FinetuneOptions
+from pystronghold.train import resolve
 from pystronghold.train.checkpoint import read_manifest
 from pystronghold.train.command import config_from_args
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
@@ -35,7 +36,7 @@ def _close(got, want, rtol):
 @pytest.mark.parametrize("precision,rtol", [("fp32", 1e-6), ("bf16", 2e-2)])
 def test_gpt_losses_with_a_tiled_mlp_are_the_untiled_losses(tmp_path, precision, rtol, caplog):
     config = tiny_config(tmp_path, steps=4, precision=precision, accumulation=2, clip=0.5)  # T = 32
-    with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
+    with caplog.at_level(logging.INFO, logger="pystronghold.train"):
         got = _losses(config, 12)  # tiles of 12, 12 and 8 positions
     assert "every block runs over tiles of 12 positions" in caplog.text
     want = _losses(config, "off")
@@ -53,7 +54,7 @@ def test_hf_losses_with_a_tiled_mlp_are_the_untiled_losses(tmp_path, family, lor
         optim=OptimOptions(lr=3e-3, warmup=1),
         runtime=RuntimeConfig(window=2, clip_grad_norm=1.0, accumulation_steps=2),
         run=RunOptions(steps=3, log_every=3, eval_every=0, eval_batches=1, quiet=True))
-    with caplog.at_level(logging.INFO, logger="pystronghold.train.loop"):
+    with caplog.at_level(logging.INFO, logger="pystronghold.train"):
         got = _losses(config, 7)
     assert "3 of 3 blocks run over tiles of 7 positions" in caplog.text
     _close(got, _losses(config, 0), 1e-6)
@@ -64,9 +65,9 @@ def test_auto_tiles_when_the_intermediate_passes_its_budget(tmp_path):
     model.write_text(json.dumps({"vocab_size": 256, "seq_len": 65536, "layers": 2, "hidden": 1024, "heads": 8}))
     config = TrainConfig(model=ModelOptions(model=str(model)), data=DataOptions(batch=2, seq=65536))
     assert config.data.mlp_tile == "auto"
-    assert config.mlp_tile_tokens == mlp_tile_tokens(2, 65536, 4096, 4) == 8192  # 2 x 64K x 4096 x 4 B = 2 GiB
+    assert resolve(config).mlp_tile_tokens == mlp_tile_tokens(2, 65536, 4096, 4) == 8192  # 2 x 64K x 4096 x 4 B = 2 GiB
     short = dataclasses.replace(config, data=dataclasses.replace(config.data, seq=4096))
-    assert short.mlp_tile_tokens == 0  # 128 MiB: untiled
+    assert resolve(short).mlp_tile_tokens == 0  # 128 MiB: untiled
 
 
 def test_the_command_line_takes_tokens_auto_and_off():
@@ -96,4 +97,4 @@ def test_the_tile_is_no_part_of_a_checkpoints_model(tmp_path):
     model.write_text(json.dumps({"vocab_size": 256, "seq_len": 32, "layers": 1, "hidden": 32, "heads": 2,
                                  "mlp_tile_tokens": 8}))
     with pytest.raises(ValueError, match="mlp_tile_tokens is a setting of the run, not of the model: give --mlp-tile"):
-        ModelOptions(model=str(model))
+        resolve(TrainConfig(model=ModelOptions(model=str(model))))

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 from pystronghold.train.loop import Trainer
+from pystronghold.train.run import resolve
 from pystronghold.train.metrics import memory_report
 from train_helpers import TINY, tiny_config
 
 
 def _run(config):
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         result = trainer.train()
         return result, trainer.engine.stats()["saved_inputs"], memory_report(trainer.engine).lines()

@@ -9,11 +9,12 @@ import pytest
 
 from pystronghold.cli import main
 from pystronghold.train.loop import Trainer
+from pystronghold.train.run import resolve
 from train_helpers import tiny_config
 
 
 def _run(config):
-    trainer = Trainer(config)
+    trainer = Trainer(resolve(config))
     try:
         return trainer.train(), trainer.engine.stats()
     finally:
@@ -91,14 +92,14 @@ def test_layer_drop_checkpoint_keeps_each_blocks_step_count_and_the_draws(tmp_pa
         c = tiny_config(tmp_path, steps=steps, ckpt=str(ck), every=4, resume=resume)
         return dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, layer_drop=0.5, layer_drop_seed=3))
 
-    trainer = Trainer(config(8, False))
+    trainer = Trainer(resolve(config(8, False)))
     try:
         trainer.train()
         straight = dict(trainer.result.losses)
     finally:
         trainer.close()  # checkpoints at steps 4 and 8
     shutil.rmtree(ck / "step-00000008")
-    resumed = Trainer(config(8, True))
+    resumed = Trainer(resolve(config(8, True)))
     try:
         counts = list(resumed.engine.block_steps)
         assert resumed.engine.steps == 4 and len(set(counts)) > 1 and max(counts) <= 4

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pystronghold.cli import main
-from pystronghold.train import Trainer
+from pystronghold.train import Trainer, resolve
 from pystronghold.train.checkpoint import CheckpointError
 from pystronghold.train.config import OptimOptions
 from train_helpers import TINY, run_training, tiny_config
@@ -49,7 +49,7 @@ def test_resume_with_a_changed_lr_gives_the_losses_of_a_run_that_changed_it_at_t
     Python API (the scheduler's base rates and the groups' current rates); the resumed run with the
     other --lr gives its losses bit for bit (fp32), and one line says so."""
     a, b = 3e-3, 1e-3
-    reference = Trainer(_with_lr(tiny_config(tmp_path, steps=6), a))
+    reference = Trainer(resolve(_with_lr(tiny_config(tmp_path, steps=6), a)))
     try:
         for _ in range(3):
             reference.train_step()
@@ -193,7 +193,7 @@ def test_resume_refuses_when_no_checkpoint_fits(tmp_path):
     ck = tmp_path / "ck"
     run_training(tiny_config(tmp_path, steps=4, ckpt=str(ck), every=2))
     with pytest.raises(CheckpointError) as info:
-        Trainer(tiny_config(tmp_path, steps=6, ckpt=str(ck), resume=True, model=dict(TINY, hidden=64)))
+        Trainer(resolve(tiny_config(tmp_path, steps=6, ckpt=str(ck), resume=True, model=dict(TINY, hidden=64))))
     assert str(info.value) == (f"checkpoint {ck / 'step-00000004'} was made for another model: hidden 32 (this run "
                                "64) (and the 1 older valid one(s) do not fit either)")
 

@@ -10,6 +10,7 @@ import pytest
 
 from pystronghold.runtime.tracing.host_time import HOST_KINDS
 from pystronghold.train.loop import Trainer
+from pystronghold.train.run import resolve
 from pystronghold.train.metrics import TimeReport
 from runtime_models import one_torch_thread
 from train_helpers import tiny_config
@@ -38,7 +39,7 @@ def test_training_run_summary_parts_are_non_negative_and_sum_to_the_wall_time(tm
     cfg = tiny_config(tmp_path, steps=4)
     # validation between two logs, longer than the steps: its spans must not count as training time
     cfg = replace(cfg, run=replace(cfg.run, eval_every=3, eval_batches=24))
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve(cfg))
     try:
         res = trainer.train()
     finally:
@@ -56,7 +57,7 @@ def test_the_training_wall_time_holds_the_work_a_step_left_in_flight(tmp_path, m
     mean ms/step: 882 ms for 1526 on an H100). Here the sync is made to take 0.5 s per step."""
     cfg = tiny_config(tmp_path, steps=2)
     cfg = replace(cfg, run=replace(cfg.run, log_every=1))
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve(cfg))
     synchronize = trainer.engine.synchronize
 
     def slow_synchronize(**kwargs):

@@ -83,13 +83,14 @@ def test_single_process_with_tp_says_how_to_launch():
 
 
 def test_checkpoints_accepted_with_tp_and_dp(monkeypatch):
+    from pystronghold.train import resolve
     from pystronghold.train.config import CheckpointOptions, ParallelOptions, TrainConfig
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    config = TrainConfig(parallel=ParallelOptions(tp=2), checkpoint=CheckpointOptions(checkpoint_dir="ck"))
-    assert config.gpt.tp_size == 2 and config.parallel.dp_size == 1
-    config = TrainConfig(parallel=ParallelOptions(dp=2), checkpoint=CheckpointOptions(checkpoint_dir="ck"))
-    assert config.parallel.dp_size == 2 and config.gpt.tp_size == 1
+    run = resolve(TrainConfig(parallel=ParallelOptions(tp=2), checkpoint=CheckpointOptions(checkpoint_dir="ck")))
+    assert run.model.tp_size == 2 and run.config.parallel.dp_size == 1
+    run = resolve(TrainConfig(parallel=ParallelOptions(dp=2), checkpoint=CheckpointOptions(checkpoint_dir="ck")))
+    assert run.config.parallel.dp_size == 2 and run.model.tp_size == 1
 
 
 def test_dp_checkpoint_written_by_rank_0_resumed_by_every_rank(reference, tmp_path):

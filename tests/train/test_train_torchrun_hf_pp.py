@@ -46,13 +46,14 @@ def test_pp2_interleaved_trains_to_the_one_process_losses(tmp_path):
 def test_hf_pp_layouts_are_checked_before_any_collective(tmp_path, monkeypatch):
     """The model's block count comes from its config.json: more stages than blocks is one line."""
     from pystronghold.options import ConfigError
+    from pystronghold.train import resolve
     from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
 
     directory = save_tiny(tmp_path, "llama", tokenizer=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="ParallelOptions.pp=4 stages are more than the model's 3 blocks"):
-        TrainConfig(model=ModelOptions(model=f"hf:{directory}"), data=DataOptions(data=[str(tmp_path)], batch=4),
-                    parallel=ParallelOptions(pp=4))
+        resolve(TrainConfig(model=ModelOptions(model=f"hf:{directory}"), data=DataOptions(data=[str(tmp_path)], batch=4),
+                            parallel=ParallelOptions(pp=4)))
 
 
 def _export(tmp_path, checkpoint, name: str) -> dict:

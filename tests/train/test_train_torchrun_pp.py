@@ -63,13 +63,15 @@ def test_pp_misconfiguration_fails_on_every_rank_with_one_message():
         "interleaved-micro-batches-not-a-multiple", "more-chunks-than-blocks", "interleaved-one-chunk",
         "chunks-without-interleaved"])
 def test_pp_layouts_checked_before_any_collective(monkeypatch, extra, world, message):
-    """TrainConfig's checks: local arithmetic that every rank runs alike before init_parallel."""
+    """TrainConfig's and resolve's checks: local arithmetic that every rank runs alike before init_parallel."""
     from pystronghold.options import ConfigError
+    from pystronghold.train import resolve
     from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
-        TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4), parallel=ParallelOptions(**extra))
+        resolve(TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4),
+                            parallel=ParallelOptions(**extra)))
 
 
 def test_resident_blocks_must_fit_every_stage(monkeypatch):
@@ -77,13 +79,14 @@ def test_resident_blocks_must_fit_every_stage(monkeypatch):
     blocks would fail alone in wrap, after the others entered a collective (a hang)."""
     from pystronghold.options import ConfigError
     from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.train import resolve
     from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
 
     monkeypatch.setenv("WORLD_SIZE", "2")
 
     def config(resident):
-        return TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4),
-                           runtime=RuntimeConfig(resident_blocks=resident), parallel=ParallelOptions(pp=2))
+        return resolve(TrainConfig(model=ModelOptions(model="tiny"), data=DataOptions(batch=4),
+                                   runtime=RuntimeConfig(resident_blocks=resident), parallel=ParallelOptions(pp=2)))
 
     assert config(2).runtime.resident_blocks == 2  # tiny: 4 blocks, 2 per stage
     with pytest.raises(ConfigError, match=r"RuntimeConfig.resident_blocks=3 is more than the 2 blocks of "

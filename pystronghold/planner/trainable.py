@@ -1,8 +1,9 @@
-"""What trains: the whole model, LoRA adapters on a frozen base, or all but the frozen parameters.
+"""What trains and what it costs the planner: the whole model, LoRA adapters on a frozen base, or
+all but the frozen parameters, split into trainable and frozen parameter counts (``ParamSplit``).
 
 A frozen parameter costs its value once in the compute dtype (2 bytes in bf16/fp16, 4 in fp32)
 in the store and the window slot, and nothing else; a trainable one costs full fine-tuning's 16
-bytes of host store. Blocks lay out trainable parameters first. ``models.finetune.FinetuneOptions``
+bytes of host store. Blocks lay out trainable parameters first. ``settings.finetune.FinetuneOptions``
 decides: ``lora_rank`` R adds R·(in + out) trainable parameters per targeted (out, in) weight as
 PEFT's ``LoraConfig`` does and freezes the base; ``freeze`` freezes parameters whose full name
 matches a regular expression (``re.search``).
@@ -13,11 +14,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pystronghold.models.finetune import FinetuneOptions
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.models.lora import GPT_LORA_DEFAULT_TARGETS, GPT_NOT_ADAPTABLE, default_lora_targets
 from pystronghold.planner.params import (active_matmul_numel, block_param_shapes, block_prefix,
                                          head_tail_param_shapes, numel)
+from pystronghold.settings.finetune import FinetuneOptions
 
 __all__ = ["ParamSplit", "lora_targets", "check_lora_targets", "param_split",
            "check_freeze"]

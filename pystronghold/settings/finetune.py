@@ -1,19 +1,18 @@
-"""Which parameters of a model train: the fine-tune options ``pystronghold train`` and ``pystronghold
-plan`` share (``FinetuneOptions``, a component of ``TrainConfig`` and of ``PlanRequest``).
+"""Which parameters of a model train, as settings: the fine-tune options ``pystronghold train`` and
+``pystronghold plan`` share (``FinetuneOptions``, a component of ``TrainConfig`` and of
+``PlanRequest``) and the adapters they ask for (``LoraSpec``, as checkpoints record them).
 
-NOTE: here, below both commands, because ``planner/`` may not import ``train/`` (train imports the
-planner); the adapters themselves are ``models/lora.py``'s.
+The adapters themselves are ``models/lora.py``'s, their costs ``planner/trainable.py``'s.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from pystronghold.models.lora import LoraSpec
 from pystronghold.options import ConfigError, option
 
-__all__ = ["FinetuneOptions"]
+__all__ = ["FinetuneOptions", "LoraSpec"]
 
 _MODULE_NAME = re.compile(r"[A-Za-z0-9_.]+")
 
@@ -24,6 +23,31 @@ def _names(text: str, flag: str) -> tuple[str, ...]:
     if not all(_MODULE_NAME.fullmatch(n) for n in names):
         raise ValueError(f"{flag} must be comma-separated module names like q_proj,v_proj, got {text!r}")
     return names
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraSpec:
+    """The adapters of a run, as its checkpoints record them."""
+
+    rank: int
+    """r: the adapters' inner dimension."""
+    alpha: float
+    """lora_alpha: the update is scaled by alpha / rank."""
+    targets: tuple[str, ...] | None = None
+    """Names of the modules adapted (PEFT's ``target_modules``: a module whose name ends with one);
+    None: PEFT's default for the architecture (q_proj and v_proj for Llama, c_attn for GPT-2)."""
+    dropout: float = 0.0
+    """lora_dropout: dropout on the adapters' input during training."""
+
+    def record(self) -> dict:
+        """JSON-able fields, targets sorted."""
+        return dict(asdict(self), targets=sorted(self.targets) if self.targets is not None else None)
+
+    @classmethod
+    def from_record(cls, record: dict) -> LoraSpec:
+        """The spec of ``record()``'s fields (a checkpoint manifest's)."""
+        targets = record.get("targets")
+        return cls(**dict(record, targets=tuple(targets) if targets is not None else None))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

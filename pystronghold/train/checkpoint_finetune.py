@@ -1,39 +1,16 @@
-"""Which parameters a ``pystronghold train`` run trains (its options: ``models.finetune.FinetuneOptions``):
-LoRA adapters (``--lora-rank``, made by PEFT: ``models/lora.py``), or every parameter but those
-``--freeze REGEX`` names. Frozen parameters (the LoRA base included) are stored once in the compute
-dtype, with no optimizer state; a checkpoint of a ``--model hf:DIR`` run leaves them to DIR
+"""What a checkpoint records of a fine-tune (its options: ``settings.finetune.FinetuneOptions``) and
+the resume checks against it. Frozen parameters (the LoRA base included) are stored once in the
+compute dtype, with no optimizer state; a checkpoint of a ``--model hf:DIR`` run leaves them to DIR
 (``checkpoint.py``), and ``checkpoint_record`` is what it keeps to refuse resuming with other
-options or a changed DIR (``check_checkpoint_record``).
+options (``check_checkpoint_record``) or a changed DIR (``check_base``).
 """
 
 from __future__ import annotations
 
-import re
+from pystronghold.settings.finetune import LoraSpec
 
-from torch import nn
+__all__ = ["checkpoint_record", "check_checkpoint_record", "check_base"]
 
-from pystronghold.models.lora import LoraSpec
-
-__all__ = ["freeze_matching", "checkpoint_record", "check_checkpoint_record", "check_base"]
-
-
-def freeze_matching(model: nn.Module, pattern: str) -> int:
-    """Set ``requires_grad=False`` on the parameters of ``model`` whose names ``pattern`` matches
-    (``re.search``); returns how many. ValueError when it matches none or all of them."""
-    regex = re.compile(pattern)
-    named = list(model.named_parameters())
-    matched = [p for name, p in named if regex.search(name)]
-    if not matched:
-        sample = ", ".join(name for name, _ in named[:3])
-        raise ValueError(f"--freeze {pattern!r} matches no parameter (names look like {sample}, ...)")
-    if len(matched) == len(named):
-        raise ValueError(f"--freeze {pattern!r} matches every parameter: nothing would train")
-    for p in matched:
-        p.requires_grad_(False)
-    return len(matched)
-
-
-# ---- what a checkpoint records of the fine-tune, and the resume checks
 
 def checkpoint_record(freeze: str | None, lora: LoraSpec | None, base_source: str | None) -> dict:
     """The manifest's entries of a run: ``finetune`` (the adapters, targets as PEFT resolved them,
