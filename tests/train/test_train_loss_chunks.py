@@ -11,10 +11,7 @@ import pytest
 
 from pystronghold.options import ConfigError
 from pystronghold.runtime.settings.config import RuntimeConfig
-<<<<<<< HEAD
-=======
 from pystronghold.settings.finetune import FinetuneOptions
->>>>>>> settings
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import save_tiny
 from train_helpers import run_training, text_dir, tiny_config
