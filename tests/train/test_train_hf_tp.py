@@ -255,7 +255,7 @@ def test_an_expert_width_that_does_not_split_is_one_line(tmp_path, monkeypatch, 
     (directory / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*: {field}=23 is not divisible by --tp 2$"):
-        _config(directory, text, tp=2)
+        resolve(_config(directory, text, tp=2))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3", "gpt2"])
