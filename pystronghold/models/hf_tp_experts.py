@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pystronghold.models.hf import HF_PREFIX
 from pystronghold.parallel.groups import group_rank, group_size
 from pystronghold.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
-__all__ = ["EXPERTS_STYLES", "shard_experts"]
+__all__ = ["EXPERTS_STYLES", "shard_experts", "check_expert_rows"]
 
 EXPERTS_STYLES = {"experts": "moe_tp_experts", "experts.gate_up_proj": "packed_colwise",
                   "experts.down_proj": "rowwise"}
@@ -35,6 +36,29 @@ _INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 """The experts' forward arguments, in order (transformers' experts interface)."""
 _IN_REGION = ("hidden_states", "top_k_weights")
 """Those replicated on every rank whose gradients the ranks' partial outputs make partial."""
+
+
+GROUPED_MM_ALIGN = 16
+"""Bytes that every row of the operands of torch's grouped matmul (transformers' experts) must be a
+multiple of."""
+
+
+def check_expert_rows(spec, tp: int, itemsize: int) -> None:
+    """ValueError (one line) unless a mixture of experts' rows, at ``tp`` ranks and ``itemsize`` bytes
+    an element, suit torch's grouped matmul, which transformers runs the experts through: a rank's
+    expert width (``moe_intermediate_size``, else ``intermediate_size``) and the hidden size, times
+    ``itemsize``, must be multiples of ``GROUPED_MM_ALIGN`` bytes (else torch raises from deep inside
+    the first step). Nothing to check for a model without experts."""
+    config = spec.config
+    if not (config.get("num_experts") or config.get("num_local_experts")):
+        return
+    name = "moe_intermediate_size" if config.get("moe_intermediate_size") else "intermediate_size"
+    for what, elements in ((f"{name}={config[name]} / --tp {tp}", int(config[name]) // tp),
+                           (f"hidden_size={config['hidden_size']}", int(config["hidden_size"]))):
+        if elements * itemsize % GROUPED_MM_ALIGN:
+            raise ValueError(f"--model {HF_PREFIX}{spec.source} ({spec.model_type}): {what}: a row of {elements} "
+                             f"elements of {itemsize} bytes is not a multiple of the {GROUPED_MM_ALIGN} bytes that "
+                             "the experts' grouped matmul needs; give another --precision or --tp")
 
 
 def _meta_shard(param: nn.Parameter, split: tuple[int, ...]) -> nn.Parameter:

@@ -23,6 +23,7 @@ from pathlib import Path
 from pystronghold.models import GPTConfig
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig
 from pystronghold.models.hf_tp import check_hf_tp
+from pystronghold.models.hf_tp_experts import check_expert_rows
 from pystronghold.models.presets import param_count
 from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError
@@ -164,6 +165,7 @@ def _check_model(config: TrainConfig, cfg) -> None:
     tp = par.tp
     if hf:
         check_hf_tp(cfg, tp)
+        check_expert_rows(cfg, tp, compute_dtype(config.runtime.precision).itemsize)
         if not data.data:
             # NOTE: the embedded default corpus (the standard library) is for the demo; a fine-tune
             # on it by a forgotten option would look like success

@@ -258,6 +258,25 @@ def test_an_expert_width_that_does_not_split_is_one_line(tmp_path, monkeypatch, 
         resolve(_config(directory, text, tp=2))
 
 
+@pytest.mark.parametrize("family, field", [("qwen2_moe", "moe_intermediate_size"), ("mixtral", "intermediate_size")])
+def test_expert_rows_the_grouped_matmul_cannot_take_are_one_line(tmp_path, monkeypatch, family, field):
+    """transformers runs the experts through torch's grouped matmul, whose rows must be multiples of
+    16 bytes: 12 bf16 columns per rank (24 bytes) are refused before the run, not a RuntimeError
+    from inside the first step; at --tp 2 in fp32, 6 columns a rank (24 bytes) likewise; 12 fp32
+    columns (48 bytes) run."""
+    directory = save_tiny(tmp_path, family, tokenizer=True, **{field: 12})
+    text = tmp_path / "text.txt"
+    text.write_text("".join(TEXT * 4))
+    message = rf"^--model hf:.* \({family}\): {field}=12 / --tp {{tp}}: a row of {{n}} elements of {{size}} bytes is "
+    with pytest.raises(ValueError, match=message.format(tp=1, n=12, size=2)):
+        resolve(_config(directory, text, precision="bf16"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=message.format(tp=2, n=6, size=4)):
+        resolve(_config(directory, text, tp=2))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve(_config(directory, text)).config.runtime.precision == "fp32"
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3", "gpt2"])
 def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
     """Qwen3 (and Qwen3-MoE) has per-head norms outside its plan, GPT-2 has no plan: refused, not
