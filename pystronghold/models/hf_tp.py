@@ -40,10 +40,15 @@ __all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "block_tp_st
 TP_STYLES = ("colwise", "rowwise")
 """The ``base_model_tp_plan`` styles sharded here."""
 
-TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral")
+TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral", "phi", "olmo",
+               "granite", "starcoder2", "cohere", "smollm3")
 """The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
 (Phi's optional ``q_layernorm``, Qwen3's ``q_norm``) whose gradients would then be partial sums."""
+
+_PER_HEAD_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
+"""``model_type`` -> the config.json flag that adds per-head q/k norms outside the family's plan: their
+gradients would be one rank's heads only, so ``check_hf_tp`` refuses the flag set."""
 
 _DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "moe_intermediate_size",
             "shared_expert_intermediate_size")
@@ -90,6 +95,10 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     if spec.model_type not in HEAD_TRANSFORMS:
         raise ValueError(f"{where}: its logits' transform is not known here, so the loss cannot be "
                          "vocabulary-parallel; train it with --tp 1")
+    flag = _PER_HEAD_NORMS.get(spec.model_type)
+    if flag and spec.config.get(flag):
+        raise ValueError(f"{where}: {flag}=true adds per-head q/k norms that its tensor-parallel plan does not "
+                         "split; train it with --tp 1")
     for name in _DIVIDED:
         value = spec.config.get(name)
         if value is not None and int(value) % tp:

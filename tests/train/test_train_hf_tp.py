@@ -89,18 +89,26 @@ PROJECTIONS = {
     "qwen2_moe": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "o", "gate_up", "down", "shared.gate", "shared.up",
                   "shared.down"),
     "mixtral": ("q", "k", "v", "o", "gate_up", "down"),
+    "phi": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "dense", "fc1", "fc1.bias", "fc2"),  # row biases whole
+    "olmo": ("q", "k", "v", "o", "gate", "up", "down"),
+    "granite": ("q", "k", "v", "o", "gate", "up", "down"),
+    "starcoder2": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "o", "c_fc", "c_fc.bias", "c_proj"),
+    "cohere": ("q", "k", "v", "o", "gate", "up", "down"),
+    "smollm3": ("q", "k", "v", "o", "gate", "up", "down"),
 }
 """The split tensors of one block: weights, and the biases of column-parallel layers."""
 SHARDED_ENDS = {"llama": 2, "mistral": 2, "qwen2": 1, "gemma": 1, "gemma2": 1, "gpt_neox": 2, "qwen2_moe": 2,
-                "mixtral": 2}
-"""Split tensors outside the blocks: the embedding, and the LM head unless tied to it."""
+                "mixtral": 2, "phi": 3, "olmo": 2, "granite": 2, "starcoder2": 1, "cohere": 1, "smollm3": 1}
+"""Split tensors outside the blocks: the embedding, and the LM head unless tied to it (and its bias: Phi's)."""
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)
 def test_tp2_trains_to_the_one_process_losses(tmp_path, family):
     """Llama and Mistral (GQA, untied head), Qwen2 (q/k/v biases, tied embedding), Gemma (scaled
     embedding, tied), Gemma 2 (and soft-capped logits), GPT-NeoX (fused query_key_value, biases),
-    Qwen2-MoE and Mixtral (experts split each, the router replicated; Qwen2-MoE's shared expert)."""
+    Qwen2-MoE and Mixtral (experts split each, the router replicated; Qwen2-MoE's shared expert), Phi
+    (parallel attention and MLP, row-parallel and LM-head biases), OLMo, Granite (its logits_scaling),
+    Starcoder2 (row-parallel biases), Cohere (its logit_scale, tied) and SmolLM3."""
     directory, text = _files(tmp_path, family)
     expected = _one_process_losses(directory, text)
     run = _tp2_run(tmp_path, directory, text)
@@ -284,6 +292,19 @@ def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
     directory, text = _files(tmp_path, family)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): tensor parallelism splits only llama, "):
+        resolve(_config(directory, text, tp=2))
+
+
+@pytest.mark.parametrize("family, flag", [("phi", "qk_layernorm"), ("cohere", "use_qk_norm")])
+def test_per_head_norms_outside_the_plan_are_one_line(tmp_path, monkeypatch, family, flag):
+    """Phi's and Cohere's optional q/k norms are not in their plans: split, each rank would train
+    them on its heads' gradients only, so the flag is refused, not trained wrongly."""
+    directory, text = _files(tmp_path, family)
+    config = json.loads((directory / "config.json").read_text())
+    config[flag] = True
+    (directory / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): {flag}=true adds per-head q/k norms .*--tp 1$"):
         resolve(_config(directory, text, tp=2))
 
 
