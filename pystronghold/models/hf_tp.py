@@ -14,7 +14,8 @@ up) share one all-reduce of their input gradients, as our GPT's fused QKV does.
 Attention needs no head count changed: transformers' attention modules view their projections as
 ``(..., -1, head_dim)`` and keep only the ratio of query to key/value heads, which a split by whole
 heads keeps. A mixture of experts splits every expert (``models.hf_tp_experts``), and Qwen2-MoE's
-shared expert as a dense MLP. Families are split only once tested (``TP_FAMILIES``); the others are
+shared expert as a dense MLP. Per-head norms (Qwen3's ``q_norm``, ``replicated_with_grad_allreduce``)
+stay whole on every rank, their gradients summed over the ranks. Families are split only once tested (``TP_FAMILIES``); the others are
 refused in one line.
 """
 
@@ -30,21 +31,25 @@ from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel
 from pystronghold.models.hf_loss import HEAD_TRANSFORMS
 from pystronghold.models.hf_tp_experts import EXPERTS_STYLES, shard_experts
 from pystronghold.parallel.groups import group_size
-from pystronghold.parallel.mappings import copy_to_tp_region
+from pystronghold.parallel.mappings import all_reduce, copy_to_tp_region
 from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                           tp_shard_parameter)
 
 __all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "block_tp_styles", "shard_hf_model",
-           "ScaledVocabParallelEmbedding"]
+           "ScaledVocabParallelEmbedding", "GRAD_SUMMED"]
 
 TP_STYLES = ("colwise", "rowwise")
 """The ``base_model_tp_plan`` styles sharded here."""
 
+GRAD_SUMMED = "replicated_with_grad_allreduce"
+"""The plan style of a module kept whole on every rank whose parameters' gradients are summed over
+the TP ranks (Qwen3's per-head ``q_norm``/``k_norm``: each rank's gradient covers its heads only)."""
+
 TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral", "phi", "olmo",
-               "granite", "starcoder2", "cohere", "smollm3")
+               "granite", "starcoder2", "cohere", "smollm3", "qwen3", "gemma3_text", "qwen3_moe")
 """The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
-(Phi's optional ``q_layernorm``, Qwen3's ``q_norm``) whose gradients would then be partial sums."""
+(Phi's optional ``q_layernorm``: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
 
 _PER_HEAD_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
 """``model_type`` -> the config.json flag that adds per-head q/k norms outside the family's plan: their
@@ -87,7 +92,7 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     if not plan:
         raise ValueError(f"{where}: transformers declares no tensor-parallel plan (base_model_tp_plan) for "
                          "this family; train it with --tp 1")
-    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in TP_STYLES
+    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in (*TP_STYLES, GRAD_SUMMED)
                    and EXPERTS_STYLES.get(key.partition("mlp.")[2]) != style)
     if other:
         raise ValueError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
@@ -172,6 +177,22 @@ def _enter_region(module: nn.Module, group: dist.ProcessGroup) -> None:
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def _sum_grads_over(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Make the gradients of ``module``'s parameters (kept whole on every rank) the sum over the ranks
+    of ``group``: a hook on each parameter all-reduces its gradient before it is accumulated.
+    NOTE: hooked at each forward, not once here: ``LazyHFModel.materialize`` replaces the meta
+    parameters with new ones (the window only swaps their ``.data``, which keeps a hook); the
+    ``tp_grad_summed`` tag keeps it to one hook per parameter, so micro-batches and recomputed
+    forwards never sum twice."""
+    def hook(mod, args):
+        for param in mod.parameters(recurse=False):
+            if param.requires_grad and not getattr(param, "tp_grad_summed", False):
+                param.register_hook(lambda grad: all_reduce(grad, group))
+                param.tp_grad_summed = True
+
+    module.register_forward_pre_hook(hook)
+
+
 @torch.no_grad()
 def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
     """Split ``lazy``'s model in place across the ranks of ``group`` (nothing when it has one rank):
@@ -191,6 +212,8 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
             style = _style_of(plan, f"{stack}.{index}.{name}")
             if style == EXPERTS_STYLES["experts"]:
                 shard_experts(module, group)
+            elif style == GRAD_SUMMED:
+                _sum_grads_over(module, group)
             elif style is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group))

@@ -95,10 +95,14 @@ PROJECTIONS = {
     "starcoder2": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "o", "c_fc", "c_fc.bias", "c_proj"),
     "cohere": ("q", "k", "v", "o", "gate", "up", "down"),
     "smollm3": ("q", "k", "v", "o", "gate", "up", "down"),
+    "qwen3": ("q", "k", "v", "o", "gate", "up", "down"),  # q_norm and k_norm whole
+    "gemma3_text": ("q", "k", "v", "o", "gate", "up", "down"),
+    "qwen3_moe": ("q", "k", "v", "o", "gate_up", "down"),
 }
 """The split tensors of one block: weights, and the biases of column-parallel layers."""
 SHARDED_ENDS = {"llama": 2, "mistral": 2, "qwen2": 1, "gemma": 1, "gemma2": 1, "gpt_neox": 2, "qwen2_moe": 2,
-                "mixtral": 2, "phi": 3, "olmo": 2, "granite": 2, "starcoder2": 1, "cohere": 1, "smollm3": 1}
+                "mixtral": 2, "phi": 3, "olmo": 2, "granite": 2, "starcoder2": 1, "cohere": 1, "smollm3": 1, "qwen3": 2,
+                "gemma3_text": 1, "qwen3_moe": 2}
 """Split tensors outside the blocks: the embedding, and the LM head unless tied to it (and its bias: Phi's)."""
 
 
@@ -108,7 +112,8 @@ def test_tp2_trains_to_the_one_process_losses(tmp_path, family):
     embedding, tied), Gemma 2 (and soft-capped logits), GPT-NeoX (fused query_key_value, biases),
     Qwen2-MoE and Mixtral (experts split each, the router replicated; Qwen2-MoE's shared expert), Phi
     (parallel attention and MLP, row-parallel and LM-head biases), OLMo, Granite (its logits_scaling),
-    Starcoder2 (row-parallel biases), Cohere (its logit_scale, tied) and SmolLM3."""
+    Starcoder2 (row-parallel biases), Cohere (its logit_scale, tied), SmolLM3, and Qwen3, Gemma 3 and
+    Qwen3-MoE (per-head q/k norms whole on each rank, their gradients summed over the ranks)."""
     directory, text = _files(tmp_path, family)
     expected = _one_process_losses(directory, text)
     run = _tp2_run(tmp_path, directory, text)
@@ -176,10 +181,11 @@ def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path, family):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "qwen3"])
 def test_tp2_checkpoint_resumes_in_one_process_and_exports_the_one_process_model(tmp_path, family):
     """A --tp 2 run's checkpoints hold whole tensors (shards gathered; Qwen2-MoE's packed gate and up
-    of every expert in their order): one process resumes the step-2 checkpoint to the one-process
+    of every expert in their order; Qwen3's q_norm and k_norm trained on every head's gradient, as
+    one process trains them): one process resumes the step-2 checkpoint to the one-process
     losses of steps 3 and 4, and the step-4 checkpoint exports the Hub layout of a one-process run of
     the same steps (same names and shapes, values within 1e-5)."""
     from safetensors.torch import load_file
@@ -285,10 +291,10 @@ def test_expert_rows_the_grouped_matmul_cannot_take_are_one_line(tmp_path, monke
     assert resolve(_config(directory, text)).config.runtime.precision == "fp32"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3", "gpt2"])
+@pytest.mark.parametrize("family", ["phi3", "gpt2"])
 def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
-    """Qwen3 (and Qwen3-MoE) has per-head norms outside its plan, GPT-2 has no plan: refused, not
-    split wrongly."""
+    """Phi-3 has packed projections (qkv_proj, gate_up_proj), GPT-2 has no plan: refused, not split
+    wrongly."""
     directory, text = _files(tmp_path, family)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): tensor parallelism splits only llama, "):
