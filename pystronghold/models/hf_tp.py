@@ -38,15 +38,19 @@ from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinea
 __all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "block_tp_styles", "shard_hf_model",
            "ScaledVocabParallelEmbedding", "GRAD_SUMMED"]
 
-TP_STYLES = ("colwise", "rowwise")
-"""The ``base_model_tp_plan`` styles sharded here."""
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+"""The ``base_model_tp_plan`` styles of linear layers sharded here. ``colwise_gather_output``: the
+output rows split, then gathered whole on every rank (a packed ``qkv_proj`` or ``gate_up_proj``, whose
+parts the module slices by their full sizes, or q/k/v normed across all heads); what reads it then
+runs whole on every rank, and the ``rowwise_split_input`` layer after it takes its ranks' columns."""
 
 GRAD_SUMMED = "replicated_with_grad_allreduce"
 """The plan style of a module kept whole on every rank whose parameters' gradients are summed over
 the TP ranks (Qwen3's per-head ``q_norm``/``k_norm``: each rank's gradient covers its heads only)."""
 
 TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral", "phi", "olmo",
-               "granite", "starcoder2", "cohere", "smollm3", "qwen3", "gemma3_text", "qwen3_moe")
+               "granite", "starcoder2", "cohere", "smollm3", "qwen3", "gemma3_text", "qwen3_moe", "phi3", "glm4",
+               "olmo2", "olmoe")
 """The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
 (Phi's optional ``q_layernorm``: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
@@ -96,7 +100,7 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
                    and EXPERTS_STYLES.get(key.partition("mlp.")[2]) != style)
     if other:
         raise ValueError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
-                         f"yet (only {' and '.join(TP_STYLES)} linear layers); train it with --tp 1")
+                         f"yet (only {', '.join(TP_STYLES)} linear layers); train it with --tp 1")
     if spec.model_type not in HEAD_TRANSFORMS:
         raise ValueError(f"{where}: its logits' transform is not known here, so the loss cannot be "
                          "vocabulary-parallel; train it with --tp 1")
@@ -153,10 +157,12 @@ def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup) -> nn.
     if type(linear) is not nn.Linear:
         raise ValueError(f"--tp: expected an nn.Linear to split {style}, found {type(linear).__name__}")
     with torch.device("meta"):
-        if style == "colwise":
+        if style.startswith("colwise"):
             return ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                        group=group, input_in_region=True)
-        return RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group)
+                                        group=group, input_in_region=True,
+                                        gather_output=style == "colwise_gather_output")
+        return RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                                 input_is_parallel=style == "rowwise")
 
 
 def _enter_region(module: nn.Module, group: dist.ProcessGroup) -> None:
@@ -217,7 +223,7 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
             elif style is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group))
-                if style == "colwise" and parent not in entered:
+                if style.startswith("colwise") and parent not in entered:
                     _enter_region(block.get_submodule(parent), group)
                     entered.add(parent)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()

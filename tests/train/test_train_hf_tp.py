@@ -98,11 +98,16 @@ PROJECTIONS = {
     "qwen3": ("q", "k", "v", "o", "gate", "up", "down"),  # q_norm and k_norm whole
     "gemma3_text": ("q", "k", "v", "o", "gate", "up", "down"),
     "qwen3_moe": ("q", "k", "v", "o", "gate_up", "down"),
+    "phi3": ("qkv", "o", "gate_up", "down"),  # qkv and gate_up gathered, o and down split input
+    "glm4": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "o", "gate_up", "down"),
+    "olmo2": ("q", "k", "v", "o", "gate", "up", "down"),
+    "olmoe": ("q", "k", "v", "o", "gate_up", "down"),
 }
 """The split tensors of one block: weights, and the biases of column-parallel layers."""
 SHARDED_ENDS = {"llama": 2, "mistral": 2, "qwen2": 1, "gemma": 1, "gemma2": 1, "gpt_neox": 2, "qwen2_moe": 2,
                 "mixtral": 2, "phi": 3, "olmo": 2, "granite": 2, "starcoder2": 1, "cohere": 1, "smollm3": 1, "qwen3": 2,
-                "gemma3_text": 1, "qwen3_moe": 2}
+                "gemma3_text": 1, "qwen3_moe": 2, "phi3": 2, "glm4": 2,
+                "olmo2": 2, "olmoe": 2}
 """Split tensors outside the blocks: the embedding, and the LM head unless tied to it (and its bias: Phi's)."""
 
 
@@ -291,10 +296,9 @@ def test_expert_rows_the_grouped_matmul_cannot_take_are_one_line(tmp_path, monke
     assert resolve(_config(directory, text)).config.runtime.precision == "fp32"
 
 
-@pytest.mark.parametrize("family", ["phi3", "gpt2"])
+@pytest.mark.parametrize("family", ["gpt2", "stablelm"])
 def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
-    """Phi-3 has packed projections (qkv_proj, gate_up_proj), GPT-2 has no plan: refused, not split
-    wrongly."""
+    """GPT-2 and StableLM have no plan: refused, not split wrongly."""
     directory, text = _files(tmp_path, family)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): tensor parallelism splits only llama, "):
