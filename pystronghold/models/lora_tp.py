@@ -101,26 +101,28 @@ class _ParallelLora(Linear):
 
 class ColumnParallelLora(_ParallelLora):
     """LoRA on a ``ColumnParallelLinear`` whose input is in its parent's TP region: A whole,
-    ``(r, in)``; B ``(out / tp, r)``, this rank's rows."""
+    ``(r, in)``; B ``(out / tp, r)``, this rank's rows, its output gathered as the base's is."""
 
     def _split(self, base, adapter_name, r, bias) -> None:
-        if not base.input_in_region or base.gather_output or base.skip_bias_add:
+        if not base.input_in_region or base.skip_bias_add:
             raise ValueError("--lora-rank with --tp: LoRA adapts a column-parallel layer only when its parent "
                              "enters the tensor-parallel region for it (models.hf_tp's layers)")
         self.lora_A[adapter_name] = _LoraDownInRegion(self.in_features, r, base.group)
         self.lora_B[adapter_name] = ColumnParallelLinear(r, self.out_features, bias=bias, group=base.group,
-                                                         input_in_region=True)
+                                                         input_in_region=True, gather_output=base.gather_output)
 
 
 class RowParallelLora(_ParallelLora):
     """LoRA on a ``RowParallelLinear`` reading this rank's slice of its input: A ``(r, in / tp)``,
-    this rank's columns, its products all-reduced; B whole, ``(out, r)`` (PEFT's own)."""
+    this rank's columns (of its input split here when the base's is: ``rowwise_split_input``), its
+    products all-reduced; B whole, ``(out, r)`` (PEFT's own)."""
 
     def _split(self, base, adapter_name, r, bias) -> None:
-        if not base.input_is_parallel or base.skip_bias_add:
-            raise ValueError("--lora-rank with --tp: LoRA adapts a row-parallel layer only when it reads its "
-                             "input split (models.hf_tp's layers)")
-        self.lora_A[adapter_name] = RowParallelLinear(self.in_features, r, bias=False, group=base.group)
+        if base.skip_bias_add:
+            raise ValueError("--lora-rank with --tp: LoRA adapts a row-parallel layer only when it adds its "
+                             "bias (models.hf_tp's layers)")
+        self.lora_A[adapter_name] = RowParallelLinear(self.in_features, r, bias=False, group=base.group,
+                                                      input_is_parallel=base.input_is_parallel)
 
 
 TP_LORA_LAYERS = {ColumnParallelLinear: ColumnParallelLora, RowParallelLinear: RowParallelLora}

@@ -88,6 +88,7 @@ def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
     ("qwen2", None),  # PEFT's default targets: q_proj and v_proj (q and v biases, a tied embedding)
     ("gpt_neox", "query_key_value,dense,dense_h_to_4h,dense_4h_to_h"),  # biases on both kinds
     ("qwen2_moe", None),  # no PEFT default: q_proj and v_proj found among the split layers' names
+    ("phi3", "qkv_proj,o_proj,gate_up_proj,down_proj"),  # outputs gathered, inputs split: B's and A's too
 ])
 def test_tp2_lora_trains_to_the_one_process_losses(tmp_path, family, targets):
     directory, text = _files(tmp_path, family)
@@ -98,7 +99,8 @@ def test_tp2_lora_trains_to_the_one_process_losses(tmp_path, family, targets):
     kinds = {name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] + "." + name.split(".lora_")[1][0] for name in run["split"]}
     want = {"llama": {"q_proj.B", "k_proj.B", "v_proj.B", "gate_proj.B", "up_proj.B", "o_proj.A", "down_proj.A"},
             "qwen2": {"q_proj.B", "v_proj.B"}, "qwen2_moe": {"q_proj.B", "v_proj.B"},
-            "gpt_neox": {"query_key_value.B", "dense_h_to_4h.B", "dense.A", "dense_4h_to_h.A"}}[family]
+            "gpt_neox": {"query_key_value.B", "dense_h_to_4h.B", "dense.A", "dense_4h_to_h.A"},
+            "phi3": {"qkv_proj.B", "gate_up_proj.B", "o_proj.A", "down_proj.A"}}[family]
     assert kinds == want
 
 
