@@ -188,7 +188,8 @@ def _module_name(model, module) -> str:
 
 def _tp_axes(spec: HFModelConfig, model, blocks_name: str, block) -> tuple[tuple, tuple]:
     """(block axes, head and tail axes) as ``HFShape`` keeps them: what ``models.hf_tp`` splits."""
-    axes = {"colwise": {"weight": 0, "bias": 0}, "rowwise": {"weight": 1}}
+    column, row = {"weight": 0, "bias": 0}, {"weight": 1}
+    axes = {"colwise": column, "colwise_gather_output": column, "rowwise": row, "rowwise_split_input": row}
     styles = block_tp_styles(spec, blocks_name.split(".")[-1], block)
     block_axes = []
     for name, _ in block.named_parameters():

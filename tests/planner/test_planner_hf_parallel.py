@@ -69,6 +69,16 @@ def test_a_gpt_neox_block_at_tp2_costs_what_the_same_shaped_gpt_block_does():
     assert link_bytes(hf, work).tp == link_bytes(gpt, work).tp > 0
 
 
+def test_a_phi3_block_at_tp2_splits_its_packed_projections():
+    """Phi-3's packed qkv_proj and gate_up_proj (``colwise_gather_output``) split by rows and its
+    o_proj and down_proj (``rowwise_split_input``) by columns, as ``models.hf_tp`` splits them: every
+    matrix halves, the two norms stay whole."""
+    phi3 = transformers.Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=96, num_hidden_layers=4, vocab_size=128,
+                                   max_position_embeddings=64, pad_token_id=0)
+    assert block_params_per_rank(_shape(phi3, tp=2)) == (block_params_per_rank(_shape(phi3)) - 2 * 64) // 2 + 2 * 64
+
+
 def test_lora_adapters_at_tp2_are_sharded_with_their_base_layer():
     """A colwise q_proj keeps A whole and splits B's rows; a rowwise o_proj splits A's columns and
     keeps B whole (Megatron's LoRA); the frozen base is one rank's half of the matrices."""
