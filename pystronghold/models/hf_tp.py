@@ -15,8 +15,9 @@ Attention needs no head count changed: transformers' attention modules view thei
 ``(..., -1, head_dim)`` and keep only the ratio of query to key/value heads, which a split by whole
 heads keeps. A mixture of experts splits every expert (``models.hf_tp_experts``), and Qwen2-MoE's
 shared expert as a dense MLP. Per-head norms (Qwen3's ``q_norm``, ``replicated_with_grad_allreduce``)
-stay whole on every rank, their gradients summed over the ranks. Families are split only once tested (``TP_FAMILIES``); the others are
-refused in one line.
+stay whole on every rank, their gradients summed over the ranks. A packed projection (Phi-3's
+``qkv_proj``, ``colwise_gather_output``) gathers its output, which then runs whole on every rank.
+Families are split only once tested (``TP_FAMILIES``); the others are refused in one line.
 """
 
 from __future__ import annotations
