@@ -78,8 +78,13 @@ def hf_tp_plan(spec: HFModelConfig) -> dict[str, str]:
 
 _SPLIT_BESIDES = {"qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
                                 "layers.*.mlp.shared_expert.up_proj": "colwise",
-                                "layers.*.mlp.shared_expert.down_proj": "rowwise"}}
-"""Projections split here that transformers' plan leaves whole: Qwen2-MoE's shared expert (a dense MLP)."""
+                                "layers.*.mlp.shared_expert.down_proj": "rowwise",
+                                "layers.*.mlp.experts": "moe_tp_experts",
+                                "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                                "layers.*.mlp.experts.down_proj": "rowwise"}}
+"""Projections split here that transformers' plan leaves whole: Qwen2-MoE's shared expert (a dense MLP),
+and its experts, which the plan of transformers 5.17 (the GPU machine's) does not list though its
+experts are the packed ones of the later plans."""
 
 
 def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
