@@ -99,6 +99,15 @@ def save_tiny(root: Path, arch: str, *, shard_size: str = "20KB", tokenizer: boo
     return directory
 
 
+def save_tiny_with_text(root: Path, arch: str, **overrides) -> tuple[Path, Path]:
+    """``save_tiny(root, arch, **overrides)`` (with its tokenizer) and a text file of ``TEXT`` to train
+    on: ``(model directory, text file)``."""
+    directory = save_tiny(root, arch, tokenizer=True, **overrides)
+    text = root / "text.txt"
+    text.write_text("".join(TEXT * 4))
+    return directory, text
+
+
 def hf_logits(directory: Path, x: torch.Tensor) -> torch.Tensor:
     """Logits (B, T, V) of transformers' own ``from_pretrained(directory)`` (eval mode, fp32)."""
     from transformers import AutoModelForCausalLM

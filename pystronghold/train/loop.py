@@ -20,6 +20,7 @@ import torch
 from pystronghold.data import BatchSampler, validation_batches
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.optim.hyper import AdamW
+from pystronghold.parallel.data import any_rank
 from pystronghold.tokenized import training_corpus
 from pystronghold.train.build import build_engine, build_model, load_hf_model
 from pystronghold.train.checkpoint_dir import new_run_id, open_run_directory_on_rank_0, prune_checkpoints
@@ -251,7 +252,7 @@ class Trainer:
                 log.info("step %d | validation loss %.4f", self.step, res.val_losses[-1][1])
                 writer.validation(*res.val_losses[-1])
             # NOTE: all ranks stop after the same step, or a collective of the next one would hang
-            stop = self.stepper.any_rank(self.stop_requested is not None)
+            stop = any_rank(self.stop_requested is not None)
             if ck.checkpoint_dir and ((ck.checkpoint_every and self.step % ck.checkpoint_every == 0) or last
                                       or stop):
                 from pystronghold.train.checkpoint import save_checkpoint

@@ -22,8 +22,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-import torch
-
+from pystronghold.parallel.data import any_rank
 from pystronghold.train.checkpoint import load_checkpoint
 from pystronghold.train.checkpoint_dir import CheckpointError, UnusableCheckpoint, checkpoint_steps, valid_checkpoints
 
@@ -68,26 +67,13 @@ def _load_newest_fitting(trainer, newest: Path) -> Path:
             trainer.step, trainer.lineage = load_checkpoint(state, path, record)
         except UnusableCheckpoint as e:
             error = e
-        if not _any_rank(trainer, error is not None):
+        if not any_rank(error is not None):
             return path
         log.warning("resume: skipped %s: %s", path.name, error or "another rank cannot load it")
         errors.append(error or CheckpointError(f"checkpoint {path}: another rank cannot load it"))
         path = next(candidates, None)
     more = f" (and the {len(errors) - 1} older valid one(s) do not fit either)" if len(errors) > 1 else ""
     raise CheckpointError(f"{errors[0]}{more}")
-
-
-def _any_rank(trainer, flag: bool) -> bool:
-    """Whether ``flag`` is set on any rank (this one's alone without several processes)."""
-    if trainer.groups is None:
-        return flag
-    import torch.distributed as dist
-
-    t = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_backend() == "nccl":
-        t = t.to(trainer.engine.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 # ---- the options given again

@@ -104,18 +104,6 @@ class Stepper:
         self.engine.zero_grad()
         return self.dp_mean(total / acc)
 
-    def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` is set on this rank or, with several processes, on any."""
-        if self.groups is None:
-            return flag
-        import torch.distributed as dist
-
-        t = torch.tensor([1.0 if flag else 0.0])
-        if dist.get_backend() == "nccl":
-            t = t.to(self.engine.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
     def barrier(self) -> None:
         """Wait for every process of the run (none to wait for with one)."""
         if self.groups is not None:

@@ -25,7 +25,7 @@ from pystronghold.train import resolve
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 from _dist import run_ranks
-from hf_models import FAMILIES, TEXT, save_tiny
+from hf_models import FAMILIES, save_tiny_with_text
 from train_helpers import run_training
 
 pytest.importorskip("transformers")
@@ -56,13 +56,6 @@ def _train_on_rank(rank: int, world: int, directory: str, data: str, out: str, c
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": [loss for _, loss in trainer.result.losses], "split": split}, f)
-
-
-def _files(tmp_path, family: str):
-    directory = save_tiny(tmp_path, family, tokenizer=True)
-    text = tmp_path / "text.txt"
-    text.write_text("".join(TEXT * 4))
-    return directory, text
 
 
 def _tp2_run(tmp_path, directory, text, ckpt=None, world: int = 2, **options) -> dict:
@@ -119,7 +112,7 @@ def test_tp2_trains_to_the_one_process_losses(tmp_path, family):
     (parallel attention and MLP, row-parallel and LM-head biases), OLMo, Granite (its logits_scaling),
     Starcoder2 (row-parallel biases), Cohere (its logit_scale, tied), SmolLM3, and Qwen3, Gemma 3 and
     Qwen3-MoE (per-head q/k norms whole on each rank, their gradients summed over the ranks)."""
-    directory, text = _files(tmp_path, family)
+    directory, text = save_tiny_with_text(tmp_path, family)
     expected = _one_process_losses(directory, text)
     run = _tp2_run(tmp_path, directory, text)
     got = run["losses"]
@@ -133,7 +126,7 @@ def test_tp2_in_bf16_trains_to_the_one_process_losses(tmp_path):
     """bf16 compute (fp32 masters): rtol 1e-4, not 1e-5. NOTE: each split matmul's output and each
     partial sum before the all-reduce is rounded to bf16 (unit roundoff 2^-8) where one process
     rounds the whole sum once; over 4 steps the losses moved apart by up to 3.7e-5 relative (measured)."""
-    directory, text = _files(tmp_path, "llama")
+    directory, text = save_tiny_with_text(tmp_path, "llama")
     expected = [loss for _, loss in run_training(_config(directory, text, precision="bf16")).losses]
     got = _tp2_run(tmp_path, directory, text, precision="bf16")["losses"]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=0)
@@ -169,7 +162,7 @@ def test_tp2_step_hands_the_collectives_our_gpts_bytes(tmp_path):
     all_reduces of (b, T, C) fp32 forward, 2 in the recompute, 2 in backward, not 5 there (one per
     column-parallel layer); plus the embedding, the LM head's input gradient, the cross-entropy's two
     statistics per row and the clipping norm: 4 b T C (6 L + 2) + 16 b T + 8 bytes per rank."""
-    directory, text = _files(tmp_path, "llama")
+    directory, text = save_tiny_with_text(tmp_path, "llama")
     out = tmp_path / "bytes.json"
     run_ranks(_tp_bytes_on_rank, 2, str(directory), str(text), str(out), init=False, timeout_s=300)
     small = FAMILIES["llama"]
@@ -180,7 +173,7 @@ def test_tp2_step_hands_the_collectives_our_gpts_bytes(tmp_path):
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_moe"])
 def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path, family):
     """Four ranks: two replicas, each split in two (each replica takes one of the batch's 2 rows)."""
-    directory, text = _files(tmp_path, family)
+    directory, text = save_tiny_with_text(tmp_path, family)
     expected = _one_process_losses(directory, text)
     got = _tp2_run(tmp_path, directory, text, world=4)["losses"]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
@@ -198,7 +191,7 @@ def test_tp2_checkpoint_resumes_in_one_process_and_exports_the_one_process_model
     from pystronghold.train.checkpoint_dir import checkpoint_name
     from pystronghold.train.export_hf import export_hf
 
-    directory, text = _files(tmp_path, family)
+    directory, text = save_tiny_with_text(tmp_path, family)
     expected = [loss for _, loss in run_training(_config(directory, text, ckpt=tmp_path / "one")).losses]
     _tp2_run(tmp_path, directory, text, ckpt=tmp_path / "tp2")
     shutil.copytree(tmp_path / "tp2", tmp_path / "resumed")
@@ -227,7 +220,7 @@ def test_tp2_with_freeze_trains_to_the_one_process_losses(tmp_path):
     in one process, the frozen ones come back from DIR."""
     from pystronghold.train.checkpoint_dir import checkpoint_name
 
-    directory, text = _files(tmp_path, "llama")
+    directory, text = save_tiny_with_text(tmp_path, "llama")
     frozen = r"self_attn\.[qk]_proj|embed_tokens"
     expected = [loss for _, loss in run_training(_config(directory, text, freeze=frozen)).losses]
     got = _tp2_run(tmp_path, directory, text, ckpt=tmp_path / "tp2", freeze=frozen)["losses"]
@@ -254,7 +247,7 @@ def test_lora_with_tp_on_our_gpt_is_still_one_line(monkeypatch):
     ("vocab_size", 301, "vocab_size=301 is not divisible by --tp 2"),
 ])
 def test_a_size_that_does_not_split_is_one_line(tmp_path, monkeypatch, field, value, message):
-    directory, text = _files(tmp_path, "llama")
+    directory, text = save_tiny_with_text(tmp_path, "llama")
     config = json.loads((directory / "config.json").read_text())
     config[field] = value
     if field == "num_attention_heads":
@@ -268,7 +261,7 @@ def test_a_size_that_does_not_split_is_one_line(tmp_path, monkeypatch, field, va
 
 @pytest.mark.parametrize("field", ["moe_intermediate_size", "shared_expert_intermediate_size"])
 def test_an_expert_width_that_does_not_split_is_one_line(tmp_path, monkeypatch, field):
-    directory, text = _files(tmp_path, "qwen2_moe")
+    directory, text = save_tiny_with_text(tmp_path, "qwen2_moe")
     config = json.loads((directory / "config.json").read_text())
     config[field] = 23
     (directory / "config.json").write_text(json.dumps(config))
@@ -283,9 +276,7 @@ def test_expert_rows_the_grouped_matmul_cannot_take_are_one_line(tmp_path, monke
     16 bytes: 12 bf16 columns per rank (24 bytes) are refused before the run, not a RuntimeError
     from inside the first step; at --tp 2 in fp32, 6 columns a rank (24 bytes) likewise; 12 fp32
     columns (48 bytes) run."""
-    directory = save_tiny(tmp_path, family, tokenizer=True, **{field: 12})
-    text = tmp_path / "text.txt"
-    text.write_text("".join(TEXT * 4))
+    directory, text = save_tiny_with_text(tmp_path, family, **{field: 12})
     message = rf"^--model hf:.* \({family}\): {field}=12 / --tp {{tp}}: a row of {{n}} elements of {{size}} bytes is "
     with pytest.raises(ValueError, match=message.format(tp=1, n=12, size=2)):
         resolve(_config(directory, text, precision="bf16"))
@@ -299,7 +290,7 @@ def test_expert_rows_the_grouped_matmul_cannot_take_are_one_line(tmp_path, monke
 @pytest.mark.parametrize("family", ["gpt2", "stablelm"])
 def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
     """GPT-2 and StableLM have no plan: refused, not split wrongly."""
-    directory, text = _files(tmp_path, family)
+    directory, text = save_tiny_with_text(tmp_path, family)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): tensor parallelism splits only llama, "):
         resolve(_config(directory, text, tp=2))
@@ -309,7 +300,7 @@ def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
 def test_per_head_norms_outside_the_plan_are_one_line(tmp_path, monkeypatch, family, flag):
     """Phi's and Cohere's optional q/k norms are not in their plans: split, each rank would train
     them on its heads' gradients only, so the flag is refused, not trained wrongly."""
-    directory, text = _files(tmp_path, family)
+    directory, text = save_tiny_with_text(tmp_path, family)
     config = json.loads((directory / "config.json").read_text())
     config[flag] = True
     (directory / "config.json").write_text(json.dumps(config))

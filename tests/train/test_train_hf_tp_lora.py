@@ -23,7 +23,7 @@ from pystronghold.train import resolve
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 
 from _dist import run_ranks
-from hf_models import FAMILIES, TEXT, save_tiny
+from hf_models import FAMILIES, save_tiny_with_text
 from train_helpers import run_training
 
 pytest.importorskip("transformers")
@@ -59,13 +59,6 @@ def _train_on_rank(rank: int, world: int, directory: str, data: str, out: str, o
             json.dump({"losses": [loss for _, loss in trainer.result.losses], "split": split}, f)
 
 
-def _files(tmp_path, family: str):
-    directory = save_tiny(tmp_path, family, tokenizer=True)
-    text = tmp_path / "text.txt"
-    text.write_text("".join(TEXT * 4))
-    return directory, text
-
-
 def _tp2_run(tmp_path, directory, text, world: int = 2, **options) -> dict:
     """``--tp 2`` on ``world`` ranks (4: and --dp 2): ``{"losses": [...], "split": the adapter
     parameters rank 0 holds a shard of}``."""
@@ -91,7 +84,7 @@ def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
     ("phi3", "qkv_proj,o_proj,gate_up_proj,down_proj"),  # outputs gathered, inputs split: B's and A's too
 ])
 def test_tp2_lora_trains_to_the_one_process_losses(tmp_path, family, targets):
-    directory, text = _files(tmp_path, family)
+    directory, text = save_tiny_with_text(tmp_path, family)
     expected = _losses(_config(directory, text, targets=targets))
     run = _tp2_run(tmp_path, directory, text, targets=targets)
     _close(run["losses"], expected)
@@ -107,7 +100,7 @@ def test_tp2_lora_trains_to_the_one_process_losses(tmp_path, family, targets):
 def test_dp2_x_tp2_lora_trains_to_the_one_process_losses(tmp_path):
     """Four ranks: two replicas (each one of the batch's 2 rows), each split in two; the adapters'
     gradients averaged over the replicas, shards with shards."""
-    directory, text = _files(tmp_path, "llama")
+    directory, text = save_tiny_with_text(tmp_path, "llama")
     expected = _losses(_config(directory, text))
     _close(_tp2_run(tmp_path, directory, text, world=4)["losses"], expected)
 
@@ -117,7 +110,7 @@ def test_tp2_lora_in_bf16_trains_to_the_one_process_losses(tmp_path):
     (test_train_hf_tp.py): each split matmul's output and partial sum is rounded to bf16 where one
     process rounds the whole. NOTE: at ten times the lr (the fp32 tests') the bf16 losses moved
     2.7e-4 apart (measured): larger steps carry the rounding further."""
-    directory, text = _files(tmp_path, "llama")
+    directory, text = save_tiny_with_text(tmp_path, "llama")
     expected = _losses(_config(directory, text, precision="bf16", lr=3e-3))
     _close(_tp2_run(tmp_path, directory, text, precision="bf16", lr=3e-3)["losses"], expected, rtol=1e-4)
 
@@ -133,7 +126,7 @@ def test_tp2_lora_checkpoint_resumes_in_one_process_and_exports_the_one_process_
     from pystronghold.train.checkpoint_dir import checkpoint_name
     from pystronghold.train.export_hf import export_hf
 
-    directory, text = _files(tmp_path, "llama")
+    directory, text = save_tiny_with_text(tmp_path, "llama")
     expected = _losses(_config(directory, text, ckpt=tmp_path / "one"))
     _tp2_run(tmp_path, directory, text, ckpt=str(tmp_path / "tp2"))
     shutil.copytree(tmp_path / "tp2", tmp_path / "resumed")
@@ -159,7 +152,7 @@ def test_tp2_lora_checkpoint_resumes_in_one_process_and_exports_the_one_process_
 
 
 def test_lora_dropout_with_tp_is_one_line(tmp_path, monkeypatch):
-    directory, text = _files(tmp_path, "llama")
+    directory, text = save_tiny_with_text(tmp_path, "llama")
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = _config(directory, text)
     with pytest.raises(ConfigError) as refused:
