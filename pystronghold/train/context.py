@@ -3,8 +3,6 @@ fits this machine (``planner.sequence.default_context``), said in one line at st
 
 from __future__ import annotations
 
-import functools
-
 from pystronghold.models.hf import HF_DEFAULT_SEQ, NO_POSITION_LIMIT, HFModelConfig
 from pystronghold.settings.finetune import FinetuneOptions
 
@@ -26,31 +24,23 @@ def this_machine():
     return Hardware(gpu=cpu, host_memory_bytes=host - host // 2)
 
 
-@functools.lru_cache(maxsize=16)
-def _default(source: str, positions: int | None, batch: int, precision: str,
-             finetune: FinetuneOptions) -> tuple[int, str]:
+def hf_default_seq(cfg: HFModelConfig, shape, batch: int, precision: str,
+                   finetune: FinetuneOptions) -> tuple[int, str]:
+    """(tokens, why in words) of the default context of the Hugging Face model ``cfg``, whose planner
+    shape is ``shape`` (``planner.hf_shape.HFShape``; None for one the planner cannot read), trained
+    at ``batch`` samples in ``precision`` with ``finetune`` on this machine."""
     from pystronghold.planner.cost import Workload
     from pystronghold.planner.hardware import format_bytes
-    from pystronghold.planner.hf_shape import read_hf_shape
     from pystronghold.planner.sequence import default_context
 
-    hw = this_machine()
-    work = Workload(batch=batch, precision=precision, finetune=finetune)
-    try:
-        shape = read_hf_shape(source)
-    except (ValueError, KeyError, ImportError):
+    positions = None if cfg.seq_len == NO_POSITION_LIMIT else cfg.seq_len
+    if shape is None:
         # NOTE: a model that cannot be trained at all is refused, in one line, when it is loaded
         return positions or HF_DEFAULT_SEQ, "the model's positions (its shape is not one the planner reads)"
-    seq, why = default_context(shape, work, hw, positions)
+    hw = this_machine()
+    seq, why = default_context(shape, Workload(batch=batch, precision=precision, finetune=finetune), hw, positions)
     if hw.gpu.name == "cpu":
         where = f"this CPU, {format_bytes(hw.gpu.memory_bytes + hw.host_memory_bytes)} of RAM, half of it as the device"
     else:
         where = f"{hw.gpu.name} with {format_bytes(hw.host_memory_bytes)} of host memory"
     return seq, f"{why} {where}"
-
-
-def hf_default_seq(cfg: HFModelConfig, batch: int, precision: str, finetune: FinetuneOptions) -> tuple[int, str]:
-    """(tokens, why in words) of the default context of the Hugging Face model ``cfg`` trained at
-    ``batch`` samples in ``precision`` with ``finetune`` on this machine (cached per arguments)."""
-    positions = None if cfg.seq_len == NO_POSITION_LIMIT else cfg.seq_len
-    return _default(cfg.source, positions, batch, precision, finetune)

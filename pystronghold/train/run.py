@@ -94,7 +94,7 @@ def resolve(config: TrainConfig) -> Run:
     hf_shape = _hf_shape(cfg) if hf else None
     seq, seq_why = config.data.seq, None
     if not seq and hf:
-        seq, seq_why = hf_default_seq(cfg, config.data.batch, config.runtime.precision, config.finetune)
+        seq, seq_why = hf_default_seq(cfg, hf_shape, config.data.batch, config.runtime.precision, config.finetune)
     seq = seq or cfg.seq_len
     par = config.parallel
     local_batch = max(par.dp_split) if par.dp_split is not None else config.data.batch // par.dp_size

@@ -141,7 +141,6 @@ def test_seq_default_is_capped_by_what_fits(tmp_path, monkeypatch):
     data.write_text("x")
     small = GPU(name="small", memory_bytes=4 * GiB, fp32_flops=1e12, bf16_flops=1e12, fp16_flops=1e12,
                 h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10)
-    # NOTE: the default is cached per model directory: this tmp_path's is computed on the small machine
     monkeypatch.setattr(context, "this_machine", lambda: Hardware(gpu=small, host_memory_bytes=16 * GiB))
     run = resolve(_train_config(tmp_path, data))
     seq, why = run.seq, run.seq_why
