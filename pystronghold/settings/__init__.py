@@ -1,2 +1,2 @@
 """Settings shared by the commands and the layers under them, each declared once: what trains
-(``finetune``) and the parallel layout (``parallel``)."""
+(``finetune``), the parallel layout (``parallel``) and the compute precision (``precision``)."""

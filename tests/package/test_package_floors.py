@@ -47,12 +47,13 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 FLOOR = {unit: level for level, units in enumerate(FLOORS) for unit in units}
 
 RUNTIME_FLOORS: tuple[tuple[str, ...], ...] = (
-    ("memory", "tracing", "settings", "blocks", "states"),  # store and layout, trace, options, into the model, state dicts
+    ("memory", "tracing", "blocks", "states"),  # store and layout, trace, into the model, state dicts
     ("backends", "optimizer", "streaming"),  # CPU/CUDA window, the step and its updates, the window and its schedule
-    ("",),  # runtime/ itself: the Engine, its build and wrap-time checks, the memory report, wrap
+    ("",),  # runtime/ itself: its config, the Engine, its build and wrap-time checks, the memory report, wrap
 )
 """The rooms of ``pystronghold.runtime`` (its subpackages), lowest first; ``""`` is the modules
-directly in ``runtime/``."""
+directly in ``runtime/``. ``RuntimeConfig`` (``runtime/config.py``) stands there, above every
+room: a room is handed the values it uses, never the config's type."""
 
 RUNTIME_FLOOR = {room: level for level, rooms in enumerate(RUNTIME_FLOORS) for room in rooms}
 
@@ -212,6 +213,10 @@ def test_no_runtime_room_imports_one_above_it():
     ("pystronghold.runtime.streaming.executor", "from ..memory import layout\nfrom pystronghold.optim import hyper\n",
      []),
     ("pystronghold.runtime.engine", "from pystronghold.runtime.streaming import relay\n", []),
+    ("pystronghold.runtime.streaming.relay", "from pystronghold.runtime.config import RuntimeConfig\n",
+     ["pystronghold.runtime.streaming.relay:1 -> pystronghold.runtime.config"]),
+    ("pystronghold.runtime.optimizer.step", "if TYPE_CHECKING:\n    from ..config import RuntimeConfig\n",
+     ["pystronghold.runtime.optimizer.step:2 -> pystronghold.runtime.config (typing)"]),
 ])
 def test_the_check_sees_an_import_up_a_runtime_room(name, source, upward):
     modules = set(_module_files())
@@ -236,8 +241,10 @@ def test_no_circle_even_of_type_only_imports():
     ("pystronghold.runtime.engine", "def f():\n    from pystronghold.planner.plan import make_plan\n",
      ["pystronghold.runtime.engine:2 -> pystronghold.planner.plan (function)"]),
     ("pystronghold.models.hf", "import pystronghold\n", ["pystronghold.models.hf:1 -> pystronghold"]),
-    ("pystronghold.parallel.groups", "from ..runtime.settings import config\n",
-     ["pystronghold.parallel.groups:1 -> pystronghold.runtime.settings.config"]),
+    ("pystronghold.parallel.groups", "from ..runtime import config\n",
+     ["pystronghold.parallel.groups:1 -> pystronghold.runtime.config"]),
+    ("pystronghold.settings.precision", "from pystronghold.runtime.optimizer import loss_scale\n",
+     ["pystronghold.settings.precision:1 -> pystronghold.runtime.optimizer.loss_scale"]),
     ("pystronghold.runtime.api", "from pystronghold.models.hf import load_lazy\n", []),
 ])
 def test_the_check_sees_an_upward_import(name, source, upward):

@@ -1,1 +1,0 @@
-"""What ``pystronghold.wrap`` accepts: the runtime's options and its compute precision."""
