@@ -191,7 +191,8 @@ class Engine:
         With ``schedule="relay"`` the m micro-batches run layer-major (each streamed block is loaded
         once in forward and once in backward, its gradient leaves the device once; runtime/streaming/relay.py);
         otherwise one after the other, as a loop of ``engine(...)``/``backward`` would."""
-        return relay.accumulate(self, self._executor, micro_batches, loss_fn, mean=mean)
+        return relay.accumulate(self._executor, micro_batches, loss_fn, backward=self.backward,
+                                scale_loss=self.scale_loss, mean=mean)
 
     def step(self) -> None:
         """One optimizer step (also ``engine.optimizer.step()``, which LR schedulers track)."""

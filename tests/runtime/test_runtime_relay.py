@@ -12,6 +12,7 @@ from torch import nn
 
 import pystronghold as ph
 from pystronghold.runtime.engine import engine_parts_for_tests
+from pystronghold.runtime.streaming.relay import accumulate
 from relay_training import STEPS, train
 from runtime_models import HYPER, HetStack, het_batches, one_torch_thread, train_reference
 
@@ -118,6 +119,32 @@ def test_relay_error_in_one_micro_batch_is_raised_and_the_engine_goes_on():
         engine.zero_grad()
         losses = engine.accumulate(batches[3:], lambda b: engine(*b))
         assert losses.shape == (3,) and torch.isfinite(losses).all()
+        engine.step()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("schedule, step", [("relay", "scale_loss"), ("default", "backward")])
+def test_accumulate_runs_on_the_executor_and_the_loss_steps_it_is_handed(schedule, step):
+    """``relay.accumulate`` takes the pass executor and the engine's two loss steps, not the engine:
+    a relay pass scales each loss through the ``scale_loss`` it is handed, the default schedule
+    back-propagates each through the ``backward`` it is handed."""
+    model = HetStack()
+    engine = ph.wrap(model, blocks=model.blocks, window=2, accumulation_steps=2, schedule=schedule)
+    try:
+        seen = []
+
+        def scale_loss(loss):
+            seen.append("scale_loss")
+            return engine.scale_loss(loss)
+
+        def backward(loss):
+            seen.append("backward")
+            engine.backward(loss)
+
+        losses = accumulate(engine_parts_for_tests(engine)["executor"], het_batches(2), lambda b: engine(*b),
+                            backward=backward, scale_loss=scale_loss)
+        assert seen == [step, step] and losses.shape == (2,)
         engine.step()
     finally:
         engine.close()

@@ -14,12 +14,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from pystronghold.runtime.blocks import autocast_state
 from pystronghold.runtime.streaming.saved_inputs import SavedInputs
+
+if TYPE_CHECKING:
+    from pystronghold.runtime.streaming.executor import PassExecutor
 
 __all__ = ["Relay", "RelayAborted", "accumulate"]
 
@@ -208,34 +211,37 @@ class Relay:
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs], retain_graph=True)
 
 
-def accumulate(engine, executor, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
+def accumulate(executor: PassExecutor, micro_batches: Sequence, loss_fn: Callable[[Any], torch.Tensor], *,
+               backward: Callable[[torch.Tensor], None], scale_loss: Callable[[torch.Tensor], torch.Tensor],
                mean: bool = True) -> torch.Tensor:
     """``engine.accumulate``: forward and backward of every micro-batch, layer-major with the relay
     schedule (one relay pass), else one after the other; returns the detached losses, shape (m,).
-    ``executor``: the engine's pass executor, which the relay drives."""
-    config = engine.config
+    ``executor``: the engine's pass executor, which the relay drives (its config, backend, trace and
+    backward count say how); ``backward``: back-propagates one loss outside a relay pass;
+    ``scale_loss``: the fp16 loss scale of every loss a relay pass back-propagates."""
+    config = executor.config
     m = len(micro_batches)
     if m < 1:
         raise ValueError("accumulate: micro_batches is empty")
-    if engine.micro_batches + m > config.accumulation_steps:
-        raise ValueError(f"accumulate: {m} micro-batches after {engine.micro_batches} backward passes exceed "
+    if executor.micro_batches + m > config.accumulation_steps:
+        raise ValueError(f"accumulate: {m} micro-batches after {executor.micro_batches} backward passes exceed "
                          f"accumulation_steps={config.accumulation_steps}")
-    if config.schedule_mode != "relay" or not engine.n_streamed:
+    if config.schedule_mode != "relay" or not executor.n_streamed:
         losses = []
         for item in micro_batches:
             loss = loss_fn(item)
-            engine.backward(loss / m if mean and m > 1 else loss)
+            backward(loss / m if mean and m > 1 else loss)
             losses.append(loss.detach().reshape(()))
         return torch.stack(losses)
     if executor.in_pass():
         raise RuntimeError("accumulate: a forward/backward pass is already in progress")
-    relay = Relay(m, engine.backend, config.relay_activation_bytes, strict=config.strict,
-                  track=executor.track_copy, timed=engine.trace.enabled)
+    relay = Relay(m, executor.backend, config.relay_activation_bytes, strict=config.strict,
+                  track=executor.track_copy, timed=executor.trace.enabled)
     executor.relay = relay
     try:
-        losses = relay.forward(micro_batches, loss_fn, engine.device)
+        losses = relay.forward(micro_batches, loss_fn, executor.backend.device)
         values = torch.stack([loss.detach().reshape(()) for loss in losses])
-        relay.backward(losses, engine.scale_loss, mean)
+        relay.backward(losses, scale_loss, mean)
     except BaseException:
         executor.abandon_pass()
         raise
