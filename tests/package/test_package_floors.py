@@ -201,6 +201,13 @@ def test_every_runtime_room_has_a_floor():
     assert sorted(rooms ^ (set(RUNTIME_FLOOR) - {""})) == []
 
 
+def test_no_two_packages_share_a_name():
+    """A package's name says one thing wherever it is imported (``settings`` is the option
+    components the commands and the runtime share, not also a room of ``runtime``)."""
+    names = [path.parent.name for path in PACKAGE.rglob("__init__.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
 def test_no_runtime_room_imports_one_above_it():
     assert upward_room_imports(import_graph()) == [], "move the code to its room, or the import's target down"
 
