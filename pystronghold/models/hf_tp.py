@@ -17,7 +17,8 @@ heads keeps. A mixture of experts splits every expert (``models.hf_tp_experts``)
 shared expert as a dense MLP. Per-head norms (Qwen3's ``q_norm``, ``replicated_with_grad_allreduce``)
 stay whole on every rank, their gradients summed over the ranks. A packed projection (Phi-3's
 ``qkv_proj``, ``colwise_gather_output``) gathers its output, which then runs whole on every rank.
-Families are split only once tested (``TP_FAMILIES``); the others are refused in one line.
+A family without a plan in transformers has one written in ``models.hf_tp_derive``. Families are split
+only once tested (``TP_FAMILIES``); the others are refused in one line.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel
+from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel, block_stack, meta_model
 from pystronghold.models.hf_loss import HEAD_TRANSFORMS
+from pystronghold.models.hf_tp_derive import (DERIVED_DIVIDED, DERIVED_PLANS, check_block_roles, derived_tp_plan,
+                                              localize_heads)
 from pystronghold.models.hf_tp_experts import EXPERTS_STYLES, shard_experts
 from pystronghold.parallel.groups import group_size
 from pystronghold.parallel.mappings import all_reduce, copy_to_tp_region
@@ -51,12 +54,12 @@ the TP ranks (Qwen3's per-head ``q_norm``/``k_norm``: each rank's gradient cover
 
 TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral", "phi", "olmo",
                "granite", "starcoder2", "cohere", "smollm3", "qwen3", "gemma3_text", "qwen3_moe", "phi3", "glm4",
-               "olmo2", "olmoe")
+               "olmo2", "olmoe", "gptj", "opt", "stablelm")
 """The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
 (Phi's optional ``q_layernorm``: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
 
-_PER_HEAD_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
+_PER_HEAD_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm", "stablelm": "qk_layernorm"}
 """``model_type`` -> the config.json flag that adds per-head q/k norms outside the family's plan: their
 gradients would be one rank's heads only, so ``check_hf_tp`` refuses the flag set."""
 
@@ -67,13 +70,14 @@ _DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "
 
 def hf_tp_plan(spec: HFModelConfig) -> dict[str, str]:
     """The family's ``base_model_tp_plan`` (module pattern relative to the base model -> style) as the
-    installed transformers declares it on the config class of ``spec``'s ``model_type`` ({} for none)."""
+    installed transformers declares it on the config class of ``spec``'s ``model_type``, else the plan
+    written for it in ``models.hf_tp_derive`` ({} for none)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     # NOTE: indexed, not .get(): the lazy mapping's get() does not import the family's module
     config_class = CONFIG_MAPPING[spec.model_type] if spec.model_type in CONFIG_MAPPING else None
     plan = dict(getattr(config_class, "base_model_tp_plan", None) or {})
-    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})} if plan else plan
+    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})} if plan else derived_tp_plan(spec.model_type)
 
 
 _SPLIT_BESIDES = {"qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
@@ -114,10 +118,21 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     if flag and spec.config.get(flag):
         raise ValueError(f"{where}: {flag}=true adds per-head q/k norms that its tensor-parallel plan does not "
                          "split; train it with --tp 1")
-    for name in _DIVIDED:
+    for name in (*_DIVIDED, *DERIVED_DIVIDED.get(spec.model_type, ())):
         value = spec.config.get(name)
         if value is not None and int(value) % tp:
             raise ValueError(f"{where}: {name}={value} is not divisible by --tp {tp}")
+    if spec.model_type in DERIVED_PLANS:
+        _check_roles(spec, where)
+
+
+def _check_roles(spec: HFModelConfig, where: str) -> None:
+    """``check_block_roles`` on one block of ``spec``'s model, built on meta."""
+    layers = next(key for key in ("num_hidden_layers", "n_layer", "num_layers") if key in spec.config)
+    one = meta_model(HFModelConfig(source=spec.source, architecture=spec.architecture,
+                                   config={**spec.config, layers: 1}))
+    stack, blocks = block_stack(one)
+    check_block_roles(blocks[0], block_tp_styles(spec, stack.split(".")[-1], blocks[0]), where)
 
 
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
@@ -157,15 +172,16 @@ def block_tp_styles(spec: HFModelConfig, stack: str, block: nn.Module, index: in
     return {name: style for name, style in styles.items() if style is not None}
 
 
-def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup) -> nn.Module:
+def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup, in_region: bool = True) -> nn.Module:
     """The ``style`` parallel layer of ``linear``'s shape, its (sharded) parameters on meta. A
-    column-parallel one takes its input in the region its parent entered (``_enter_region``)."""
+    column-parallel one takes its input in the region its parent entered (``_enter_region``), or
+    enters it itself (``in_region=False``)."""
     if type(linear) is not nn.Linear:
         raise ValueError(f"--tp: expected an nn.Linear to split {style}, found {type(linear).__name__}")
     with torch.device("meta"):
         if style.startswith("colwise"):
             return ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                        group=group, input_in_region=True,
+                                        group=group, input_in_region=in_region,
                                         gather_output=style == "colwise_gather_output")
         return RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
                                  input_is_parallel=style == "rowwise")
@@ -228,10 +244,13 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
                 _sum_grads_over(module, group)
             elif style is not None:
                 parent, _, attr = name.rpartition(".")
-                setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group))
-                if style.startswith("colwise") and parent not in entered:
+                # NOTE: a block's own input is read by its residual too: a layer right in the block
+                # (OPT's fc1) enters the region on its own input
+                setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group, in_region=bool(parent)))
+                if style.startswith("colwise") and parent and parent not in entered:
                     _enter_region(block.get_submodule(parent), group)
                     entered.add(parent)
+        localize_heads(spec.model_type, block, tp)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     scaled = _is_scaled_embedding(embedding)
     if (type(embedding) is not nn.Embedding and not scaled) or type(head) is not nn.Linear:

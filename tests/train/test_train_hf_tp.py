@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pystronghold.models.hf_tp import TP_FAMILIES
+from pystronghold.models.hf_tp_derive import DERIVED_PLANS
 from pystronghold.options import ConfigError
 from pystronghold.parallel.layers import VocabParallelEmbedding
 from pystronghold.runtime.settings.config import RuntimeConfig
@@ -95,13 +96,26 @@ PROJECTIONS = {
     "glm4": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "o", "gate_up", "down"),
     "olmo2": ("q", "k", "v", "o", "gate", "up", "down"),
     "olmoe": ("q", "k", "v", "o", "gate_up", "down"),
+    "gptj": ("q", "k", "v", "out", "fc_in", "fc_in.bias", "fc_out"),  # fc_out's bias whole
+    "opt": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "out", "fc1", "fc1.bias", "fc2"),  # row biases whole
+    "stablelm": ("q", "k", "v", "o", "gate", "up", "down"),
 }
 """The split tensors of one block: weights, and the biases of column-parallel layers."""
 SHARDED_ENDS = {"llama": 2, "mistral": 2, "qwen2": 1, "gemma": 1, "gemma2": 1, "gpt_neox": 2, "qwen2_moe": 2,
                 "mixtral": 2, "phi": 3, "olmo": 2, "granite": 2, "starcoder2": 1, "cohere": 1, "smollm3": 1, "qwen3": 2,
                 "gemma3_text": 1, "qwen3_moe": 2, "phi3": 2, "glm4": 2,
-                "olmo2": 2, "olmoe": 2}
+                "olmo2": 2, "olmoe": 2, "gptj": 3, "opt": 1, "stablelm": 2}
 """Split tensors outside the blocks: the embedding, and the LM head unless tied to it (and its bias: Phi's)."""
+
+
+OVERRIDES = {"opt": {"word_embed_proj_dim": 16}}
+"""Config fields of the tiny models trained split: OPT's embedding narrower than its blocks, so that
+its project_in and project_out (whole on every rank) are trained too."""
+
+
+def _layers(family: str) -> int:
+    small = FAMILIES[family]
+    return small.get("num_hidden_layers") or small["n_layer"]
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)
@@ -111,14 +125,15 @@ def test_tp2_trains_to_the_one_process_losses(tmp_path, family):
     Qwen2-MoE and Mixtral (experts split each, the router replicated; Qwen2-MoE's shared expert), Phi
     (parallel attention and MLP, row-parallel and LM-head biases), OLMo, Granite (its logits_scaling),
     Starcoder2 (row-parallel biases), Cohere (its logit_scale, tied), SmolLM3, and Qwen3, Gemma 3 and
-    Qwen3-MoE (per-head q/k norms whole on each rank, their gradients summed over the ranks)."""
-    directory, text = save_tiny_with_text(tmp_path, family)
+    Qwen3-MoE (per-head q/k norms whole on each rank, their gradients summed over the ranks); GPT-J,
+    OPT and StableLM by the plans of models.hf_tp_derive (and OPT's project_in/out whole)."""
+    directory, text = save_tiny_with_text(tmp_path, family, **OVERRIDES.get(family, {}))
     expected = _one_process_losses(directory, text)
     run = _tp2_run(tmp_path, directory, text)
     got = run["losses"]
     assert len(got) == STEPS
     # every block's projections, the embedding and the LM head are shards (a tied head is the embedding)
-    assert len(run["split"]) == len(PROJECTIONS[family]) * FAMILIES[family]["num_hidden_layers"] + SHARDED_ENDS[family]
+    assert len(run["split"]) == len(PROJECTIONS[family]) * _layers(family) + SHARDED_ENDS[family]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
@@ -287,16 +302,30 @@ def test_expert_rows_the_grouped_matmul_cannot_take_are_one_line(tmp_path, monke
     assert resolve(_config(directory, text)).config.runtime.precision == "fp32"
 
 
-@pytest.mark.parametrize("family", ["gpt2", "stablelm"])
+def test_a_linear_without_a_role_is_one_line(tmp_path, monkeypatch):
+    """A block's linear layer that a plan written here does not name (GPT-J's fc_out, taken out of its
+    plan) is refused in one line, not kept whole on every rank, where it would train on one rank's
+    part of its input only."""
+    plan = {key: style for key, style in DERIVED_PLANS["gptj"].items() if not key.endswith("fc_out")}
+    monkeypatch.setitem(DERIVED_PLANS, "gptj", plan)
+    directory, text = save_tiny_with_text(tmp_path, "gptj")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^--tp 2: .*\(gptj\): the block's mlp\.fc_out \(Linear\) has no role in "
+                                         r"pystronghold's tensor-parallel plan of this family .*--tp 1$"):
+        resolve(_config(directory, text, tp=2))
+
+
+@pytest.mark.parametrize("family", ["falcon", "bloom"])
 def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
-    """GPT-2 and StableLM have no plan: refused, not split wrongly."""
+    """Falcon and BLOOM have no plan: refused, not split wrongly."""
     directory, text = save_tiny_with_text(tmp_path, family)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): tensor parallelism splits only llama, "):
         resolve(_config(directory, text, tp=2))
 
 
-@pytest.mark.parametrize("family, flag", [("phi", "qk_layernorm"), ("cohere", "use_qk_norm")])
+@pytest.mark.parametrize("family, flag", [("phi", "qk_layernorm"), ("cohere", "use_qk_norm"),
+                                          ("stablelm", "qk_layernorm")])
 def test_per_head_norms_outside_the_plan_are_one_line(tmp_path, monkeypatch, family, flag):
     """Phi's and Cohere's optional q/k norms are not in their plans: split, each rank would train
     them on its heads' gradients only, so the flag is refused, not trained wrongly."""
