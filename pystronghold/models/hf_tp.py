@@ -31,8 +31,9 @@ from torch import nn
 
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel, block_stack, meta_model
 from pystronghold.models.hf_loss import HEAD_TRANSFORMS
-from pystronghold.models.hf_tp_derive import (DERIVED_DIVIDED, DERIVED_PLANS, check_block_roles, derived_tp_plan,
-                                              localize_heads)
+from pystronghold.models.hf_tp_derive import (ATTENTION_DROPOUT, DERIVED_DIVIDED, DERIVED_PLANS, PACKED_PARTS,
+                                              ColumnParallelConv1D, RowParallelConv1D, check_block_roles,
+                                              derived_tp_plan, is_conv1d, localize_heads, undivided)
 from pystronghold.models.hf_tp_experts import EXPERTS_STYLES, shard_experts
 from pystronghold.parallel.groups import group_size
 from pystronghold.parallel.mappings import all_reduce, copy_to_tp_region
@@ -54,7 +55,8 @@ the TP ranks (Qwen3's per-head ``q_norm``/``k_norm``: each rank's gradient cover
 
 TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral", "phi", "olmo",
                "granite", "starcoder2", "cohere", "smollm3", "qwen3", "gemma3_text", "qwen3_moe", "phi3", "glm4",
-               "olmo2", "olmoe", "gptj", "opt", "stablelm")
+               "olmo2", "olmoe", "gptj", "opt", "stablelm", "gpt2", "gpt_bigcode", "falcon",
+               "bloom")
 """The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
 (Phi's optional ``q_layernorm``: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
@@ -77,7 +79,7 @@ def hf_tp_plan(spec: HFModelConfig) -> dict[str, str]:
     # NOTE: indexed, not .get(): the lazy mapping's get() does not import the family's module
     config_class = CONFIG_MAPPING[spec.model_type] if spec.model_type in CONFIG_MAPPING else None
     plan = dict(getattr(config_class, "base_model_tp_plan", None) or {})
-    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})} if plan else derived_tp_plan(spec.model_type)
+    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})} if plan else derived_tp_plan(spec.model_type, spec.config)
 
 
 _SPLIT_BESIDES = {"qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
@@ -118,10 +120,16 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     if flag and spec.config.get(flag):
         raise ValueError(f"{where}: {flag}=true adds per-head q/k norms that its tensor-parallel plan does not "
                          "split; train it with --tp 1")
+    whole = undivided(spec.model_type, spec.config) if spec.model_type in DERIVED_PLANS else ()
     for name in (*_DIVIDED, *DERIVED_DIVIDED.get(spec.model_type, ())):
         value = spec.config.get(name)
-        if value is not None and int(value) % tp:
+        if value is not None and int(value) % tp and name not in whole:
             raise ValueError(f"{where}: {name}={value} is not divisible by --tp {tp}")
+    for name in ATTENTION_DROPOUT:
+        if spec.config.get(name):
+            raise ValueError(f"{where}: {name}={spec.config[name]} drops attention probabilities of the heads split "
+                             "over the ranks, whose masks --tp does not draw as one process does; set it to 0 in "
+                             "config.json or train with --tp 1")
     if spec.model_type in DERIVED_PLANS:
         _check_roles(spec, where)
 
@@ -172,11 +180,25 @@ def block_tp_styles(spec: HFModelConfig, stack: str, block: nn.Module, index: in
     return {name: style for name, style in styles.items() if style is not None}
 
 
-def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup, in_region: bool = True) -> nn.Module:
+_PLAIN_LINEARS = ("FalconLinear",)
+"""``nn.Linear`` subclasses of transformers whose forward is the plain x W^T + b (read in their source)."""
+
+
+def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup, in_region: bool = True,
+                 parts: int = 1) -> nn.Module:
     """The ``style`` parallel layer of ``linear``'s shape, its (sharded) parameters on meta. A
     column-parallel one takes its input in the region its parent entered (``_enter_region``), or
-    enters it itself (``in_region=False``)."""
-    if type(linear) is not nn.Linear:
+    enters it itself (``in_region=False``); ``parts``: its output packs that many parts, each split.
+    transformers' ``Conv1D`` (colwise or rowwise) keeps its (in, out) weight."""
+    if is_conv1d(linear) and style in ("colwise", "rowwise"):
+        in_features, out_features = linear.weight.shape
+        with torch.device("meta"):
+            if style == "colwise":
+                return ColumnParallelConv1D(in_features, out_features, group=group, parts=parts,
+                                            input_in_region=in_region)
+            return RowParallelConv1D(in_features, out_features, group=group)
+    plain = type(linear) is nn.Linear or (isinstance(linear, nn.Linear) and type(linear).__name__ in _PLAIN_LINEARS)
+    if not plain or parts != 1:
         raise ValueError(f"--tp: expected an nn.Linear to split {style}, found {type(linear).__name__}")
     with torch.device("meta"):
         if style.startswith("colwise"):
@@ -246,11 +268,13 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
                 parent, _, attr = name.rpartition(".")
                 # NOTE: a block's own input is read by its residual too: a layer right in the block
                 # (OPT's fc1) enters the region on its own input
-                setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group, in_region=bool(parent)))
+                parts = PACKED_PARTS.get(spec.model_type, {}).get(name, 1)
+                setattr(block.get_submodule(parent), attr,
+                        _meta_linear(module, style, group, in_region=bool(parent), parts=parts))
                 if style.startswith("colwise") and parent and parent not in entered:
                     _enter_region(block.get_submodule(parent), group)
                     entered.add(parent)
-        localize_heads(spec.model_type, block, tp)
+        localize_heads(spec.model_type, spec.config, block, group)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     scaled = _is_scaled_embedding(embedding)
     if (type(embedding) is not nn.Embedding and not scaled) or type(head) is not nn.Linear:
