@@ -38,10 +38,10 @@ from pystronghold.models.hf_tp_experts import EXPERTS_STYLES, shard_experts
 from pystronghold.parallel.groups import group_size
 from pystronghold.parallel.mappings import all_reduce, copy_to_tp_region
 from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                          tp_shard_parameter)
+                                          mark_tp_split, tp_shard_parameter)
 
 __all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "block_tp_styles", "shard_hf_model",
-           "ScaledVocabParallelEmbedding", "GRAD_SUMMED"]
+           "ScaledVocabParallelEmbedding", "GRAD_SUMMED", "HEAD_ROWS"]
 
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 """The ``base_model_tp_plan`` styles of linear layers sharded here. ``colwise_gather_output``: the
@@ -53,6 +53,10 @@ GRAD_SUMMED = "replicated_with_grad_allreduce"
 """The plan style of a module kept whole on every rank whose parameters' gradients are summed over
 the TP ranks (Qwen3's per-head ``q_norm``/``k_norm``: each rank's gradient covers its heads only)."""
 
+HEAD_ROWS = "split_head_rows"
+"""The plan style of a norm whose weight holds a row per head, (heads, head_dim) (Cohere's ``q_norm``
+and ``k_norm``), applied to the heads' outputs: each rank keeps its heads' rows (``tp_split`` on dim 0)."""
+
 TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral", "phi", "olmo",
                "granite", "starcoder2", "cohere", "smollm3", "qwen3", "gemma3_text", "qwen3_moe", "phi3", "glm4",
                "olmo2", "olmoe", "gptj", "opt", "stablelm", "gpt2", "gpt_bigcode", "falcon",
@@ -61,9 +65,10 @@ TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
 (Phi's optional ``q_layernorm``: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
 
-_PER_HEAD_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm", "stablelm": "qk_layernorm"}
+_PER_HEAD_NORMS = {"stablelm": "qk_layernorm"}
 """``model_type`` -> the config.json flag that adds per-head q/k norms outside the family's plan: their
-gradients would be one rank's heads only, so ``check_hf_tp`` refuses the flag set."""
+gradients would be one rank's heads only, so ``check_hf_tp`` refuses the flag set. NOTE: StableLM's
+are a ``ModuleList`` of a norm per head, whose names a rank's part would renumber."""
 
 _DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "moe_intermediate_size",
             "shared_expert_intermediate_size")
@@ -82,13 +87,17 @@ def hf_tp_plan(spec: HFModelConfig) -> dict[str, str]:
     return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})} if plan else derived_tp_plan(spec.model_type, spec.config)
 
 
-_SPLIT_BESIDES = {"qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
+_SPLIT_BESIDES = {"phi": {"layers.*.self_attn.q_layernorm": GRAD_SUMMED, "layers.*.self_attn.k_layernorm": GRAD_SUMMED},
+                  "cohere": {"layers.*.self_attn.q_norm": HEAD_ROWS, "layers.*.self_attn.k_norm": HEAD_ROWS},
+                  "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
                                 "layers.*.mlp.shared_expert.up_proj": "colwise",
                                 "layers.*.mlp.shared_expert.down_proj": "rowwise",
                                 "layers.*.mlp.experts": "moe_tp_experts",
                                 "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
                                 "layers.*.mlp.experts.down_proj": "rowwise"}}
-"""Projections split here that transformers' plan leaves whole: Qwen2-MoE's shared expert (a dense MLP),
+"""Modules split here that transformers' plan leaves whole: Phi's optional ``q_layernorm``/``k_layernorm``
+(``qk_layernorm``: one LayerNorm over head_dim shared by every head, its gradient summed over the ranks),
+Cohere's optional ``q_norm``/``k_norm`` (``use_qk_norm``: a weight row per head), Qwen2-MoE's shared expert (a dense MLP),
 and its experts, which the plan of transformers 5.17 (the GPU machine's) does not list though its
 experts are the packed ones of the later plans."""
 
@@ -108,7 +117,7 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     if not plan:
         raise ValueError(f"{where}: transformers declares no tensor-parallel plan (base_model_tp_plan) for "
                          "this family; train it with --tp 1")
-    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in (*TP_STYLES, GRAD_SUMMED)
+    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in (*TP_STYLES, GRAD_SUMMED, HEAD_ROWS)
                    and EXPERTS_STYLES.get(key.partition("mlp.")[2]) != style)
     if other:
         raise ValueError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
@@ -118,8 +127,8 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
                          "vocabulary-parallel; train it with --tp 1")
     flag = _PER_HEAD_NORMS.get(spec.model_type)
     if flag and spec.config.get(flag):
-        raise ValueError(f"{where}: {flag}=true adds per-head q/k norms that its tensor-parallel plan does not "
-                         "split; train it with --tp 1")
+        raise ValueError(f"{where}: {flag}=true adds per-head q/k norms that pystronghold does not split yet; "
+                         "train it with --tp 1")
     whole = undivided(spec.model_type, spec.config) if spec.model_type in DERIVED_PLANS else ()
     for name in (*_DIVIDED, *DERIVED_DIVIDED.get(spec.model_type, ())):
         value = spec.config.get(name)
@@ -243,6 +252,15 @@ def _sum_grads_over(module: nn.Module, group: dist.ProcessGroup) -> None:
     module.register_forward_pre_hook(hook)
 
 
+def _keep_head_rows(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give ``module`` (on meta) this rank's rows of each of its parameters, (heads, ...) -> (heads/tp,
+    ...), tagged ``tp_split`` so that ``LazyHFModel.materialize`` reads only them."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        local = nn.Parameter(torch.empty(param.shape[0] // group_size(group), *param.shape[1:], device="meta"),
+                             requires_grad=param.requires_grad)
+        setattr(module, name, mark_tp_split(local, 0, group))
+
+
 @torch.no_grad()
 def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
     """Split ``lazy``'s model in place across the ranks of ``group`` (nothing when it has one rank):
@@ -264,6 +282,8 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
                 shard_experts(module, group)
             elif style == GRAD_SUMMED:
                 _sum_grads_over(module, group)
+            elif style == HEAD_ROWS:
+                _keep_head_rows(module, group)
             elif style is not None:
                 parent, _, attr = name.rpartition(".")
                 # NOTE: a block's own input is read by its residual too: a layer right in the block

@@ -87,7 +87,7 @@ PROJECTIONS = {
     "olmo": ("q", "k", "v", "o", "gate", "up", "down"),
     "granite": ("q", "k", "v", "o", "gate", "up", "down"),
     "starcoder2": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "o", "c_fc", "c_fc.bias", "c_proj"),
-    "cohere": ("q", "k", "v", "o", "gate", "up", "down"),
+    "cohere": ("q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm"),  # the norms' rows per head
     "smollm3": ("q", "k", "v", "o", "gate", "up", "down"),
     "qwen3": ("q", "k", "v", "o", "gate", "up", "down"),  # q_norm and k_norm whole
     "gemma3_text": ("q", "k", "v", "o", "gate", "up", "down"),
@@ -115,12 +115,14 @@ SHARDED_ENDS = {"llama": 2, "mistral": 2, "qwen2": 1, "gemma": 1, "gemma2": 1, "
 
 
 OVERRIDES = {"opt": {"word_embed_proj_dim": 16}, "gpt2": {"attn_pdrop": 0.0}, "gpt_bigcode": {"attn_pdrop": 0.0},
-             "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2}}
+             "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2}, "phi": {"qk_layernorm": True},
+             "cohere": {"use_qk_norm": True}}
 """Config fields of the tiny models trained split: OPT's embedding narrower than its blocks, so that
 its project_in and project_out (whole on every rank) are trained too; GPT-2 and GPT-BigCode without
 the dropout of attention probabilities (refused at --tp), with their other dropouts (whole tensors:
 the same masks); Falcon's query_key_value grouped per key/value head (split by groups; its default
-multi_query runs the attention whole, as GPT-BigCode's)."""
+multi_query runs the attention whole, as GPT-BigCode's); Phi's and Cohere's optional per-head q/k norms
+on (Phi's one LayerNorm for every head, its gradient summed; Cohere's a weight row per head, split)."""
 
 
 def _layers(family: str) -> int:
@@ -336,11 +338,10 @@ def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch):
         resolve(_config(directory, text, tp=2))
 
 
-@pytest.mark.parametrize("family, flag", [("phi", "qk_layernorm"), ("cohere", "use_qk_norm"),
-                                          ("stablelm", "qk_layernorm")])
+@pytest.mark.parametrize("family, flag", [("stablelm", "qk_layernorm")])
 def test_per_head_norms_outside_the_plan_are_one_line(tmp_path, monkeypatch, family, flag):
-    """Phi's and Cohere's optional q/k norms are not in their plans: split, each rank would train
-    them on its heads' gradients only, so the flag is refused, not trained wrongly."""
+    """StableLM's optional q/k norms (a LayerNorm per head) are not split: kept whole, each rank would
+    train them on its heads' gradients only, so the flag is refused, not trained wrongly."""
     directory, text = save_tiny_with_text(tmp_path, family)
     config = json.loads((directory / "config.json").read_text())
     config[flag] = True
