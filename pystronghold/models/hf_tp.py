@@ -31,7 +31,7 @@ from torch import nn
 
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel, block_stack, meta_model
 from pystronghold.models.hf_loss import HEAD_TRANSFORMS
-from pystronghold.models.hf_tp_derive import (ATTENTION_DROPOUT, DERIVED_DIVIDED, DERIVED_PLANS, PACKED_PARTS,
+from pystronghold.models.hf_tp_derive import (DERIVED_DIVIDED, DERIVED_PLANS, PACKED_PARTS,
                                               ColumnParallelConv1D, RowParallelConv1D, check_block_roles,
                                               derived_tp_plan, is_conv1d, localize_heads, undivided)
 from pystronghold.models.hf_tp_experts import EXPERTS_STYLES, shard_experts
@@ -63,12 +63,16 @@ TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen
                "bloom")
 """The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
-(Phi's optional ``q_layernorm``: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
+(StableLM's optional per-head norms: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
 
 _PER_HEAD_NORMS = {"stablelm": "qk_layernorm"}
 """``model_type`` -> the config.json flag that adds per-head q/k norms outside the family's plan: their
 gradients would be one rank's heads only, so ``check_hf_tp`` refuses the flag set. NOTE: StableLM's
 are a ``ModuleList`` of a norm per head, whose names a rank's part would renumber."""
+
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout")
+"""config.json's names of the dropout of attention probabilities: on heads split over the ranks, each
+rank would draw the masks of its heads from the one stream every rank shares, not one process's."""
 
 _DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "moe_intermediate_size",
             "shared_expert_intermediate_size")
@@ -84,10 +88,13 @@ def hf_tp_plan(spec: HFModelConfig) -> dict[str, str]:
     # NOTE: indexed, not .get(): the lazy mapping's get() does not import the family's module
     config_class = CONFIG_MAPPING[spec.model_type] if spec.model_type in CONFIG_MAPPING else None
     plan = dict(getattr(config_class, "base_model_tp_plan", None) or {})
-    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})} if plan else derived_tp_plan(spec.model_type, spec.config)
+    if not plan:
+        return derived_tp_plan(spec.model_type, spec.config)
+    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})}
 
 
-_SPLIT_BESIDES = {"phi": {"layers.*.self_attn.q_layernorm": GRAD_SUMMED, "layers.*.self_attn.k_layernorm": GRAD_SUMMED},
+_SPLIT_BESIDES = {"phi": {"layers.*.self_attn.q_layernorm": GRAD_SUMMED,
+                          "layers.*.self_attn.k_layernorm": GRAD_SUMMED},
                   "cohere": {"layers.*.self_attn.q_norm": HEAD_ROWS, "layers.*.self_attn.k_norm": HEAD_ROWS},
                   "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
                                 "layers.*.mlp.shared_expert.up_proj": "colwise",
@@ -97,16 +104,18 @@ _SPLIT_BESIDES = {"phi": {"layers.*.self_attn.q_layernorm": GRAD_SUMMED, "layers
                                 "layers.*.mlp.experts.down_proj": "rowwise"}}
 """Modules split here that transformers' plan leaves whole: Phi's optional ``q_layernorm``/``k_layernorm``
 (``qk_layernorm``: one LayerNorm over head_dim shared by every head, its gradient summed over the ranks),
-Cohere's optional ``q_norm``/``k_norm`` (``use_qk_norm``: a weight row per head), Qwen2-MoE's shared expert (a dense MLP),
-and its experts, which the plan of transformers 5.17 (the GPU machine's) does not list though its
+Cohere's optional ``q_norm``/``k_norm`` (``use_qk_norm``: a weight row per head), Qwen2-MoE's shared
+expert (a dense MLP), and its experts, which the plan of transformers 5.17 (the GPU machine's) does not list though its
 experts are the packed ones of the later plans."""
 
 
 def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     """ValueError (one line) unless ``--tp tp`` can split the model of ``spec``: its family has a
     tensor-parallel plan of the styles sharded here (``TP_STYLES``), known logits (``HEAD_TRANSFORMS``:
-    the loss is vocabulary-parallel), and each of its head counts, MLP width and vocabulary divides by
-    ``tp``. Local arithmetic on config.json: every rank raises the same line."""
+    the loss is vocabulary-parallel), each of its head counts, MLP width and vocabulary divides by
+    ``tp``, its attention drops no probabilities, and a plan written in ``models.hf_tp_derive`` names
+    every linear layer of its blocks (one block built on meta). Local work on config.json: every rank
+    raises the same line."""
     if tp == 1:
         return
     where = f"--tp {tp}: --model {HF_PREFIX}{spec.source} ({spec.model_type})"
@@ -117,7 +126,8 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     if not plan:
         raise ValueError(f"{where}: transformers declares no tensor-parallel plan (base_model_tp_plan) for "
                          "this family; train it with --tp 1")
-    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in (*TP_STYLES, GRAD_SUMMED, HEAD_ROWS)
+    other = sorted(f"{key}: {style}" for key, style in plan.items()
+                   if style not in (*TP_STYLES, GRAD_SUMMED, HEAD_ROWS)
                    and EXPERTS_STYLES.get(key.partition("mlp.")[2]) != style)
     if other:
         raise ValueError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
@@ -134,7 +144,7 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
         value = spec.config.get(name)
         if value is not None and int(value) % tp and name not in whole:
             raise ValueError(f"{where}: {name}={value} is not divisible by --tp {tp}")
-    for name in ATTENTION_DROPOUT:
+    for name in _ATTENTION_DROPOUT:
         if spec.config.get(name):
             raise ValueError(f"{where}: {name}={spec.config[name]} drops attention probabilities of the heads split "
                              "over the ranks, whose masks --tp does not draw as one process does; set it to 0 in "
@@ -145,7 +155,7 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
 
 def _check_roles(spec: HFModelConfig, where: str) -> None:
     """``check_block_roles`` on one block of ``spec``'s model, built on meta."""
-    layers = next(key for key in ("num_hidden_layers", "n_layer", "num_layers") if key in spec.config)
+    layers = next((key for key in ("n_layer", "num_layers") if key in spec.config), "num_hidden_layers")
     one = meta_model(HFModelConfig(source=spec.source, architecture=spec.architecture,
                                    config={**spec.config, layers: 1}))
     stack, blocks = block_stack(one)

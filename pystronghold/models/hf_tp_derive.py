@@ -32,7 +32,7 @@ from pystronghold.parallel.groups import group_rank, group_size
 from pystronghold.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from pystronghold.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
-__all__ = ["DERIVED_PLANS", "LOCAL_HEADS", "DERIVED_DIVIDED", "PACKED_PARTS", "ATTENTION_DROPOUT", "derived_tp_plan", "undivided",
+__all__ = ["DERIVED_PLANS", "LOCAL_HEADS", "DERIVED_DIVIDED", "PACKED_PARTS", "derived_tp_plan", "undivided",
            "check_block_roles", "localize_heads", "is_conv1d", "ColumnParallelConv1D", "RowParallelConv1D"]
 
 _ATTENTION = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise"}
@@ -44,17 +44,20 @@ DERIVED_PLANS: dict[str, dict[str, str]] = {
              "h.*.mlp.fc_in": "colwise", "h.*.mlp.fc_out": "rowwise"},
     # NOTE: fc1 and fc2 sit in the block itself, whose input the residual reads too: fc1 enters the
     # tensor-parallel region on its own input (models.hf_tp)
-    "opt": {**{f"layers.*.self_attn.{n}": s for n, s in _ATTENTION.items()}, "layers.*.self_attn.out_proj": "rowwise",
-            "layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"},
-    "stablelm": {**{f"layers.*.self_attn.{n}": s for n, s in _ATTENTION.items()}, "layers.*.self_attn.o_proj": "rowwise",
+    "opt": {**{f"layers.*.self_attn.{n}": s for n, s in _ATTENTION.items()},
+            "layers.*.self_attn.out_proj": "rowwise", "layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"},
+    "stablelm": {**{f"layers.*.self_attn.{n}": s for n, s in _ATTENTION.items()},
+                 "layers.*.self_attn.o_proj": "rowwise",
                  "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
                  "layers.*.mlp.down_proj": "rowwise"},
     "gpt2": {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise", "h.*.mlp.c_fc": "colwise",
              "h.*.mlp.c_proj": "rowwise"},
     "gpt_bigcode": {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise", "h.*.mlp.c_fc": "colwise",
                     "h.*.mlp.c_proj": "rowwise"},
-    "bloom": {**{f"h.*.self_attention.{n}": s for n, s in _FUSED.items()}, **{f"h.*.{n}": s for n, s in _H_TO_4H.items()}},
-    "falcon": {**{f"h.*.self_attention.{n}": s for n, s in _FUSED.items()}, **{f"h.*.{n}": s for n, s in _H_TO_4H.items()}},
+    "bloom": {**{f"h.*.self_attention.{n}": s for n, s in _FUSED.items()},
+              **{f"h.*.{n}": s for n, s in _H_TO_4H.items()}},
+    "falcon": {**{f"h.*.self_attention.{n}": s for n, s in _FUSED.items()},
+               **{f"h.*.{n}": s for n, s in _H_TO_4H.items()}},
 }
 """``model_type`` -> its plan (module pattern relative to the base model -> style), for the families
 transformers gives none; ``derived_tp_plan`` gathers a whole-attention layout's."""
@@ -82,9 +85,6 @@ PACKED_PARTS: dict[str, dict[str, int]] = {"gpt2": {"attn.c_attn": 3}}
 GPT-2's ``c_attn`` computes [q | k | v], each split by whole heads, so a rank holds its heads' q, k
 and v (``tp_split`` packed: ``parallel.layers.tp_slice``) and its attention splits them by its
 ``split_size``."""
-
-ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout")
-"""config.json's names of the dropout of attention probabilities."""
 
 _ALIBI = {"bloom": "self_attention"}
 """``model_type`` -> its attention (relative to the block), called with ``alibi`` of every head,
