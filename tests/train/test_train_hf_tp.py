@@ -19,7 +19,7 @@ from pystronghold.models.hf_tp import TP_FAMILIES
 from pystronghold.models.hf_tp_derive import DERIVED_PLANS
 from pystronghold.options import ConfigError
 from pystronghold.parallel.layers import VocabParallelEmbedding
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.settings.parallel import ParallelOptions
 from pystronghold.train import resolve
