@@ -1,6 +1,7 @@
 """`train --model hf:DIR --tp 2` against one process: step time and the bytes each rank hands to the
 collectives per step, on the CPU with gloo; with ``--lora-rank R`` LoRA adapters on q and v (PEFT's
-default targets), with ``--moe`` a Qwen2-MoE (4 experts of width hidden, top 2, a shared expert).
+default targets), with ``--moe`` a Qwen2-MoE (4 experts of width hidden, top 2, a shared expert), with
+``--gpt2`` a GPT-2 (Conv1D layers split by ``models.hf_tp_derive``'s plan, attention dropout 0).
 
 A Hugging Face Llama from a small config (``common.hf_llama``: nothing downloaded) saved to a
 temporary directory, trained on a token file through ``pystronghold.train.Trainer``: first in this
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--lora-rank", type=int, default=None, help="LoRA adapters of this rank on q and v")
     parser.add_argument("--moe", action="store_true", help="a Qwen2-MoE instead of a Llama")
+    parser.add_argument("--gpt2", action="store_true", help="a GPT-2 instead of a Llama")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from pystronghold.parallel.groups import free_local_port
@@ -106,8 +108,8 @@ def main(argv=None) -> int:
     watch = LoadWatch()
     with tempfile.TemporaryDirectory() as tmp:
         directory, data = Path(tmp) / "llama", Path(tmp) / "tokens.bin"
-        model = _qwen2_moe(args) if args.moe else hf_llama(args.layers, args.hidden, vocab=args.vocab,
-                                                            positions=args.seq)
+        model = _qwen2_moe(args) if args.moe else _gpt2(args) if args.gpt2 else hf_llama(
+            args.layers, args.hidden, vocab=args.vocab, positions=args.seq)
         model.save_pretrained(str(directory))
         rng = np.random.default_rng(0)
         rng.integers(0, args.vocab, size=200_000, dtype=np.uint16).tofile(data)
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
             {"layout": "--tp 2", "step ms": f"{t2.median_s * 1e3:.0f}", "p20-p80 ms": f"{t2.p20_s * 1e3:.0f}-{t2.p80_s * 1e3:.0f}",
              "vs 1": f"{t2.median_s / t1.median_s:.2f}", "TP bytes computed": computed,
              "TP bytes measured": ranks[0]["bytes"]["tp"]}]
-    what = ("Qwen2-MoE" if args.moe else "Llama") + (f" + LoRA r={args.lora_rank}" if args.lora_rank else "")
+    what = ("Qwen2-MoE" if args.moe else "GPT-2" if args.gpt2 else "Llama") + (f" + LoRA r={args.lora_rank}" if args.lora_rank else "")
     print_table(rows, list(rows[0]), f"hf {what} {L} blocks, hidden {C}, seq {T}, batch {b}, fp32, W=2, gloo; "
                                      f"load {load.label()}")
     write_json(args.json, "hf_tp", rows, {**load.fields(), "args": vars(args), "bytes_by_group": ranks[0]["bytes"]})
@@ -150,6 +152,18 @@ def _qwen2_moe(args):
                                       vocab_size=args.vocab, max_position_embeddings=args.seq)
     torch.manual_seed(0)
     return transformers.Qwen2MoeForCausalLM(cfg)
+
+
+def _gpt2(args):
+    """A GPT-2 from a small config: heads of 64, FFN 4 x hidden, no dropout of attention probabilities
+    (``--tp`` refuses it: its masks on split heads cannot be the one process's)."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
+                                  vocab_size=args.vocab, n_positions=args.seq, attn_pdrop=0.0, bos_token_id=0,
+                                  eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ heads keeps. A mixture of experts splits every expert (``models.hf_tp_experts``)
 shared expert as a dense MLP. Per-head norms (Qwen3's ``q_norm``, ``replicated_with_grad_allreduce``)
 stay whole on every rank, their gradients summed over the ranks. A packed projection (Phi-3's
 ``qkv_proj``, ``colwise_gather_output``) gathers its output, which then runs whole on every rank.
-Families are split only once tested (``TP_FAMILIES``); the others are refused in one line.
+A family without a plan in transformers has one written in ``models.hf_tp_derive``. Families are split
+only once tested (``TP_FAMILIES``); the others are refused in one line.
 """
 
 from __future__ import annotations
@@ -28,16 +29,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel
+from pystronghold.models.hf import HF_PREFIX, HFModelConfig, LazyHFModel, block_stack, meta_model
 from pystronghold.models.hf_loss import HEAD_TRANSFORMS
+from pystronghold.models.hf_tp_derive import (DERIVED_DIVIDED, DERIVED_PLANS, PACKED_PARTS,
+                                              ColumnParallelConv1D, RowParallelConv1D, check_block_roles,
+                                              derived_tp_plan, is_conv1d, localize_heads, undivided)
 from pystronghold.models.hf_tp_experts import EXPERTS_STYLES, shard_experts
 from pystronghold.parallel.groups import group_size
 from pystronghold.parallel.mappings import all_reduce, copy_to_tp_region
 from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                          tp_shard_parameter)
+                                          mark_tp_split, tp_shard_parameter)
 
 __all__ = ["TP_FAMILIES", "TP_STYLES", "hf_tp_plan", "check_hf_tp", "block_tp_styles", "shard_hf_model",
-           "ScaledVocabParallelEmbedding", "GRAD_SUMMED"]
+           "ScaledVocabParallelEmbedding", "GRAD_SUMMED", "HEAD_ROWS"]
 
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 """The ``base_model_tp_plan`` styles of linear layers sharded here. ``colwise_gather_output``: the
@@ -49,16 +53,26 @@ GRAD_SUMMED = "replicated_with_grad_allreduce"
 """The plan style of a module kept whole on every rank whose parameters' gradients are summed over
 the TP ranks (Qwen3's per-head ``q_norm``/``k_norm``: each rank's gradient covers its heads only)."""
 
+HEAD_ROWS = "split_head_rows"
+"""The plan style of a norm whose weight holds a row per head, (heads, head_dim) (Cohere's ``q_norm``
+and ``k_norm``), applied to the heads' outputs: each rank keeps its heads' rows (``tp_split`` on dim 0)."""
+
 TP_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox", "qwen2_moe", "mixtral", "phi", "olmo",
                "granite", "starcoder2", "cohere", "smollm3", "qwen3", "gemma3_text", "qwen3_moe", "phi3", "glm4",
-               "olmo2", "olmoe")
+               "olmo2", "olmoe", "gptj", "opt", "stablelm", "gpt2", "gpt_bigcode", "falcon",
+               "bloom")
 """The ``model_type``s split by ``--tp``, each tested against one process (``tests/train/test_train_hf_tp.py``).
 NOTE: a plan of the right styles is not enough: a family may hold per-head weights outside it
-(Phi's optional ``q_layernorm``: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
+(StableLM's optional per-head norms: ``_PER_HEAD_NORMS``) whose gradients would then be partial sums."""
 
-_PER_HEAD_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
+_PER_HEAD_NORMS = {"stablelm": "qk_layernorm"}
 """``model_type`` -> the config.json flag that adds per-head q/k norms outside the family's plan: their
-gradients would be one rank's heads only, so ``check_hf_tp`` refuses the flag set."""
+gradients would be one rank's heads only, so ``check_hf_tp`` refuses the flag set. NOTE: StableLM's
+are a ``ModuleList`` of a norm per head, whose names a rank's part would renumber."""
+
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout")
+"""config.json's names of the dropout of attention probabilities: on heads split over the ranks, each
+rank would draw the masks of its heads from the one stream every rank shares, not one process's."""
 
 _DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "moe_intermediate_size",
             "shared_expert_intermediate_size")
@@ -67,31 +81,41 @@ _DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "
 
 def hf_tp_plan(spec: HFModelConfig) -> dict[str, str]:
     """The family's ``base_model_tp_plan`` (module pattern relative to the base model -> style) as the
-    installed transformers declares it on the config class of ``spec``'s ``model_type`` ({} for none)."""
+    installed transformers declares it on the config class of ``spec``'s ``model_type``, else the plan
+    written for it in ``models.hf_tp_derive`` ({} for none)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     # NOTE: indexed, not .get(): the lazy mapping's get() does not import the family's module
     config_class = CONFIG_MAPPING[spec.model_type] if spec.model_type in CONFIG_MAPPING else None
     plan = dict(getattr(config_class, "base_model_tp_plan", None) or {})
-    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})} if plan else plan
+    if not plan:
+        return derived_tp_plan(spec.model_type, spec.config)
+    return {**plan, **_SPLIT_BESIDES.get(spec.model_type, {})}
 
 
-_SPLIT_BESIDES = {"qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
+_SPLIT_BESIDES = {"phi": {"layers.*.self_attn.q_layernorm": GRAD_SUMMED,
+                          "layers.*.self_attn.k_layernorm": GRAD_SUMMED},
+                  "cohere": {"layers.*.self_attn.q_norm": HEAD_ROWS, "layers.*.self_attn.k_norm": HEAD_ROWS},
+                  "qwen2_moe": {"layers.*.mlp.shared_expert.gate_proj": "colwise",
                                 "layers.*.mlp.shared_expert.up_proj": "colwise",
                                 "layers.*.mlp.shared_expert.down_proj": "rowwise",
                                 "layers.*.mlp.experts": "moe_tp_experts",
                                 "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
                                 "layers.*.mlp.experts.down_proj": "rowwise"}}
-"""Projections split here that transformers' plan leaves whole: Qwen2-MoE's shared expert (a dense MLP),
-and its experts, which the plan of transformers 5.17 (the GPU machine's) does not list though its
+"""Modules split here that transformers' plan leaves whole: Phi's optional ``q_layernorm``/``k_layernorm``
+(``qk_layernorm``: one LayerNorm over head_dim shared by every head, its gradient summed over the ranks),
+Cohere's optional ``q_norm``/``k_norm`` (``use_qk_norm``: a weight row per head), Qwen2-MoE's shared
+expert (a dense MLP), and its experts, which the plan of transformers 5.17 (the GPU machine's) does not list though its
 experts are the packed ones of the later plans."""
 
 
 def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     """ValueError (one line) unless ``--tp tp`` can split the model of ``spec``: its family has a
     tensor-parallel plan of the styles sharded here (``TP_STYLES``), known logits (``HEAD_TRANSFORMS``:
-    the loss is vocabulary-parallel), and each of its head counts, MLP width and vocabulary divides by
-    ``tp``. Local arithmetic on config.json: every rank raises the same line."""
+    the loss is vocabulary-parallel), each of its head counts, MLP width and vocabulary divides by
+    ``tp``, its attention drops no probabilities, and a plan written in ``models.hf_tp_derive`` names
+    every linear layer of its blocks (one block built on meta). Local work on config.json: every rank
+    raises the same line."""
     if tp == 1:
         return
     where = f"--tp {tp}: --model {HF_PREFIX}{spec.source} ({spec.model_type})"
@@ -102,7 +126,8 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
     if not plan:
         raise ValueError(f"{where}: transformers declares no tensor-parallel plan (base_model_tp_plan) for "
                          "this family; train it with --tp 1")
-    other = sorted(f"{key}: {style}" for key, style in plan.items() if style not in (*TP_STYLES, GRAD_SUMMED)
+    other = sorted(f"{key}: {style}" for key, style in plan.items()
+                   if style not in (*TP_STYLES, GRAD_SUMMED, HEAD_ROWS)
                    and EXPERTS_STYLES.get(key.partition("mlp.")[2]) != style)
     if other:
         raise ValueError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
@@ -112,12 +137,29 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
                          "vocabulary-parallel; train it with --tp 1")
     flag = _PER_HEAD_NORMS.get(spec.model_type)
     if flag and spec.config.get(flag):
-        raise ValueError(f"{where}: {flag}=true adds per-head q/k norms that its tensor-parallel plan does not "
-                         "split; train it with --tp 1")
-    for name in _DIVIDED:
+        raise ValueError(f"{where}: {flag}=true adds per-head q/k norms that pystronghold does not split yet; "
+                         "train it with --tp 1")
+    whole = undivided(spec.model_type, spec.config) if spec.model_type in DERIVED_PLANS else ()
+    for name in (*_DIVIDED, *DERIVED_DIVIDED.get(spec.model_type, ())):
         value = spec.config.get(name)
-        if value is not None and int(value) % tp:
+        if value is not None and int(value) % tp and name not in whole:
             raise ValueError(f"{where}: {name}={value} is not divisible by --tp {tp}")
+    for name in _ATTENTION_DROPOUT:
+        if spec.config.get(name):
+            raise ValueError(f"{where}: {name}={spec.config[name]} drops attention probabilities of the heads split "
+                             "over the ranks, whose masks --tp does not draw as one process does; set it to 0 in "
+                             "config.json or train with --tp 1")
+    if spec.model_type in DERIVED_PLANS:
+        _check_roles(spec, where)
+
+
+def _check_roles(spec: HFModelConfig, where: str) -> None:
+    """``check_block_roles`` on one block of ``spec``'s model, built on meta."""
+    layers = next((key for key in ("n_layer", "num_layers") if key in spec.config), "num_hidden_layers")
+    one = meta_model(HFModelConfig(source=spec.source, architecture=spec.architecture,
+                                   config={**spec.config, layers: 1}))
+    stack, blocks = block_stack(one)
+    check_block_roles(blocks[0], block_tp_styles(spec, stack.split(".")[-1], blocks[0]), where)
 
 
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
@@ -157,15 +199,30 @@ def block_tp_styles(spec: HFModelConfig, stack: str, block: nn.Module, index: in
     return {name: style for name, style in styles.items() if style is not None}
 
 
-def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup) -> nn.Module:
+_PLAIN_LINEARS = ("FalconLinear",)
+"""``nn.Linear`` subclasses of transformers whose forward is the plain x W^T + b (read in their source)."""
+
+
+def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup, in_region: bool = True,
+                 parts: int = 1) -> nn.Module:
     """The ``style`` parallel layer of ``linear``'s shape, its (sharded) parameters on meta. A
-    column-parallel one takes its input in the region its parent entered (``_enter_region``)."""
-    if type(linear) is not nn.Linear:
+    column-parallel one takes its input in the region its parent entered (``_enter_region``), or
+    enters it itself (``in_region=False``); ``parts``: its output packs that many parts, each split.
+    transformers' ``Conv1D`` (colwise or rowwise) keeps its (in, out) weight."""
+    if is_conv1d(linear) and style in ("colwise", "rowwise"):
+        in_features, out_features = linear.weight.shape
+        with torch.device("meta"):
+            if style == "colwise":
+                return ColumnParallelConv1D(in_features, out_features, group=group, parts=parts,
+                                            input_in_region=in_region)
+            return RowParallelConv1D(in_features, out_features, group=group)
+    plain = type(linear) is nn.Linear or (isinstance(linear, nn.Linear) and type(linear).__name__ in _PLAIN_LINEARS)
+    if not plain or parts != 1:
         raise ValueError(f"--tp: expected an nn.Linear to split {style}, found {type(linear).__name__}")
     with torch.device("meta"):
         if style.startswith("colwise"):
             return ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                        group=group, input_in_region=True,
+                                        group=group, input_in_region=in_region,
                                         gather_output=style == "colwise_gather_output")
         return RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
                                  input_is_parallel=style == "rowwise")
@@ -205,6 +262,15 @@ def _sum_grads_over(module: nn.Module, group: dist.ProcessGroup) -> None:
     module.register_forward_pre_hook(hook)
 
 
+def _keep_head_rows(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give ``module`` (on meta) this rank's rows of each of its parameters, (heads, ...) -> (heads/tp,
+    ...), tagged ``tp_split`` so that ``LazyHFModel.materialize`` reads only them."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        local = nn.Parameter(torch.empty(param.shape[0] // group_size(group), *param.shape[1:], device="meta"),
+                             requires_grad=param.requires_grad)
+        setattr(module, name, mark_tp_split(local, 0, group))
+
+
 @torch.no_grad()
 def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
     """Split ``lazy``'s model in place across the ranks of ``group`` (nothing when it has one rank):
@@ -226,12 +292,19 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
                 shard_experts(module, group)
             elif style == GRAD_SUMMED:
                 _sum_grads_over(module, group)
+            elif style == HEAD_ROWS:
+                _keep_head_rows(module, group)
             elif style is not None:
                 parent, _, attr = name.rpartition(".")
-                setattr(block.get_submodule(parent), attr, _meta_linear(module, style, group))
-                if style.startswith("colwise") and parent not in entered:
+                # NOTE: a block's own input is read by its residual too: a layer right in the block
+                # (OPT's fc1) enters the region on its own input
+                parts = PACKED_PARTS.get(spec.model_type, {}).get(name, 1)
+                setattr(block.get_submodule(parent), attr,
+                        _meta_linear(module, style, group, in_region=bool(parent), parts=parts))
+                if style.startswith("colwise") and parent and parent not in entered:
                     _enter_region(block.get_submodule(parent), group)
                     entered.add(parent)
+        localize_heads(spec.model_type, spec.config, block, group)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     scaled = _is_scaled_embedding(embedding)
     if (type(embedding) is not nn.Embedding and not scaled) or type(head) is not nn.Linear:

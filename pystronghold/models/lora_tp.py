@@ -108,8 +108,12 @@ class ColumnParallelLora(_ParallelLora):
             raise ValueError("--lora-rank with --tp: LoRA adapts a column-parallel layer only when its parent "
                              "enters the tensor-parallel region for it (models.hf_tp's layers)")
         self.lora_A[adapter_name] = _LoraDownInRegion(self.in_features, r, base.group)
-        self.lora_B[adapter_name] = ColumnParallelLinear(r, self.out_features, bias=bias, group=base.group,
-                                                         input_in_region=True, gather_output=base.gather_output)
+        lora_b = ColumnParallelLinear(r, self.out_features, bias=bias, group=base.group, input_in_region=True,
+                                      gather_output=base.gather_output)
+        packed = base.weight.tp_split[3:]  # a packed base (GPT-2's c_attn: q, k, v): B's rows split as its outputs
+        for param in lora_b.parameters():
+            param.tp_split = (*param.tp_split, *packed)
+        self.lora_B[adapter_name] = lora_b
 
 
 class RowParallelLora(_ParallelLora):

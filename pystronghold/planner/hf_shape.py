@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from pystronghold.models.hf import (HF_PREFIX, NO_POSITION_LIMIT, POSITION_KEYS, HFModelConfig, block_stack,
                                     read_hf_config)
-from pystronghold.models.hf_tp import block_tp_styles, check_hf_tp
+from pystronghold.models.hf_tp import HEAD_ROWS, block_tp_styles, check_hf_tp
+from pystronghold.models.hf_tp_derive import is_conv1d
 from pystronghold.options import first_line
 from pystronghold.planner.params import is_expert_param, is_matrix_weight, numel
 
@@ -189,12 +190,15 @@ def _module_name(model, module) -> str:
 def _tp_axes(spec: HFModelConfig, model, blocks_name: str, block) -> tuple[tuple, tuple]:
     """(block axes, head and tail axes) as ``HFShape`` keeps them: what ``models.hf_tp`` splits."""
     column, row = {"weight": 0, "bias": 0}, {"weight": 1}
-    axes = {"colwise": column, "colwise_gather_output": column, "rowwise": row, "rowwise_split_input": row}
+    axes = {"colwise": column, "colwise_gather_output": column, "rowwise": row, "rowwise_split_input": row,
+            HEAD_ROWS: {"weight": 0}}
+    conv1d_axes = {"colwise": {"weight": 1, "bias": 0}, "rowwise": {"weight": 0}}  # weight (in, out)
     styles = block_tp_styles(spec, blocks_name.split(".")[-1], block)
     block_axes = []
     for name, _ in block.named_parameters():
         module, _, kind = name.rpartition(".")
-        axis = axes.get(styles.get(module, ""), {}).get(kind)
+        split = conv1d_axes if is_conv1d(block.get_submodule(module)) else axes
+        axis = split.get(styles.get(module, ""), {}).get(kind)
         if axis is not None:
             block_axes.append((name, axis))
     vocab = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None

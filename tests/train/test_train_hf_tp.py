@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pystronghold.models.hf_tp import TP_FAMILIES
+from pystronghold.models.hf_tp_derive import DERIVED_PLANS
 from pystronghold.options import ConfigError
 from pystronghold.parallel.layers import VocabParallelEmbedding
 from pystronghold.runtime.config import RuntimeConfig
@@ -86,7 +87,7 @@ PROJECTIONS = {
     "olmo": ("q", "k", "v", "o", "gate", "up", "down"),
     "granite": ("q", "k", "v", "o", "gate", "up", "down"),
     "starcoder2": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "o", "c_fc", "c_fc.bias", "c_proj"),
-    "cohere": ("q", "k", "v", "o", "gate", "up", "down"),
+    "cohere": ("q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm"),  # the norms' rows per head
     "smollm3": ("q", "k", "v", "o", "gate", "up", "down"),
     "qwen3": ("q", "k", "v", "o", "gate", "up", "down"),  # q_norm and k_norm whole
     "gemma3_text": ("q", "k", "v", "o", "gate", "up", "down"),
@@ -95,13 +96,38 @@ PROJECTIONS = {
     "glm4": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "o", "gate_up", "down"),
     "olmo2": ("q", "k", "v", "o", "gate", "up", "down"),
     "olmoe": ("q", "k", "v", "o", "gate_up", "down"),
+    "gptj": ("q", "k", "v", "out", "fc_in", "fc_in.bias", "fc_out"),  # fc_out's bias whole
+    "opt": ("q", "q.bias", "k", "k.bias", "v", "v.bias", "out", "fc1", "fc1.bias", "fc2"),  # row biases whole
+    "stablelm": ("q", "k", "v", "o", "gate", "up", "down"),
+    "gpt2": ("c_attn", "c_attn.bias", "attn.c_proj", "c_fc", "c_fc.bias", "mlp.c_proj"),  # Conv1D; c_attn packed
+    # multi_query: c_attn gathered, c_proj split input
+    "gpt_bigcode": ("c_attn", "c_attn.bias", "attn.c_proj", "c_fc", "c_fc.bias", "mlp.c_proj"),
+    "falcon": ("qkv", "dense", "h_to_4h", "4h_to_h"),  # split by key/value groups; no biases
+    "bloom": ("qkv", "qkv.bias", "dense", "h_to_4h", "h_to_4h.bias", "4h_to_h"),  # split by heads, its ALiBi too
 }
 """The split tensors of one block: weights, and the biases of column-parallel layers."""
 SHARDED_ENDS = {"llama": 2, "mistral": 2, "qwen2": 1, "gemma": 1, "gemma2": 1, "gpt_neox": 2, "qwen2_moe": 2,
                 "mixtral": 2, "phi": 3, "olmo": 2, "granite": 2, "starcoder2": 1, "cohere": 1, "smollm3": 1, "qwen3": 2,
                 "gemma3_text": 1, "qwen3_moe": 2, "phi3": 2, "glm4": 2,
-                "olmo2": 2, "olmoe": 2}
+                "olmo2": 2, "olmoe": 2, "gptj": 3, "opt": 1, "stablelm": 2, "gpt2": 1,
+                "gpt_bigcode": 1, "falcon": 1, "bloom": 1}
 """Split tensors outside the blocks: the embedding, and the LM head unless tied to it (and its bias: Phi's)."""
+
+
+OVERRIDES = {"opt": {"word_embed_proj_dim": 16}, "gpt2": {"attn_pdrop": 0.0}, "gpt_bigcode": {"attn_pdrop": 0.0},
+             "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2}, "phi": {"qk_layernorm": True},
+             "cohere": {"use_qk_norm": True}}
+"""Config fields of the tiny models trained split: OPT's embedding narrower than its blocks, so that
+its project_in and project_out (whole on every rank) are trained too; GPT-2 and GPT-BigCode without
+the dropout of attention probabilities (refused at --tp), with their other dropouts (whole tensors:
+the same masks); Falcon's query_key_value grouped per key/value head (split by groups; its default
+multi_query runs the attention whole, as GPT-BigCode's); Phi's and Cohere's optional per-head q/k norms
+on (Phi's one LayerNorm for every head, its gradient summed; Cohere's a weight row per head, split)."""
+
+
+def _layers(family: str) -> int:
+    small = FAMILIES[family]
+    return small.get("num_hidden_layers") or small["n_layer"]
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)
@@ -111,14 +137,15 @@ def test_tp2_trains_to_the_one_process_losses(tmp_path, family):
     Qwen2-MoE and Mixtral (experts split each, the router replicated; Qwen2-MoE's shared expert), Phi
     (parallel attention and MLP, row-parallel and LM-head biases), OLMo, Granite (its logits_scaling),
     Starcoder2 (row-parallel biases), Cohere (its logit_scale, tied), SmolLM3, and Qwen3, Gemma 3 and
-    Qwen3-MoE (per-head q/k norms whole on each rank, their gradients summed over the ranks)."""
-    directory, text = save_tiny_with_text(tmp_path, family)
+    Qwen3-MoE (per-head q/k norms whole on each rank, their gradients summed over the ranks); GPT-J,
+    OPT and StableLM by the plans of models.hf_tp_derive (and OPT's project_in/out whole)."""
+    directory, text = save_tiny_with_text(tmp_path, family, **OVERRIDES.get(family, {}))
     expected = _one_process_losses(directory, text)
     run = _tp2_run(tmp_path, directory, text)
     got = run["losses"]
     assert len(got) == STEPS
     # every block's projections, the embedding and the LM head are shards (a tied head is the embedding)
-    assert len(run["split"]) == len(PROJECTIONS[family]) * FAMILIES[family]["num_hidden_layers"] + SHARDED_ENDS[family]
+    assert len(run["split"]) == len(PROJECTIONS[family]) * _layers(family) + SHARDED_ENDS[family]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
@@ -179,11 +206,11 @@ def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path, family):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "qwen3", "gpt2"])
 def test_tp2_checkpoint_resumes_in_one_process_and_exports_the_one_process_model(tmp_path, family):
     """A --tp 2 run's checkpoints hold whole tensors (shards gathered; Qwen2-MoE's packed gate and up
     of every expert in their order; Qwen3's q_norm and k_norm trained on every head's gradient, as
-    one process trains them): one process resumes the step-2 checkpoint to the one-process
+    one process trains them; GPT-2's Conv1D weights (in, out), its c_attn's q, k and v in their order): one process resumes the step-2 checkpoint to the one-process
     losses of steps 3 and 4, and the step-4 checkpoint exports the Hub layout of a one-process run of
     the same steps (same names and shapes, values within 1e-5)."""
     from safetensors.torch import load_file
@@ -191,7 +218,7 @@ def test_tp2_checkpoint_resumes_in_one_process_and_exports_the_one_process_model
     from pystronghold.train.checkpoint_dir import checkpoint_name
     from pystronghold.train.export_hf import export_hf
 
-    directory, text = save_tiny_with_text(tmp_path, family)
+    directory, text = save_tiny_with_text(tmp_path, family, **OVERRIDES.get(family, {}))
     expected = [loss for _, loss in run_training(_config(directory, text, ckpt=tmp_path / "one")).losses]
     _tp2_run(tmp_path, directory, text, ckpt=tmp_path / "tp2")
     shutil.copytree(tmp_path / "tp2", tmp_path / "resumed")
@@ -287,25 +314,49 @@ def test_expert_rows_the_grouped_matmul_cannot_take_are_one_line(tmp_path, monke
     assert resolve(_config(directory, text)).config.runtime.precision == "fp32"
 
 
-@pytest.mark.parametrize("family", ["gpt2", "stablelm"])
-def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch, family):
-    """GPT-2 and StableLM have no plan: refused, not split wrongly."""
-    directory, text = save_tiny_with_text(tmp_path, family)
+def test_a_linear_without_a_role_is_one_line(tmp_path, monkeypatch):
+    """A block's linear layer that a plan written here does not name (GPT-J's fc_out, taken out of its
+    plan) is refused in one line, not kept whole on every rank, where it would train on one rank's
+    part of its input only."""
+    plan = {key: style for key, style in DERIVED_PLANS["gptj"].items() if not key.endswith("fc_out")}
+    monkeypatch.setitem(DERIVED_PLANS, "gptj", plan)
+    directory, text = save_tiny_with_text(tmp_path, "gptj")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): tensor parallelism splits only llama, "):
+    with pytest.raises(ValueError, match=r"^--tp 2: .*\(gptj\): the block's mlp\.fc_out \(Linear\) has no role in "
+                                         r"pystronghold's tensor-parallel plan of this family .*--tp 1$"):
         resolve(_config(directory, text, tp=2))
 
 
-@pytest.mark.parametrize("family, flag", [("phi", "qk_layernorm"), ("cohere", "use_qk_norm")])
+def test_a_family_not_split_yet_is_one_line(tmp_path, monkeypatch):
+    """A model_type outside TP_FAMILIES (BLOOM, taken out of it) is refused, not split untested."""
+    from pystronghold.models import hf_tp
+
+    monkeypatch.setattr(hf_tp, "TP_FAMILIES", tuple(f for f in TP_FAMILIES if f != "bloom"))
+    directory, text = save_tiny_with_text(tmp_path, "bloom")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^--tp 2: .*\(bloom\): tensor parallelism splits only llama, "):
+        resolve(_config(directory, text, tp=2))
+
+
+@pytest.mark.parametrize("family, flag", [("stablelm", "qk_layernorm")])
 def test_per_head_norms_outside_the_plan_are_one_line(tmp_path, monkeypatch, family, flag):
-    """Phi's and Cohere's optional q/k norms are not in their plans: split, each rank would train
-    them on its heads' gradients only, so the flag is refused, not trained wrongly."""
+    """StableLM's optional q/k norms (a LayerNorm per head) are not split: kept whole, each rank would
+    train them on its heads' gradients only, so the flag is refused, not trained wrongly."""
     directory, text = save_tiny_with_text(tmp_path, family)
     config = json.loads((directory / "config.json").read_text())
     config[flag] = True
     (directory / "config.json").write_text(json.dumps(config))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=rf"^--tp 2: .*\({family}\): {flag}=true adds per-head q/k norms .*--tp 1$"):
+        resolve(_config(directory, text, tp=2))
+
+
+def test_attention_dropout_at_tp_is_one_line(tmp_path, monkeypatch):
+    """GPT-2's attention-probability dropout (0.1 by default) on heads split over the ranks would draw
+    other masks than one process, and the same mask for heads of different ranks: refused."""
+    directory, text = save_tiny_with_text(tmp_path, "gpt2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^--tp 2: .*\(gpt2\): attn_pdrop=0.1 drops attention probabilities .*--tp 1$"):
         resolve(_config(directory, text, tp=2))
 
 

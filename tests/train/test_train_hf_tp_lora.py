@@ -151,6 +151,29 @@ def test_tp2_lora_checkpoint_resumes_in_one_process_and_exports_the_one_process_
     assert b.abs().max() > 0  # trained away from PEFT's zero B
 
 
+def test_tp2_lora_on_gpt2_exports_the_one_process_adapters(tmp_path):
+    """GPT-2's Conv1D layers (weights (in, out)) split with their adapters: c_attn packs q, k and v,
+    each split by heads, so B's rows split as c_attn's outputs do and gather back in their order. The
+    losses and the PEFT export of the step-4 checkpoint are the one-process run's (attention
+    dropout off: --tp refuses it)."""
+    from safetensors.torch import load_file
+
+    from pystronghold.train.checkpoint_dir import checkpoint_name
+    from pystronghold.train.export_hf import export_hf
+
+    targets = "c_attn,c_proj,c_fc"
+    directory, text = save_tiny_with_text(tmp_path, "gpt2", attn_pdrop=0.0)
+    expected = _losses(_config(directory, text, ckpt=tmp_path / "one", targets=targets))
+    _close(_tp2_run(tmp_path, directory, text, ckpt=str(tmp_path / "tp2"), targets=targets)["losses"], expected)
+    exported = {run: load_file(str(export_hf(tmp_path / run / checkpoint_name(STEPS), tmp_path / f"{run}-adapter",
+                                             copy_tokenizer=False) / "adapter_model.safetensors"))
+                for run in ("one", "tp2")}
+    assert sorted(exported["tp2"]) == sorted(exported["one"])
+    for name, value in exported["one"].items():
+        # NOTE: atol: Adam's first steps move each weight by about lr whatever the gradient's size
+        torch.testing.assert_close(exported["tp2"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_lora_dropout_with_tp_is_one_line(tmp_path, monkeypatch):
     directory, text = save_tiny_with_text(tmp_path, "llama")
     monkeypatch.setenv("WORLD_SIZE", "2")
