@@ -78,9 +78,15 @@ class ConfigError(ValueError):
     ``name=`` (the field and its value) or ``name=LITERAL`` (the field set to a Python literal).
     ``str()`` is the Python form, ``RuntimeConfig.nvme_states='all' needs nvme_dir``;
     ``on_command_line()`` the form of the generated CLI, ``--nvme-states all needs --nvme``.
+
+    ``ConfigError(message)``: a check made where no option object is at hand (a layer that the
+    Python API reaches too, as ``models.hf`` or ``wrap``), its one-line message naming the flag
+    itself; both forms are ``message``.
     """
 
-    def __init__(self, config, subject: str, problem: str) -> None:
+    def __init__(self, config, subject: str | None = None, problem: str | None = None) -> None:
+        if subject is None:  # ConfigError(message)
+            config, problem = None, str(config)
         self.config, self.subject, self.problem = config, subject, problem
         super().__init__(self._message(cli=False))
 
@@ -89,6 +95,8 @@ class ConfigError(ValueError):
         return self._message(cli=True)
 
     def _message(self, *, cli: bool) -> str:
+        if self.config is None:
+            return self.problem
         subject = self._name(self.subject, cli)
         if not cli:
             subject = f"{type(self.config).__name__}.{subject}"
@@ -202,7 +210,7 @@ def _value(f: dataclasses.Field, given):
 
 def from_args(job_cls, args: argparse.Namespace):
     """The ``job_cls`` instance of options parsed by a parser made with ``add_options``: each
-    component is its default instance with the given options replaced. Bad values raise ValueError
+    component is its default instance with the given options replaced. Bad values raise ConfigError
     with one line naming the flag."""
     given = vars(args)
     values = {}
@@ -220,7 +228,7 @@ def from_args(job_cls, args: argparse.Namespace):
                 values[f.name] = _value(f, given[f.name])
         return job_cls(**values)
     except ConfigError as e:
-        raise ValueError(e.on_command_line()) from None
+        raise ConfigError(e.on_command_line()) from None
 
 
 def given_options(job_cls, args: argparse.Namespace) -> frozenset[str]:
@@ -242,14 +250,14 @@ _BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 
 
 def parse_bytes(text: str, flag: str) -> int:
-    """Bytes from '12e9', '8G' / '8GB' (powers of 1000) or '8GiB' (powers of 1024); ValueError
+    """Bytes from '12e9', '8G' / '8GB' (powers of 1000) or '8GiB' (powers of 1024); ConfigError
     naming ``flag`` otherwise."""
     t = text.strip().lower().removesuffix("b")
     unit = next((u for u in sorted(_BYTE_UNITS, key=len, reverse=True) if u and t.endswith(u)), "")
     try:
         value = float(t[:len(t) - len(unit)] if unit else t) * _BYTE_UNITS[unit]
     except ValueError:
-        raise ValueError(f"{flag} must be a size in bytes like 12e9, 8G or 8GiB, got {text!r}") from None
+        raise ConfigError(f"{flag} must be a size in bytes like 12e9, 8G or 8GiB, got {text!r}") from None
     if not value >= 1:
-        raise ValueError(f"{flag} must be at least 1 byte, got {text!r}")
+        raise ConfigError(f"{flag} must be at least 1 byte, got {text!r}")
     return int(value)

@@ -18,10 +18,10 @@ _MODULE_NAME = re.compile(r"[A-Za-z0-9_.]+")
 
 
 def _names(text: str, flag: str) -> tuple[str, ...]:
-    """'q_proj,v_proj' -> ('q_proj', 'v_proj'); ValueError naming ``flag`` for anything else."""
+    """'q_proj,v_proj' -> ('q_proj', 'v_proj'); ConfigError naming ``flag`` for anything else."""
     names = tuple(part.strip() for part in text.split(","))
     if not all(_MODULE_NAME.fullmatch(n) for n in names):
-        raise ValueError(f"{flag} must be comma-separated module names like q_proj,v_proj, got {text!r}")
+        raise ConfigError(f"{flag} must be comma-separated module names like q_proj,v_proj, got {text!r}")
     return names
 
 

@@ -19,11 +19,11 @@ ScheduleInterleaved1F1B: several model chunks per rank)."""
 
 
 def _sizes_from_text(text: str, flag: str) -> tuple[int, ...]:
-    """'3,1' -> (3, 1); ValueError naming ``flag`` for anything but comma-separated integers."""
+    """'3,1' -> (3, 1); ConfigError naming ``flag`` for anything but comma-separated integers."""
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"{flag} must be comma-separated sample counts like 3,1, got {text!r}") from None
+        raise ConfigError(f"{flag} must be comma-separated sample counts like 3,1, got {text!r}") from None
 
 
 def _positive_int(value, minimum: int = 1) -> bool:

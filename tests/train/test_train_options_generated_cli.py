@@ -90,9 +90,9 @@ def test_a_new_field_becomes_an_option_without_other_changes():
 
 
 def test_mechanism_errors_name_the_flag_and_refuse_unknown_types():
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ConfigError) as info:  # the one type of a bad option, on the command line too
         _job("--speed", "0")
-    assert str(info.value) == "--speed must be >= 1, got 0; see --size-bytes"
+    assert str(info.value) == info.value.on_command_line() == "--speed must be >= 1, got 0; see --size-bytes"
     with pytest.raises(ConfigError, match=r"^Engine.speed must be >= 1, got 0; see size$"):
         Engine(speed=0)
 
@@ -110,6 +110,15 @@ def test_mechanism_errors_name_the_flag_and_refuse_unknown_types():
 
     with pytest.raises(TypeError, match=r"Engine has no option field \['sped'\]"):
         add_options(argparse.ArgumentParser(), Renamed)
+
+
+def test_a_check_without_an_option_object_raises_its_message_as_it_is():
+    import pickle
+
+    error = ConfigError("--tp 2: the model's heads do not divide")
+    assert isinstance(error, ValueError) and error.config is None
+    assert str(error) == error.on_command_line() == "--tp 2: the model's heads do not divide"
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)  # pickle rebuilds it from its args
 
 
 @pytest.mark.parametrize("argv, line", [
