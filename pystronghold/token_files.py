@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pystronghold.data import Corpus, split_range
-from pystronghold.options import first_line
+from pystronghold.options import ConfigError, first_line
 
 __all__ = ["TOKEN_FILE_SUFFIXES", "TOKEN_DTYPES", "is_token_file", "open_token_file", "token_file_corpus"]
 
@@ -38,7 +38,7 @@ def open_token_file(path: str | Path, *, vocab_size: int, token_dtype: str = "au
     empty, ragged, not 1-D integer, or holds an id outside [0, vocab_size)."""
     path = Path(path)
     if token_dtype not in TOKEN_DTYPES:
-        raise ValueError(f"--token-dtype must be one of {', '.join(TOKEN_DTYPES)}, got {token_dtype!r}")
+        raise ConfigError(f"--token-dtype must be one of {', '.join(TOKEN_DTYPES)}, got {token_dtype!r}")
     if path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pystronghold.data import IGNORE_INDEX, SKIP_DIRS, VOCAB_SIZE, Corpus, DataConfig, load_corpus, split_range
-from pystronghold.options import first_line
+from pystronghold.options import ConfigError, first_line
 from pystronghold.records import (dataset_records, encode_record, encode_text, is_dataset_dir, jsonl_records,
                                   record_bytes)
 from pystronghold.token_files import TOKEN_FILE_SUFFIXES, token_file_corpus
@@ -109,7 +109,7 @@ def _tree_size(root: Path) -> int:
 
 def data_files(paths: list[str]) -> tuple[list[DataFile], int]:
     """The sources of ``--data paths`` in order (see the module docstring), and how many hidden or
-    ``SKIP_DIRS`` entries inside directories were not read. ValueError (one line) naming the files
+    ``SKIP_DIRS`` entries inside directories were not read. ConfigError (one line) naming the files
     of a directory that are of no supported format, or a directory with no file to read."""
     out: list[DataFile] = []
     skipped = 0
@@ -145,12 +145,12 @@ def data_files(paths: list[str]) -> tuple[list[DataFile], int]:
                     else:
                         found.append(DataFile(str(path), kind, path.stat().st_size))
         if unsupported:
-            raise ValueError(f"--data {p}: {len(unsupported)} file(s) are neither text (UTF-8), .jsonl records nor "
-                             f"token files (.bin, .npy) and would be skipped: {_names(unsupported)}; move them "
-                             "out or name the files to read")
+            raise ConfigError(f"--data {p}: {len(unsupported)} file(s) are neither text (UTF-8), .jsonl records nor "
+                              f"token files (.bin, .npy) and would be skipped: {_names(unsupported)}; move them "
+                              "out or name the files to read")
         if not found:
-            raise ValueError(f"--data {p}: the directory has no file to read (hidden files and "
-                             f"{', '.join(sorted(SKIP_DIRS))} are not read)")
+            raise ConfigError(f"--data {p}: the directory has no file to read (hidden files and "
+                              f"{', '.join(sorted(SKIP_DIRS))} are not read)")
         out += sorted(found, key=lambda f: f.path)
     return out, skipped
 
@@ -168,7 +168,7 @@ def training_corpus(paths: list[str], *, vocab_size: int, max_bytes: int, val_fr
                     token_dtype: str = "auto", tokenizer_dir: str | os.PathLike | None = None) -> Corpus:
     """The corpus of ``--data paths`` (none: the standard library's sources) for a model of
     ``vocab_size`` entries (see the module docstring); ``tokenizer_dir``: the model's own tokenizer
-    (None: the model reads bytes). ValueError (one line) for sources that cannot be read together:
+    (None: the model reads bytes). ConfigError (one line) for sources that cannot be read together:
     a token file with anything else, records for a byte-level model."""
     files, skipped = data_files(paths)
     if files:
@@ -176,18 +176,18 @@ def training_corpus(paths: list[str], *, vocab_size: int, max_bytes: int, val_fr
     tokens = [f.path for f in files if f.format == "tokens"]
     if tokens:
         if len(files) != 1:
-            raise ValueError("--data: a token file (.bin, .npy) is trained on alone and mixes with nothing, but "
-                             f"{len(files)} sources were given: {_names([f.path for f in files])}")
+            raise ConfigError("--data: a token file (.bin, .npy) is trained on alone and mixes with nothing, but "
+                              f"{len(files)} sources were given: {_names([f.path for f in files])}")
         return token_file_corpus(tokens[0], vocab_size=vocab_size, val_fraction=val_fraction, token_dtype=token_dtype)
     if tokenizer_dir is not None:
         return tokenized_corpus([f.path for f in files], load_tokenizer(tokenizer_dir), max_bytes=max_bytes,
                                 val_fraction=val_fraction, vocab_size=vocab_size)
     records = [f.path for f in files if f.format != "text"]
     if records:
-        raise ValueError(f"--data: records (.jsonl files, datasets directories) need a model with a tokenizer "
-                         f"(--model hf:DIR); byte-level models read text files: {_names(records)}")
+        raise ConfigError(f"--data: records (.jsonl files, datasets directories) need a model with a tokenizer "
+                          f"(--model hf:DIR); byte-level models read text files: {_names(records)}")
     if vocab_size < VOCAB_SIZE:
-        raise ValueError(f"--model: vocab_size {vocab_size} is smaller than the {VOCAB_SIZE} byte values of the data")
+        raise ConfigError(f"--model: vocab_size {vocab_size} is smaller than the {VOCAB_SIZE} byte values of the data")
     return load_corpus(DataConfig(paths=[f.path for f in files], max_bytes=max_bytes, val_fraction=val_fraction))
 
 

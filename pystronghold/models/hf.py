@@ -25,7 +25,7 @@ from torch import nn
 
 from pystronghold.models.hf_convert import HEAD_TAIL, CheckpointPlan, hub_layout
 from pystronghold.models.hf_shards import INDEX_NAME, SafetensorsShards
-from pystronghold.options import first_line
+from pystronghold.options import ConfigError, first_line
 from pystronghold.parallel.layers import tp_shard_parameter
 
 __all__ = ["HF_DEFAULT_SEQ", "POSITION_KEYS", "NO_POSITION_LIMIT", "HFModelConfig", "read_hf_config", "LazyHFModel", "load_lazy", "meta_model",
@@ -104,11 +104,11 @@ def read_hf_config(directory: str | os.PathLike) -> HFModelConfig:
     be streamed (no ``model_type``, remote code)."""
     path = Path(directory)
     if not path.is_dir():
-        raise ValueError(f"--model {HF_PREFIX}{directory}: no such directory")
+        raise ConfigError(f"--model {HF_PREFIX}{directory}: no such directory")
     try:
         config = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
-        raise ValueError(f"--model {HF_PREFIX}{directory}: no config.json in the directory") from None
+        raise ConfigError(f"--model {HF_PREFIX}{directory}: no config.json in the directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path / 'config.json'}: not valid JSON ({e})") from None
     if not isinstance(config, dict) or not config.get("model_type"):

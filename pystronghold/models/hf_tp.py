@@ -35,6 +35,7 @@ from pystronghold.models.hf_tp_derive import (DERIVED_DIVIDED, DERIVED_PLANS, PA
                                               ColumnParallelConv1D, RowParallelConv1D, check_block_roles,
                                               derived_tp_plan, is_conv1d, localize_heads, undivided)
 from pystronghold.models.hf_tp_experts import EXPERTS_STYLES, shard_experts
+from pystronghold.options import ConfigError
 from pystronghold.parallel.groups import group_size
 from pystronghold.parallel.mappings import all_reduce, copy_to_tp_region
 from pystronghold.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -120,35 +121,35 @@ def check_hf_tp(spec: HFModelConfig, tp: int) -> None:
         return
     where = f"--tp {tp}: --model {HF_PREFIX}{spec.source} ({spec.model_type})"
     if spec.model_type not in TP_FAMILIES:
-        raise ValueError(f"{where}: tensor parallelism splits only {', '.join(TP_FAMILIES)} models so far; "
-                         "train it with --tp 1 (--dp splits the batch instead)")
+        raise ConfigError(f"{where}: tensor parallelism splits only {', '.join(TP_FAMILIES)} models so far; "
+                          "train it with --tp 1 (--dp splits the batch instead)")
     plan = hf_tp_plan(spec)
     if not plan:
-        raise ValueError(f"{where}: transformers declares no tensor-parallel plan (base_model_tp_plan) for "
-                         "this family; train it with --tp 1")
+        raise ConfigError(f"{where}: transformers declares no tensor-parallel plan (base_model_tp_plan) for "
+                          "this family; train it with --tp 1")
     other = sorted(f"{key}: {style}" for key, style in plan.items()
                    if style not in (*TP_STYLES, GRAD_SUMMED, HEAD_ROWS)
                    and EXPERTS_STYLES.get(key.partition("mlp.")[2]) != style)
     if other:
-        raise ValueError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
-                         f"yet (only {', '.join(TP_STYLES)} linear layers); train it with --tp 1")
+        raise ConfigError(f"{where}: its tensor-parallel plan has {other[0]}, which pystronghold does not shard "
+                          f"yet (only {', '.join(TP_STYLES)} linear layers); train it with --tp 1")
     if spec.model_type not in HEAD_TRANSFORMS:
-        raise ValueError(f"{where}: its logits' transform is not known here, so the loss cannot be "
-                         "vocabulary-parallel; train it with --tp 1")
+        raise ConfigError(f"{where}: its logits' transform is not known here, so the loss cannot be "
+                          "vocabulary-parallel; train it with --tp 1")
     flag = _PER_HEAD_NORMS.get(spec.model_type)
     if flag and spec.config.get(flag):
-        raise ValueError(f"{where}: {flag}=true adds per-head q/k norms that pystronghold does not split yet; "
-                         "train it with --tp 1")
+        raise ConfigError(f"{where}: {flag}=true adds per-head q/k norms that pystronghold does not split yet; "
+                          "train it with --tp 1")
     whole = undivided(spec.model_type, spec.config) if spec.model_type in DERIVED_PLANS else ()
     for name in (*_DIVIDED, *DERIVED_DIVIDED.get(spec.model_type, ())):
         value = spec.config.get(name)
         if value is not None and int(value) % tp and name not in whole:
-            raise ValueError(f"{where}: {name}={value} is not divisible by --tp {tp}")
+            raise ConfigError(f"{where}: {name}={value} is not divisible by --tp {tp}")
     for name in _ATTENTION_DROPOUT:
         if spec.config.get(name):
-            raise ValueError(f"{where}: {name}={spec.config[name]} drops attention probabilities of the heads split "
-                             "over the ranks, whose masks --tp does not draw as one process does; set it to 0 in "
-                             "config.json or train with --tp 1")
+            raise ConfigError(f"{where}: {name}={spec.config[name]} drops attention probabilities of the heads split "
+                              "over the ranks, whose masks --tp does not draw as one process does; set it to 0 in "
+                              "config.json or train with --tp 1")
     if spec.model_type in DERIVED_PLANS:
         _check_roles(spec, where)
 
@@ -218,7 +219,7 @@ def _meta_linear(linear: nn.Linear, style: str, group: dist.ProcessGroup, in_reg
             return RowParallelConv1D(in_features, out_features, group=group)
     plain = type(linear) is nn.Linear or (isinstance(linear, nn.Linear) and type(linear).__name__ in _PLAIN_LINEARS)
     if not plain or parts != 1:
-        raise ValueError(f"--tp: expected an nn.Linear to split {style}, found {type(linear).__name__}")
+        raise ConfigError(f"--tp: expected an nn.Linear to split {style}, found {type(linear).__name__}")
     with torch.device("meta"):
         if style.startswith("colwise"):
             return ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
@@ -240,7 +241,7 @@ def _enter_region(module: nn.Module, group: dist.ProcessGroup) -> None:
         elif args:
             args = (copy_to_tp_region(args[0], group), *args[1:])
         else:
-            raise ValueError(f"--tp: {type(mod).__name__} was called without its input")
+            raise ConfigError(f"--tp: {type(mod).__name__} was called without its input")
         return args, kwargs
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -308,8 +309,8 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     scaled = _is_scaled_embedding(embedding)
     if (type(embedding) is not nn.Embedding and not scaled) or type(head) is not nn.Linear:
-        raise ValueError(f"--tp {tp}: {spec.architecture}'s embedding ({type(embedding).__name__}) or LM head "
-                         f"({type(head).__name__}) is not a plain nn.Embedding / nn.Linear; train it with --tp 1")
+        raise ConfigError(f"--tp {tp}: {spec.architecture}'s embedding ({type(embedding).__name__}) or LM head "
+                          f"({type(head).__name__}) is not a plain nn.Embedding / nn.Linear; train it with --tp 1")
     tied = head.weight is embedding.weight
     with torch.device("meta"):
         new_embedding = (ScaledVocabParallelEmbedding if scaled else VocabParallelEmbedding)(

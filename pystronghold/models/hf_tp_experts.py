@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pystronghold.models.hf import HF_PREFIX
+from pystronghold.options import ConfigError
 from pystronghold.parallel.groups import group_rank, group_size
 from pystronghold.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
@@ -56,9 +57,9 @@ def check_expert_rows(spec, tp: int, itemsize: int) -> None:
     for what, elements in ((f"{name}={config[name]} / --tp {tp}", int(config[name]) // tp),
                            (f"hidden_size={config['hidden_size']}", int(config["hidden_size"]))):
         if elements * itemsize % GROUPED_MM_ALIGN:
-            raise ValueError(f"--model {HF_PREFIX}{spec.source} ({spec.model_type}): {what}: a row of {elements} "
-                             f"elements of {itemsize} bytes is not a multiple of the {GROUPED_MM_ALIGN} bytes that "
-                             "the experts' grouped matmul needs; give another --precision or --tp")
+            raise ConfigError(f"--model {HF_PREFIX}{spec.source} ({spec.model_type}): {what}: a row of {elements} "
+                              f"elements of {itemsize} bytes is not a multiple of the {GROUPED_MM_ALIGN} bytes that "
+                              "the experts' grouped matmul needs; give another --precision or --tp")
 
 
 def _meta_shard(param: nn.Parameter, split: tuple[int, ...]) -> nn.Parameter:
@@ -82,7 +83,7 @@ def _enter(module, args, kwargs, *, group):
         elif name in kwargs:
             kwargs = {**kwargs, name: copy_to_tp_region(kwargs[name], group)}
         else:
-            raise ValueError(f"--tp: {type(module).__name__} was called without its {name}")
+            raise ConfigError(f"--tp: {type(module).__name__} was called without its {name}")
     return tuple(args), kwargs
 
 
@@ -99,8 +100,8 @@ def shard_experts(experts: nn.Module, group: dist.ProcessGroup) -> None:
              and getattr(experts, "is_concatenated", True) and not getattr(experts, "is_transposed", False)
              and not getattr(experts, "has_bias", False))
     if not plain:
-        raise ValueError(f"--tp: {type(experts).__name__} does not hold its experts as gate_up_proj (E, 2 I, C) "
-                         "and down_proj (E, C, I), which pystronghold splits; train it with --tp 1")
+        raise ConfigError(f"--tp: {type(experts).__name__} does not hold its experts as gate_up_proj (E, 2 I, C) "
+                          "and down_proj (E, C, I), which pystronghold splits; train it with --tp 1")
     rank, tp = group_rank(group), group_size(group)
     experts.gate_up_proj = _meta_shard(gate_up, (1, rank, tp, 2))  # (E, 2 I/tp, C): this rank's gate, then up
     experts.down_proj = _meta_shard(down, (2, rank, tp))  # (E, C, I/tp)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pystronghold.models.gpt import GPT
-from pystronghold.options import first_line
+from pystronghold.options import ConfigError, first_line
 from pystronghold.settings.finetune import LoraSpec
 
 __all__ = ["ADAPTER", "PEFT_PREFIX", "GPT_ARCHITECTURE", "GPT_LORA_DEFAULT_TARGETS", "GPT_NOT_ADAPTABLE",
@@ -52,7 +52,7 @@ def default_lora_targets(model_type: str, block_modules) -> tuple[str, ...]:
     """The LoRA targets of a Hugging Face family when none are given: PEFT's default for
     ``model_type`` (its ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``), else the block's
     attention query and value projections found by name among ``block_modules`` (the dotted names
-    of one block's linear layers). ValueError (one line) when neither gives any."""
+    of one block's linear layers). ConfigError (one line) when neither gives any."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
 
     if model_type in peft_defaults:
@@ -61,9 +61,9 @@ def default_lora_targets(model_type: str, block_modules) -> tuple[str, ...]:
     for targets in _ATTENTION_TARGETS:
         if leaves.issuperset(targets):
             return targets
-    raise ValueError(f"--lora-rank: no default LoRA targets for {model_type!r} (PEFT has none and its attention "
-                     f"has no q_proj/v_proj, qkv_proj, query_key_value or c_attn); give --lora-targets, one or "
-                     f"more of: {', '.join(sorted(leaves))}")
+    raise ConfigError(f"--lora-rank: no default LoRA targets for {model_type!r} (PEFT has none and its attention "
+                      f"has no q_proj/v_proj, qkv_proj, query_key_value or c_attn); give --lora-targets, one or "
+                      f"more of: {', '.join(sorted(leaves))}")
 
 
 def lora_config(spec: LoraSpec, architecture: str, base: str | None = None):
@@ -94,13 +94,13 @@ def add_lora(owner, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
     ``GPT_LORA_DEFAULT_TARGETS``). Sets ``owner.adapters`` so that materializing block i
     (``LazyHFModel.materialize(i)``, ``GPT.materialize_block_(i)``) initialises its adapters.
     Returns the PEFT model (what ``wrap`` takes; its blocks are ``owner.blocks``) and the spec with
-    the targets PEFT resolved. ValueError (one line) for targets the model does not have, or a GPT
+    the targets PEFT resolved. ConfigError (one line) for targets the model does not have, or a GPT
     split by tensor parallelism."""
     import peft
 
     if isinstance(owner, GPT):
         if owner.config.tp_size != 1:
-            raise ValueError("--lora-rank: pystronghold's GPT takes LoRA adapters at tensor parallelism 1 only")
+            raise ConfigError("--lora-rank: pystronghold's GPT takes LoRA adapters at tensor parallelism 1 only")
         model, config = owner, lora_config(replace(spec, targets=spec.targets or GPT_LORA_DEFAULT_TARGETS),
                                            GPT_ARCHITECTURE)
     else:
@@ -122,7 +122,7 @@ def add_lora(owner, spec: LoraSpec, seed: int) -> tuple[nn.Module, LoraSpec]:
                                     category=FutureWarning, module=r"transformers\.")
             model = peft.get_peft_model(model, config)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model. ..."
-        raise ValueError(f"--lora-targets: {first_line(e)}") from None
+        raise ConfigError(f"--lora-targets: {first_line(e)}") from None
     owner.adapters = _BlockAdapters(seed)
     targets = tuple(sorted(model.peft_config[ADAPTER].target_modules))
     return model, LoraSpec(rank=spec.rank, alpha=spec.alpha, targets=targets, dropout=spec.dropout)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear
 from torch import nn
 
+from pystronghold.options import ConfigError
 from pystronghold.parallel.groups import group_size
 from pystronghold.parallel.layers import ColumnParallelLinear, RowParallelLinear, tp_slice
 from pystronghold.parallel.mappings import all_reduce
@@ -105,8 +106,8 @@ class ColumnParallelLora(_ParallelLora):
 
     def _split(self, base, adapter_name, r, bias) -> None:
         if not base.input_in_region or base.skip_bias_add:
-            raise ValueError("--lora-rank with --tp: LoRA adapts a column-parallel layer only when its parent "
-                             "enters the tensor-parallel region for it (models.hf_tp's layers)")
+            raise ConfigError("--lora-rank with --tp: LoRA adapts a column-parallel layer only when its parent "
+                              "enters the tensor-parallel region for it (models.hf_tp's layers)")
         self.lora_A[adapter_name] = _LoraDownInRegion(self.in_features, r, base.group)
         lora_b = ColumnParallelLinear(r, self.out_features, bias=bias, group=base.group, input_in_region=True,
                                       gather_output=base.gather_output)
@@ -123,8 +124,8 @@ class RowParallelLora(_ParallelLora):
 
     def _split(self, base, adapter_name, r, bias) -> None:
         if base.skip_bias_add:
-            raise ValueError("--lora-rank with --tp: LoRA adapts a row-parallel layer only when it adds its "
-                             "bias (models.hf_tp's layers)")
+            raise ConfigError("--lora-rank with --tp: LoRA adapts a row-parallel layer only when it adds its "
+                              "bias (models.hf_tp's layers)")
         self.lora_A[adapter_name] = RowParallelLinear(self.in_features, r, bias=False, group=base.group,
                                                       input_is_parallel=base.input_is_parallel)
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from pystronghold.models.hf import LazyHFModel, block_stack
 from pystronghold.models.hf_loss import causal_lm_of, hidden_states_loss, lm_head_of
+from pystronghold.options import ConfigError
 from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.pipelining.pipeline import Pipeline
 from pystronghold.pipelining.stages import PipelineStageModule
@@ -129,8 +130,8 @@ def hf_chunks(lazy: LazyHFModel, model: nn.Module, groups: ParallelGroups, *, ch
     ranges of the pp * chunks virtual stages; default ``planner.pipeline.even_split``."""
     parts = lm_head_of(model)
     if parts is None:
-        raise ValueError(f"--pp: {lazy.spec.architecture} ({lazy.spec.model_type}) has no known LM-head "
-                         "transform (models.hf_loss.HEAD_TRANSFORMS), which the last pipeline stage needs")
+        raise ConfigError(f"--pp: {lazy.spec.architecture} ({lazy.spec.model_type}) has no known LM-head "
+                          "transform (models.hf_loss.HEAD_TRANSFORMS), which the last pipeline stage needs")
     base, _, _ = parts
     stack_name, stack = block_stack(base)
     embedding = base.get_input_embeddings()
@@ -140,9 +141,9 @@ def hf_chunks(lazy: LazyHFModel, model: nn.Module, groups: ParallelGroups, *, ch
     # last stage's. A second part (GPT-2's position table, BLOOM's embedding norm) may run before
     # the blocks, on the first stage, and would silently not train there: refused, not guessed.
     if stack is not lazy.blocks or "." in stack_name or len(others) > 1:
-        raise ValueError(f"--pp: {lazy.spec.architecture} is not supported with a pipeline yet: its base model "
-                         f"holds {', '.join(others) or 'nothing'} besides the embedding and the block stack "
-                         f"{stack_name} (one final norm beside them, the stack a direct child, is what --pp splits)")
+        raise ConfigError(f"--pp: {lazy.spec.architecture} is not supported with a pipeline yet: its base model "
+                          f"holds {', '.join(others) or 'nothing'} besides the embedding and the block stack "
+                          f"{stack_name} (one final norm beside them, the stack a direct child, is what --pp splits)")
     lm_head = causal_lm_of(model).get_output_embeddings()
     p, n, layers = groups.pp_size, groups.pp_size * chunks, len(lazy.blocks)
     split = even_split(layers, n) if split is None else list(split)

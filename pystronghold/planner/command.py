@@ -140,17 +140,17 @@ class PlanRequest:
         if self.model is None and None in (self.layers, self.hidden, self.heads):
             missing.append("--model PRESET (or --layers, --hidden and --heads)")
         if missing:
-            raise ValueError("give " + " and ".join(missing))
+            raise ConfigError("give " + " and ".join(missing))
         for name in ("gpu_memory", "gpu_tflops", "link_bandwidth", "host_memory", "cpu_adam_rate",
                      "nvme_bandwidth", "efficiency", "layers", "hidden", "heads", "vocab", "seq",
                      "batch"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+                raise ConfigError(self, name, f"must be a positive number, got {value}")
         if not (math.isfinite(self.nvme) and self.nvme >= 0):
-            raise ValueError(f"--nvme must be >= 0 GiB, got {self.nvme}")
+            raise ConfigError(self, "nvme", f"must be >= 0 GiB, got {self.nvme}")
         if self.efficiency > 1:
-            raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
+            raise ConfigError(self, "efficiency", f"must be in (0, 1], got {self.efficiency}")
         if self.model is not None and self.model.startswith(HF_PREFIX):
             for name in ("hidden", "heads", "widths"):
                 if getattr(self, name) is not None:
@@ -160,9 +160,9 @@ class PlanRequest:
             try:
                 widths = [int(w) for w in self.widths.split(",")]
             except ValueError:
-                raise ValueError(f"--widths must be comma-separated integers, got {self.widths!r}") from None
+                raise ConfigError(self, "widths", f"must be comma-separated integers, got {self.widths!r}") from None
             if min(widths) < 1:
-                raise ValueError(f"--widths must be positive, got {self.widths!r}")
+                raise ConfigError(self, "widths", f"must be positive, got {self.widths!r}")
 
     def model_config(self):
         """The GPTConfig of --model (or --layers/--hidden/--heads) at --tp and --seq; the

@@ -11,6 +11,8 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
+from pystronghold.options import ConfigError
+
 __all__ = ["GiB", "GB", "TFLOPS", "format_bytes", "GPU", "Hardware", "GPUS", "PCIE_GEN3", "PCIE_GEN4", "PCIE_GEN5",
            "DEFAULT_CPU_ADAM_RATE", "DEFAULT_NVME_BANDWIDTH", "DEFAULT_DEVICE_MEMORY_BANDWIDTH", "gpu_preset",
            "local_host_memory_bytes", "local_gpu"]
@@ -176,13 +178,13 @@ wins (GH200 over H200), then the variant with "pcie" as the name has it, then th
 
 def local_gpu(tflops: float | None = None) -> GPU:
     """The preset of this machine's CUDA device 0 (``--gpu auto``), with the memory CUDA reports;
-    a device without a preset needs ``tflops`` (its dense TFLOP/s, every precision). ValueError,
+    a device without a preset needs ``tflops`` (its dense TFLOP/s, every precision). ConfigError,
     one line, without a CUDA device."""
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError("--gpu auto: no CUDA device here (torch.cuda.is_available() is False); "
-                         f"name one: --gpu {', '.join(GPUS)}, or --gpu-memory GB and --gpu-tflops X")
+        raise ConfigError("--gpu auto: no CUDA device here (torch.cuda.is_available() is False); "
+                          f"name one: --gpu {', '.join(GPUS)}, or --gpu-memory GB and --gpu-tflops X")
     props = torch.cuda.get_device_properties(0)
     name = props.name.lower().replace("-", " ")
     words = [w for w in _DEVICE_NAMES if w in name]
@@ -192,7 +194,7 @@ def local_gpu(tflops: float | None = None) -> GPU:
         best = min(pcie, key=lambda c: abs(GPUS[c].memory_bytes - props.total_memory))
         return replace(GPUS[best], name=f"{best} ({props.name})", memory_bytes=int(props.total_memory))
     if tflops is None:
-        raise ValueError(f"--gpu auto: {props.name} has no preset; give its dense TFLOP/s with --gpu-tflops X")
+        raise ConfigError(f"--gpu auto: {props.name} has no preset; give its dense TFLOP/s with --gpu-tflops X")
     flops = tflops * TFLOPS
     return GPU(name=props.name, memory_bytes=int(props.total_memory), fp32_flops=flops, bf16_flops=flops,
                fp16_flops=flops, h2d_bytes_per_s=PCIE_GEN4, d2h_bytes_per_s=PCIE_GEN4)

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from pystronghold.models.gpt import GPTConfig
+from pystronghold.options import ConfigError
 from pystronghold.planner.balance import balance_batch_times, balance_stage_counts
 from pystronghold.planner.cluster import Cluster, load_cluster
 from pystronghold.planner.cost import (Workload, block_params_per_rank, head_tail_params_per_rank,
@@ -395,7 +396,7 @@ def run_cluster_plan(request) -> int:
 
     config = request.model_config()
     if request.seq is None and config.seq_len == NO_POSITION_LIMIT:
-        raise ValueError(f"--cluster: the model ({request.model}) names no position limit: give --seq")
+        raise ConfigError(f"--cluster: the model ({request.model}) names no position limit: give --seq")
     check_freeze(config, request.finetune)
     rt = request.runtime
     work = Workload(seq=request.seq, precision=rt.precision, checkpointing=rt.checkpointing,

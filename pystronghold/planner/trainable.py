@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pystronghold.models.gpt import GPTConfig
 from pystronghold.models.lora import GPT_LORA_DEFAULT_TARGETS, GPT_NOT_ADAPTABLE, default_lora_targets
+from pystronghold.options import ConfigError
 from pystronghold.planner.params import (active_matmul_numel, block_param_shapes, block_prefix,
                                          head_tail_param_shapes, numel)
 from pystronghold.settings.finetune import FinetuneOptions
@@ -82,7 +83,7 @@ def _adapters(shapes, targets: tuple[str, ...], rank: int, fan_in_fan_out: bool)
 
 
 def check_lora_targets(config, targets: tuple[str, ...]) -> None:
-    """ValueError (one line) for a target that names no layer of the model LoRA can adapt: a matrix
+    """ConfigError (one line) for a target that names no layer of the model LoRA can adapt: a matrix
     weight's (of pystronghold's GPT, not ``models.lora.GPT_NOT_ADAPTABLE``)."""
     shapes = block_param_shapes(config) + head_tail_param_shapes(config)
     skip = GPT_NOT_ADAPTABLE if isinstance(config, GPTConfig) else ()
@@ -92,8 +93,8 @@ def check_lora_targets(config, targets: tuple[str, ...]) -> None:
         if not _targeted_any(t, modules):
             others = {_module(name) for name, _ in shapes}
             what = "is not a linear layer" if _targeted_any(t, others) else "names no module of the model"
-            raise ValueError(f"--lora-targets: {t!r} {what}; its linear layers: "
-                             f"{', '.join(sorted({m.rpartition('.')[2] for m in modules}))}")
+            raise ConfigError(f"--lora-targets: {t!r} {what}; its linear layers: "
+                              f"{', '.join(sorted({m.rpartition('.')[2] for m in modules}))}")
 
 
 def _targeted_any(target: str, modules) -> bool:
@@ -102,7 +103,7 @@ def _targeted_any(target: str, modules) -> bool:
 
 def param_split(config, finetune: FinetuneOptions) -> ParamSplit:
     """The ``ParamSplit`` of ``config`` fine-tuned as ``finetune`` (``--freeze``: as it matches
-    block 0; ``check_freeze`` checks that it matches every block alike). ValueError (one line) for
+    block 0; ``check_freeze`` checks that it matches every block alike). ConfigError (one line) for
     a LoRA target that is no linear layer of the model, or a GPT's tensor parallelism with a frozen
     part. A Hugging Face model's adapters are counted on its per-rank shapes: sharded with their base
     layer (a colwise layer's B and a rowwise layer's A split, the other replicated)."""
@@ -113,7 +114,7 @@ def param_split(config, finetune: FinetuneOptions) -> ParamSplit:
                           head_tail_trainable=sum(numel(s) for _, s in head_tail), head_tail_frozen=0,
                           lm_head_frozen=False)
     if config.tp_size != 1 and isinstance(config, GPTConfig):  # NOTE: our GPT's LoRA does not run at --tp
-        raise ValueError("the planner costs LoRA and frozen parameters of a GPT at tensor parallelism 1 only (--tp 1)")
+        raise ConfigError("the planner costs LoRA and frozen parameters of a GPT at tensor parallelism 1 only (--tp 1)")
     vocab_rows = config.padded_vocab_size // config.tp_size
     lm_head = [name for name, s in head_tail if len(s) == 2 and s[0] == vocab_rows][-1]
     if finetune.lora_rank is not None:
@@ -141,7 +142,7 @@ def param_split(config, finetune: FinetuneOptions) -> ParamSplit:
 
 
 def check_freeze(config, finetune: FinetuneOptions) -> None:
-    """ValueError (one line) when ``finetune.freeze`` matches no parameter of ``config``, or
+    """ConfigError (one line) when ``finetune.freeze`` matches no parameter of ``config``, or
     freezes different parameters in different blocks (the planner costs identical blocks)."""
     if finetune.freeze is None:
         return
@@ -151,9 +152,9 @@ def check_freeze(config, finetune: FinetuneOptions) -> None:
     for i in range(1, config.layers):
         frozen = [bool(pattern.search(block_prefix(config, i) + n)) for n in names]
         if frozen != first:
-            raise ValueError(f"--freeze '{finetune.freeze}' freezes {sum(first)} of block 0's {len(names)} "
-                             f"parameters but {sum(frozen)} of block {i}'s; the planner costs identical "
-                             "blocks: freeze the same parameters in every block")
+            raise ConfigError(f"--freeze '{finetune.freeze}' freezes {sum(first)} of block 0's {len(names)} "
+                              f"parameters but {sum(frozen)} of block {i}'s; the planner costs identical "
+                              "blocks: freeze the same parameters in every block")
     if not any(first) and not any(pattern.search(name) for name, _ in head_tail_param_shapes(config)):
-        raise ValueError(f"--freeze '{finetune.freeze}' matches no parameter (names look like "
-                         f"{block_prefix(config, 0)}{names[0]})")
+        raise ConfigError(f"--freeze '{finetune.freeze}' matches no parameter (names look like "
+                          f"{block_prefix(config, 0)}{names[0]})")

@@ -200,7 +200,7 @@ def _hf_block_inputs(probe: HFProbe, batch: int, seq: int) -> tuple[tuple, dict]
     finally:
         hook.remove()
     if not seen:
-        raise ValueError("--window auto: the model's forward did not call its first block; give --window N")
+        raise ConfigError("--window auto: the model's forward did not call its first block; give --window N")
     return seen["args"], seen["kwargs"]
 
 
@@ -342,10 +342,10 @@ def choose_runtime_window(model, run, blocks: nn.ModuleList | None = None) -> Au
     split = choose_split(probe, work, n, budget, resident=fixed)
     if split.step is None:
         given = f" ({free / 2**20:.1f} MiB free less a {reserve / 2**20:.1f} MiB reserve)" if free else ""
-        raise ValueError(f"--window auto: the device budget {budget / 2**20:.1f} MiB{given} holds no block slot "
-                         f"beside {fixed or 0} resident blocks (head/tail and activations need "
-                         f"{base / 2**20:.1f} MiB, a slot {probe.slot_bytes / 2**20:.2f} MiB, a resident block "
-                         f"{probe.resident_block_bytes / 2**20:.2f} MiB); raise --device-budget-mb")
+        raise ConfigError(f"--window auto: the device budget {budget / 2**20:.1f} MiB{given} holds no block slot "
+                          f"beside {fixed or 0} resident blocks (head/tail and activations need "
+                          f"{base / 2**20:.1f} MiB, a slot {probe.slot_bytes / 2**20:.2f} MiB, a resident block "
+                          f"{probe.resident_block_bytes / 2**20:.2f} MiB); raise --device-budget-mb")
     peak = device_memory(probe, work, n, split.window, budget, split.resident, split.resident_recompute)
     decision = AutoWindow(window=split.window, max_window=split.max_window, budget_bytes=budget, costs=probe,
                           step=split.step, resident_blocks=split.resident,

@@ -20,6 +20,7 @@ import torch
 
 from pystronghold.models.hf import HFModelConfig, hub_weights, meta_model, read_weights
 from pystronghold.models.lora import ADAPTER, PEFT_PREFIX, adapter_key, lora_config, merged
+from pystronghold.options import ConfigError
 from pystronghold.settings.finetune import LoraSpec
 from pystronghold.tokenized import TOKENIZER_FILES, has_tokenizer
 from pystronghold.train.checkpoint import CheckpointError, checkpoint_weights, read_manifest, save_safetensors
@@ -60,8 +61,8 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     spec = _hf_spec(path, manifest)
     lora = (manifest.get("finetune") or {}).get("lora")
     if merge and not lora:
-        raise ValueError(f"--merge: checkpoint {path} holds no LoRA adapters (not a --lora-rank run); "
-                         "export --hf writes its whole model as it is")
+        raise ConfigError(f"--merge: checkpoint {path} holds no LoRA adapters (not a --lora-rank run); "
+                          "export --hf writes its whole model as it is")
     check_base(manifest, path, "export")
     source = _tokenizer_source(spec.source, tokenizer_dir) if copy_tokenizer else None
     trained = checkpoint_weights(path, manifest)

@@ -13,6 +13,7 @@ from dataclasses import fields
 from pystronghold.models import GPTConfig
 from pystronghold.models.hf import HF_PREFIX, HFModelConfig, read_hf_config
 from pystronghold.models.presets import PRESET_LR, PRESETS, SMALL_MODEL_LR, recommended_lr
+from pystronghold.options import ConfigError
 
 __all__ = ["DEMO_MODEL", "HF_FINETUNE_LR", "LORA_LR", "resolve_model", "model_lr"]
 
@@ -23,20 +24,20 @@ about 6x the window's bytes."""
 
 
 def _read_model_file(name: str) -> dict:
-    """The JSON object of a model file (GPTConfig fields and an optional ``"lr"``); ValueError
+    """The JSON object of a model file (GPTConfig fields and an optional ``"lr"``); ConfigError
     naming --model."""
     try:
         with open(name) as f:
             spec = json.load(f)
     except OSError as e:
-        raise ValueError(f"--model: cannot read {name}: {e.strerror}") from None
+        raise ConfigError(f"--model: cannot read {name}: {e.strerror}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"--model: {name} is not valid JSON: {e}") from None
+        raise ConfigError(f"--model: {name} is not valid JSON: {e}") from None
     if not isinstance(spec, dict):
-        raise ValueError(f"--model: {name} must hold a JSON object of GPTConfig fields")
+        raise ConfigError(f"--model: {name} must hold a JSON object of GPTConfig fields")
     lr = spec.get("lr", 1.0)
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
-        raise ValueError(f"--model: {name}: \"lr\" must be a number > 0, got {lr!r}")
+        raise ConfigError(f"--model: {name}: \"lr\" must be a number > 0, got {lr!r}")
     return spec
 
 
@@ -74,16 +75,16 @@ def resolve_model(name: str) -> GPTConfig | HFModelConfig:
         known = {f.name for f in fields(GPTConfig)}
         unknown = sorted(set(spec) - known)
         if "mlp_tile_tokens" in spec:  # NOTE: how the MLP runs, not what the model is
-            raise ValueError(f"--model: {name}: mlp_tile_tokens is a setting of the run, not of the model: "
-                             "give --mlp-tile instead")
+            raise ConfigError(f"--model: {name}: mlp_tile_tokens is a setting of the run, not of the model: "
+                              "give --mlp-tile instead")
         if unknown:
-            raise ValueError(f"--model: {name} has unknown GPTConfig fields {unknown}")
+            raise ConfigError(f"--model: {name} has unknown GPTConfig fields {unknown}")
         try:
             return GPTConfig(**spec)
         except TypeError as e:
-            raise ValueError(f"--model: {name}: {e}") from None
-    raise ValueError(f"--model: unknown preset {name!r}; choose 'demo', one of {', '.join(PRESETS)}, "
-                     "or a JSON file of GPTConfig fields")
+            raise ConfigError(f"--model: {name}: {e}") from None
+    raise ConfigError(f"--model: unknown preset {name!r}; choose 'demo', one of {', '.join(PRESETS)}, "
+                      "or a JSON file of GPTConfig fields")
 
 
 def model_lr(name: str, *, lora: bool = False) -> float:

@@ -25,7 +25,7 @@ def test_the_options_are_built_without_reading_what_they_name(tmp_path):
     """A missing model file and data file are the run's to refuse, not the options'."""
     config = TrainConfig(model=ModelOptions(model=str(tmp_path / "missing.json")),
                          data=DataOptions(data=[str(tmp_path / "missing.txt")]))
-    with pytest.raises(ValueError, match="^--model: cannot read .*missing.json"):
+    with pytest.raises(ConfigError, match="^--model: cannot read .*missing.json"):
         resolve(config)
     model = tmp_path / "model.json"
     model.write_text(json.dumps(TINY))
