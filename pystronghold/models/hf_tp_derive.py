@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pystronghold.options import ConfigError
 from pystronghold.parallel.groups import group_rank, group_size
 from pystronghold.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from pystronghold.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
@@ -134,8 +135,8 @@ def check_block_roles(block: nn.Module, styles: dict[str, str], where: str) -> N
     ``models.hf_tp.block_tp_styles``) gives no role."""
     for name, module in block.named_modules():
         if (isinstance(module, nn.Linear) or is_conv1d(module)) and name not in styles:
-            raise ValueError(f"{where}: the block's {name} ({type(module).__name__}) has no role in pystronghold's "
-                             "tensor-parallel plan of this family (models.hf_tp_derive); train it with --tp 1")
+            raise ConfigError(f"{where}: the block's {name} ({type(module).__name__}) has no role in pystronghold's "
+                              "tensor-parallel plan of this family (models.hf_tp_derive); train it with --tp 1")
 
 
 def localize_heads(model_type: str, config: dict, block: nn.Module, group: dist.ProcessGroup) -> None:
@@ -173,8 +174,8 @@ class ColumnParallelConv1D(ColumnParallelLinear):
     def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, parts: int = 1,
                  input_in_region: bool = True) -> None:
         if out_features % (parts * group_size(group)):
-            raise ValueError(f"--tp: a Conv1D of {out_features} outputs in {parts} parts does not split "
-                             f"{group_size(group)} ways")
+            raise ConfigError(f"--tp: a Conv1D of {out_features} outputs in {parts} parts does not split "
+                              f"{group_size(group)} ways")
         super().__init__(in_features, out_features, group=group, input_in_region=input_in_region)
         packed = (parts,) if parts > 1 else ()
         _, rank, size = self.weight.tp_split
