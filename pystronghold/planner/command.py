@@ -178,7 +178,7 @@ class PlanRequest:
             return dataclasses.replace(shape, tp_size=self.parallel.tp, layers=self.layers or shape.layers)
         if self.model is not None:
             if self.model not in PRESETS:
-                raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(PRESETS)}")
+                raise ConfigError(f"unknown model preset {self.model!r}; known: {', '.join(PRESETS)}")
             base = PRESETS[self.model]
             shape = {k: v for k, v in dict(layers=self.layers, hidden=self.hidden, heads=self.heads).items()
                      if v is not None}

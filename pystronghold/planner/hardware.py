@@ -207,11 +207,11 @@ def local_host_memory_bytes() -> int:
 
 
 def gpu_preset(name: str) -> GPU:
-    """The preset called ``name`` (case-insensitive); ValueError listing the known names otherwise."""
+    """The preset called ``name`` (case-insensitive); ConfigError listing the known names otherwise."""
     try:
         return replace(GPUS[name.lower()])
     except KeyError:
-        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
+        raise ConfigError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}") from None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from pystronghold.cli import main
-from pystronghold.planner.hardware import GB, GPUS, PCIE_GEN5, GiB, local_gpu
+from pystronghold.options import ConfigError
+from pystronghold.planner.command import PlanRequest
+from pystronghold.planner.hardware import GB, GPUS, PCIE_GEN5, GiB, gpu_preset, local_gpu
 
 NEW = ("h200-141gb", "gh200-96gb", "b200-180gb", "l40s-48gb", "rtx5090", "rtx-pro-6000")
 
@@ -40,6 +42,20 @@ def test_gpu_auto_without_cuda_is_one_line(monkeypatch, capsys):
     assert main(["plan", "--gpu", "auto", "--host-memory", "64", "--model", "tiny"]) == 2
     err = capsys.readouterr().err
     assert "--gpu auto: no CUDA device here" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_planner_options_are_config_errors_in_python_too(monkeypatch):
+    """The one type a caller of the Python API catches for a bad option: the request's own checks
+    name its fields, the layers' name the flag."""
+    with pytest.raises(ConfigError, match=r"^PlanRequest.gpu_memory must be a positive number, got -1$"):
+        PlanRequest(gpu="h100-80gb", host_memory=64, model="tiny", gpu_memory=-1)
+    with pytest.raises(ConfigError, match=r"^unknown model preset 'gpt9'; known: tiny, "):
+        PlanRequest(gpu="h100-80gb", host_memory=64, model="gpt9").model_config()
+    with pytest.raises(ConfigError, match=r"^unknown GPU 'h7'; known: "):
+        gpu_preset("h7")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^--gpu auto: no CUDA device here"):
+        local_gpu()
 
 
 def _device(monkeypatch, name: str, total: int) -> None:
