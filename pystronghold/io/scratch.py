@@ -21,6 +21,8 @@ import socket
 import time
 from pathlib import Path
 
+from pystronghold.options import ConfigError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DiskSpaceError", "ScratchDir", "free_bytes", "check_free_space", "check_io_directory", "OWNER_FILE"]
@@ -47,17 +49,17 @@ def check_io_directory(path: str | os.PathLike, *, flag: str) -> bool:
     with SIGKILL cannot: the next check removes the probe files of dead processes of this host).
     Returns whether O_DIRECT works.
 
-    Raises ValueError naming ``flag`` (the option that gave ``path``) and the reason.
+    Raises ConfigError naming ``flag`` (the option that gave ``path``) and the reason.
     """
     p = Path(path)
     if not p.exists():
         try:
             p.mkdir(parents=True)
         except OSError as e:
-            raise ValueError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
+            raise ConfigError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
         logger.warning("%s %s did not exist: created it", flag, path)
     elif not p.is_dir():
-        raise ValueError(f"{flag} {path}: exists and is not a directory")
+        raise ConfigError(f"{flag} {path}: exists and is not a directory")
     _remove_stale_probes(p)
     probe = p / f"{PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     data = secrets.token_bytes(PROBE_BYTES)
@@ -70,7 +72,7 @@ def check_io_directory(path: str | os.PathLike, *, flag: str) -> bool:
             probe.unlink(missing_ok=True)
             return _probe(probe, data, direct=False)  # a file system without O_DIRECT (tmpfs): buffered
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write and read back a file there ({e.strerror or e}); "
+        raise ConfigError(f"{flag} {path}: cannot write and read back a file there ({e.strerror or e}); "
                          "give a writable directory on a local disk") from None
     finally:
         try:

@@ -37,7 +37,7 @@ def _offload_from_text(text: str, flag: str) -> bool | int | str:
     try:
         return parse_bytes(text, flag)
     except ValueError:
-        raise ValueError(f"{flag} must be 'on', 'off', 'auto' or a size in bytes like 12e9, 8G or 8GiB, "
+        raise ConfigError(f"{flag} must be 'on', 'off', 'auto' or a size in bytes like 12e9, 8G or 8GiB, "
                          f"got {text!r}") from None
 
 
@@ -64,7 +64,7 @@ def _norm_from_text(text: str, flag: str) -> float | None:
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{flag} must be a number, got {text!r}") from None
+        raise ConfigError(f"{flag} must be a number, got {text!r}") from None
     return None if value == 0 else value
 
 
@@ -77,7 +77,7 @@ def _head_tail_from_text(text: str, flag: str) -> bool | str:
     try:
         return HEAD_TAIL_PLACES[text.strip()]
     except KeyError:
-        raise ValueError(f"{flag} must be one of {', '.join(HEAD_TAIL_PLACES)}, got {text!r}") from None
+        raise ConfigError(f"{flag} must be one of {', '.join(HEAD_TAIL_PLACES)}, got {text!r}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,8 @@ import errno
 import os
 import tempfile
 
+from pystronghold.options import ConfigError
+
 __all__ = ["check_creatable_dir", "check_creatable_file"]
 
 
@@ -21,7 +23,7 @@ def _probe_dir(directory: str) -> None:
 
 
 def check_creatable_dir(flag: str, path: str) -> None:
-    """ValueError naming ``flag`` and ``path`` unless ``path`` is a writable directory or can be made
+    """ConfigError naming ``flag`` and ``path`` unless ``path`` is a writable directory or can be made
     one (a file can be made in its nearest existing ancestor). Checked when the option is parsed,
     so a bad output path is refused before the run rather than after it; nothing is left behind."""
     probe = os.path.abspath(path)
@@ -30,11 +32,11 @@ def check_creatable_dir(flag: str, path: str) -> None:
     try:
         _probe_dir(probe)
     except OSError as e:
-        raise ValueError(f"{flag} {path}: {probe} is not a writable directory ({e.strerror or e})") from None
+        raise ConfigError(f"{flag} {path}: {probe} is not a writable directory ({e.strerror or e})") from None
 
 
 def check_creatable_file(flag: str, path: str) -> None:
-    """ValueError naming ``flag`` and ``path`` unless ``path`` can be opened for writing: an existing
+    """ConfigError naming ``flag`` and ``path`` unless ``path`` can be opened for writing: an existing
     file is opened for appending (its content kept), else a file is made and removed in its directory."""
     try:
         if os.path.isdir(path):
@@ -44,4 +46,4 @@ def check_creatable_file(flag: str, path: str) -> None:
         else:
             _probe_dir(os.path.dirname(os.path.abspath(path)))
     except OSError as e:
-        raise ValueError(f"{flag} {path}: not a writable file ({e.strerror or e})") from None
+        raise ConfigError(f"{flag} {path}: not a writable file ({e.strerror or e})") from None

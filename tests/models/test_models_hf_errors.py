@@ -154,10 +154,13 @@ def test_export_hf_refuses_a_gpt_checkpoint_and_a_full_directory(tmp_path, capsy
         capsys, ["export", str(ck), str(tmp_path / "full"), "--hf"])
 
 
-def test_tensor_parallel_is_refused_for_hf_families_not_split_yet(tmp_path, capsys):
+def test_tensor_parallel_of_a_model_with_attention_dropout_is_one_line_naming_the_field(tmp_path, capsys):
+    """GPT-2's published configs drop attention probabilities (attn_pdrop 0.1): split heads cannot draw
+    one process's masks, so --tp says which config.json field to set before any process starts."""
     directory = save_tiny(tmp_path, "gpt2", tokenizer=False)
     err = cli_error(capsys, ["train", "--model", f"hf:{directory}", "--tp", "2"])
-    assert f"--tp 2: --model hf:{directory.resolve()} (gpt2): tensor parallelism splits only llama, " in err
+    assert f"--tp 2: --model hf:{directory.resolve()} (gpt2): attn_pdrop=0.1 drops attention " in err
+    assert err.count("\n") <= 1 and "set it to 0 in config.json or train with --tp 1" in err
     assert "no such directory" in cli_error(capsys, ["train", "--model", f"hf:{tmp_path / 'nope'}"])
 
 

@@ -122,3 +122,17 @@ def test_timeline_step_markers_follow_the_optimizer_steps_not_block_0():
     events = tracer.events()
     assert step_starts(events, [4, 5, 6, 7]) == [(5, 1.0), (6, 2.0), (7, 3.0)]
     assert step_starts(events, [7]) == [(7, 3.0)]
+
+
+def test_bad_paths_and_values_of_options_are_config_errors_from_python_too(tmp_path):
+    """The checks made without an option object at hand (a path given by a flag, a flag's text) raise
+    the one error type of bad options, so a caller of the Python API catches them as the CLI does."""
+    from pystronghold.options import ConfigError
+    from pystronghold.train.output_paths import check_creatable_file
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        check_io_directory(a_file, flag="--nvme")
+    with pytest.raises(ConfigError, match="not a writable file"):
+        check_creatable_file("--metrics", str(tmp_path))
