@@ -89,14 +89,16 @@ class HFStage(PipelineStageModule):
     """One stage of a Hugging Face causal LM: ``forward(x)`` runs the family's base model over this
     stage's blocks only. ``x`` is the token ids (B, T) on the first stage, else the previous
     stage's hidden states (B, T, C); the output is the hidden states (B, T, C) after the last
-    block, normed on the last stage (the LM head runs in the loss)."""
+    block, normed (and projected to the LM head's width: OPT's project_out) on the last stage (the
+    LM head runs in the loss)."""
 
     def __init__(self, base: nn.Module, stack_name: str, lm_head: nn.Module, blocks: Sequence[nn.Module], *,
                  first: bool, last: bool, first_block: int, materialize, names: dict[str, str],
                  parts: Sequence[tuple[nn.Module, str, nn.Module]] = (), materialize_thread_safe: bool = False) -> None:
         """``names``: the model's names of the block stack (``blocks``), the embedding (``embedding``),
-        the LM head (``lm_head``) and each of ``parts`` (by its attribute name). ``parts``: the base's parts beside the
-        embedding and the stack, ``(owner, attribute, module)``, each named in ``BASE_PARTS``."""
+        the LM head (``lm_head``) and each of ``parts`` (by its attribute name). ``parts``: the base's
+        parts beside the embedding and the stack, ``(owner, attribute, module)``, each named in
+        ``BASE_PARTS``."""
         embedding = base.get_input_embeddings()
         sides = {side for side, mine in (("first", first), ("last", last)) if mine}
         held = [part for part in parts if BASE_PARTS[part[1]][0] in sides]

@@ -41,9 +41,10 @@ def test_three_stages_of_an_opt_hold_what_they_run_and_give_its_hidden_states(tm
     outside = [sorted(stage.model_name(n) for n, _ in stage.named_parameters() if not n.startswith("blocks."))
                for stage in stages]
     decoder = "model.decoder."
-    assert outside == [[decoder + "embed_positions.weight", decoder + "embed_tokens.weight", decoder + "project_in.weight"],
-                       [], ["lm_head.weight", decoder + "final_layer_norm.bias", decoder + "final_layer_norm.weight",
-                            decoder + "project_out.weight"]]
+    assert outside == [
+        [decoder + "embed_positions.weight", decoder + "embed_tokens.weight", decoder + "project_in.weight"], [],
+        ["lm_head.weight", decoder + "final_layer_norm.bias", decoder + "final_layer_norm.weight",
+         decoder + "project_out.weight"]]
     x = torch.randint(0, 300, (2, 16))
     h = x
     for stage in stages:  # each stage's input detached, as a pipeline receives it

@@ -18,7 +18,8 @@ import pytest
 from hf_models import NO_DROPOUT, save_tiny
 from torchrun_cli import HF_TIMEOUT_S, assert_losses_close, metrics_losses, run_hf
 
-PARTS = {"gpt2": ("embedding, position table", "norm, LM head"), "bloom": ("embedding, embedding norm", "norm, LM head"),
+PARTS = {"gpt2": ("embedding, position table", "norm, LM head"),
+         "bloom": ("embedding, embedding norm", "norm, LM head"),
          "opt": ("embedding, position table, input projection", "norm, output projection, LM head")}
 """The parts the first and the last stage hold beside the blocks (the split's log line), where not
 the embedding and the norm and LM head."""
