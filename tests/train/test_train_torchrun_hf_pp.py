@@ -84,12 +84,14 @@ def _export(tmp_path, checkpoint, name: str) -> dict:
 
 
 def test_pp2_checkpoint_resumes_in_one_process_and_exports_the_hub_layout(tmp_path):
-    """The PP2 checkpoint names every tensor as one process does (blocks under ``model.layers``, the
-    tied embedding once), so one process resumes it to the losses of resuming its own checkpoint,
-    and its Hub export equals the one-process run's (Qwen2: tied embeddings)."""
+    """The PP2 checkpoint names every tensor as one process does (blocks under ``transformer.h``, the
+    tied embedding once, the position table of the first stage and the final norm of the last under
+    theirs), so one process resumes it to the losses of resuming its own checkpoint, and its Hub
+    export equals the one-process run's (GPT-2: tied embeddings; Qwen2's PP2 checkpoint resumes and
+    exports in test_train_torchrun_hf_tp_pp.py)."""
     import torch
 
-    directory = save_tiny(tmp_path, "qwen2")
+    directory = save_tiny(tmp_path, "gpt2", **NO_DROPOUT["gpt2"])
     one_dir, pp_dir = tmp_path / "ck-one", tmp_path / "ck-pp2"
     run_hf(tmp_path, directory, "one", 1, "--checkpoint-dir", str(one_dir))
     run_hf(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", "--checkpoint-dir", str(pp_dir))
