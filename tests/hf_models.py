@@ -58,6 +58,10 @@ saves and reloads in transformers 5.23 with equal logits)."""
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
+NO_DROPOUT = {"gpt2": dict(embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0), "opt": dict(dropout=0.0)}
+"""``save_tiny`` overrides that turn off the dropout a family has by default, for tests that compare a
+pipeline's losses with one process's (each stage draws its masks from its own random stream)."""
+
 
 def _config(arch: str, **overrides):
     import transformers as tf

@@ -197,13 +197,38 @@ def test_tp2_step_hands_the_collectives_our_gpts_bytes(tmp_path):
     assert json.loads(out.read_text()) == 4 * b * T * C * (6 * L + 2) + 16 * b * T + 8
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe"])
-def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path, family):
-    """Four ranks: two replicas, each split in two (each replica takes one of the batch's 2 rows)."""
-    directory, text = save_tiny_with_text(tmp_path, family)
-    expected = _one_process_losses(directory, text)
-    got = _tp2_run(tmp_path, directory, text, world=4)["losses"]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+def _train_families_on_rank(rank: int, world: int, runs: list, out: str) -> None:
+    """Each of ``runs`` (family, directory, text) at --tp 2 on this rank, one after the other in the
+    process group ``run_ranks`` made; rank 0 writes ``{family: losses}``."""
+    from pystronghold.train import Trainer
+
+    losses = {}
+    for family, directory, text in runs:
+        trainer = Trainer(resolve(_config(directory, text, tp=2)))
+        try:
+            losses[family] = [loss for _, loss in trainer.train().losses]
+        finally:
+            trainer.close(keep_process_group=True)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(losses, f)
+
+
+DP2_X_TP2 = ("llama", "qwen2", "gemma2", "gpt_neox", "qwen2_moe")
+
+
+def test_dp2_x_tp2_trains_to_the_one_process_losses(tmp_path):
+    """Four ranks: two replicas, each split in two (each replica takes one of the batch's 2 rows), for
+    Llama, Qwen2 (tied), Gemma 2 (soft-capped logits), GPT-NeoX (fused qkv) and Qwen2-MoE (experts
+    split), trained one after the other by the same four processes (one launch)."""
+    runs = [(family, *map(str, save_tiny_with_text(tmp_path / family, family))) for family in DP2_X_TP2]
+    out = tmp_path / "dp2-tp2.json"
+    run_ranks(_train_families_on_rank, 4, runs, str(out), timeout_s=600)
+    got = json.loads(out.read_text())
+    for family, directory, text in runs:
+        expected = _one_process_losses(directory, text)
+        assert len(got[family]) == STEPS, family
+        torch.testing.assert_close(torch.tensor(got[family]), torch.tensor(expected), rtol=1e-5, atol=0, msg=family)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_moe", "qwen3", "gpt2"])

@@ -3,8 +3,9 @@
 step's and the validation loss within 1e-5 relative, read exactly from --metrics-file), for Llama
 (3 blocks: an uneven 1 + 2 split), Qwen2 and Gemma 2 (tied embeddings: the gradient is summed over
 the first and last stage; Gemma 2's soft-capped logits and sliding-window layers), GPT-NeoX, a
-mixture of experts (Qwen2-MoE), the chunked loss, LoRA, --freeze (a frozen tied embedding: no
-gradient to sum), and the interleaved schedule."""
+mixture of experts (Qwen2-MoE), GPT-2, BLOOM and OPT (parts beside the blocks on the first and last
+stage), the chunked loss, LoRA, --freeze (a frozen tied embedding: no gradient to sum), and the
+interleaved schedule."""
 
 from __future__ import annotations
 
@@ -14,23 +15,35 @@ import sys
 
 import pytest
 
-from hf_models import save_tiny
+from hf_models import NO_DROPOUT, save_tiny
 from torchrun_cli import HF_TIMEOUT_S, assert_losses_close, metrics_losses, run_hf
-from train_helpers import text_dir
+
+PARTS = {"gpt2": ("embedding, position table", "norm, LM head"),
+         "bloom": ("embedding, embedding norm", "norm, LM head"),
+         "opt": ("embedding, position table, input projection", "norm, output projection, LM head")}
+"""The parts the first and the last stage hold beside the blocks (the split's log line), where not
+the embedding and the norm and LM head."""
+
 
 @pytest.mark.parametrize("family,extra", [
-    ("llama", ()), ("qwen2", ()), ("gemma2", ()), ("gpt_neox", ()), ("qwen2_moe", ()),
-    ("llama", ("--loss-chunk", "7")), ("llama", ("--lora-rank", "4")),
+    ("llama", ()), ("qwen2", ()), ("gemma2", ()), ("gpt_neox", ()), ("qwen2_moe", ()), ("gpt2", ()), ("bloom", ()),
+    ("opt", ()), ("llama", ("--loss-chunk", "7")), ("llama", ("--lora-rank", "4")),
     ("qwen2", ("--freeze", r"embed|layers\.[02]\.self_attn")),
-], ids=["llama", "qwen2-tied", "gemma2", "gpt_neox", "qwen2_moe", "llama-chunked-loss", "llama-lora",
-        "qwen2-frozen-tied-embedding"])
+], ids=["llama", "qwen2-tied", "gemma2", "gpt_neox", "qwen2_moe", "gpt2-tied", "bloom", "opt-projected",
+        "llama-chunked-loss", "llama-lora", "qwen2-frozen-tied-embedding"])
 def test_pp2_trains_to_the_one_process_losses(tmp_path, family, extra):
-    directory = save_tiny(tmp_path, family)
+    """GPT-2's position table, BLOOM's embedding norm (and its ALiBi biases, made on every stage) and
+    OPT's position table and input projection train on the first stage; OPT's final norm and output
+    projection (its embedding 16 wide, its blocks 32) on the last; GPT-2's, BLOOM's and OPT's tied
+    LM heads sum their gradients with the embedding's."""
+    overrides = dict(NO_DROPOUT.get(family, {}), **({"word_embed_proj_dim": 16} if family == "opt" else {}))
+    directory = save_tiny(tmp_path, family, **overrides)
     _, one = run_hf(tmp_path, directory, "one", 1, *extra)
     p, pp = run_hf(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", *extra)
     assert_losses_close(metrics_losses(pp), metrics_losses(one))
-    assert p.stdout.count("pipeline split over 2 stages: stage 0: embedding + blocks 0-0; "
-                          "stage 1: blocks 1-2 + norm, LM head") == 1
+    first, last = PARTS.get(family, ("embedding", "norm, LM head"))
+    assert p.stdout.count(f"pipeline split over 2 stages: stage 0: {first} + blocks 0-0; "
+                          f"stage 1: blocks 1-2 + {last}") == 1
 
 
 def test_pp2_interleaved_trains_to_the_one_process_losses(tmp_path):
@@ -71,12 +84,14 @@ def _export(tmp_path, checkpoint, name: str) -> dict:
 
 
 def test_pp2_checkpoint_resumes_in_one_process_and_exports_the_hub_layout(tmp_path):
-    """The PP2 checkpoint names every tensor as one process does (blocks under ``model.layers``, the
-    tied embedding once), so one process resumes it to the losses of resuming its own checkpoint,
-    and its Hub export equals the one-process run's (Qwen2: tied embeddings)."""
+    """The PP2 checkpoint names every tensor as one process does (blocks under ``transformer.h``, the
+    tied embedding once, the position table of the first stage and the final norm of the last under
+    theirs), so one process resumes it to the losses of resuming its own checkpoint, and its Hub
+    export equals the one-process run's (GPT-2: tied embeddings; Qwen2's PP2 checkpoint resumes and
+    exports in test_train_torchrun_hf_tp_pp.py)."""
     import torch
 
-    directory = save_tiny(tmp_path, "qwen2")
+    directory = save_tiny(tmp_path, "gpt2", **NO_DROPOUT["gpt2"])
     one_dir, pp_dir = tmp_path / "ck-one", tmp_path / "ck-pp2"
     run_hf(tmp_path, directory, "one", 1, "--checkpoint-dir", str(one_dir))
     run_hf(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", "--checkpoint-dir", str(pp_dir))
@@ -112,19 +127,3 @@ def test_pp2_lora_checkpoint_exports_the_one_process_adapters(tmp_path):
     assert len(adapters["one"]) == 3 * 2 * 2  # blocks x (q, v) x (A, B)
     for key, value in adapters["one"].items():
         torch.testing.assert_close(adapters["pp2"][key], value, rtol=1e-5, atol=1e-6, msg=key)
-
-
-def test_a_base_with_a_part_before_the_blocks_is_refused_in_one_line(tmp_path):
-    """GPT-2's position table runs before the blocks but is no embedding of ``get_input_embeddings``:
-    a stage that does not hold it would not train it (wrong numbers, no error). Refused instead."""
-    directory = save_tiny(tmp_path, "gpt2")
-    args = ["--model", f"hf:{directory}", "--data", str(text_dir(tmp_path)), "--steps", "1", "--batch", "4",
-            "--seq", "24", "--max-bytes", "16384", "--quiet", "--window", "1", "--pp", "2", "--micro-batches", "2"]
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "pystronghold", "train", *args], capture_output=True, text=True, timeout=HF_TIMEOUT_S,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode != 0
-    ours = [line for line in p.stderr.splitlines() if line.startswith("pystronghold train: error:")]
-    assert len(ours) == 1 and ("--pp: GPT2LMHeadModel is not supported with a pipeline yet: its base model holds "
-                               "wpe, ln_f besides the embedding") in ours[0], p.stderr[-3000:]
-    assert "exitcode: 2" in p.stderr  # the CLI's bad-input status on every rank

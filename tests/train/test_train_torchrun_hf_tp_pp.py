@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from hf_models import save_tiny
+from hf_models import NO_DROPOUT, save_tiny
 from torchrun_cli import assert_losses_close, metrics_losses, run_hf
 
 pytest.importorskip("transformers")
@@ -60,17 +60,29 @@ def test_tp2_pp2_interleaved_with_a_chunked_loss_trains_to_the_one_process_losse
     assert "rank 0 chunk 1: blocks 2-2" in p.stdout and "rank 1 chunk 1: blocks 3-3 + norm, LM head" in p.stdout
 
 
-def test_pp2_and_tp2_pp2_in_bf16_train_to_the_one_process_losses(tmp_path):
-    """bf16 compute (fp32 masters). NOTE: rtol 1e-4, not 1e-5: a micro-batch's loss and gradients,
-    and each TP partial sum before its all-reduce, are rounded to bf16 (unit roundoff 2^-8) where one
-    process rounds the whole; measured apart by up to 1.2e-5 (PP2) and 6.9e-5 (TP2 x PP2)."""
-    directory = save_tiny(tmp_path, "llama")
+BF16_LAYOUTS = {"llama": {"pp2": (2, ("--pp", "2", "--micro-batches", "2")), "tp2-pp2": (4, TP2_PP2)},
+                "qwen2_moe": {"pp2": (2, ("--pp", "2", "--micro-batches", "2")), "tp2": (2, ("--tp", "2"))},
+                "gpt2": {"pp2": (2, ("--pp", "2", "--micro-batches", "2"))}}
+"""The layouts each family trains in bf16 against its one-process run: (processes, options) by name."""
+BF16_OVERRIDES = {"gpt2": NO_DROPOUT["gpt2"], "qwen2_moe": dict(moe_intermediate_size=16)}
+"""Config overrides: GPT-2 without dropout; Qwen2-MoE's expert rows 8 bf16 wide at TP2 (16 bytes, which
+the experts' grouped matmul needs)."""
+
+
+@pytest.mark.parametrize("family", BF16_LAYOUTS)
+def test_layouts_in_bf16_train_to_the_one_process_losses(tmp_path, family):
+    """bf16 compute (fp32 masters): Llama at PP2 and TP2 x PP2, Qwen2-MoE (experts split at TP2)
+    at PP2 and TP2, GPT-2 (its position table on the first stage) at PP2. NOTE: rtol 1e-4, not
+    1e-5: a micro-batch's loss and gradients, and each TP partial sum before its all-reduce, are
+    rounded to bf16 (unit roundoff 2^-8) where one process rounds the whole; measured apart by up to
+    1.2e-5 (Llama PP2), 6.9e-5 (Llama TP2 x PP2), 1.1e-5 (Qwen2-MoE PP2), 3.2e-5 (Qwen2-MoE TP2) and
+    3.4e-5 (GPT-2 PP2)."""
+    directory = save_tiny(tmp_path, family, **BF16_OVERRIDES.get(family, {}))
     bf16 = ("--precision", "bf16")
     _, one = run_hf(tmp_path, directory, "one", 1, *bf16)
-    _, pp = run_hf(tmp_path, directory, "pp2", 2, "--pp", "2", "--micro-batches", "2", *bf16)
-    _, split = run_hf(tmp_path, directory, "tp2-pp2", 4, *TP2_PP2, *bf16)
-    assert_losses_close(metrics_losses(pp), metrics_losses(one), rtol=1e-4)
-    assert_losses_close(metrics_losses(split), metrics_losses(one), rtol=1e-4)
+    for name, (nproc, layout) in BF16_LAYOUTS[family].items():
+        _, records = run_hf(tmp_path, directory, name, nproc, *layout, *bf16)
+        assert_losses_close(metrics_losses(records), metrics_losses(one), rtol=1e-4)
 
 
 def _exported(checkpoint) -> dict[str, torch.Tensor]:
