@@ -61,9 +61,11 @@ def test_tp2_pp2_interleaved_with_a_chunked_loss_trains_to_the_one_process_losse
 
 
 BF16_LAYOUTS = {"llama": {"pp2": (2, ("--pp", "2", "--micro-batches", "2")), "tp2-pp2": (4, TP2_PP2)},
-                "qwen2_moe": {"pp2": (2, ("--pp", "2", "--micro-batches", "2")), "tp2": (2, ("--tp", "2"))},
+                "qwen2_moe": {"tp2": (2, ("--tp", "2"))},
                 "gpt2": {"pp2": (2, ("--pp", "2", "--micro-batches", "2"))}}
-"""The layouts each family trains in bf16 against its one-process run: (processes, options) by name."""
+"""The layouts each family trains in bf16 against its one-process run: (processes, options) by name.
+Qwen2-MoE at TP2 only: its experts split in bf16 are what is new there; PP2 in bf16 is Llama's and
+GPT-2's, and Qwen2-MoE's PP2 is checked in fp32 (CI time)."""
 BF16_OVERRIDES = {"gpt2": NO_DROPOUT["gpt2"], "qwen2_moe": dict(moe_intermediate_size=16)}
 """Config overrides: GPT-2 without dropout; Qwen2-MoE's expert rows 8 bf16 wide at TP2 (16 bytes, which
 the experts' grouped matmul needs)."""
@@ -71,11 +73,11 @@ the experts' grouped matmul needs)."""
 
 @pytest.mark.parametrize("family", BF16_LAYOUTS)
 def test_layouts_in_bf16_train_to_the_one_process_losses(tmp_path, family):
-    """bf16 compute (fp32 masters): Llama at PP2 and TP2 x PP2, Qwen2-MoE (experts split at TP2)
-    at PP2 and TP2, GPT-2 (its position table on the first stage) at PP2. NOTE: rtol 1e-4, not
+    """bf16 compute (fp32 masters): Llama at PP2 and TP2 x PP2, Qwen2-MoE (experts split) at TP2,
+    GPT-2 (its position table on the first stage) at PP2. NOTE: rtol 1e-4, not
     1e-5: a micro-batch's loss and gradients, and each TP partial sum before its all-reduce, are
     rounded to bf16 (unit roundoff 2^-8) where one process rounds the whole; measured apart by up to
-    1.2e-5 (Llama PP2), 6.9e-5 (Llama TP2 x PP2), 1.1e-5 (Qwen2-MoE PP2), 3.2e-5 (Qwen2-MoE TP2) and
+    1.2e-5 (Llama PP2), 6.9e-5 (Llama TP2 x PP2), 3.2e-5 (Qwen2-MoE TP2) and
     3.4e-5 (GPT-2 PP2)."""
     directory = save_tiny(tmp_path, family, **BF16_OVERRIDES.get(family, {}))
     bf16 = ("--precision", "bf16")
