@@ -3,6 +3,7 @@ metrics lines print: shared by the torchrun CLI tests (TP/DP, pipeline, uneven D
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -47,13 +48,43 @@ def assert_logs_reference(p, reference: tuple[list[float], list[float]], *, from
     assert val == pytest.approx(reference[1], abs=1e-4)
 
 
+@functools.cache
 def reference_losses() -> tuple[list[float], list[float]]:
-    """The single-process run's (training, validation) losses: what every layout must log."""
+    """The single-process run's (training, validation) losses: what every layout must log. Run once
+    per pytest session: every file comparing against it shares the one launch."""
     p = run_train(1)
     assert p.returncode == 0, p.stderr
     train, val = logged_losses(p.stdout)
     assert len(train) == 3 and len(val) == 1
     return train, val
+
+
+class CheckpointingRuns:
+    """``run_train`` launches that write checkpoints at steps 2 and 3, each layout launched once and
+    shared by the tests that read its log and those that resume its checkpoints (a launch costs
+    seconds of process start-up and gloo set-up). Use from a module-scoped fixture."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.runs = {}
+
+    def __call__(self, nproc: int, *extra: str):
+        """(the finished launch, its checkpoint directory) of ``run_train(nproc, *extra)``; the
+        directory is shared: a test that changes it works on a copy (``copy_to``)."""
+        key = (nproc, extra)
+        if key not in self.runs:
+            ck = self.tmp_path_factory.mktemp("checkpointing") / "ck"
+            p = run_train(nproc, *extra, "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
+            self.runs[key] = (p, ck)
+        return self.runs[key]
+
+    def copy_to(self, tmp_path, nproc: int, *extra: str) -> str:
+        """A copy in ``tmp_path`` of the checkpoint directory ``self(nproc, *extra)`` wrote (it exited 0)."""
+        import shutil
+
+        p, ck = self(nproc, *extra)
+        assert p.returncode == 0, p.stderr
+        return str(shutil.copytree(ck, tmp_path / "ck"))
 
 
 # ---- a Hugging Face model (hf:DIR) under torchrun, losses read exactly from --metrics-file
