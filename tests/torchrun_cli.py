@@ -92,11 +92,45 @@ class CheckpointingRuns:
 HF_TIMEOUT_S = 240
 
 
+_ONE_PROCESS_RUNS: dict = {}
+"""One-process ``run_hf`` launches by (the bytes of the model and data files, the arguments): the
+reference run of a family recurs in several tests (PP2, TP2 x PP2, two nodes) and files."""
+
+_OUTPUT_OPTIONS = ("--checkpoint-dir", "--trace", "--tensorboard")
+
+
+def _contents(*directories) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for directory in directories:
+        for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def run_hf(tmp_path, directory, name: str, nproc: int, *extra: str, nodes: int = 1):
     """``train`` on the Hugging Face model in ``directory`` for 3 steps: one process (``nproc`` 1) or
     ``nproc`` ranks under torchrun, on ``nodes`` "nodes" (torchrun launches of ``nproc`` ranks each,
-    joined by a c10d rendezvous on localhost). Returns (rank 0's launch, its metrics records)."""
+    joined by a c10d rendezvous on localhost). Returns (rank 0's launch, its metrics records).
+
+    A one-process run writing no outputs but its metrics is launched once per model and data
+    contents and arguments in a pytest session; a repeat gets its launch and metrics file again."""
     metrics = tmp_path / f"{name}.jsonl"
+    cacheable = nproc == 1 and not any(option in extra for option in _OUTPUT_OPTIONS)
+    if cacheable:
+        key = (_contents(directory, text_dir(tmp_path)), extra)
+        if key in _ONE_PROCESS_RUNS:
+            p, text = _ONE_PROCESS_RUNS[key]
+            metrics.write_text(text)
+            return p, [json.loads(line) for line in text.splitlines()]
+    first, records = _launch_hf(tmp_path, directory, metrics, name, nproc, *extra, nodes=nodes)
+    if cacheable:
+        _ONE_PROCESS_RUNS[key] = (first, metrics.read_text())
+    return first, records
+
+
+def _launch_hf(tmp_path, directory, metrics, name: str, nproc: int, *extra: str, nodes: int = 1):
     args = ["--model", f"hf:{directory}", "--data", str(text_dir(tmp_path)), "--steps", "3", "--log-every", "1",
             "--batch", "4", "--seq", "24", "--max-bytes", "16384", "--eval-batches", "1", "--quiet",
             "--window", "1", "--lr", "3e-3", "--metrics-file", str(metrics), *extra]
