@@ -108,7 +108,7 @@ def auto_split(model, args) -> tuple[dict, float]:
     chooses and passes them for this model and batch, here (without clipping, as the bench trains),
     and the planner's predicted step, seconds."""
     from pystronghold.train.autowindow import choose_runtime_window
-    from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.runtime.config import RuntimeConfig
     from pystronghold.train.config import DataOptions, ModelOptions, TrainConfig
     from pystronghold.train.run import resolve
 

@@ -174,7 +174,7 @@ def measure_pystronghold(directory: str, precision: str, nvme: str, window: int,
 
     import pystronghold as ph
     from pystronghold.runtime.memory.layout import head_tail_bytes
-    from pystronghold.runtime.settings.precision import compute_dtype
+    from pystronghold.settings.precision import compute_dtype
 
     import_everything()
     baseline = host_peak_bytes()

@@ -44,7 +44,7 @@ from common import LoadWatch, Timing, hf_llama, print_table, write_json  # noqa:
 
 
 def _config(args, directory: Path, data: Path, tp: int):
-    from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.runtime.config import RuntimeConfig
     from pystronghold.settings.finetune import FinetuneOptions
     from pystronghold.settings.parallel import ParallelOptions
     from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig

@@ -24,7 +24,7 @@ from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.pipelining.stages import PipelineChunks, PipelineStageModule
 from pystronghold.planner.pipeline import rank_passes, rank_stages, stage_passes
 from pystronghold.runtime.api import wrap
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.streaming.schedule import pass_uses, plan_uses
 from pystronghold.settings.parallel import ParallelOptions
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pystronghold.models.hf import HF_PREFIX, NO_POSITION_LIMIT
 from pystronghold.options import ConfigError, add_options, component, from_args, one_line_error, option
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.settings.parallel import ParallelOptions
 

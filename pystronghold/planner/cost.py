@@ -19,7 +19,7 @@ from pystronghold.planner.hardware import GiB, Hardware
 from pystronghold.planner.params import active_matmul_numel, block_param_shapes, head_tail_param_shapes, numel
 from pystronghold.planner.trainable import param_split
 from pystronghold.runtime.memory import layout
-from pystronghold.runtime.settings.precision import DTYPES, compute_dtype
+from pystronghold.settings.precision import DTYPES, compute_dtype
 from pystronghold.settings.finetune import FinetuneOptions
 
 __all__ = ["Workload", "BlockCosts", "block_params_per_rank", "head_tail_params_per_rank",

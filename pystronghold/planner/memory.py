@@ -14,7 +14,7 @@ from pystronghold.planner.cost import INPUTS_IN_FLIGHT, BlockCosts, Workload
 from pystronghold.planner.hardware import Hardware, format_bytes
 from pystronghold.runtime.memory.layout import upload_state
 from pystronghold.runtime.memory.placement import plan_placement
-from pystronghold.runtime.settings.precision import compute_dtype
+from pystronghold.settings.precision import compute_dtype
 
 __all__ = ["DeviceMemory", "HostMemory", "device_memory", "host_memory"]
 

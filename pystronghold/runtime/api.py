@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 
 __all__ = ["wrap", "from_pretrained"]
 

@@ -16,13 +16,13 @@ import torch
 from pystronghold.io.scratch import check_io_directory
 from pystronghold.runtime.memory import layout
 from pystronghold.runtime.backends.backend import make_backend
-from pystronghold.runtime.settings.config import ResolvedModes, RuntimeConfig
+from pystronghold.runtime.config import ResolvedModes, RuntimeConfig
 from pystronghold.runtime.memory.disk_tier import DiskTier, disk_tier_bytes, open_scratch
 from pystronghold.runtime.optimizer.grad_norms import BlockGradNorms
 from pystronghold.runtime.optimizer.head_tail import HostHeadTail
 from pystronghold.optim.device_adamw import DeviceAdamW, fused_adamw_for
 from pystronghold.runtime.memory.placement import Placement, default_host_budget_bytes, plan_placement
-from pystronghold.runtime.settings.precision import DynamicLossScaler
+from pystronghold.runtime.optimizer.loss_scale import DynamicLossScaler
 from pystronghold.runtime.prepare import fill_store, move_to_device, split_model
 from pystronghold.runtime.optimizer.resident import ResidentBlocks
 from pystronghold.runtime.streaming.schedule import build_plan

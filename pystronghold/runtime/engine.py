@@ -18,7 +18,7 @@ import torch
 from pystronghold.runtime.blocks import block_fn
 from pystronghold.runtime.streaming import relay
 from pystronghold.runtime.build import build_optimizers, build_parts
-from pystronghold.runtime.settings.config import RuntimeConfig, offload_in_effect
+from pystronghold.runtime.config import RuntimeConfig, offload_in_effect
 from pystronghold.runtime.streaming.executor import PassExecutor
 from pystronghold.runtime.tracing.host_time import HostSpans
 from pystronghold.runtime.streaming.schedule import Plan

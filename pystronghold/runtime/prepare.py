@@ -15,7 +15,7 @@ import torch
 from pystronghold.runtime.memory import layout
 from pystronghold.runtime.optimizer.head_tail import head_tail_on_host, host_head_tail_bytes
 from pystronghold.runtime.memory.placement import available_host_bytes
-from pystronghold.runtime.settings.precision import compute_dtype
+from pystronghold.settings.precision import compute_dtype
 from pystronghold.runtime.memory.store import BlockLayout
 
 __all__ = ["split_parameters", "move_to_device", "fill_store", "init_threads_for", "INIT_BYTES_IN_FLIGHT",

@@ -31,7 +31,7 @@ from pystronghold.planner.plan import choose_split
 from pystronghold.planner.timeline import StepTime
 from pystronghold.planner.trainable import param_split
 from pystronghold.runtime.memory.placement import available_host_bytes
-from pystronghold.runtime.settings.precision import compute_dtype
+from pystronghold.settings.precision import compute_dtype
 
 __all__ = ["AutoWindow", "HFProbe", "measure_costs", "choose_runtime_window", "run_workload", "device_budget",
            "device_reserve_bytes", "DEVICE_RESERVE_FRACTION", "DEVICE_RESERVE_MIN_BYTES"]

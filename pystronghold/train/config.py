@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pystronghold.nn.chunked_loss import loss_chunk_tokens
 from pystronghold.options import ConfigError, component, option
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.settings.parallel import ParallelOptions
 from pystronghold.token_files import TOKEN_DTYPES

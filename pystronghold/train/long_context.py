@@ -7,7 +7,7 @@ that make the run fit beside what the user fixed (the chunked loss and the MLP t
 effect), among as few the fastest predicted step; one line says what it chose and why. Without a
 budget (the CPU backend without ``--device-budget-mb``), a pipeline stage, or a shape the planner
 cannot read, "auto" stays for the runtime's own rules (``runtime.optimizer.head_tail.head_tail_on_host``,
-``runtime.settings.config.offload_in_effect``).
+``runtime.config.offload_in_effect``).
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ from pystronghold.options import ConfigError
 from pystronghold.planner.cost import Workload, block_activation_bytes, tail_activation_bytes
 from pystronghold.planner.pipeline import even_split, rank_stages, stage_split
 from pystronghold.records import is_dataset_dir, require_data
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.memory.layout import host_bytes_per_param
 from pystronghold.runtime.memory.placement import available_host_bytes
-from pystronghold.runtime.settings.precision import compute_dtype
+from pystronghold.settings.precision import compute_dtype
 from pystronghold.settings.parallel import check_pipeline
 from pystronghold.train.config import TrainConfig
 from pystronghold.train.context import hf_default_seq

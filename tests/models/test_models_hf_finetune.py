@@ -16,7 +16,7 @@ import torch
 import pystronghold as ph
 from pystronghold.cli import main
 from pystronghold.train import Trainer, resolve
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import ARCHS, TEXT, VOCAB, engine_logits, hf_logits, save_tiny
 from train_helpers import run_training

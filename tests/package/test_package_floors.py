@@ -237,7 +237,7 @@ def test_no_circle_even_of_type_only_imports():
      ["pystronghold.runtime.engine:2 -> pystronghold.planner.plan (function)"]),
     ("pystronghold.models.hf", "import pystronghold\n", ["pystronghold.models.hf:1 -> pystronghold"]),
     ("pystronghold.parallel.groups", "from ..runtime.settings import config\n",
-     ["pystronghold.parallel.groups:1 -> pystronghold.runtime.settings.config"]),
+     ["pystronghold.parallel.groups:1 -> pystronghold.runtime.config"]),
     ("pystronghold.runtime.api", "from pystronghold.models.hf import load_lazy\n", []),
 ])
 def test_the_check_sees_an_upward_import(name, source, upward):

@@ -14,7 +14,7 @@ from pystronghold.models import PRESETS, param_count
 from pystronghold.planner import Hardware, Workload, gpu_preset, largest_layers, largest_models, make_plan
 from pystronghold.options import add_options, field_docs, from_args
 from pystronghold.planner.hardware import GiB, local_host_memory_bytes
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.planner.command import PLAN_RUNTIME_DEFAULTS
 from pystronghold.train.config import TRAIN_RUNTIME_DEFAULTS
 from pystronghold.planner.report import format_plan, plan_to_dict

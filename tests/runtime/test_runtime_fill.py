@@ -14,7 +14,7 @@ import torch
 import pystronghold as ph
 import pystronghold.runtime.memory.store as store_mod
 from pystronghold.models import GPT, GPTConfig
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.prepare import INIT_BYTES_IN_FLIGHT, init_threads_for
 from pystronghold.runtime.memory.store import BlockLayout, HostStore
 from pystronghold.io import HostArena

@@ -15,7 +15,7 @@ import pystronghold as ph
 from pystronghold.models import GPT, GPTConfig
 from pystronghold.optim.device_adamw import DeviceAdamW
 from pystronghold.runtime.memory import layout
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.optimizer.divergence import DivergenceError
 from pystronghold.runtime.optimizer.head_tail import HostHeadTail, head_tail_on_host, host_head_tail_bytes
 from runtime_models import HYPER, gpt_batches, one_torch_thread

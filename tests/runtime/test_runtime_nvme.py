@@ -170,7 +170,7 @@ def test_disk_full_during_training_names_the_directory_and_the_last_checkpoint_l
     directory; the checkpoint it resumed from is untouched and a later resume (in host memory)
     reproduces the uninterrupted run."""
     from pystronghold.io import FileStore
-    from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.runtime.config import RuntimeConfig
 
     ck = tmp_path / "ck"
     straight = run_training(tiny_config(tmp_path, steps=4, clip=1.0))
@@ -237,7 +237,7 @@ def test_runtime_options_are_validated():
 def test_checkpoint_from_the_disk_tier_resumes_in_host_memory(tmp_path):
     """A run with every state on disk writes checkpoints (read through the tier) that a run in host
     memory resumes to the uninterrupted losses."""
-    from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.runtime.config import RuntimeConfig
 
     straight = run_training(tiny_config(tmp_path, steps=4, clip=None))
     ck = tmp_path / "ck"
@@ -257,7 +257,7 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
     import textwrap
     from pathlib import Path
 
-    from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.runtime.config import RuntimeConfig
 
     ck, nvme, marker = tmp_path / "ck", tmp_path / "nvme", tmp_path / "in-step-3"
     script = textwrap.dedent(f"""
@@ -266,7 +266,7 @@ def test_a_process_killed_mid_step_leaves_the_checkpoint_and_its_scratch_is_clea
         from pathlib import Path
         from train_helpers import save_trainer, tiny_config
         from pystronghold.train import Trainer, resolve
-        from pystronghold.runtime.settings.config import RuntimeConfig
+        from pystronghold.runtime.config import RuntimeConfig
         config = tiny_config(Path({str(tmp_path)!r}), steps=4, clip=None)
         config.runtime = RuntimeConfig(nvme_dir={str(nvme)!r}, nvme_states="all")
         t = Trainer(resolve(config))

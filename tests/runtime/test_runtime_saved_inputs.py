@@ -18,7 +18,7 @@ from torch import nn
 
 import pystronghold as ph
 from pystronghold.options import ConfigError
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.runtime.engine import engine_parts_for_tests
 from runtime_models import HYPER, gpt_batches, one_torch_thread, tiny_gpt
 

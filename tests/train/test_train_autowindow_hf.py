@@ -14,7 +14,7 @@ from pystronghold.planner.plan import choose_split
 from pystronghold.train import Trainer, resolve
 from pystronghold.train.autowindow import HFProbe, measure_costs
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from train_helpers import cli_error
 
 transformers = pytest.importorskip("transformers")

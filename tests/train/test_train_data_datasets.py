@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.tokenized import tokenized_corpus
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import TEXT, VOCAB, save_tiny, set_chat_template

@@ -10,7 +10,7 @@ import torch
 from pystronghold.data import IGNORE_INDEX, BatchSampler
 from pystronghold.lr_schedule import warmup_cosine
 from pystronghold.models.hf_loss import causal_lm_loss
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train import Trainer, resolve
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import VOCAB, save_tiny, set_chat_template

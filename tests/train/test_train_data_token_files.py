@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pystronghold.data import BatchSampler, validation_batches
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.token_files import open_token_file, token_file_corpus
 from pystronghold.train.config import CheckpointOptions, DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import TEXT, VOCAB, save_tiny, set_chat_template

@@ -18,7 +18,7 @@ import torch
 from pystronghold.models.hf_tp import TP_FAMILIES
 from pystronghold.options import ConfigError
 from pystronghold.parallel.layers import VocabParallelEmbedding
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.settings.parallel import ParallelOptions
 from pystronghold.train import resolve

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pystronghold.options import ConfigError
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.settings.parallel import ParallelOptions
 from pystronghold.train import resolve

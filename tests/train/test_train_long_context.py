@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pystronghold.cli import build_parser
-from pystronghold.runtime.settings.config import OFFLOAD_AUTO_FRACTION, RuntimeConfig, offload_in_effect
+from pystronghold.runtime.config import OFFLOAD_AUTO_FRACTION, RuntimeConfig, offload_in_effect
 from pystronghold.train.command import config_from_args
 from pystronghold.train.config import AutoWindowOptions
 from pystronghold.train.loop import Trainer

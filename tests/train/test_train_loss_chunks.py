@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from pystronghold.options import ConfigError
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.train.config import DataOptions, ModelOptions, OptimOptions, RunOptions, TrainConfig
 from hf_models import save_tiny

@@ -14,7 +14,7 @@ import pytest
 from pystronghold.cli import build_parser
 from pystronghold.nn.tiled import mlp_tile_tokens
 from pystronghold.options import ConfigError
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.settings.finetune import FinetuneOptions
 from pystronghold.train import resolve
 from pystronghold.train.checkpoint import read_manifest

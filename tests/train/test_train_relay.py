@@ -47,7 +47,7 @@ def test_unknown_schedule_is_a_usage_error(capsys):
 
 
 def test_schedule_auto_picks_relay_with_accumulation():
-    from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.runtime.config import RuntimeConfig
 
     assert RuntimeConfig(accumulation_steps=4, schedule="auto").schedule_mode == "relay"
     assert RuntimeConfig(accumulation_steps=1, schedule="auto").schedule_mode == "default"
@@ -57,7 +57,7 @@ def test_schedule_auto_picks_relay_with_accumulation():
 
 def test_schedule_and_layer_drop_errors_name_the_field():
     from pystronghold.options import ConfigError
-    from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.runtime.config import RuntimeConfig
 
     with pytest.raises(ConfigError, match="RuntimeConfig.schedule"):
         RuntimeConfig(schedule="layer-major")

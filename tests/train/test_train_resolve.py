@@ -12,7 +12,7 @@ import pytest
 
 from pystronghold.models.presets import param_count
 from pystronghold.options import ConfigError
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.settings.parallel import ParallelOptions
 from pystronghold.train import run as run_module
 from pystronghold.train import resolve

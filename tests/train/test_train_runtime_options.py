@@ -10,7 +10,7 @@ import pytest
 
 from pystronghold.cli import build_parser, main
 from pystronghold.options import ConfigError
-from pystronghold.runtime.settings.config import RuntimeConfig
+from pystronghold.runtime.config import RuntimeConfig
 from pystronghold.train.command import config_from_args
 
 # Every option `pystronghold train` had before the runtime settings moved into RuntimeConfig, and the

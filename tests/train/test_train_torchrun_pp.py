@@ -87,7 +87,7 @@ def test_resident_blocks_must_fit_every_stage(monkeypatch):
     """Each stage keeps --resident-blocks of its own blocks on the device: a stage with fewer
     blocks would fail alone in wrap, after the others entered a collective (a hang)."""
     from pystronghold.options import ConfigError
-    from pystronghold.runtime.settings.config import RuntimeConfig
+    from pystronghold.runtime.config import RuntimeConfig
     from pystronghold.train import resolve
     from pystronghold.train.config import DataOptions, ModelOptions, ParallelOptions, TrainConfig
 

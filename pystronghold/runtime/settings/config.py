@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pystronghold.options import ConfigError, option, parse_bytes
 from pystronghold.parallel.groups import ParallelGroups
 from pystronghold.optim.hyper import AdamW
-from pystronghold.runtime.settings.precision import DTYPES
+from pystronghold.settings.precision import DTYPES
 
 __all__ = ["RuntimeConfig", "ResolvedModes", "OVERLAP_MODES", "CLIP_MODES", "NVME_STATES", "SCHEDULES",
            "OFFLOAD_AUTO_FRACTION", "offload_in_effect"]
