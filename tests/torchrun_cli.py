@@ -3,6 +3,7 @@ metrics lines print: shared by the torchrun CLI tests (TP/DP, pipeline, uneven D
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -47,8 +48,10 @@ def assert_logs_reference(p, reference: tuple[list[float], list[float]], *, from
     assert val == pytest.approx(reference[1], abs=1e-4)
 
 
+@functools.cache
 def reference_losses() -> tuple[list[float], list[float]]:
-    """The single-process run's (training, validation) losses: what every layout must log."""
+    """The single-process run's (training, validation) losses: what every layout must log. Run once
+    per pytest session: every file comparing against it shares the one launch."""
     p = run_train(1)
     assert p.returncode == 0, p.stderr
     train, val = logged_losses(p.stdout)
@@ -56,16 +59,78 @@ def reference_losses() -> tuple[list[float], list[float]]:
     return train, val
 
 
+class CheckpointingRuns:
+    """``run_train`` launches that write checkpoints at steps 2 and 3, each layout launched once and
+    shared by the tests that read its log and those that resume its checkpoints (a launch costs
+    seconds of process start-up and gloo set-up). Use from a module-scoped fixture."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.runs = {}
+
+    def __call__(self, nproc: int, *extra: str):
+        """(the finished launch, its checkpoint directory) of ``run_train(nproc, *extra)``; the
+        directory is shared: a test that changes it works on a copy (``copy_to``)."""
+        key = (nproc, extra)
+        if key not in self.runs:
+            ck = self.tmp_path_factory.mktemp("checkpointing") / "ck"
+            p = run_train(nproc, *extra, "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
+            self.runs[key] = (p, ck)
+        return self.runs[key]
+
+    def copy_to(self, tmp_path, nproc: int, *extra: str) -> str:
+        """A copy in ``tmp_path`` of the checkpoint directory ``self(nproc, *extra)`` wrote (it exited 0)."""
+        import shutil
+
+        p, ck = self(nproc, *extra)
+        assert p.returncode == 0, p.stderr
+        return str(shutil.copytree(ck, tmp_path / "ck"))
+
+
 # ---- a Hugging Face model (hf:DIR) under torchrun, losses read exactly from --metrics-file
 
 HF_TIMEOUT_S = 240
 
 
+_ONE_PROCESS_RUNS: dict = {}
+"""One-process ``run_hf`` launches by (the bytes of the model and data files, the arguments): the
+reference run of a family recurs in several tests (PP2, TP2 x PP2, two nodes) and files."""
+
+_OUTPUT_OPTIONS = ("--checkpoint-dir", "--trace", "--tensorboard")
+
+
+def _contents(*directories) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for directory in directories:
+        for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(directory)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def run_hf(tmp_path, directory, name: str, nproc: int, *extra: str, nodes: int = 1):
     """``train`` on the Hugging Face model in ``directory`` for 3 steps: one process (``nproc`` 1) or
     ``nproc`` ranks under torchrun, on ``nodes`` "nodes" (torchrun launches of ``nproc`` ranks each,
-    joined by a c10d rendezvous on localhost). Returns (rank 0's launch, its metrics records)."""
+    joined by a c10d rendezvous on localhost). Returns (rank 0's launch, its metrics records).
+
+    A one-process run writing no outputs but its metrics is launched once per model and data
+    contents and arguments in a pytest session; a repeat gets its launch and metrics file again."""
     metrics = tmp_path / f"{name}.jsonl"
+    cacheable = nproc == 1 and not any(option in extra for option in _OUTPUT_OPTIONS)
+    if cacheable:
+        key = (_contents(directory, text_dir(tmp_path)), extra)
+        if key in _ONE_PROCESS_RUNS:
+            p, text = _ONE_PROCESS_RUNS[key]
+            metrics.write_text(text)
+            return p, [json.loads(line) for line in text.splitlines()]
+    first, records = _launch_hf(tmp_path, directory, metrics, name, nproc, *extra, nodes=nodes)
+    if cacheable:
+        _ONE_PROCESS_RUNS[key] = (first, metrics.read_text())
+    return first, records
+
+
+def _launch_hf(tmp_path, directory, metrics, name: str, nproc: int, *extra: str, nodes: int = 1):
     args = ["--model", f"hf:{directory}", "--data", str(text_dir(tmp_path)), "--steps", "3", "--log-every", "1",
             "--batch", "4", "--seq", "24", "--max-bytes", "16384", "--eval-batches", "1", "--quiet",
             "--window", "1", "--lr", "3e-3", "--metrics-file", str(metrics), *extra]

@@ -39,9 +39,15 @@ def resident_bwd_s(c: BlockCosts, resident_recompute: bool) -> float:
 def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int, resident: int = 0,
          resident_recompute: bool = False) -> float:
     """Duration of the last of ``steps`` simulated steps, seconds (blocks < ``resident`` resident)."""
+    # NOTE: the planner simulates tens of thousands of blocks hundreds of times (largest_models), so
+    # the costs are locals and ``max(a, b)`` is written ``b if b > a else a`` (what max computes, the
+    # same floats) without the call
     r = resident
     w = min(w, n - r)
     r_bwd = resident_bwd_s(c, resident_recompute)
+    fwd_s, bwd_s, load_s, adam_s = c.fwd_s, c.bwd_s, c.load_s, c.adam_s
+    allreduce_s, grad_s = c.allreduce_s, c.grad_s
+    on_backward = overlap == "backward"
     comp = h2d = coll = d2h = cpu = 0.0  # when each lane is next free
     update_done = [0.0] * n  # when each block's latest host update ends
     ends = [0.0]
@@ -51,31 +57,49 @@ def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int, resident: int 
         fwd_done = [0.0] * n
         for k in range(n):
             if k < r:  # resident: nothing to load
-                comp += c.fwd_s
+                comp += fwd_s
                 fwd_done[k] = comp
                 continue
             issue = start if k - r < w else fwd_done[k - w]  # prologue, or the slot block k - w left
-            h2d = max(h2d, issue, update_done[k]) + c.load_s
+            if issue > h2d:
+                h2d = issue
+            done = update_done[k]
+            if done > h2d:
+                h2d = done
+            h2d += load_s
             loaded[k] = h2d
-            comp = max(comp, loaded[k]) + c.fwd_s
+            if h2d > comp:
+                comp = h2d
+            comp += fwd_s
             fwd_done[k] = comp
         comp += c.head_tail_s  # loss forward + backward (head backward is negligible)
         grad_out = [0.0] * n  # gradient copy-out of block j ends
-        for j in reversed(range(n)):
+        for j in range(n - 1, -1, -1):
             if j < r:
                 comp += r_bwd
                 continue
             if j >= n - w:
                 ready = loaded[j]  # still resident from forward
             else:
-                h2d = max(h2d, grad_out[j + w]) + c.load_s  # reuse the slot of block j + w
+                out = grad_out[j + w]  # reuse the slot of block j + w
+                if out > h2d:
+                    h2d = out
+                h2d += load_s
                 ready = h2d
-            comp = max(comp, ready) + c.bwd_s
-            coll = max(coll, comp) + c.allreduce_s
-            d2h = max(d2h, coll) + c.grad_s
+            if ready > comp:
+                comp = ready
+            comp += bwd_s
+            if comp > coll:
+                coll = comp
+            coll += allreduce_s
+            if coll > d2h:
+                d2h = coll
+            d2h += grad_s
             grad_out[j] = d2h
-            if overlap == "backward":
-                cpu = max(cpu, d2h) + c.adam_s
+            if on_backward:
+                if d2h > cpu:
+                    cpu = d2h
+                cpu += adam_s
                 update_done[j] = cpu
         backward_end = comp
         comp += r * c.device_adam_s  # the resident blocks' device AdamW, in step()
@@ -85,7 +109,7 @@ def _run(c: BlockCosts, n: int, w: int, overlap: str, steps: int, resident: int 
             # AdamW runs meanwhile)
             cpu = max(cpu, d2h, backward_end)
             for k in range(r, n):
-                cpu += c.adam_s
+                cpu += adam_s
                 update_done[k] = cpu
         ends.append(comp)
     return ends[-1] - ends[-2]

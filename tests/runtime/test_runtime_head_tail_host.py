@@ -326,11 +326,12 @@ def test_tp_pp_and_dp_with_head_and_tail_on_the_host_log_the_single_process_loss
     p = run_train(1, *tied, "--head-tail", "device")
     assert p.returncode == 0, p.stderr
     reference = logged_losses(p.stdout)
-    for layout in (("--tp", "2"), ("--pp", "2"), ("--dp", "2")):
+    for layout in (("--pp", "2"), ("--dp", "2")):
         assert_logs_reference(run_train(2, *tied, *layout, "--head-tail", "host"), reference)
     ck = str(tmp_path / "ck")
+    # NOTE: the --tp 2 launch that logs the losses is the one whose checkpoint is resumed (one launch fewer)
     p = run_train(2, *tied, "--tp", "2", "--head-tail", "host", "--checkpoint-dir", ck, "--checkpoint-every", "2")
-    assert p.returncode == 0, p.stderr
+    assert_logs_reference(p, reference)
     assert listing(ck) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     assert_logs_reference(run_train(1, *tied, "--head-tail", "device", "--checkpoint-dir", ck, "--resume"),

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from torchrun_cli import ARGS, TIMEOUT_S, assert_logs_reference, reference_losses, run_train
+from torchrun_cli import ARGS, TIMEOUT_S, CheckpointingRuns, assert_logs_reference, reference_losses, run_train
 from train_helpers import listing
 
 
@@ -24,9 +24,15 @@ def reference():
     return reference_losses()
 
 
+@pytest.fixture(scope="module")
+def checkpointing(tmp_path_factory):
+    """The --tp 2 and --dp 2 launches, each run once: their logs and their checkpoints are checked apart."""
+    return CheckpointingRuns(tmp_path_factory)
+
+
 @pytest.mark.parametrize("layout", [("--tp", "2"), ("--dp", "2")], ids=["tp2", "dp2"])
-def test_two_processes_log_the_single_process_losses(reference, layout):
-    p = run_train(2, *layout)
+def test_two_processes_log_the_single_process_losses(reference, checkpointing, layout):
+    p, _ = checkpointing(2, *layout)
     assert_logs_reference(p, reference)
     # rank 0 alone logs: one metrics line per step, one summary
     assert p.stdout.count("trained steps 1..3") == 1
@@ -93,26 +99,22 @@ def test_checkpoints_accepted_with_tp_and_dp(monkeypatch):
     assert run.config.parallel.dp_size == 2 and run.model.tp_size == 1
 
 
-def test_dp_checkpoint_written_by_rank_0_resumed_by_every_rank(reference, tmp_path):
+def test_dp_checkpoint_written_by_rank_0_resumed_by_every_rank(reference, checkpointing, tmp_path):
     import shutil
 
-    ck = str(tmp_path / "ck")
-    p = run_train(2, "--dp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
-    assert p.returncode == 0, p.stderr
+    ck = checkpointing.copy_to(tmp_path, 2, "--dp", "2")
     assert listing(ck) == ["step-00000002", "step-00000003"]  # one writer: no clashes
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(2, "--dp", "2", "--checkpoint-dir", ck, "--resume")
     assert_logs_reference(p, reference, from_step=3)
 
 
-def test_tp_checkpoint_resumed_by_one_process(reference, tmp_path):
+def test_tp_checkpoint_resumed_by_one_process(reference, checkpointing, tmp_path):
     """Every rank of a --tp 2 run joins the save (split tensors gathered), rank 0 writes whole
     parameters, and a single process resumes from them."""
     import shutil
 
-    ck = str(tmp_path / "ck")
-    p = run_train(2, "--tp", "2", "--checkpoint-dir", ck, "--checkpoint-every", "2")
-    assert p.returncode == 0, p.stderr
+    ck = checkpointing.copy_to(tmp_path, 2, "--tp", "2")
     assert listing(ck) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(1, "--checkpoint-dir", ck, "--resume")

@@ -10,7 +10,7 @@ stage groups, rank-0 output, and bad layouts failing on every rank with one line
 from __future__ import annotations
 
 import pytest
-from torchrun_cli import assert_logs_reference, reference_losses, run_train
+from torchrun_cli import CheckpointingRuns, assert_logs_reference, reference_losses, run_train
 from train_helpers import listing
 
 
@@ -19,8 +19,17 @@ def reference():
     return reference_losses()
 
 
-def test_pp2_logs_the_single_process_losses_and_prints_the_split(reference):
-    p = run_train(2, "--pp", "2", "--micro-batches", "2")
+@pytest.fixture(scope="module")
+def checkpointing(tmp_path_factory):
+    """Each layout launched once: its log and the checkpoints it writes are checked apart."""
+    return CheckpointingRuns(tmp_path_factory)
+
+
+PP2 = ("--pp", "2", "--micro-batches", "2")
+
+
+def test_pp2_logs_the_single_process_losses_and_prints_the_split(reference, checkpointing):
+    p, _ = checkpointing(2, *PP2)
     assert_logs_reference(p, reference)
     assert p.stdout.count("trained steps 1..3") == 1
     # tiny: 4 equal blocks; the LM head (V=256) outweighs the embedding, so no block moves
@@ -31,9 +40,9 @@ def test_pp2_logs_the_single_process_losses_and_prints_the_split(reference):
 INTERLEAVED = ("--pp", "2", "--micro-batches", "2", "--pp-schedule", "interleaved", "--pp-chunks", "2")
 
 
-def test_pp2_interleaved_logs_the_single_process_losses_and_prints_the_chunks(reference):
+def test_pp2_interleaved_logs_the_single_process_losses_and_prints_the_chunks(reference, checkpointing):
     """Two model chunks per rank (tiny: 4 chunks of one block; rank 0 holds blocks 0 and 2)."""
-    p = run_train(2, *INTERLEAVED)
+    p, _ = checkpointing(2, *INTERLEAVED)
     assert_logs_reference(p, reference)
     assert p.stdout.count("pipeline split over 2 stages x 2 chunks: rank 0 chunk 0: head + blocks 0-0 (") == 1
     assert "rank 1 chunk 0: blocks 1-1 (" in p.stdout and "rank 0 chunk 1: blocks 2-2 (" in p.stdout
@@ -94,19 +103,17 @@ def test_resident_blocks_must_fit_every_stage(monkeypatch):
         config(3)
 
 
-@pytest.mark.parametrize("writer, reader", [(("--pp", "2"), ()), ((), ("--pp", "2")), (INTERLEAVED, ()),
-                                            (("--pp", "2"), INTERLEAVED)],
+@pytest.mark.parametrize("writer, reader", [(PP2, ()), ((), ("--pp", "2")), (INTERLEAVED, ()), (PP2, INTERLEAVED)],
                          ids=["pp2-resumed-by-one-process", "one-process-resumed-by-pp2",
                               "interleaved-resumed-by-one-process", "pp2-resumed-by-interleaved"])
-def test_checkpoints_cross_resume_between_pipeline_and_one_process(reference, tmp_path, writer, reader):
+def test_checkpoints_cross_resume_between_pipeline_and_one_process(reference, checkpointing, tmp_path, writer,
+                                                                   reader):
     """The stages send their blocks (global names) to rank 0, which writes the usual format; each
     stage reads back only its own blocks. Step 3 of the resumed run is step 3 of the reference."""
     import os
     import shutil
 
-    ck = str(tmp_path / "ck")
-    p = run_train(2 if writer else 1, *writer, "--checkpoint-dir", ck, "--checkpoint-every", "2")
-    assert p.returncode == 0, p.stderr
+    ck = checkpointing.copy_to(tmp_path, 2 if writer else 1, *writer)
     assert listing(ck) == ["step-00000002", "step-00000003"]
     shutil.rmtree(os.path.join(ck, "step-00000003"))
     p = run_train(2 if reader else 1, *reader, "--checkpoint-dir", ck, "--resume")

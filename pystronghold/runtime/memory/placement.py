@@ -144,8 +144,14 @@ def plan_placement(numels: list[int], compute_dtype: torch.dtype, *, budget_byte
     n = len(numels)
     states = stored_states(compute_dtype)
     train_numels = numels if train_numels is None else train_numels
-    sizes = {s: [state_numel(s, k, t, compute_dtype) for k, t in zip(numels, train_numels)] for s in states}
-    per = {s: [buffer_bytes(k, s, compute_dtype) for k in sizes[s]] for s in states}
+
+    def each(size, values) -> list[int]:
+        # NOTE: the planner places tens of thousands of blocks, most of one size: each size is sized once
+        memo = {}
+        return [memo[v] if v in memo else memo.setdefault(v, size(v)) for v in values]
+
+    sizes = {s: each(lambda kt, s=s: state_numel(s, *kt, compute_dtype), zip(numels, train_numels)) for s in states}
+    per = {s: each(lambda k, s=s: buffer_bytes(k, s, compute_dtype), sizes[s]) for s in states}
     slot = {s: buffer_bytes(max(sizes[s], default=0), s, compute_dtype) for s in states}
     ram = sum(sum(v) for v in per.values())
     sizes = {s: tuple(v) for s, v in sizes.items()}
