@@ -305,7 +305,7 @@ def shard_hf_model(lazy: LazyHFModel, group: dist.ProcessGroup | None) -> None:
                 if style.startswith("colwise") and parent and parent not in entered:
                     _enter_region(block.get_submodule(parent), group)
                     entered.add(parent)
-        localize_heads(spec.model_type, spec.config, block, group)
+    localize_heads(spec.model_type, spec.config, lazy.blocks, group)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     scaled = _is_scaled_embedding(embedding)
     if (type(embedding) is not nn.Embedding and not scaled) or type(head) is not nn.Linear:

@@ -23,6 +23,8 @@ not).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,7 +32,7 @@ from torch import nn
 
 from pystronghold.options import ConfigError
 from pystronghold.parallel.groups import group_rank, group_size
-from pystronghold.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from pystronghold.parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_tp_split
 from pystronghold.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
 __all__ = ["DERIVED_PLANS", "LOCAL_HEADS", "DERIVED_DIVIDED", "PACKED_PARTS", "derived_tp_plan", "undivided",
@@ -139,26 +141,26 @@ def check_block_roles(block: nn.Module, styles: dict[str, str], where: str) -> N
                               "tensor-parallel plan of this family (models.hf_tp_derive); train it with --tp 1")
 
 
-def localize_heads(model_type: str, config: dict, block: nn.Module, group: dist.ProcessGroup) -> None:
-    """Give ``block``'s attention (a family of ``LOCAL_HEADS``, split by heads for config.json
+def localize_heads(model_type: str, config: dict, blocks: Iterable[nn.Module], group: dist.ProcessGroup) -> None:
+    """Give each of ``blocks``' attention (a family of ``LOCAL_HEADS``, split by heads for config.json
     ``config``) this rank's head counts, each / tp, and BLOOM's this rank's heads' ALiBi rows."""
-    tp = group_size(group)
+    tp, rank = group_size(group), group_rank(group)
     if model_type not in LOCAL_HEADS or _whole_attention(model_type, _transformers_config(model_type, config)):
         return
-    for path, names in LOCAL_HEADS[model_type].items():
-        attention = block.get_submodule(path)
-        for name in names:
-            setattr(attention, name, getattr(attention, name) // tp)
-    if model_type in _ALIBI:
-        rank = group_rank(group)
 
-        def own_heads(module, args, kwargs):
-            alibi = kwargs["alibi"]  # (batch * heads, 1, keys)
-            heads = alibi.unflatten(0, (-1, module.num_heads * tp))  # (batch, heads, 1, keys)
-            mine = heads.narrow(1, rank * module.num_heads, module.num_heads)  # (batch, heads / tp, 1, keys)
-            return args, {**kwargs, "alibi": mine.flatten(0, 1)}
+    def own_heads(module, args, kwargs):
+        alibi = kwargs["alibi"]  # (batch * heads, 1, keys)
+        heads = alibi.unflatten(0, (-1, module.num_heads * tp))  # (batch, heads, 1, keys)
+        mine = heads.narrow(1, rank * module.num_heads, module.num_heads)  # (batch, heads / tp, 1, keys)
+        return args, {**kwargs, "alibi": mine.flatten(0, 1)}
 
-        block.get_submodule(_ALIBI[model_type]).register_forward_pre_hook(own_heads, with_kwargs=True)
+    for block in blocks:
+        for path, names in LOCAL_HEADS[model_type].items():
+            attention = block.get_submodule(path)
+            for name in names:
+                setattr(attention, name, getattr(attention, name) // tp)
+        if model_type in _ALIBI:
+            block.get_submodule(_ALIBI[model_type]).register_forward_pre_hook(own_heads, with_kwargs=True)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -177,10 +179,9 @@ class ColumnParallelConv1D(ColumnParallelLinear):
             raise ConfigError(f"--tp: a Conv1D of {out_features} outputs in {parts} parts does not split "
                               f"{group_size(group)} ways")
         super().__init__(in_features, out_features, group=group, input_in_region=input_in_region)
-        packed = (parts,) if parts > 1 else ()
-        _, rank, size = self.weight.tp_split
-        self.weight = nn.Parameter(torch.empty(self.weight.shape[::-1], device=self.weight.device))
-        self.weight.tp_split, self.bias.tp_split = (1, rank, size, *packed), (0, rank, size, *packed)
+        self.weight = mark_tp_split(nn.Parameter(torch.empty(self.weight.shape[::-1], device=self.weight.device)),
+                                    1, group, parts)
+        mark_tp_split(self.bias, 0, group, parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
@@ -194,9 +195,8 @@ class RowParallelConv1D(RowParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup) -> None:
         super().__init__(in_features, out_features, group=group)
-        _, rank, size = self.weight.tp_split
-        self.weight = nn.Parameter(torch.empty(self.weight.shape[::-1], device=self.weight.device))
-        self.weight.tp_split = (0, rank, size)
+        self.weight = mark_tp_split(nn.Parameter(torch.empty(self.weight.shape[::-1], device=self.weight.device)),
+                                    0, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp_region(F.linear(x, self.weight.t()), self.group) + self.bias  # (..., out)

@@ -29,9 +29,10 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 
 # ---- split parameters: init and gather
 
-def mark_tp_split(param: nn.Parameter, dim: int, group: dist.ProcessGroup | None) -> nn.Parameter:
-    """Tag ``param`` as this rank's slice along ``dim`` of a tensor split across ``group``."""
-    param.tp_split = (dim, group_rank(group), group_size(group))
+def mark_tp_split(param: nn.Parameter, dim: int, group: dist.ProcessGroup | None, parts: int = 1) -> nn.Parameter:
+    """Tag ``param`` as this rank's slice along ``dim`` of a tensor split across ``group``; ``parts`` > 1:
+    ``dim`` packs that many equal parts, each split so (a packed split: ``tp_slice``)."""
+    param.tp_split = (dim, group_rank(group), group_size(group), *((parts,) if parts > 1 else ()))
     return param
 
 
